@@ -1,0 +1,67 @@
+"""The proposer protocol: one narrow, batched method, and the proposal it returns.
+
+A proposer looks at each request's token history (prompt + everything emitted so far) and guesses the next
+tokens. It never knows which engine runs it: the transformers engine, the replay simulator and the vLLM adapter
+all call the same `propose`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, ClassVar, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+
+class Source(IntEnum):
+    """Who supplied a token. TARGET marks tokens the target model chose itself (corrections and bonus tokens)."""
+
+    TARGET = 0
+    LOOKUP = 1
+    DRAFT = 2
+
+
+@dataclass
+class Proposal:
+    """Up to k proposed tokens for one request.
+
+    tokens:    int64 [n] proposed tokens (n may be 0: nothing to propose this step).
+    sources:   int8 [n] `Source` per position.
+    match_len: length of the lookup match that produced the tokens (0 = none).
+    q:         optional [n, vocab] proposal probabilities for sampled verification, per position; rows of
+               positions with a deterministic source (lookup) are ignored: those are point masses.
+    """
+
+    tokens: np.ndarray
+    sources: np.ndarray
+    match_len: int = 0
+    q: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def valid(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @staticmethod
+    def empty() -> "Proposal":
+        return Proposal(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int8))
+
+    def truncated(self, n: int) -> "Proposal":
+        """The first n positions (the engine clips proposals to the tokens still allowed)."""
+        if n >= self.valid:
+            return self
+        q = None if self.q is None else self.q[:n]
+        return Proposal(self.tokens[:n], self.sources[:n], self.match_len, q, dict(self.extra))
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """Anything with a `k` (most tokens per step) and a batched `propose`."""
+
+    name: ClassVar[str]
+    k: int
+
+    def propose(self, histories: Sequence[np.ndarray], budgets: Sequence[int]) -> list[Proposal]:
+        """One proposal per history; proposal i has at most min(k, budgets[i]) tokens."""
+        ...

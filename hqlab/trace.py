@@ -1,0 +1,103 @@
+"""Step records (one per verify step) and the metrics computed from them, SPEC §3.
+
+Engines and the replay simulator emit the same `StepRecord`s, so every metric has one definition:
+
+- tokens/step          = mean over verify steps of (accepted + 1): the bonus/correction token included.
+- per-position accept  = for position i, the share of drafts (steps with a non-empty proposal) that accepted
+                         more than i tokens (cumulative).
+- acceptance histogram = number of steps per accepted count.
+- decode tok/s         = (output tokens - 1) / (time of last token - time of first token).
+- e2e tok/s            = output tokens / total time; TTFT = time of the first token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import polars as pl
+
+
+@dataclass
+class StepRecord:
+    request: str
+    step: int  # 0-based verify step within the request (prefill is not a step)
+    context_len: int  # tokens in the KV cache before this step
+    verify_len: int  # positions the target scored: pending token + proposed tokens
+    proposed: list[int]
+    sources: list[int]
+    match_len: int
+    accepted: int  # proposed tokens kept (None-like -1 when an engine cannot tell)
+    emitted: int  # tokens appended to the output by this step (accepted + 1, less if EOS/limit cut it)
+    step_s: float  # wall time of the whole step
+    propose_s: float  # part of step_s spent proposing
+    t_end: float  # seconds since the request started, when this step's tokens were known
+    block: int = 0  # verify block length the scheduler allowed (k budget)
+
+
+@dataclass
+class Generation:
+    """One request's result from an engine."""
+
+    request: str
+    prompt_len: int
+    output_ids: list[int]
+    finish: str  # "eos" | "length"
+    ttft_s: float
+    total_s: float
+    t_last: float
+    records: list[StepRecord] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)  # top-1 minus top-2 logit at each emitted token (greedy)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def steps(self) -> int:
+        return len(self.records)
+
+    def tokens_per_step(self) -> float:
+        return tokens_per_step(self.records)
+
+    def decode_tok_s(self) -> float:
+        span = self.t_last - self.ttft_s
+        return (self.new_tokens - 1) / span if self.new_tokens > 1 and span > 0 else float("nan")
+
+    def e2e_tok_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else float("nan")
+
+
+STEP_SCHEMA = {
+    "request": pl.String, "step": pl.Int32, "context_len": pl.Int32, "verify_len": pl.Int32,
+    "proposed": pl.List(pl.Int64), "sources": pl.List(pl.Int8), "match_len": pl.Int32, "accepted": pl.Int32,
+    "emitted": pl.Int32, "step_s": pl.Float64, "propose_s": pl.Float64, "t_end": pl.Float64, "block": pl.Int32,
+}
+
+
+def records_frame(records: list[StepRecord]) -> pl.DataFrame:
+    return pl.DataFrame([asdict(r) for r in records], schema=STEP_SCHEMA)
+
+
+def tokens_per_step(records: list[StepRecord]) -> float:
+    """Mean tokens emitted per verify step counting accepted + 1 (the SPEC's 1 + accepted/drafts)."""
+    if not records:
+        return float("nan")
+    return float(np.mean([r.accepted + 1 for r in records]))
+
+
+def per_position_acceptance(records: list[StepRecord], max_pos: int | None = None) -> np.ndarray:
+    """acc[i] = share of drafts (steps with >= 1 proposed token) that accepted more than i tokens."""
+    drafts = [r for r in records if r.proposed]
+    if not drafts:
+        return np.zeros(max_pos or 0)
+    width = max_pos or max(len(r.proposed) for r in drafts)
+    accepted = np.array([r.accepted for r in drafts])
+    return np.array([(accepted > i).mean() for i in range(width)])
+
+
+def acceptance_histogram(records: list[StepRecord]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for r in records:
+        counts[r.accepted] = counts.get(r.accepted, 0) + 1
+    return dict(sorted(counts.items()))
