@@ -149,7 +149,7 @@ class HFEngine:
             records.append(StepRecord(
                 request=request, step=len(records), context_len=ctx, verify_len=int(ids.shape[1]),
                 proposed=proposal.tokens.tolist(), sources=proposal.sources.tolist(), match_len=proposal.match_len,
-                accepted=verdict.accepted, emitted=len(kept), step_s=time.perf_counter() - ts,
+                accepted=min(verdict.accepted, len(kept) - 1), emitted=len(kept), step_s=time.perf_counter() - ts,
                 propose_s=propose_s, t_end=t_last, block=proposer.k))
 
         total = time.perf_counter() - t0

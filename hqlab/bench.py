@@ -1,0 +1,203 @@
+"""Benchmarks: workloads × proposer configs × engine → one results row per (config, prompt) + step records.
+
+Hygiene (SPEC §3): the engine's own no-speculation run is always first and is the reference every greedy output
+is checked against; configs are interleaved per prompt so drift hits them alike; timings are medians over
+repeats; the machine is written next to the numbers.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import polars as pl
+import torch
+from tqdm.auto import tqdm
+
+from hqlab.config import ConfigError, DecodeConfig, build_config, parse_spec
+from hqlab.lossless import NEAR_TIE_TOL, compare
+from hqlab.proposers import REGISTRY, Proposer, make_proposer
+from hqlab.trace import Generation, per_position_acceptance, records_frame
+from hqlab.workloads import Prompt
+
+
+@dataclass(frozen=True)
+class HFPLDConfig:
+    """transformers' own prompt lookup (`prompt_lookup_num_tokens=k`), timed by hqlab's harness."""
+
+    k: int = 10
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ConfigError(f"hf-pld: k must be >= 1 (got {self.k})")
+
+
+@dataclass(frozen=True)
+class HFPlainConfig:
+    """transformers' plain `generate` (a cross-check of the engine's own no-speculation loop)."""
+
+
+EXTERNAL: dict[str, type] = {"hf-pld": HFPLDConfig, "hf": HFPlainConfig}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    label: str
+    proposer: Proposer | None = None  # hqlab engine with this proposer
+    external: Any = None  # or one of the EXTERNAL configs
+
+    @property
+    def is_reference(self) -> bool:
+        return self.label == "none"
+
+
+def parse_configs(specs: Sequence[str]) -> list[RunConfig]:
+    """Validate every spec before anything runs; `none` (the reference) is always first."""
+    configs: list[RunConfig] = [RunConfig("none", make_proposer("none"))]
+    for spec in specs:
+        name, values = parse_spec(spec)
+        label = spec.strip()
+        if label == "none" or any(c.label == label for c in configs):
+            continue
+        if name in EXTERNAL:
+            configs.append(RunConfig(label, external=build_config(EXTERNAL[name], values, context=name)))
+        elif name in REGISTRY:
+            configs.append(RunConfig(label, proposer=make_proposer(spec)))
+        else:
+            known = sorted([*REGISTRY, *EXTERNAL])
+            raise ConfigError(f"unknown proposer {name!r} in {spec!r}; known: {', '.join(known)}")
+    return configs
+
+
+def machine_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"CPU {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def _run_one(engine: Any, config: RunConfig, prompt_ids: list[int], decode: DecodeConfig, pid: str) -> Generation:
+    if config.external is None:
+        return engine.generate(prompt_ids, config.proposer, decode, request=pid)
+    k = getattr(config.external, "k", None)
+    return engine.generate_hf(prompt_ids, decode, request=pid, prompt_lookup_num_tokens=k)
+
+
+def encode_prompts(engine: Any, prompts: Sequence[Prompt], max_new_tokens: int) -> list[list[int]]:
+    """Tokenize every prompt and check it fits the model before any run starts (no half-done benchmark)."""
+    encoded = []
+    for p in prompts:
+        ids = engine.encode_chat(list(p.messages))
+        engine.check_fits(len(ids), max_new_tokens, f"prompt {p.id!r}")
+        encoded.append(ids)
+    return encoded
+
+
+def run_bench(engine: Any, prompts: Sequence[Prompt], specs: Sequence[str], decode: DecodeConfig, *,
+              repeats: int = 1, warmup: bool = True, progress: bool = True,
+              meta: dict[str, Any] | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Run every config on every prompt; returns (results, steps)."""
+    if repeats < 1:
+        raise ConfigError(f"repeats must be >= 1 (got {repeats})")
+    configs = parse_configs(specs)
+    encoded = encode_prompts(engine, prompts, decode.max_new_tokens)
+    dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
+    tol = NEAR_TIE_TOL.get(dtype, 0.01)
+    machine = machine_description(engine.device)
+    base_meta = {"engine": "hf", "model": getattr(engine.info, "name", "custom"), "dtype": dtype,
+                 "machine": machine, "max_new_tokens": decode.max_new_tokens, **(meta or {})}
+
+    if warmup and encoded:  # first calls pay for allocator growth and kernel selection
+        engine.generate(encoded[0][:256], None, DecodeConfig(max_new_tokens=8), request="warmup")
+
+    rows, steps = [], []
+    bar = tqdm(total=len(prompts) * len(configs) * repeats, desc="bench", disable=not progress)
+    for prompt, ids in zip(prompts, encoded):
+        runs: dict[str, list[Generation]] = {c.label: [] for c in configs}
+        for _ in range(repeats):
+            for config in configs:
+                bar.set_postfix_str(f"{prompt.id} · {config.label}")
+                runs[config.label].append(_run_one(engine, config, ids, decode, prompt.id))
+                bar.update()
+        reference = runs["none"][0]
+        ref_total = statistics.median(g.total_s for g in runs["none"])
+        ref_decode = statistics.median(g.decode_tok_s() for g in runs["none"])
+        for config in configs:
+            gens = runs[config.label]
+            if decode.greedy:
+                checks = [compare(reference.output_ids, reference.margins, g.output_ids, tol) for g in gens]
+                worst = next((c for c in checks if c.status == "mismatch"),
+                             next((c for c in checks if c.status == "near-tie"), checks[0]))
+            else:
+                worst = None
+            g0 = gens[0]
+            total = statistics.median(g.total_s for g in gens)
+            decode_rate = statistics.median(g.decode_tok_s() for g in gens)
+            n_steps = max(g0.steps, 1)
+            rows.append({
+                **base_meta, "config": config.label, "category": prompt.category, "prompt_id": prompt.id,
+                "prompt_tokens": len(ids), "new_tokens": g0.new_tokens, "finish": g0.finish, "steps": g0.steps,
+                "tokens_per_step": g0.tokens_per_step(), "decode_tok_s": decode_rate,
+                "e2e_tok_s": statistics.median(g.e2e_tok_s() for g in gens),
+                "ttft_s": statistics.median(g.ttft_s for g in gens), "total_s": total,
+                "propose_ms_per_step": 1e3 * sum(r.propose_s for r in g0.records) / n_steps,
+                "verify_ms_per_step": 1e3 * sum(r.step_s - r.propose_s for r in g0.records) / n_steps,
+                "speedup_e2e": ref_total / total, "speedup_decode": decode_rate / ref_decode,
+                "repeats": repeats,
+                "lossless": None if worst is None else worst.lossless,
+                "divergence": None if worst is None else worst.status,
+                "first_divergence": None if worst is None else worst.first_divergence,
+                "divergence_margin": None if worst is None else worst.margin,
+            })
+            frame = records_frame(g0.records)
+            if frame.height:
+                steps.append(frame.with_columns(pl.lit(config.label).alias("config"),
+                                                pl.lit(prompt.category).alias("category")))
+    bar.close()
+    results = pl.DataFrame(rows)
+    step_frame = pl.concat(steps, how="diagonal_relaxed") if steps else pl.DataFrame()
+    return results, step_frame
+
+
+def summarize(results: pl.DataFrame) -> pl.DataFrame:
+    """Per (category, config): medians over prompts of tokens/step, decode tok/s and speedup; lossless count."""
+    return (results.group_by(["category", "config"], maintain_order=True)
+            .agg(pl.len().alias("prompts"),
+                 pl.col("tokens_per_step").median().round(2),
+                 pl.col("decode_tok_s").median().round(2),
+                 pl.col("speedup_e2e").median().round(2),
+                 pl.col("propose_ms_per_step").median().round(3),
+                 pl.col("verify_ms_per_step").median().round(1),
+                 (pl.col("divergence") == "identical").sum().alias("identical"),
+                 (pl.col("divergence") == "near-tie").sum().alias("near_ties"),
+                 (pl.col("divergence") == "mismatch").sum().alias("mismatches")))
+
+
+def acceptance_by_position(steps: pl.DataFrame) -> pl.DataFrame:
+    """Per (category, config, position): share of drafts that accepted more than `position` tokens."""
+    out = []
+    for (category, config), group in steps.group_by(["category", "config"], maintain_order=True):
+        drafts = group.filter(pl.col("proposed").list.len() > 0)
+        if drafts.height == 0:
+            continue
+        width = int(drafts["proposed"].list.len().max())
+        accepted = drafts["accepted"].to_numpy()
+        for i in range(width):
+            out.append({"category": category, "config": config, "position": i + 1,
+                        "acceptance": float((accepted > i).mean())})
+    return pl.DataFrame(out)
+
+
+def default_threads() -> int:
+    return int(os.environ.get("HQLAB_THREADS", os.cpu_count() or 1))
+
+
+__all__ = ["run_bench", "summarize", "parse_configs", "acceptance_by_position", "per_position_acceptance"]

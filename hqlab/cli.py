@@ -1,0 +1,136 @@
+"""hqlab command line: bench, figures, and listings. Every input is validated before any model is loaded."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from hqlab.config import ConfigError, DecodeConfig
+
+
+def _out_path(value: str) -> Path:
+    path = Path(value)
+    if path.suffix != ".parquet":
+        raise argparse.ArgumentTypeError(f"--out must end in .parquet (got {value!r})")
+    if path.exists() and path.is_dir():
+        raise argparse.ArgumentTypeError(f"--out {value!r} is a directory")
+    return path
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import polars as pl
+
+    from hqlab import bench, plots
+    from hqlab.engines.hf import HFEngine
+    from hqlab.workloads import load_workload
+
+    decode = DecodeConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed)
+    bench.parse_configs(args.proposer)  # fail on a bad spec before loading anything
+    if args.suite not in ("labd", "all") and not Path(args.suite).exists():
+        load_workload(args.suite)  # validates a file / name early (document suites need the tokenizer)
+    if args.engine != "hf":
+        raise ConfigError(f"unknown engine {args.engine!r}; available: hf")
+
+    engine = HFEngine.load(args.model, device=args.device, dtype=args.dtype)
+    prompts = load_workload(args.suite, doc_tokens=args.doc_tokens, tokenizer=engine.tokenizer)
+    if args.limit:
+        prompts = prompts[: args.limit]
+    results, steps = bench.run_bench(engine, prompts, args.proposer, decode, repeats=args.repeats,
+                                     meta={"suite": args.suite, "doc_tokens": args.doc_tokens})
+    from hqlab.io import write_atomic
+
+    steps_path = args.out.with_name(args.out.stem + ".steps.parquet")
+    if steps.height:
+        write_atomic(steps_path, lambda tmp: steps.write_parquet(tmp))
+    write_atomic(args.out, lambda tmp: results.write_parquet(tmp))
+    with pl.Config(tbl_rows=200, tbl_cols=20, tbl_width_chars=200):
+        print(bench.summarize(results))
+    print(f"machine: {results['machine'][0]}; wrote {args.out} and {steps_path}")
+    if args.figure:
+        chart = plots.grouped_bars(results.group_by(["category", "config"], maintain_order=True)
+                                   .agg(pl.col("speedup_e2e").median()),
+                                   "category", "speedup_e2e", "config", y_title="speedup over no speculation",
+                                   rule_at=1.0)
+        plots.save(chart, args.figure)
+        print(f"wrote {args.figure}")
+    bad = results.filter(pl.col("divergence") == "mismatch")
+    if bad.height:
+        print(f"LOSSLESS CHECK FAILED for {bad.height} run(s): {bad.select('config', 'prompt_id').rows()}",
+              file=sys.stderr)
+        return 3
+    return 0
+
+
+def cmd_figures(args: argparse.Namespace) -> int:
+    from hqlab.notebooks import run_all
+
+    return run_all(params_file=args.params, only=args.only, out_dir=args.out_dir)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from hqlab import models
+    from hqlab.bench import EXTERNAL
+    from hqlab.proposers import REGISTRY
+    from hqlab.workloads import suite_names
+
+    print("models (offline registry):", ", ".join(models.offline_names()), f"(default {models.DEFAULT_MODEL})")
+    print("proposers:", ", ".join(sorted(REGISTRY)), "| engine baselines:", ", ".join(sorted(EXTERNAL)))
+    print("suites:", ", ".join(suite_names()), "| or a JSONL file")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hqlab", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("bench", help="run proposer configs over a workload and write results parquet")
+    b.add_argument("--model", default=None, help="offline short name, local path or hub id (default: the 0.5B)")
+    b.add_argument("--engine", default="hf", help="engine: hf (transformers)")
+    b.add_argument("--suite", default="labd", help="labd, chat, all, a task name, or a JSONL file")
+    b.add_argument("--proposer", action="append", default=[], metavar="SPEC",
+                   help="NAME[:key=value,...], repeatable; e.g. lookup:nmin=6,nmax=12,k=15, pld:n=3,k=10, hf-pld:k=10")
+    b.add_argument("--max-new-tokens", type=int, default=256)
+    b.add_argument("--doc-tokens", type=int, default=1500, help="document length for the labd tasks")
+    b.add_argument("--repeats", type=int, default=1, help="runs per (config, prompt); timings are medians")
+    b.add_argument("--limit", type=int, default=0, help="only the first N prompts")
+    b.add_argument("--device", default="auto")
+    b.add_argument("--dtype", default="auto")
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--top-p", type=float, default=1.0)
+    b.add_argument("--top-k", type=int, default=0)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", type=_out_path, required=True, help="results .parquet (steps go next to it)")
+    b.add_argument("--figure", type=Path, default=None, help="also write a speedup figure (.svg + .png)")
+    b.set_defaults(func=cmd_bench)
+
+    f = sub.add_parser("figures", help="run every notebook with papermill, regenerating figures/")
+    f.add_argument("--params", type=Path, default=None, help="YAML: per-notebook parameter overrides")
+    f.add_argument("--only", action="append", default=None, help="run only these notebooks (by stem)")
+    f.add_argument("--out-dir", type=Path, default=Path("notebooks/out"), help="executed notebooks go here")
+    f.set_defaults(func=cmd_figures)
+
+    ls = sub.add_parser("list", help="models, proposers and suites")
+    ls.set_defaults(func=cmd_list)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from hqlab.workloads import WorkloadError
+
+    try:
+        from hqlab.engines.hf import PromptTooLongError
+        from hqlab.models import ModelError
+    except ImportError:  # pragma: no cover - models is always present in a full checkout
+        ModelError = PromptTooLongError = RuntimeError  # type: ignore[misc,assignment]
+    try:
+        return args.func(args)
+    except (ConfigError, WorkloadError, ModelError, PromptTooLongError) as e:
+        print(f"hqlab {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

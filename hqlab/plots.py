@@ -1,0 +1,79 @@
+"""One function per chart kind (altair). Notebooks and docs use the same functions; `save` writes SVG + PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import altair as alt
+import polars as pl
+
+from hqlab.io import write_atomic
+
+WIDTH = 150
+
+
+def save(chart: alt.TopLevelMixin, path: str | Path, *, png: bool = True) -> list[Path]:
+    """Write `path` (.svg) and, by default, a .png next to it, each atomically. Offline: no CDN, no browser."""
+    path = Path(path)
+    if path.suffix != ".svg":
+        raise ValueError(f"figure path must end in .svg (got {path.name}); a .png is written beside it")
+    written = [write_atomic(path, lambda tmp: chart.save(str(tmp), format="svg"))]
+    if png:
+        written.append(write_atomic(path.with_suffix(".png"),
+                                    lambda tmp: chart.save(str(tmp), format="png", scale_factor=2)))
+    return written
+
+
+def grouped_bars(data: pl.DataFrame, x: str, y: str, color: str, *, facet: str | None = None,
+                 y_title: str | None = None, rule_at: float | None = None, width: int = WIDTH * 3) -> alt.TopLevelMixin:
+    """Grouped bars (one group per `x`, one bar per `color`), optional facet rows and a horizontal reference line."""
+    bars = alt.Chart().mark_bar().encode(
+        x=alt.X(f"{x}:N", title=None, sort=None),
+        y=alt.Y(f"{y}:Q", title=y_title or y),
+        color=alt.Color(f"{color}:N", sort=None),
+        xOffset=alt.XOffset(f"{color}:N", sort=None),
+        tooltip=[x, color, alt.Tooltip(f"{y}:Q", format=".3g")],
+    )
+    layers: list[alt.Chart] = [bars]
+    if rule_at is not None:
+        layers.append(alt.Chart().mark_rule(strokeDash=[4, 3], color="#444").encode(y=alt.datum(rule_at)))
+    chart = alt.layer(*layers, data=data).properties(width=width, height=180)
+    return chart.facet(row=alt.Row(f"{facet}:N", title=None)) if facet else chart
+
+
+def heatmap(data: pl.DataFrame, x: str, y: str, value: str, *, facet: str | None = None,
+            title: str | None = None, fmt: str = ".2f") -> alt.TopLevelMixin:
+    """Annotated heatmap (e.g. nmin × nmax → tokens/step), optionally faceted by task category."""
+    base = alt.Chart(data).encode(x=alt.X(f"{x}:O"), y=alt.Y(f"{y}:O", sort="descending"))
+    rect = base.mark_rect().encode(color=alt.Color(f"{value}:Q", title=title or value,
+                                                   scale=alt.Scale(scheme="viridis")))
+    text = base.mark_text(fontSize=9).encode(
+        text=alt.Text(f"{value}:Q", format=fmt),
+        color=alt.condition(alt.datum[value] > data[value].median(), alt.value("black"), alt.value("white")))
+    chart = alt.layer(rect, text).properties(width=WIDTH, height=WIDTH)
+    return chart.facet(alt.Facet(f"{facet}:N", title=None), columns=3, data=data) if facet else chart
+
+
+def lines(data: pl.DataFrame, x: str, y: str, color: str, *, facet: str | None = None, x_title: str | None = None,
+          y_title: str | None = None, log_x: bool = False) -> alt.TopLevelMixin:
+    base = alt.Chart(data).mark_line(point=True).encode(
+        x=alt.X(f"{x}:Q", title=x_title or x, scale=alt.Scale(type="log") if log_x else alt.Scale()),
+        y=alt.Y(f"{y}:Q", title=y_title or y),
+        color=alt.Color(f"{color}:N", sort=None),
+        tooltip=[x, color, alt.Tooltip(f"{y}:Q", format=".3g")],
+    ).properties(width=WIDTH * 1.4, height=160)
+    return base.facet(alt.Facet(f"{facet}:N", title=None), columns=3, data=data) if facet else base
+
+
+def stacked_time(data: pl.DataFrame, x: str, parts: list[str], *, facet: str | None = None,
+                 y_title: str = "ms per step") -> alt.TopLevelMixin:
+    """Stacked bars splitting a step's time into parts (e.g. propose vs verify)."""
+    long = data.unpivot(index=[c for c in data.columns if c not in parts], on=parts, variable_name="part",
+                        value_name="ms")
+    chart = alt.Chart(long).mark_bar().encode(
+        x=alt.X(f"{x}:N", title=None, sort=None),
+        y=alt.Y("ms:Q", title=y_title, stack=True),
+        color=alt.Color("part:N"),
+        tooltip=[x, "part", alt.Tooltip("ms:Q", format=".3g")],
+    ).properties(width=WIDTH * 1.2, height=180)
+    return chart.facet(alt.Facet(f"{facet}:N", title=None), columns=4, data=long) if facet else chart

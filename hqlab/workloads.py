@@ -1,0 +1,148 @@
+"""Workloads: the HyperQwen task suite over one frozen document, short chat prompts, and user JSONL files.
+
+Suite names: `labd` (the six document tasks), each task alone (`copy`, `code`, `edit`, `quote`, `summary`,
+`qa`), `chat` (short real prompts), `all` (both). Anything else is read as a JSONL file path.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+DOCUMENT = DATA_DIR / "documents" / "handbook.md"
+CHAT_PROMPTS = DATA_DIR / "workloads" / "chat.jsonl"
+
+# The instructions of the six document tasks (SPEC §3), phrased so they work for any prefix of the document.
+TASKS: dict[str, str] = {
+    "copy": "Reproduce the first 60 lines of the document above verbatim, exactly as written, including "
+            "markdown syntax and code fences. Output only the copied text.",
+    "code": "List every shell command that appears in the document above, verbatim and in order of appearance, "
+            "one per line. Output only the commands.",
+    "edit": "Rewrite the first section of the document above (from the title down to the second heading) so that "
+            "it is about half as long. Keep every shell command and code block exactly as written.",
+    "quote": "Quote, word for word, every sentence of the document above that begins with \"Warning:\" or "
+             "\"Caution:\". After each quote, explain in one sentence why it matters.",
+    "summary": "Summarize the document above in three short paragraphs.",
+    "qa": "What is the software described in the document above for, and what are the first steps to install "
+          "and start it? Answer briefly.",
+}
+SUITES = {"labd": list(TASKS), **{t: [t] for t in TASKS}}
+
+
+class WorkloadError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    category: str
+    messages: tuple[dict[str, str], ...]
+
+
+def suite_names() -> list[str]:
+    return sorted([*SUITES, "chat", "all"])
+
+
+def read_document(doc_tokens: int | None = None, tokenizer: Any = None, path: Path = DOCUMENT) -> str:
+    """The frozen document, cut at a line break to at most `doc_tokens` tokens (None = whole document)."""
+    text = path.read_text(encoding="utf-8")
+    if doc_tokens is None:
+        return text
+    if tokenizer is None:
+        raise WorkloadError("doc_tokens needs a tokenizer to count tokens")
+    if doc_tokens < 64:
+        raise WorkloadError(f"doc_tokens must be >= 64 (got {doc_tokens})")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) <= doc_tokens:
+        return text
+    prefix = tokenizer.decode(ids[:doc_tokens])
+    cut = prefix.rfind("\n")
+    return prefix[: cut + 1] if cut > 0 else prefix
+
+
+def document_prompt(task: str, document: str) -> Prompt:
+    content = f"<document>\n{document.rstrip()}\n</document>\n\n{TASKS[task]}"
+    return Prompt(id=task, category=task, messages=({"role": "user", "content": content},))
+
+
+def load_workload(name_or_path: str, *, doc_tokens: int | None = None, tokenizer: Any = None) -> list[Prompt]:
+    """Prompts of a named suite or a JSONL file (see `read_jsonl`)."""
+    if name_or_path in SUITES or name_or_path == "all":
+        document = read_document(doc_tokens, tokenizer)
+        tasks = list(TASKS) if name_or_path == "all" else SUITES[name_or_path]
+        prompts = [document_prompt(t, document) for t in tasks]
+        return prompts + (read_jsonl(CHAT_PROMPTS) if name_or_path == "all" else [])
+    if name_or_path == "chat":
+        return read_jsonl(CHAT_PROMPTS)
+    path = Path(name_or_path)
+    if not path.exists():
+        raise WorkloadError(f"unknown suite {name_or_path!r} and no such file; suites: {', '.join(suite_names())}")
+    return read_jsonl(path)
+
+
+def _turns_to_messages(turns: Any, where: str) -> tuple[dict[str, str], ...]:
+    if not isinstance(turns, list) or not turns:
+        raise WorkloadError(f"{where}: 'turns' must be a non-empty list")
+    messages = []
+    for i, turn in enumerate(turns):
+        if isinstance(turn, str):
+            messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": turn})
+        elif isinstance(turn, dict) and isinstance(turn.get("content"), str) and \
+                turn.get("role") in ("system", "user", "assistant"):
+            messages.append({"role": turn["role"], "content": turn["content"]})
+        else:
+            raise WorkloadError(f"{where}: turn {i} must be a string or {{'role': system|user|assistant, "
+                                f"'content': str}}, got {turn!r:.80}")
+    if messages[-1]["role"] != "user":
+        raise WorkloadError(f"{where}: the last turn must be the user's (the model answers it)")
+    return tuple(messages)
+
+
+def read_jsonl(path: Path) -> list[Prompt]:
+    """One prompt per line: {"prompt": str} or {"turns": [str | {role, content}, ...]}, optional id/category.
+
+    Errors name the file and line; nothing is returned unless every line is valid.
+    """
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise WorkloadError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    prompts: list[Prompt] = []
+    seen: set[str] = set()
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise WorkloadError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise WorkloadError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        if ("prompt" in obj) == ("turns" in obj):
+            raise WorkloadError(f"{where}: give exactly one of 'prompt' or 'turns'")
+        if "prompt" in obj:
+            if not isinstance(obj["prompt"], str) or not obj["prompt"].strip():
+                raise WorkloadError(f"{where}: 'prompt' must be a non-empty string")
+            messages: tuple[dict[str, str], ...] = ({"role": "user", "content": obj["prompt"]},)
+        else:
+            messages = _turns_to_messages(obj["turns"], where)
+        pid = obj.get("id", f"{path.stem}-{lineno}")
+        category = obj.get("category", "custom")
+        if not isinstance(pid, str) or not isinstance(category, str):
+            raise WorkloadError(f"{where}: 'id' and 'category' must be strings")
+        if pid in seen:
+            raise WorkloadError(f"{where}: duplicate id {pid!r}")
+        seen.add(pid)
+        prompts.append(Prompt(pid, category, messages))
+    if not prompts:
+        raise WorkloadError(f"{path}: no prompts (empty file)")
+    return prompts
+
+
+TokenizeFn = Callable[[list[dict[str, str]]], list[int]]
