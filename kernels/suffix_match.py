@@ -300,12 +300,12 @@ def suffix_match_batch(tokens: torch.Tensor, offsets: torch.Tensor, lengths: tor
                        splits: int | None = None, scratch: torch.Tensor | None = None):
     """One-shot batched lookup: returns new (proposals [B, k] int32, match_len [B] int32, valid [B] int32).
 
-    Convenient, not for the hot path: it allocates outputs, and under variant "auto" without `max_len` it reads
-    max(lengths) back to the host. Use `SuffixMatcher` in a decode loop.
+    Convenient, not for the hot path: it allocates outputs, and unless `max_len` (or `splits`, or variant
+    "single") is given it reads max(lengths) back to the host to plan the launch. Use `SuffixMatcher` in a decode loop.
     scratch: optional int64 zeros of at least B entries for the split variant (left zeroed on return).
     """
     _check_inputs(tokens, offsets, lengths)
-    if variant == "auto" and max_len is None and lengths.numel():
+    if variant != "single" and splits is None and max_len is None and lengths.numel():
         max_len = int(lengths.max())
     batch = offsets.shape[0]
     matcher = SuffixMatcher(max(batch, 1), k, nmin=nmin, nmax=nmax, search=search, full=full, policy=policy,
