@@ -42,10 +42,10 @@ sm = _load_kernels()
 DEVICE = "cuda" if CUDA else "cpu"
 
 # Interpreter: ~0.5 ms per program and ~60 µs per loop iteration, so short histories and few programs.
-N_BATCHES = 240 if CUDA else 70
+N_BATCHES = 240 if CUDA else 64
 BATCH = 32 if CUDA else 16
-MAX_LEN = 20_000 if CUDA else 1_200
-BLOCKS = (1024, 256, 128) if CUDA else (128, 256, 1024)
+MAX_LEN = 20_000 if CUDA else 1_000
+BLOCKS = (1024, 128) if CUDA else (128, 256, 1024)  # few block sizes on the GPU: each compiles
 SPLITS = (1, 2, 3, 5, 64, 256) if CUDA else (1, 2, 3, 5, 8)
 WIDE = 64 if CUDA else 8  # programs per request of the widest split tested by hand
 
