@@ -40,6 +40,7 @@ SINGLE_MAX_BLOCKS = 4
 MAX_SPLITS = 256
 # Proposal entries past `valid` hold this value.
 PAD_TOKEN = -1
+_PAD = tl.constexpr(PAD_TOKEN)  # the same, readable inside kernels
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -123,7 +124,7 @@ def _write_proposal(hist, t, score, req, k, out_tokens, out_len, out_valid, K_BL
     e = e64.to(tl.int32)
     valid = tl.where(n > 0, tl.minimum(k, t - e), 0)
     j = tl.arange(0, K_BLOCK)
-    proposal = tl.load(hist + (e + 1 + j), mask=j < valid, other=PAD_TOKEN)
+    proposal = tl.load(hist + (e + 1 + j), mask=j < valid, other=_PAD)
     row = req.to(tl.int64) * k
     tl.store(out_tokens + row + j, proposal, mask=j < k)
     tl.store(out_len + req, n)
