@@ -10,11 +10,14 @@ A model is named in one of three ways:
 
 Cache layout (`$HQLAB_CACHE`, default `~/.cache/hqlab`):
 
-    packages/<short-name>/   the part wheels, when they are not installed in the environment (removed once the
-                             GGUF is assembled: the GGUF is all a rebuild needs)
+    packages/<short-name>/   the part wheels while the GGUF is assembled, when they are not installed in the
+                             environment (removed afterwards: the verified GGUF is all a rebuild needs)
+    packages/_accelerate/    accelerate for the conversion child, if the environment lacks it
     gguf/<file>.gguf         the assembled, checksummed GGUF
     models/<short-name>/     the converted folder (fp32 safetensors, config, tokenizer, chat template,
                              generation config) plus `hqlab-complete.json`, written last
+    models/<stem>-<sha16>/   the same for a user's .gguf file, keyed by its content
+    locks/                   one lock file per model, held while it is built
 
 The offline weights come from an anonymous uploader and carry no license field (upstream Qwen2.5-Coder is
 Apache-2.0). They are a fallback for machines without hub access; published numbers should use the official
@@ -24,6 +27,7 @@ checkpoints, which the same code loads by hub id or path.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -34,7 +38,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from tqdm.auto import tqdm
 
@@ -168,7 +172,7 @@ class ModelInfo:
     dtype: str
     device: str
     max_context: int
-    vocab_size: int  # rows of the output layer (may exceed len(tokenizer): padding entries)
+    vocab_size: int  # rows of the output layer (config.vocab_size; may exceed len(tokenizer) in general)
     eos_token_ids: tuple[int, ...]
 
 
@@ -216,6 +220,25 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+@contextlib.contextmanager
+def _build_lock(cache: Path, name: str) -> Iterator[None]:
+    """Serialize builds of one model across processes (two cold `load()`s would otherwise both download and
+    convert, and their pip installs into the same folder could collide). The OS drops the lock if we die."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: the temp-file-and-rename scheme alone keeps the cache consistent
+        yield
+        return
+    lock_dir = cache / "locks"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with open(lock_dir / f"{name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _remove_stale_tmp(final: Path) -> None:
@@ -555,8 +578,11 @@ def ensure_converted(folder: Path, make_gguf: Callable[[], Path], *, sha256: str
     (so a warm cache needs neither the GGUF nor the wheels)."""
     if marker_ok(folder, sha256):
         return folder
-    return convert(make_gguf(), folder, sha256=sha256, expected_name=expected_name, eos_token_ids=eos_token_ids,
-                   cache=cache)
+    with _build_lock(cache, folder.name):
+        if marker_ok(folder, sha256):  # another process built it while we waited for the lock
+            return folder
+        return convert(make_gguf(), folder, sha256=sha256, expected_name=expected_name,
+                       eos_token_ids=eos_token_ids, cache=cache)
 
 
 # --------------------------------------------------------------------------------------------------------------

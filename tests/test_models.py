@@ -19,8 +19,7 @@ from hqlab import models
 from hqlab.models import DEFAULT_MODEL, MARKER, ModelError, ModelInfo, OfflineModel
 
 QWEN_EOS = {151645, 151643}  # <|im_end|>, <|endoftext|>
-QWEN_VOCAB = 151_936  # output rows, including padding entries 151665..151935
-QWEN_TOKENIZER_LEN = 151_665
+QWEN_VOCAB = 151_936  # tokenizer entries and output rows, including padding tokens 151665..151935
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -59,7 +58,7 @@ def test_default_tokenizer(default_model):
     text = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)  # ünïcödé ✓"
     ids = tok(text)["input_ids"]
     assert tok.decode(ids) == text  # round trip, and no bos is added
-    assert len(tok) == QWEN_TOKENIZER_LEN
+    assert len(tok) == QWEN_VOCAB
     assert tok.convert_tokens_to_ids("<|im_end|>") == 151645
     assert tok.convert_tokens_to_ids("<|endoftext|>") == 151643
     assert tok.eos_token_id == 151645
