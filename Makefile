@@ -1,0 +1,34 @@
+# Two commands do everything on a clean clone with Python 3.11 and make:
+#   make figures   # install, then run every notebook on the default model (regenerates figures/ and results)
+#   make test      # install, then the whole test suite (real model tests included)
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.hqlab-installed
+
+.PHONY: setup test test-fast figures notebooks site bench clean-venv
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet --no-deps -e .
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest
+
+test-fast: setup
+	$(BIN)/python -m pytest -m "not slow"
+
+figures: setup
+	$(BIN)/hqlab figures
+
+# Paired .ipynb files for opening in JupyterLab (the .py files are the source of truth).
+notebooks: setup
+	$(BIN)/jupytext --to ipynb notebooks/*.py
+
+clean-venv:
+	rm -rf $(VENV)

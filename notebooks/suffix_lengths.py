@@ -1,0 +1,148 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Suffix-match lengths: which nmin, nmax and k make *this* workload faster?
+#
+# The target decodes each prompt once without speculation. Under greedy decoding a proposer's acceptance is
+# fully determined by that output, so we **replay** every lookup configuration over it exactly, then price every
+# replayed step with a **cost model measured on this machine** (forward time vs verify length and context).
+# A few configurations are also run **live** on the real model to check the predictions.
+
+# %% tags=["parameters"]
+model = "qwen2.5-coder-0.5b"
+device = "auto"
+dtype = "auto"
+suite = "all"
+doc_tokens = 1500
+max_new_tokens = 128
+limit = 0
+nmin_grid = [1, 2, 3, 4, 6, 8]
+nmax_grid = [3, 4, 8, 12, 16, 32]
+k_grid = [4, 8, 15]
+policies = ["recent", "earliest"]
+live_configs = ["lookup:nmin=6,nmax=12,k=15", "lookup:nmin=2,nmax=12,k=8"]
+cost_contexts = [512, 1024, 2048]
+cost_verify_lens = [1, 2, 4, 8, 12, 16]
+figures_dir = "figures"
+results_dir = "data/results"
+
+# %%
+from pathlib import Path
+
+import altair as alt
+import polars as pl
+
+from hqlab import bench, plots, sweep
+from hqlab.config import DecodeConfig
+from hqlab.costmodel import CostModel, measure_step_times
+from hqlab.engines.hf import HFEngine
+from hqlab.workloads import load_workload
+
+alt.renderers.enable("svg")
+figures, results = Path(figures_dir), Path(results_dir)
+engine = HFEngine.load(model, device=device, dtype=dtype)
+prompts = load_workload(suite, doc_tokens=doc_tokens, tokenizer=engine.tokenizer)
+prompts = prompts[:limit] if limit else prompts
+decode = DecodeConfig(max_new_tokens=max_new_tokens)
+print(bench.machine_description(engine.device), "|", len(prompts), "prompts")
+
+# %% [markdown]
+# ## 1. Reference outputs and exact replay of the grid
+
+# %%
+traces = sweep.record_traces(engine, prompts, decode)
+specs = [s for policy in policies for s in sweep.grid("lookup", nmin=nmin_grid, nmax=nmax_grid, k=k_grid,
+                                                     policy=[policy])]
+print(len(specs), "configurations ×", len(traces), "traces")
+
+# %% [markdown]
+# ## 2. What a verify step costs here
+# Measured forward time over `verify_len` positions on top of a KV cache of `context_len` tokens.
+
+# %%
+step_times = measure_step_times(engine, cost_contexts, cost_verify_lens)
+cost = CostModel.fit(step_times)
+plots.save(plots.lines(step_times, "verify_len", "step_ms", "context_len", x_title="verify positions",
+                       y_title="ms per verify step"), figures / "suffix_step_cost.svg")
+step_times.pivot(on="verify_len", index="context_len", values="step_ms")
+
+# %%
+grid = sweep.sweep(traces, specs, cost=cost)
+table = sweep.by_category(grid)
+results.mkdir(parents=True, exist_ok=True)
+grid.write_parquet(results / "suffix_sweep.parquet")
+
+# %% [markdown]
+# ## 3. Acceptance: tokens per step over nmin × nmax (k = 15, most recent match)
+
+# %%
+k_max = max(k_grid)
+heat = table.filter((pl.col("p_k") == str(k_max)) & (pl.col("p_policy") == "recent")).with_columns(
+    pl.col("p_nmin").cast(pl.Int32).alias("nmin"), pl.col("p_nmax").cast(pl.Int32).alias("nmax"))
+chart = plots.heatmap(heat, "nmax", "nmin", "tokens_per_step", facet="category", title="tokens/step")
+plots.save(chart, figures / "suffix_tokens_per_step.svg")
+chart
+
+# %% [markdown]
+# ## 4. Speed: predicted decode speedup over no speculation (same grid)
+
+# %%
+chart = plots.heatmap(heat, "nmax", "nmin", "speedup_pred", facet="category", title="predicted speedup")
+plots.save(chart, figures / "suffix_speedup.svg")
+chart
+
+# %% [markdown]
+# ## 5. Block size k and match policy, at the best nmin/nmax per category
+
+# %%
+best_nm = (table.sort("speedup_pred", descending=True).group_by("category", maintain_order=True).first()
+           .select("category", "p_nmin", "p_nmax"))
+kk = table.join(best_nm, on=["category", "p_nmin", "p_nmax"]).with_columns(pl.col("p_k").cast(pl.Int32).alias("k"))
+chart = plots.lines(kk, "k", "speedup_pred", "p_policy", facet="category", x_title="k (tokens proposed)",
+                    y_title="predicted speedup")
+plots.save(chart, figures / "suffix_k_policy.svg")
+chart
+
+# %% [markdown]
+# ## 6. Live check: the real engine on the same prompts
+
+# %%
+live, live_steps = bench.run_bench(engine, prompts, live_configs, decode)
+live.write_parquet(results / "suffix_live.parquet")
+pred = sweep.sweep(traces, live_configs, cost=cost).select("config", "prompt_id", "tokens_per_step", "speedup_pred")
+check = live.filter(pl.col("config") != "none").join(pred, on=["config", "prompt_id"], suffix="_replay")
+exact = check.filter(pl.col("divergence") == "identical")
+assert check.height == len(live_configs) * len(prompts)
+assert (exact["tokens_per_step"] - exact["tokens_per_step_replay"]).abs().max() < 1e-9, "replay must equal live"
+agg = (check.group_by(["config", "category"]).agg(pl.col("speedup_decode").median().alias("measured"),
+                                                  pl.col("speedup_pred").median().alias("predicted"))
+       .unpivot(index=["config", "category"], variable_name="kind", value_name="speedup"))
+chart = plots.grouped_bars(agg, "category", "speedup", "kind", facet="config", y_title="decode speedup",
+                           rule_at=1.0)
+plots.save(chart, figures / "suffix_live_vs_predicted.svg")
+chart
+
+# %% [markdown]
+# ## 7. Conclusions
+# Best configuration per task class by predicted speed (acceptance alone would pick longer blocks and shorter
+# matches than speed does), and the single configuration with the best geometric-mean speedup over classes.
+
+# %%
+best = (table.sort("speedup_pred", descending=True).group_by("category", maintain_order=True).first()
+        .select("category", "config", "tokens_per_step", "speedup_pred").sort("category"))
+overall = (table.group_by("config").agg(pl.col("speedup_pred").log().mean().exp().alias("geomean_speedup"),
+                                        pl.col("speedup_pred").min().alias("worst_class"))
+           .sort("geomean_speedup", descending=True))
+print(best)
+print(overall.head(5))
