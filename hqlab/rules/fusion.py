@@ -1,0 +1,237 @@
+"""Fusion of the context lookup with the model drafter for one request: the one reference of SPEC §2.4.
+
+The verify block has `k` proposed positions (k + 1 verified with the bonus token). The drafter fills only the
+first `head_len = min(draft_block, k)` of them, the **head**; the remaining positions, the **tail**, are ones
+nobody but the lookup can fill. Per request, with the lookup's `match_len` and `valid` (how many of its tokens
+are real):
+
+- `agree_count` = index of the first head position where drafter != lookup, capped by `valid` (positions the
+  lookup did not supply never count as agreement). Only the first min(head_len, valid) positions are compared.
+- head taken  iff match_len >= nstrong, or (match_len >= nmin and agree_count >= agree).
+  Replacing the drafter is a bet; a shorter match needs the drafter's confirmation.
+- tail taken  iff match_len >= nmin_tail and (head taken, or the drafter agreed over the whole head,
+  i.e. agree_count == head_len). Tail positions are free: nobody else proposed them.
+- only positions the lookup supplied (idx < valid) are overwritten.
+- take_flag   = match_len >= longmin and valid > draft_block and tail taken ("has something for the tail"); it
+  feeds the adaptive scheduler (`hqlab.rules.schedule`).
+
+What the fused block contains, position by position (this is hqlab's precise reading of the rules above):
+
+- head positions idx < head_len: the lookup token if the head was taken and idx < valid, else the drafter's.
+  So a taken head with valid < head_len is lookup tokens followed by the drafter's remaining ones.
+- tail positions head_len <= idx < k: the lookup token if the tail was taken and idx < valid. A tail position the
+  lookup did not supply cannot be filled by anyone, so the block simply **ends** there: the fused block has
+  `max(head_len, valid)` tokens when the tail was taken and `head_len` tokens otherwise (never more than k).
+- sources: LOOKUP where a lookup token was written, DRAFT elsewhere. When the tail is taken only through full
+  agreement (head not taken), the head keeps the drafter's tokens (equal to the lookup's) tagged DRAFT: the head
+  was not taken, and for sampled verification those positions use the drafter's q.
+
+Why the head is not truncated after a partial lookup head: the rule only overwrites supplied positions, and the
+drafter positions after it are still valid proposals (verification decides every token). For sampled verification
+a drafter token after a lookup prefix was drawn from the drafter's q given the drafter's own prefix; that q is the
+distribution the token was drawn from, so rejection sampling with it stays exact.
+
+The take flag can only be true when the lookup was asked for more than draft_block tokens: an engine running the
+adaptive scheduler fuses with the long k every step and clips the block to the scheduled length afterwards
+(clipping keeps a prefix, so it never changes the decisions above).
+
+Arctic's score-based rule (`rule="score"`): keep the lookup (suffix) draft if its score >= the drafter's draft
+length (head_len), else the drafter's draft. Arctic's score is the sum of the suffix tokens' probabilities; hqlab's
+lookup has no probabilities, so the score is an input, and **hqlab's adaptation**: when it is None the score is
+`valid`, i.e. every supplied token counts as probability 1 (so the lookup wins whenever it supplies at least a
+full head). Under this rule nstrong, nmin, agree and nmin_tail are unused; the kept lookup draft is its `valid`
+tokens, all LOOKUP (head and tail both count as taken); the take flag keeps the formula above.
+
+Source codes: rules sit below the proposers in the house plan and must not import them, so the two codes used
+here are plain ints equal to `hqlab.proposers.base.Source.LOOKUP` / `.DRAFT` (a test pins the equality).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from hqlab.config import ConfigError
+
+SOURCE_LOOKUP = 1  # == Source.LOOKUP
+SOURCE_DRAFT = 2  # == Source.DRAFT
+
+RULES = ("threshold", "score")
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True)
+class FusionConfig:
+    """Parameters of the fusion rule, SPEC §2.4. Defaults are the shipped set (`FusionConfig.shipped()`).
+
+    nstrong:     a match this long takes the head on its own.
+    nmin:        a match this long takes the head if the drafter agreed on the first `agree` positions.
+    agree:       leading head positions where drafter and lookup must agree for the nmin branch.
+    nmin_tail:   shortest match that may fill the tail.
+    longmin:     shortest match for which the take flag can be set.
+    draft_block: the drafter's width = head length (the short block of the scheduler).
+    rule:        "threshold" (HyperQwen, the rules above) or "score" (Arctic, see the module docstring).
+    """
+
+    nstrong: int = 6
+    nmin: int = 6
+    agree: int = 0
+    nmin_tail: int = 4
+    longmin: int = 6
+    draft_block: int = 7
+    rule: str = "threshold"
+
+    def __post_init__(self) -> None:
+        for name in ("nstrong", "nmin", "agree", "nmin_tail", "longmin"):
+            value = getattr(self, name)
+            _require(value >= 0, f"{name} must be >= 0 (got {value}); it is a minimum match or agreement length")
+        _require(self.draft_block >= 1, f"draft_block must be >= 1 (got {self.draft_block}): the drafter's width")
+        # agree_count never exceeds the head, so a larger agree would silently disable the nmin branch
+        _require(self.agree <= self.draft_block,
+                 f"agree must be <= draft_block (got agree={self.agree}, draft_block={self.draft_block}); "
+                 f"to disable the nmin branch set nmin above the lookup's nmax instead")
+        _require(self.rule in RULES, f"rule must be 'threshold' or 'score' (got {self.rule!r})")
+
+    @classmethod
+    def articles(cls, **overrides: Any) -> "FusionConfig":
+        """The articles' defaults: nstrong 8, agree 2 (a shorter match must be confirmed by the drafter)."""
+        return cls(**{"nstrong": 8, "agree": 2, **overrides})
+
+    @classmethod
+    def shipped(cls, **overrides: Any) -> "FusionConfig":
+        """The defaults HyperQwen's code shipped with: nstrong 6, agree 0 (the dataclass defaults)."""
+        return cls(**{"nstrong": 6, "agree": 0, **overrides})
+
+
+@dataclass(frozen=True)
+class Fused:
+    """The fused proposal of one request and the decisions that produced it.
+
+    tokens:      int64 [n], n = head_len, or max(head_len, valid) when the tail was taken.
+    sources:     int8 [n], SOURCE_LOOKUP or SOURCE_DRAFT per position.
+    head_len:    min(draft_block, k): positions the drafter filled.
+    agree_count: leading head positions where drafter == lookup, capped by valid.
+    head_taken:  the head rule's decision (positions idx < valid of the head hold lookup tokens).
+    tail_taken:  the tail rule's decision (tail positions idx < valid were appended; there may be none).
+    take_flag:   match_len >= longmin and valid > draft_block and tail_taken.
+    """
+
+    tokens: np.ndarray
+    sources: np.ndarray
+    head_len: int
+    agree_count: int
+    head_taken: bool
+    tail_taken: bool
+    take_flag: bool
+
+    @property
+    def tail_len(self) -> int:
+        """Tail positions actually filled (by the lookup)."""
+        return int(self.tokens.shape[0]) - self.head_len
+
+
+def agree_count(draft_tokens: np.ndarray, lookup_tokens: np.ndarray, valid: int) -> int:
+    """Index of the first position where drafter != lookup over min(len(draft), valid) positions."""
+    n = min(int(draft_tokens.shape[0]), valid)
+    mismatch = np.flatnonzero(draft_tokens[:n] != lookup_tokens[:n])
+    return int(mismatch[0]) if mismatch.size else n
+
+
+def fuse(
+    draft_tokens: Sequence[int] | np.ndarray,
+    lookup_tokens: Sequence[int] | np.ndarray,
+    match_len: int,
+    valid: int,
+    k: int,
+    config: FusionConfig,
+    lookup_score: float | None = None,
+) -> Fused:
+    """Fuse one request's drafter head with its lookup proposal (see the module docstring for the rules).
+
+    draft_tokens:  exactly head_len = min(config.draft_block, k) drafter tokens. To respect a token budget,
+                   fuse the full block and clip the result (a prefix) afterwards.
+    lookup_tokens: at least `valid` tokens; entries from `valid` on are ignored (padding).
+    match_len:     the lookup's match length (0 = no match).
+    valid:         how many lookup tokens are real, 0 <= valid <= k.
+    k:             positions in the verify block (>= 1).
+    lookup_score:  only read by rule="score"; None means `valid` (hqlab's adaptation).
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1 (got {k})")
+    head_len = min(config.draft_block, k)
+    draft = np.asarray(draft_tokens, dtype=np.int64).reshape(-1)
+    lookup = np.asarray(lookup_tokens, dtype=np.int64).reshape(-1)
+    if draft.shape[0] != head_len:
+        raise ValueError(f"need exactly min(draft_block, k) = {head_len} drafter tokens, got {draft.shape[0]}")
+    if not 0 <= valid <= k:
+        raise ValueError(f"valid must be in [0, k={k}] (got {valid})")
+    if lookup.shape[0] < valid:
+        raise ValueError(f"lookup supplies {lookup.shape[0]} tokens but valid = {valid}")
+    if match_len < 0:
+        raise ValueError(f"match_len must be >= 0 (got {match_len})")
+    lookup = lookup[:valid]
+    agreed = agree_count(draft, lookup, valid)
+
+    if config.rule == "score":
+        score = float(valid) if lookup_score is None else float(lookup_score)
+        if not (math.isfinite(score) and 0.0 <= score <= valid + 1e-6):
+            raise ValueError(f"lookup_score must be a sum of {valid} probabilities, in [0, {valid}] (got {score})")
+        keep_lookup = score >= head_len
+        if keep_lookup:
+            tokens = lookup.copy()
+            sources = np.full(valid, SOURCE_LOOKUP, dtype=np.int8)
+        else:
+            tokens = draft.copy()
+            sources = np.full(head_len, SOURCE_DRAFT, dtype=np.int8)
+        take = match_len >= config.longmin and valid > config.draft_block and keep_lookup
+        return Fused(tokens, sources, head_len, agreed, keep_lookup, keep_lookup, bool(take))
+
+    head_taken = match_len >= config.nstrong or (match_len >= config.nmin and agreed >= config.agree)
+    tail_taken = match_len >= config.nmin_tail and (head_taken or agreed == head_len)
+    take = match_len >= config.longmin and valid > config.draft_block and tail_taken
+
+    n = max(head_len, valid) if tail_taken else head_len
+    tokens = np.empty(n, dtype=np.int64)
+    sources = np.full(n, SOURCE_DRAFT, dtype=np.int8)
+    tokens[:head_len] = draft
+    if head_taken:
+        m = min(head_len, valid)
+        tokens[:m] = lookup[:m]
+        sources[:m] = SOURCE_LOOKUP
+    if n > head_len:  # tail taken and the lookup supplied tail positions
+        tokens[head_len:] = lookup[head_len:n]
+        sources[head_len:] = SOURCE_LOOKUP
+    return Fused(tokens, sources, head_len, agreed, bool(head_taken), bool(tail_taken), bool(take))
+
+
+def fuse_batch(
+    draft_tokens: Sequence[Sequence[int] | np.ndarray],
+    lookup_tokens: Sequence[Sequence[int] | np.ndarray],
+    match_lens: Sequence[int],
+    valids: Sequence[int],
+    k: int | Sequence[int],
+    config: FusionConfig,
+    lookup_scores: Sequence[float | None] | None = None,
+) -> list[Fused]:
+    """`fuse` per request; k may be one value or one per request. The single-request `fuse` is the rule."""
+    n = len(draft_tokens)
+    if not (len(lookup_tokens) == len(match_lens) == len(valids) == n):
+        raise ValueError("draft_tokens, lookup_tokens, match_lens and valids need one entry per request")
+    ks = [k] * n if isinstance(k, (int, np.integer)) else list(k)
+    scores = [None] * n if lookup_scores is None else list(lookup_scores)
+    if len(ks) != n or len(scores) != n:
+        raise ValueError("k and lookup_scores, when given per request, need one entry per request")
+    return [
+        fuse(draft_tokens[i], lookup_tokens[i], int(match_lens[i]), int(valids[i]), int(ks[i]), config, scores[i])
+        for i in range(n)
+    ]
+
+
+__all__ = ["FusionConfig", "Fused", "fuse", "fuse_batch", "agree_count", "SOURCE_LOOKUP", "SOURCE_DRAFT", "RULES"]
