@@ -44,7 +44,8 @@ def grouped_bars(data: pl.DataFrame, x: str, y: str, color: str, *, facet: str |
 def heatmap(data: pl.DataFrame, x: str, y: str, value: str, *, facet: str | None = None,
             title: str | None = None, fmt: str = ".2f") -> alt.TopLevelMixin:
     """Annotated heatmap (e.g. nmin × nmax → tokens/step), optionally faceted by task category."""
-    base = alt.Chart(data).encode(x=alt.X(f"{x}:O"), y=alt.Y(f"{y}:O", sort="descending"))
+    # Faceted charts take their data at the top level only: inner layers with their own data would not be split.
+    base = (alt.Chart() if facet else alt.Chart(data)).encode(x=alt.X(f"{x}:O"), y=alt.Y(f"{y}:O", sort="descending"))
     rect = base.mark_rect().encode(color=alt.Color(f"{value}:Q", title=title or value,
                                                    scale=alt.Scale(scheme="viridis")))
     text = base.mark_text(fontSize=9).encode(
@@ -56,7 +57,7 @@ def heatmap(data: pl.DataFrame, x: str, y: str, value: str, *, facet: str | None
 
 def lines(data: pl.DataFrame, x: str, y: str, color: str, *, facet: str | None = None, x_title: str | None = None,
           y_title: str | None = None, log_x: bool = False) -> alt.TopLevelMixin:
-    base = alt.Chart(data).mark_line(point=True).encode(
+    base = (alt.Chart() if facet else alt.Chart(data)).mark_line(point=True).encode(
         x=alt.X(f"{x}:Q", title=x_title or x, scale=alt.Scale(type="log") if log_x else alt.Scale()),
         y=alt.Y(f"{y}:Q", title=y_title or y),
         color=alt.Color(f"{color}:N", sort=None),
@@ -70,7 +71,7 @@ def stacked_time(data: pl.DataFrame, x: str, parts: list[str], *, facet: str | N
     """Stacked bars splitting a step's time into parts (e.g. propose vs verify)."""
     long = data.unpivot(index=[c for c in data.columns if c not in parts], on=parts, variable_name="part",
                         value_name="ms")
-    chart = alt.Chart(long).mark_bar().encode(
+    chart = (alt.Chart() if facet else alt.Chart(long)).mark_bar().encode(
         x=alt.X(f"{x}:N", title=None, sort=None),
         y=alt.Y("ms:Q", title=y_title, stack=True),
         color=alt.Color("part:N"),

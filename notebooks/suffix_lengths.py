@@ -50,6 +50,8 @@ from hqlab.engines.hf import HFEngine
 from hqlab.workloads import load_workload
 
 alt.renderers.enable("svg")
+pl.Config.set_fmt_str_lengths(60)
+pl.Config.set_tbl_width_chars(160)
 figures, results = Path(figures_dir), Path(results_dir)
 engine = HFEngine.load(model, device=device, dtype=dtype)
 prompts = load_workload(suite, doc_tokens=doc_tokens, tokenizer=engine.tokenizer)

@@ -1,0 +1,73 @@
+"""Core-loop benchmark (issue: lossless engine + context lookup): the default model on this machine.
+
+One process, one model load, configs interleaved per prompt; both suites in the same run:
+  - labd (copy, code, edit, quote, summary, qa over the frozen document), 512 new tokens;
+  - chat (8 short real prompts), 256 new tokens.
+Configs: no speculation (reference), hqlab lookup k=15 and k=7, hqlab's Spec-Bench PLD, and transformers' own
+prompt lookup (hf-pld k=10) timed by the same harness.
+
+Writes data/results/core_<tag>.parquet (+ .steps.parquet) and figures/core_<tag>_*.svg/png.
+Usage: python benchmarks/bench_core.py [--tag cpu] [--repeats 1] [--device auto] [--doc-tokens 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import polars as pl
+
+from hqlab import bench, plots
+from hqlab.config import DecodeConfig
+from hqlab.engines.hf import HFEngine
+from hqlab.io import write_atomic
+from hqlab.workloads import load_workload
+
+CONFIGS = ["lookup:nmin=6,nmax=12,k=15", "lookup:nmin=6,nmax=12,k=7", "pld:n=3,k=10", "hf-pld:k=10"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tag", default="cpu")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--doc-tokens", type=int, default=2000)
+    ap.add_argument("--labd-tokens", type=int, default=512)
+    ap.add_argument("--chat-tokens", type=int, default=256)
+    args = ap.parse_args()
+
+    engine = HFEngine.load(args.model, device=args.device)
+    parts_r, parts_s = [], []
+    for suite, n in [("labd", args.labd_tokens), ("chat", args.chat_tokens)]:
+        prompts = load_workload(suite, doc_tokens=args.doc_tokens, tokenizer=engine.tokenizer)
+        r, s = bench.run_bench(engine, prompts, CONFIGS, DecodeConfig(max_new_tokens=n), repeats=args.repeats,
+                               meta={"suite": suite, "doc_tokens": args.doc_tokens})
+        parts_r.append(r)
+        parts_s.append(s)
+    results = pl.concat(parts_r, how="diagonal_relaxed")
+    steps = pl.concat(parts_s, how="diagonal_relaxed")
+    out = Path("data/results") / f"core_{args.tag}.parquet"
+    write_atomic(out.with_name(out.stem + ".steps.parquet"), lambda t: steps.write_parquet(t))
+    write_atomic(out, lambda t: results.write_parquet(t))
+    with pl.Config(tbl_rows=100, tbl_cols=20, tbl_width_chars=220):
+        print(bench.summarize(results))
+    print(results["machine"][0])
+    figures(results, args.tag)
+
+
+def figures(results: pl.DataFrame, tag: str) -> None:
+    fig = Path("figures")
+    per_cat = results.group_by(["category", "config"], maintain_order=True).agg(
+        pl.col("speedup_e2e").median(), pl.col("tokens_per_step").median(),
+        pl.col("propose_ms_per_step").median().alias("propose"), pl.col("verify_ms_per_step").median().alias("verify"))
+    plots.save(plots.grouped_bars(per_cat, "category", "speedup_e2e", "config", rule_at=1.0,
+                                  y_title="wall-time speedup over no speculation"), fig / f"core_{tag}_speedup.svg")
+    plots.save(plots.grouped_bars(per_cat, "category", "tokens_per_step", "config", rule_at=1.0,
+                                  y_title="tokens per verify step"), fig / f"core_{tag}_tokens_per_step.svg")
+    plots.save(plots.stacked_time(per_cat.select("category", "config", "propose", "verify"), "config",
+                                  ["propose", "verify"], facet="category"), fig / f"core_{tag}_step_time.svg")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Every notebook runs under papermill with small, non-default parameters, and every figure the docs reference
+is written by some notebook (so `make figures` regenerates all of them)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from hqlab.notebooks import NOTEBOOKS, REPO, declared_parameters, notebook_paths, run_notebook
+
+DOCS = REPO / "docs"
+
+# Small parameter sets for CI: few prompts, few tokens, tiny grids. Output locations go to a temp dir.
+SMALL = {
+    "suffix_lengths": dict(limit=3, suite="all", max_new_tokens=24, doc_tokens=300, nmin_grid=[2, 6],
+                           nmax_grid=[6, 12], k_grid=[4, 15], cost_contexts=[128, 512], cost_verify_lens=[1, 4, 16],
+                           live_configs=["lookup:nmin=2,nmax=6,k=8"]),
+}
+
+
+def referenced_figures() -> set[str]:
+    names = set()
+    for page in DOCS.glob("*.md"):
+        names |= set(re.findall(r"\]\((?:\.\./)?figures/([\w.\-]+\.(?:svg|png))\)", page.read_text()))
+    return names
+
+
+def test_every_docs_figure_is_written_by_a_notebook():
+    sources = "\n".join(p.read_text() for p in notebook_paths())
+    figures = referenced_figures()
+    assert figures, "docs reference no figures"
+    missing = sorted(f for f in figures if Path(f).with_suffix(".svg").name not in sources)
+    assert not missing, f"figures referenced in docs but written by no notebook: {missing}"
+    absent = sorted(f for f in figures if not (REPO / "figures" / f).exists())
+    assert not absent, f"figures referenced in docs but not committed: {absent}"
+
+
+def test_every_notebook_has_a_small_parameter_set():
+    assert {p.stem for p in notebook_paths()} == set(SMALL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stem", sorted(SMALL))
+def test_notebook_runs_with_small_parameters(tmp_path, stem):
+    import jupytext
+
+    path = NOTEBOOKS / f"{stem}.py"
+    params = dict(SMALL[stem])
+    declared = declared_parameters(jupytext.read(path))
+    params.update({k: str(tmp_path / k) for k in ("figures_dir", "results_dir") if k in declared})
+    run_notebook(path, params, tmp_path / "out")
+    assert (tmp_path / "out" / f"{stem}.ipynb").exists()
+    written = sorted(p.name for p in (tmp_path / "figures_dir").glob("*.svg"))
+    assert written, "the notebook wrote no figures"
