@@ -115,8 +115,10 @@ def run_bench(engine: Any, prompts: Sequence[Prompt], specs: Sequence[str], deco
     base_meta = {"engine": "hf", "model": getattr(engine.info, "name", "custom"), "dtype": dtype,
                  "machine": machine, "max_new_tokens": decode.max_new_tokens, **(meta or {})}
 
-    if warmup and encoded:  # first calls pay for allocator growth and kernel selection
-        engine.generate(encoded[0][:256], None, DecodeConfig(max_new_tokens=8), request="warmup")
+    if warmup and encoded:  # first calls pay for allocator growth and kernel selection, at every verify shape
+        engine.generate(encoded[0], None, DecodeConfig(max_new_tokens=16), request="warmup")
+        engine.generate(encoded[0], make_proposer("lookup:nmin=1,nmax=4,k=16"), DecodeConfig(max_new_tokens=32),
+                        request="warmup")
 
     rows, steps = [], []
     bar = tqdm(total=len(prompts) * len(configs) * repeats, desc="bench", disable=not progress)
