@@ -10,13 +10,15 @@ that maximises the packed score
 and write the k tokens after e (clipped at the end of the history), match_len and valid. A score of 0 means no
 match, since every real match has match_len >= nmin >= 1.
 
-Two kernel variants:
+Kernel variants:
   single: one program per request scans all candidate ends, BLOCK at a time, then writes the proposal.
   split:  SPLITS programs per request, program s scanning blocks s, s+SPLITS, ...; each folds its best score into a
           per-request int64 scratch slot with atomic_max, and a tiny extract kernel turns the score into the
           proposal and resets the slot to 0 for the next call.
+  fused:  the split scan in one launch: each program also bumps a per-request arrival counter, and the last
+          program to arrive does the extract kernel's work (and resets both slots).
 The single variant is latency bound at long contexts (one program walks ~L/BLOCK dependent iterations); the split
-variant spreads those iterations over the GPU.
+variants spread those iterations over the GPU.
 
 Row offsets are int64 (the concatenated batch may exceed 2^31 elements); positions inside one history are int32,
 so one history must be shorter than 2^31 tokens.
@@ -32,11 +34,13 @@ import triton
 import triton.language as tl
 
 POLICIES = ("recent", "earliest")
-VARIANTS = ("auto", "single", "split")
+VARIANTS = ("auto", "single", "split", "fused")
 DEFAULT_BLOCK = 1024
 # "auto" uses the one-program variant only when every history fits in a few blocks: there the split variant's
 # second launch costs more than the loop it removes.
 SINGLE_MAX_BLOCKS = 4
+# The split-scan flavour "auto" uses beyond that.
+AUTO_SPLIT_VARIANT = "fused"
 MAX_SPLITS = 256
 # Proposal entries past `valid` hold this value.
 PAD_TOKEN = -1
@@ -122,7 +126,10 @@ def _write_proposal(hist, t, score, req, k, out_tokens, out_len, out_valid, K_BL
     else:
         e64 = low
     e = e64.to(tl.int32)
-    valid = tl.where(n > 0, tl.minimum(k, t - e), 0)
+    # In 64-bit on purpose: the 32-bit form min(k, t - e) here was compiled by ptxas 12.8 (sm_90) into a fused
+    # add-min that dropped the negation of e (valid = min(k, t + e)); the GPU tests caught it.
+    gap = t.to(tl.int64) - e64
+    valid = tl.where(n > 0, tl.minimum(gap, k.to(tl.int64)), 0).to(tl.int32)
     j = tl.arange(0, K_BLOCK)
     proposal = tl.load(hist + (e + 1 + j), mask=j < valid, other=_PAD)
     row = req.to(tl.int64) * k
@@ -154,24 +161,48 @@ def _single_kernel(tokens, offsets, lengths, out_tokens, out_len, out_valid, nmi
     _write_proposal(hist, t, score, req, k, out_tokens, out_len, out_valid, K_BLOCK, EARLIEST)
 
 
+@triton.jit
+def _split_share(hist, t, lo, hi, split, splits, nmin, nmax, BLOCK: tl.constexpr, EARLIEST: tl.constexpr):
+    """Best score over this program's share of the candidate blocks: blocks split, split + splits, ..."""
+    n_blocks = tl.maximum(hi - lo + BLOCK, 0) // BLOCK  # ceil((hi - lo + 1) / BLOCK), 0 when hi < lo
+    best = tl.zeros([BLOCK], dtype=tl.int64)
+    if split < n_blocks:
+        last_token = tl.load(hist + t)
+        for blk in range(split, n_blocks, splits):
+            start = lo + blk * BLOCK
+            best = tl.maximum(best, _score_block(hist, start, lo, hi, t, last_token, nmin, nmax, BLOCK, EARLIEST))
+    return tl.max(best, axis=0)
+
+
 @triton.jit(do_not_specialize=_RUNTIME_SCALARS)
 def _split_scan_kernel(tokens, offsets, lengths, scratch, nmin, nmax, k, search,
                        BLOCK: tl.constexpr, FULL: tl.constexpr, EARLIEST: tl.constexpr):
     req = tl.program_id(0)
-    split = tl.program_id(1)
+    hist, length = _history(tokens, offsets, lengths, req)
+    t, lo, hi = _candidate_range(length, nmin, k, search, FULL)
+    score = _split_share(hist, t, lo, hi, tl.program_id(1), tl.num_programs(1), nmin, nmax, BLOCK, EARLIEST)
+    if score > 0:
+        tl.atomic_max(scratch + req, score)
+
+
+@triton.jit(do_not_specialize=_RUNTIME_SCALARS)
+def _fused_kernel(tokens, offsets, lengths, scratch, arrivals, out_tokens, out_len, out_valid, nmin, nmax, k, search,
+                  BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, FULL: tl.constexpr, EARLIEST: tl.constexpr):
+    """Split scan whose last program to finish, per request, also writes the proposal: one launch."""
+    req = tl.program_id(0)
     splits = tl.num_programs(1)
     hist, length = _history(tokens, offsets, lengths, req)
     t, lo, hi = _candidate_range(length, nmin, k, search, FULL)
-    n_blocks = tl.maximum(hi - lo + BLOCK, 0) // BLOCK  # ceil((hi - lo + 1) / BLOCK), 0 when hi < lo
-    if split < n_blocks:
-        last_token = tl.load(hist + t)
-        best = tl.zeros([BLOCK], dtype=tl.int64)
-        for blk in range(split, n_blocks, splits):
-            start = lo + blk * BLOCK
-            best = tl.maximum(best, _score_block(hist, start, lo, hi, t, last_token, nmin, nmax, BLOCK, EARLIEST))
-        score = tl.max(best, axis=0)
-        if score > 0:
-            tl.atomic_max(scratch + req, score)
+    score = _split_share(hist, t, lo, hi, tl.program_id(1), splits, nmin, nmax, BLOCK, EARLIEST)
+    if score > 0:
+        tl.atomic_max(scratch + req, score)
+    # Every program of the request arrives once. The acq_rel arrival orders each program's atomic_max before it,
+    # so the last to arrive sees the final score; it also resets both slots for the next call.
+    arrived = tl.atomic_add(arrivals + req, 1)
+    if arrived == splits - 1:
+        best = tl.atomic_xchg(scratch + req, tl.zeros((), dtype=tl.int64))
+        tl.store(arrivals + req, 0)
+        _write_proposal(hist, t, best, req, k, out_tokens, out_len, out_valid, K_BLOCK, EARLIEST)
 
 
 @triton.jit(do_not_specialize=["k"])
@@ -215,18 +246,16 @@ def plan_launch(max_len: int | None, variant: str, block: int = DEFAULT_BLOCK,
     max_len only steers speed: every launch scans each history to its end whatever its length."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    blocks = triton.cdiv(max(int(max_len), 1), block) if max_len is not None else MAX_SPLITS
+    if variant == "auto":
+        variant = "single" if max_len is not None and blocks <= SINGLE_MAX_BLOCKS else AUTO_SPLIT_VARIANT
     if variant == "single":
         return "single", 1
-    blocks = triton.cdiv(max(int(max_len or 1), 1), block) if max_len is not None else MAX_SPLITS
-    if variant == "auto":
-        variant = "single" if max_len is not None and blocks <= SINGLE_MAX_BLOCKS else "split"
-        if variant == "single":
-            return "single", 1
     if splits is None:
         splits = min(blocks, MAX_SPLITS)
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
-    return "split", int(splits)
+    return variant, int(splits)
 
 
 def _check_inputs(tokens: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor) -> None:
@@ -251,8 +280,10 @@ class SuffixMatcher:
     the next call. Proposal entries past `valid` are -1. The call neither allocates nor synchronises, so it can
     be captured in a CUDA graph (capture with the same input tensors that will be refilled before each replay).
 
+    variant: "single", "split", "fused" (see the module docstring) or "auto": single when max_len is at most
+    SINGLE_MAX_BLOCKS blocks, else AUTO_SPLIT_VARIANT.
     max_len: the longest history expected; it picks the variant under "auto" and the programs per request of the
-    split variant, and affects speed only.
+    split variants (up to MAX_SPLITS), and affects speed only.
     """
 
     def __init__(self, max_batch: int, k: int, *, nmin: int = 6, nmax: int = 12, search: int = 0,
@@ -270,8 +301,9 @@ class SuffixMatcher:
         self.proposals = torch.full((self.max_batch, self.k), PAD_TOKEN, dtype=torch.int32, device=device)
         self.match_len = torch.zeros(self.max_batch, dtype=torch.int32, device=device)
         self.valid = torch.zeros(self.max_batch, dtype=torch.int32, device=device)
-        # Invariant between calls: all zeros (the extract kernel resets what the scan wrote).
+        # Invariant between calls: all zeros (the extract step resets what the scan wrote).
         self.scratch = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
+        self.arrivals = torch.zeros(self.max_batch, dtype=torch.int32, device=device)
 
     def __call__(self, tokens: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor):
         _check_inputs(tokens, offsets, lengths)
@@ -281,17 +313,20 @@ class SuffixMatcher:
         out = (self.proposals[:batch], self.match_len[:batch], self.valid[:batch])
         if batch == 0:
             return out
-        common = dict(K_BLOCK=_k_block(self.k), EARLIEST=self.policy == "earliest",
-                      num_warps=self.num_warps)
+        flags = dict(EARLIEST=self.policy == "earliest", num_warps=self.num_warps)
+        scalars = (self.nmin, self.nmax, self.k, self.search)
+        k_block = _k_block(self.k)
         if self.variant == "single":
-            _single_kernel[(batch,)](tokens, offsets, lengths, *out, self.nmin, self.nmax, self.k, self.search,
-                                     BLOCK=self.block, FULL=self.full, **common)
+            _single_kernel[(batch,)](tokens, offsets, lengths, *out, *scalars, BLOCK=self.block, K_BLOCK=k_block,
+                                     FULL=self.full, **flags)
+        elif self.variant == "fused":
+            _fused_kernel[(batch, self.splits)](tokens, offsets, lengths, self.scratch, self.arrivals, *out, *scalars,
+                                                BLOCK=self.block, K_BLOCK=k_block, FULL=self.full, **flags)
         else:
-            _split_scan_kernel[(batch, self.splits)](
-                tokens, offsets, lengths, self.scratch, self.nmin, self.nmax, self.k, self.search,
-                BLOCK=self.block, FULL=self.full, EARLIEST=self.policy == "earliest", num_warps=self.num_warps)
-            _split_extract_kernel[(batch,)](tokens, offsets, lengths, self.scratch, *out, self.k,
-                                            K_BLOCK=common["K_BLOCK"], EARLIEST=common["EARLIEST"], num_warps=1)
+            _split_scan_kernel[(batch, self.splits)](tokens, offsets, lengths, self.scratch, *scalars,
+                                                     BLOCK=self.block, FULL=self.full, **flags)
+            _split_extract_kernel[(batch,)](tokens, offsets, lengths, self.scratch, *out, self.k, K_BLOCK=k_block,
+                                            EARLIEST=flags["EARLIEST"], num_warps=1)
         return out
 
 
@@ -303,7 +338,7 @@ def suffix_match_batch(tokens: torch.Tensor, offsets: torch.Tensor, lengths: tor
 
     Convenient, not for the hot path: it allocates outputs, and unless `max_len` (or `splits`, or variant
     "single") is given it reads max(lengths) back to the host to plan the launch. Use `SuffixMatcher` in a decode loop.
-    scratch: optional int64 zeros of at least B entries for the split variant (left zeroed on return).
+    scratch: optional int64 zeros of at least B entries for the split variants (left zeroed on return).
     """
     _check_inputs(tokens, offsets, lengths)
     if variant != "single" and splits is None and max_len is None and lengths.numel():

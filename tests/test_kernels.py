@@ -42,7 +42,7 @@ sm = _load_kernels()
 DEVICE = "cuda" if CUDA else "cpu"
 
 # Interpreter: ~0.5 ms per program and ~60 µs per loop iteration, so short histories and few programs.
-N_BATCHES = 240 if CUDA else 64
+N_BATCHES = 240 if CUDA else 48
 BATCH = 32 if CUDA else 16
 MAX_LEN = 20_000 if CUDA else 1_000
 BLOCKS = (1024, 128) if CUDA else (128, 256, 1024)  # few block sizes on the GPU: each compiles
@@ -132,14 +132,14 @@ def run_kernel(histories, params, variant, rng=None, **launch):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("variant", ["single", "split"])
+@pytest.mark.parametrize("variant", ["single", "split", "fused"])
 @pytest.mark.parametrize("seed", range(N_BATCHES))
 def test_random_batches_match_reference(seed, variant):
-    rng = np.random.default_rng([seed, variant == "split"])
+    rng = np.random.default_rng([seed, ["single", "split", "fused"].index(variant)])
     params = random_params(rng)
     histories = [random_history(rng, MAX_LEN, params["nmin"]) for _ in range(BATCH)]
     block = int(rng.choice(BLOCKS))
-    splits = int(rng.choice(SPLITS)) if variant == "split" else None
+    splits = None if variant == "single" else int(rng.choice(SPLITS))
     result = run_kernel(histories, params, variant, rng, block=block, splits=splits)
     assert_same(histories, params, result, f"{variant} block={block} splits={splits}")
 
@@ -158,7 +158,8 @@ def test_auto_variant_and_batch_of_mixed_lengths(policy):
 # Hand-made edges
 # ----------------------------------------------------------------------------------------------------------------
 
-VARIANTS = [("single", {}), ("split", {"splits": 3, "block": 16}), ("split", {"splits": WIDE})]
+VARIANTS = [("single", {}), ("split", {"splits": 3, "block": 16}), ("split", {"splits": WIDE}),
+            ("fused", {"splits": 3, "block": 16}), ("fused", {"splits": WIDE})]
 
 
 @pytest.mark.parametrize("variant,launch", VARIANTS)
@@ -181,14 +182,14 @@ def test_short_and_empty_histories(variant, launch):
         assert_same(histories, params, run_kernel(histories, params, variant, **launch), f"nmin={nmin}")
 
 
-@pytest.mark.parametrize("variant", ["single", "split"])
+@pytest.mark.parametrize("variant", ["single", "split", "fused"])
 def test_empty_batch(variant):
     tokens, offsets, lengths = pack_ragged([])
     p, n, v = sm.suffix_match_batch(tokens, offsets, lengths, nmin=2, nmax=4, k=3, variant=variant)
     assert p.shape == (0, 3) and n.shape == (0,) and v.shape == (0,)
 
 
-@pytest.mark.parametrize("variant", ["single", "split"])
+@pytest.mark.parametrize("variant", ["single", "split", "fused"])
 def test_long_history_30k(variant):
     rng = np.random.default_rng(30)
     h = rng.integers(0, 1000, 30_000)
@@ -208,12 +209,12 @@ def test_int32_lengths_and_shared_storage():
     lengths = torch.tensor([500, 300, 400, 1], dtype=torch.int32, device=DEVICE)
     histories = [base[o : o + n] for o, n in zip(offsets.tolist(), lengths.tolist())]
     params = dict(nmin=2, nmax=9, k=6)
-    for variant in ("single", "split"):
+    for variant in ("single", "split", "fused"):
         result = sm.suffix_match_batch(tokens, offsets, lengths, variant=variant, **params)
         assert_same(histories, params, result, variant)
 
 
-@pytest.mark.parametrize("variant", ["single", "split"])
+@pytest.mark.parametrize("variant", ["single", "split", "fused"])
 def test_matcher_reuse_resets_scratch_and_writes_every_output(variant):
     rng = np.random.default_rng(11)
     params = dict(nmin=2, nmax=6, k=5)
@@ -224,7 +225,7 @@ def test_matcher_reuse_resets_scratch_and_writes_every_output(variant):
         matcher.proposals.fill_(-77), matcher.match_len.fill_(-77), matcher.valid.fill_(-77)
         result = matcher(*pack_ragged(histories, rng))
         assert_same(histories, params, result, f"step {step}")
-        assert int(matcher.scratch.abs().sum()) == 0
+        assert int(matcher.scratch.abs().sum()) == 0 and int(matcher.arrivals.abs().sum()) == 0
 
 
 def test_invalid_options_raise():
@@ -234,6 +235,8 @@ def test_invalid_options_raise():
                 dict(variant="fast")]:
         with pytest.raises(ValueError):
             sm.suffix_match_batch(tokens, offsets, lengths, **{**good, **bad})
+    with pytest.raises(ValueError):
+        sm.SuffixMatcher(1, 2, block=100, device=DEVICE)
     with pytest.raises(TypeError):
         sm.suffix_match_batch(tokens.long(), offsets, lengths, **good)
     with pytest.raises(TypeError):
@@ -273,7 +276,7 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 
 @needs_cuda
-@pytest.mark.parametrize("variant", ["single", "split"])
+@pytest.mark.parametrize("variant", ["single", "split", "fused"])
 def test_million_token_history(variant):
     rng = np.random.default_rng(1)
     big = rng.integers(0, 50_000, 1_200_000)
@@ -286,7 +289,7 @@ def test_million_token_history(variant):
 
 
 @needs_cuda
-@pytest.mark.parametrize("variant", ["single", "split"])
+@pytest.mark.parametrize("variant", ["single", "split", "fused"])
 def test_offsets_beyond_2_31_bytes(variant):
     # 600M int32 tokens = 2.4 GB: the last histories start past 2^31 bytes and past 2^31 / 4 elements.
     rng = np.random.default_rng(5)
@@ -308,7 +311,7 @@ def test_offsets_beyond_2_31_bytes(variant):
 
 
 @needs_cuda
-@pytest.mark.parametrize("variant", ["single", "split"])
+@pytest.mark.parametrize("variant", ["single", "split", "fused"])
 def test_cuda_graph_replay_equals_eager(variant):
     rng = np.random.default_rng(21)
     capacity, max_batch, params = 400_000, 16, dict(nmin=3, nmax=12, k=15)
