@@ -3,6 +3,7 @@
     python benchmarks/bench_kernels.py                 # on a CUDA GPU: measure, write the parquet, plot if it can
     python benchmarks/bench_kernels.py --plot-only     # anywhere: figure + tables from the committed parquet
     python benchmarks/bench_kernels.py --smoke         # CPU dry run of the whole pipeline in the Triton interpreter
+    python benchmarks/bench_kernels.py --sweep         # on a CUDA GPU: split kernels over BLOCK x num_warps
 
 Workload: B requests of L tokens each, ids uniform over a 151,936-token vocabulary (Qwen's), the last 16 tokens
 of every request copied from a random earlier span so that each request has a match; nmin 6, nmax 12, k 15,
@@ -44,6 +45,7 @@ from hqlab.rules.lookup import suffix_match
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "data" / "results" / "kernels_h200.parquet"
+SWEEP_RESULTS = ROOT / "data" / "results" / "kernels_h200_sweep.parquet"
 FIGURE = ROOT / "figures" / "kernels_latency"
 
 SHAPES = [(b, n) for b in (1, 8, 64) for n in (4_096, 32_768, 131_072)] + [(1, 1_048_576)]
@@ -483,6 +485,36 @@ def plot(rows, info, figure: Path = FIGURE) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+SWEEP_SHAPES = [(1, 131_072), (64, 32_768), (64, 131_072), (1, 1_048_576)]
+SWEEP_CONFIGS = [(block, warps) for block in (512, 1024, 2048, 4096) for warps in (2, 4, 8)]
+
+
+def sweep(torch, sm, info, out: Path) -> None:
+    """Graph-replayed latency of the split kernels over launch configurations (how the defaults were chosen)."""
+    rng = np.random.default_rng(1)
+    params = dict(nmin=NMIN, nmax=NMAX, k=K)
+    rows = []
+    for batch, context in SWEEP_SHAPES:
+        histories = [make_histories(rng, batch, context) for _ in range(n_input_sets(batch, context))]
+        device_sets = input_sets(torch, histories)
+        reference = [sm_ref(h, params) for h in histories[0]]
+        for variant in ("fused", "split"):
+            for block, warps in SWEEP_CONFIGS:
+                matcher = sm.SuffixMatcher(batch, variant=variant, max_len=context, block=block, num_warps=warps,
+                                           device="cuda", **params)
+                steps = [lambda s=s, m=matcher: m(s["tokens"], s["offsets"], s["lengths"]) for s in device_sets]
+                check_against_reference(steps[0](), reference, f"{variant} {block}/{warps}")
+                samples = time_graph(torch, steps, budget_s=0.1)
+                rows.append(dict(variant=variant, block=block, num_warps=warps, splits=matcher.splits, batch=batch,
+                                 context=context, median_us=statistics.median(samples), n_samples=len(samples)))
+                print(f"  sweep B={batch:>3} L={context:>8} {variant:<6} block={block:<5} warps={warps} "
+                      f"splits={matcher.splits:<4} {rows[-1]['median_us']:8.2f} µs", flush=True)
+        del device_sets
+        torch.cuda.empty_cache()
+    write_parquet(rows, info, out)
+    print(f"wrote {out}")
+
+
 def run(args) -> None:
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -495,6 +527,9 @@ def run(args) -> None:
     print(f"vLLM: {vllm_note}", flush=True)
     info = machine_info(torch, vllm_note)
     print(json.dumps(info), flush=True)
+    if args.sweep:
+        sweep(torch, sm, info, args.sweep_out)
+        return
     rng = np.random.default_rng(0)
     rows = []
     for batch, context in SMOKE_SHAPES if args.smoke else SHAPES:
@@ -510,7 +545,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plot-only", action="store_true", help="figure and tables from an existing parquet")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU dry run in the Triton interpreter")
+    parser.add_argument("--sweep", action="store_true", help="time the split kernels over launch configurations")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--sweep-out", type=Path, default=SWEEP_RESULTS)
     parser.add_argument("--figure", type=Path, default=FIGURE)
     parser.add_argument("--vllm-source", type=Path, default=None,
                         help="folder holding vLLM's ngram_proposer.py (and VERSION), used when vllm is not installed")

@@ -85,15 +85,16 @@ def _pack(n, e, EARLIEST: tl.constexpr):
 
 @triton.jit
 def _score_block(hist, start, lo, hi, t, last_token, nmin, nmax, BLOCK: tl.constexpr, EARLIEST: tl.constexpr):
-    """Packed score of each candidate end in [start, start + BLOCK) (0 where no match of at least nmin)."""
+    """Best packed score over the candidate ends in [start, start + BLOCK) (0 where none matches nmin tokens)."""
     e = start + tl.arange(0, BLOCK)
     in_range = (e >= lo) & (e <= hi)
     x = tl.load(hist + e, mask=in_range, other=0)
     alive = in_range & (x == last_token)
-    score = tl.zeros([BLOCK], dtype=tl.int64)
+    best = tl.full((), 0, dtype=tl.int64)
     # Cheap reject: with a real vocabulary the last token rarely recurs inside a block, so most blocks stop here
     # after one coalesced load. Survivors are extended one position at a time up to nmax (masked loads: dead
-    # lanes read nothing).
+    # lanes read nothing). Reducing to a scalar here, inside the rare branch, keeps the common path free of
+    # 64-bit vectors (fewer registers, more programs resident per SM).
     if tl.max(alive.to(tl.int32), axis=0) > 0:
         n = alive.to(tl.int32)
         for i in range(1, nmax):
@@ -104,8 +105,8 @@ def _score_block(hist, start, lo, hi, t, last_token, nmin, nmax, BLOCK: tl.const
             alive = ok & (a == b)
             n += alive.to(tl.int32)
         n = tl.where(n >= nmin, n, 0)
-        score = _pack(n, e, EARLIEST)
-    return score
+        best = tl.max(_pack(n, e, EARLIEST), axis=0)
+    return best
 
 
 @triton.jit
@@ -154,10 +155,9 @@ def _single_kernel(tokens, offsets, lengths, out_tokens, out_len, out_valid, nmi
     hist, length = _history(tokens, offsets, lengths, req)
     t, lo, hi = _candidate_range(length, nmin, k, search, FULL)
     last_token = tl.load(hist + t, mask=t >= 0, other=0)
-    best = tl.zeros([BLOCK], dtype=tl.int64)
+    score = tl.full((), 0, dtype=tl.int64)
     for start in range(lo, hi + 1, BLOCK):
-        best = tl.maximum(best, _score_block(hist, start, lo, hi, t, last_token, nmin, nmax, BLOCK, EARLIEST))
-    score = tl.max(best, axis=0)
+        score = tl.maximum(score, _score_block(hist, start, lo, hi, t, last_token, nmin, nmax, BLOCK, EARLIEST))
     _write_proposal(hist, t, score, req, k, out_tokens, out_len, out_valid, K_BLOCK, EARLIEST)
 
 
@@ -165,13 +165,13 @@ def _single_kernel(tokens, offsets, lengths, out_tokens, out_len, out_valid, nmi
 def _split_share(hist, t, lo, hi, split, splits, nmin, nmax, BLOCK: tl.constexpr, EARLIEST: tl.constexpr):
     """Best score over this program's share of the candidate blocks: blocks split, split + splits, ..."""
     n_blocks = tl.maximum(hi - lo + BLOCK, 0) // BLOCK  # ceil((hi - lo + 1) / BLOCK), 0 when hi < lo
-    best = tl.zeros([BLOCK], dtype=tl.int64)
+    best = tl.full((), 0, dtype=tl.int64)
     if split < n_blocks:
         last_token = tl.load(hist + t)
         for blk in range(split, n_blocks, splits):
             start = lo + blk * BLOCK
             best = tl.maximum(best, _score_block(hist, start, lo, hi, t, last_token, nmin, nmax, BLOCK, EARLIEST))
-    return tl.max(best, axis=0)
+    return best
 
 
 @triton.jit(do_not_specialize=_RUNTIME_SCALARS)
