@@ -182,7 +182,7 @@ def _split_scan_kernel(tokens, offsets, lengths, scratch, nmin, nmax, k, search,
     t, lo, hi = _candidate_range(length, nmin, k, search, FULL)
     score = _split_share(hist, t, lo, hi, tl.program_id(1), tl.num_programs(1), nmin, nmax, BLOCK, EARLIEST)
     if score > 0:
-        tl.atomic_max(scratch + req, score)
+        tl.atomic_max(scratch + req, score, sem="relaxed")  # the kernel boundary orders it before the extract
 
 
 @triton.jit(do_not_specialize=_RUNTIME_SCALARS)
@@ -195,10 +195,10 @@ def _fused_kernel(tokens, offsets, lengths, scratch, arrivals, out_tokens, out_l
     t, lo, hi = _candidate_range(length, nmin, k, search, FULL)
     score = _split_share(hist, t, lo, hi, tl.program_id(1), splits, nmin, nmax, BLOCK, EARLIEST)
     if score > 0:
-        tl.atomic_max(scratch + req, score)
-    # Every program of the request arrives once. The acq_rel arrival orders each program's atomic_max before it,
-    # so the last to arrive sees the final score; it also resets both slots for the next call.
-    arrived = tl.atomic_add(arrivals + req, 1)
+        tl.atomic_max(scratch + req, score, sem="relaxed")
+    # Every program of the request arrives once. The arrival's release orders the program's atomic_max before it
+    # and its acquire lets the last program to arrive see every score; that one also resets both slots.
+    arrived = tl.atomic_add(arrivals + req, 1, sem="acq_rel")
     if arrived == splits - 1:
         best = tl.atomic_xchg(scratch + req, tl.zeros((), dtype=tl.int64))
         tl.store(arrivals + req, 0)
