@@ -17,7 +17,7 @@ from pathlib import Path
 
 import polars as pl
 
-from hqlab import bench, plots
+from hqlab import bench
 from hqlab.config import DecodeConfig
 from hqlab.engines.hf import HFEngine
 from hqlab.io import write_atomic
@@ -53,20 +53,7 @@ def main() -> None:
     with pl.Config(tbl_rows=100, tbl_cols=20, tbl_width_chars=220):
         print(bench.summarize(results))
     print(results["machine"][0])
-    figures(results, args.tag)
-
-
-def figures(results: pl.DataFrame, tag: str) -> None:
-    fig = Path("figures")
-    per_cat = results.group_by(["category", "config"], maintain_order=True).agg(
-        pl.col("speedup_e2e").median(), pl.col("tokens_per_step").median(),
-        pl.col("propose_ms_per_step").median().alias("propose"), pl.col("verify_ms_per_step").median().alias("verify"))
-    plots.save(plots.grouped_bars(per_cat, "category", "speedup_e2e", "config", rule_at=1.0,
-                                  y_title="wall-time speedup over no speculation"), fig / f"core_{tag}_speedup.svg")
-    plots.save(plots.grouped_bars(per_cat, "category", "tokens_per_step", "config", rule_at=1.0,
-                                  y_title="tokens per verify step"), fig / f"core_{tag}_tokens_per_step.svg")
-    plots.save(plots.stacked_time(per_cat.select("category", "config", "propose", "verify"), "config",
-                                  ["propose", "verify"], facet="category"), fig / f"core_{tag}_step_time.svg")
+    bench.core_figures(results, args.tag, Path("figures"))
 
 
 if __name__ == "__main__":

@@ -7,10 +7,10 @@ repeats; the machine is written next to the numbers.
 
 from __future__ import annotations
 
-import os
 import platform
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import polars as pl
@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from hqlab.config import ConfigError, DecodeConfig, build_config, parse_spec
 from hqlab.lossless import NEAR_TIE_TOL, compare
 from hqlab.proposers import REGISTRY, Proposer, make_proposer
-from hqlab.trace import Generation, per_position_acceptance, records_frame
+from hqlab.trace import Generation, records_frame
 from hqlab.workloads import Prompt
 
 
@@ -198,8 +198,23 @@ def acceptance_by_position(steps: pl.DataFrame) -> pl.DataFrame:
     return pl.DataFrame(out)
 
 
-def default_threads() -> int:
-    return int(os.environ.get("HQLAB_THREADS", os.cpu_count() or 1))
+def core_figures(results: pl.DataFrame, tag: str, fig_dir: Path) -> list[Path]:
+    """The core benchmark's three figures: wall-time speedup, tokens/step, and where a step's time goes."""
+    from hqlab import plots
+
+    per_cat = results.group_by(["category", "config"], maintain_order=True).agg(
+        pl.col("speedup_e2e").median(), pl.col("tokens_per_step").median(),
+        pl.col("propose_ms_per_step").median().alias("propose"),
+        pl.col("verify_ms_per_step").median().alias("verify"))
+    paths = [fig_dir / f"core_{tag}_speedup.svg", fig_dir / f"core_{tag}_tokens_per_step.svg",
+             fig_dir / f"core_{tag}_step_time.svg"]
+    plots.save(plots.grouped_bars(per_cat, "category", "speedup_e2e", "config", rule_at=1.0,
+                                  y_title="wall-time speedup over no speculation"), paths[0])
+    plots.save(plots.grouped_bars(per_cat, "category", "tokens_per_step", "config", rule_at=1.0,
+                                  y_title="tokens per verify step"), paths[1])
+    plots.save(plots.stacked_time(per_cat.select("category", "config", "propose", "verify"), "config",
+                                  ["propose", "verify"], facet="category"), paths[2])
+    return paths
 
 
-__all__ = ["run_bench", "summarize", "parse_configs", "acceptance_by_position", "per_position_acceptance"]
+__all__ = ["run_bench", "summarize", "parse_configs", "acceptance_by_position", "core_figures"]

@@ -26,6 +26,8 @@ class LookupProposer:
 
     def propose(self, histories: Sequence[np.ndarray], budgets: Sequence[int]) -> list[Proposal]:
         c = self.config
+        if histories and _on_gpu(histories[0]):
+            return self._propose_gpu(histories, budgets)
         out = []
         for history, budget in zip(histories, budgets):
             k = min(c.k, int(budget))
@@ -36,6 +38,43 @@ class LookupProposer:
             tokens = m.tokens.astype(np.int64, copy=False)
             out.append(Proposal(tokens, np.full(m.valid, Source.LOOKUP, dtype=np.int8), m.match_len))
         return out
+
+
+    def _propose_gpu(self, histories: Sequence, budgets: Sequence[int]) -> list[Proposal]:
+        """All histories in one Triton launch (bit-identical to the reference rule), one copy back to the host."""
+        import torch
+
+        try:
+            from hqlab_kernels.suffix_match import suffix_match_batch
+        except ImportError as e:  # pragma: no cover - only without the kernels package installed
+            raise RuntimeError(f"histories are on a GPU but the Triton kernels are unavailable: {e}") from None
+        c = self.config
+        lengths = torch.tensor([h.shape[0] for h in histories], dtype=torch.int64)
+        offsets = torch.cumsum(lengths, 0) - lengths
+        tokens = torch.cat([h.to(torch.int32) for h in histories])
+        device = tokens.device
+        proposals, match_len, valid = suffix_match_batch(
+            tokens, offsets.to(device), lengths.to(device), nmin=c.nmin, nmax=c.nmax, k=c.k, search=c.search,
+            full=c.full, policy=c.policy, max_len=int(lengths.max()))
+        proposals, match_len, valid = proposals.cpu().numpy(), match_len.cpu().numpy(), valid.cpu().numpy()
+        out = []
+        for i, budget in enumerate(budgets):
+            budget = int(budget)
+            if budget <= 0:
+                out.append(Proposal.empty())
+            elif c.full and budget < c.k:
+                # "full" makes the choice of match depend on k itself: near the end of a generation, where the
+                # budget is below k, ask the reference with the smaller k (rare, and bit-identical by definition).
+                out.extend(self.propose([histories[i].cpu().numpy()], [budget]))
+            else:  # without "full" the match does not depend on k: a longer proposal clipped is the same
+                n = min(int(valid[i]), budget)
+                out.append(Proposal(proposals[i, :n].astype(np.int64), np.full(n, Source.LOOKUP, dtype=np.int8),
+                                    int(match_len[i])))
+        return out
+
+
+def _on_gpu(history: object) -> bool:
+    return getattr(history, "is_cuda", False)
 
 
 @dataclass(frozen=True)
