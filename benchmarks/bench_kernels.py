@@ -35,6 +35,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import types
 from pathlib import Path
@@ -479,7 +480,7 @@ def plot(rows, info, figure: Path = FIGURE) -> None:
     figure.parent.mkdir(parents=True, exist_ok=True)
     chart.save(str(figure.with_suffix(".svg")))
     chart.save(str(figure.with_suffix(".png")), scale_factor=2)
-    print(f"wrote {figure.with_suffix('.svg')} and .png")
+    print(f"wrote {shown(figure.with_suffix('.svg'))} and .png")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -512,12 +513,22 @@ def sweep(torch, sm, info, out: Path) -> None:
         del device_sets
         torch.cuda.empty_cache()
     write_parquet(rows, info, out)
-    print(f"wrote {out}")
+    print(f"wrote {shown(out)}")
+
+
+def shown(path: Path) -> str:
+    """A path as printed: relative to the repository where it lies inside it."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return path.name
 
 
 def run(args) -> None:
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+        if args.out == RESULTS:  # never overwrite the committed GPU results with a dry run
+            args.out = Path(tempfile.gettempdir()) / "kernels_smoke.parquet"
     import torch
 
     if not args.smoke and not torch.cuda.is_available():
@@ -537,7 +548,7 @@ def run(args) -> None:
         if not args.smoke:
             torch.cuda.empty_cache()
     write_parquet(rows, info, args.out)
-    print(f"wrote {args.out}\n")
+    print(f"wrote {shown(args.out)}\n")
     print(markdown_tables(rows, info))
 
 
