@@ -452,31 +452,13 @@ def markdown_tables(rows, info) -> str:
 
 
 def plot(rows, info, figure: Path = FIGURE) -> None:
-    import altair as alt
     import polars as pl
 
+    from hqlab.plots import kernel_latency
+
     frame = pl.DataFrame([{k: r[k] for k in ("method", "batch", "context", "median_us")} for r in rows])
-    frame = frame.with_columns(pl.format("batch {}", pl.col("batch")).alias("facet"))
-    methods = [m for m in METHOD_ORDER if m in set(frame["method"])]
-    chart = (
-        alt.Chart(frame)
-        .mark_line(point=True)
-        .encode(
-            x=alt.X("context:Q", scale=alt.Scale(type="log", base=2), title="context (tokens per request)",
-                    axis=alt.Axis(values=[4096, 32768, 131072, 1048576], labelExpr="datum.value >= 1048576 ? "
-                                  "'1M' : format(datum.value / 1024, 'd') + 'k'")),
-            y=alt.Y("median_us:Q", scale=alt.Scale(type="log"), title="latency per step (µs, median)"),
-            color=alt.Color("method:N", sort=methods, title=None),
-            strokeDash=alt.condition(alt.FieldOneOfPredicate("method", [EMPTY, READ]), alt.value([4, 3]),
-                                     alt.value([1, 0])),
-            tooltip=["method", "batch", "context", alt.Tooltip("median_us:Q", format=",.1f")],
-        )
-        .properties(width=230, height=260)
-        .facet(column=alt.Column("facet:N", sort=["batch 1", "batch 8", "batch 64"], title=None))
-        .properties(title=f"Suffix-match lookup, nmin {NMIN} / nmax {NMAX} / k {K}: "
-                          f"{info.get('gpu', 'GPU')} and its host CPU")
-        .configure_legend(orient="bottom", columns=4)
-    )
+    chart = kernel_latency(frame, title=f"Suffix-match lookup, nmin {NMIN} / nmax {NMAX} / k {K}: "
+                                        f"{info.get('gpu', 'GPU')} and its host CPU")
     figure.parent.mkdir(parents=True, exist_ok=True)
     chart.save(str(figure.with_suffix(".svg")))
     chart.save(str(figure.with_suffix(".png")), scale_factor=2)

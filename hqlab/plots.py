@@ -78,3 +78,31 @@ def stacked_time(data: pl.DataFrame, x: str, parts: list[str], *, facet: str | N
         tooltip=[x, "part", alt.Tooltip("ms:Q", format=".3g")],
     ).properties(width=WIDTH * 1.2, height=180)
     return chart.facet(alt.Facet(f"{facet}:N", title=None), columns=4, data=long) if facet else chart
+
+
+def kernel_latency(frame: pl.DataFrame, *, title: str) -> alt.TopLevelMixin:
+    """Latency per step vs context (log-log), one line per method, one panel per batch size. Methods named
+    "floor: ..." (measured launch and bandwidth floors) are dashed; the legend lists methods fastest first."""
+    frame = frame.select("method", "batch", "context", "median_us").with_columns(
+        pl.format("batch {}", pl.col("batch")).alias("panel"))
+    methods = frame.group_by("method").agg(pl.col("median_us").median()).sort("median_us")["method"].to_list()
+    dashed = [m for m in methods if m.startswith("floor")]
+    panels = [f"batch {b}" for b in sorted(set(frame["batch"]))]
+    return (
+        alt.Chart(frame)
+        .mark_line(point=True)
+        .encode(
+            x=alt.X("context:Q", scale=alt.Scale(type="log", base=2), title="context (tokens per request)",
+                    axis=alt.Axis(values=[4096, 32768, 131072, 1048576], labelExpr="datum.value >= 1048576 ? "
+                                  "'1M' : format(datum.value / 1024, 'd') + 'k'")),
+            y=alt.Y("median_us:Q", scale=alt.Scale(type="log"), title="latency per step (µs, median)"),
+            color=alt.Color("method:N", sort=methods, title=None),
+            strokeDash=alt.condition(alt.FieldOneOfPredicate("method", dashed), alt.value([4, 3]),
+                                     alt.value([1, 0])),
+            tooltip=["method", "batch", "context", alt.Tooltip("median_us:Q", format=",.1f")],
+        )
+        .properties(width=230, height=260)
+        .facet(column=alt.Column("panel:N", sort=panels, title=None))
+        .properties(title=title)
+        .configure_legend(orient="bottom", columns=4)
+    )

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Triton kernels run in the interpreter on machines without a GPU. The variable must be set before any
+# @triton.jit function is defined, i.e. before any test module imports hqlab_kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

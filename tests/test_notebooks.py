@@ -17,6 +17,7 @@ SMALL = {
     "suffix_lengths": dict(limit=3, suite="all", max_new_tokens=24, doc_tokens=300, nmin_grid=[2, 6],
                            nmax_grid=[6, 12], k_grid=[4, 15], cost_contexts=[128, 512], cost_verify_lens=[1, 4, 16],
                            live_configs=["lookup:nmin=2,nmax=6,k=8"]),
+    "kernels": dict(),
     # runs the benchmark itself (not only the re-plot), on two prompts
     "core_benchmark": dict(rerun=True, tags=["ci"], configs=["lookup:nmin=6,k=15", "hf-pld:k=10"],
                            suites={"copy": 16, "chat": 16}, doc_tokens=300, limit=1),
