@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-import polars as pl
 
 
 @dataclass
@@ -68,15 +67,21 @@ class Generation:
         return self.new_tokens / self.total_s if self.total_s > 0 else float("nan")
 
 
-STEP_SCHEMA = {
-    "request": pl.String, "step": pl.Int32, "context_len": pl.Int32, "verify_len": pl.Int32,
-    "proposed": pl.List(pl.Int64), "sources": pl.List(pl.Int8), "match_len": pl.Int32, "accepted": pl.Int32,
-    "emitted": pl.Int32, "step_s": pl.Float64, "propose_s": pl.Float64, "t_end": pl.Float64, "block": pl.Int32,
-}
+def step_schema() -> dict:
+    import polars as pl  # engines do not need polars; only frames do
+
+    return {
+        "request": pl.String, "step": pl.Int32, "context_len": pl.Int32, "verify_len": pl.Int32,
+        "proposed": pl.List(pl.Int64), "sources": pl.List(pl.Int8), "match_len": pl.Int32, "accepted": pl.Int32,
+        "emitted": pl.Int32, "step_s": pl.Float64, "propose_s": pl.Float64, "t_end": pl.Float64, "block": pl.Int32,
+    }
 
 
-def records_frame(records: list[StepRecord]) -> pl.DataFrame:
-    return pl.DataFrame([asdict(r) for r in records], schema=STEP_SCHEMA)
+def records_frame(records: list[StepRecord]):
+    """Step records as a polars DataFrame (one row per verify step)."""
+    import polars as pl
+
+    return pl.DataFrame([asdict(r) for r in records], schema=step_schema())
 
 
 def tokens_per_step(records: list[StepRecord]) -> float:
