@@ -17,7 +17,7 @@ from pathlib import Path
 
 import polars as pl
 
-from hqlab import bench
+from hqlab import bench, sweep
 from hqlab.config import DecodeConfig
 from hqlab.engines.hf import HFEngine
 from hqlab.io import write_atomic
@@ -35,13 +35,20 @@ def main() -> None:
     ap.add_argument("--doc-tokens", type=int, default=2000)
     ap.add_argument("--labd-tokens", type=int, default=512)
     ap.add_argument("--chat-tokens", type=int, default=256)
+    ap.add_argument("--standalone-from", type=Path, default=None,
+                    help="suffix_sweep.parquet: add the sweep's best overall lookup config (geomean over classes)")
     args = ap.parse_args()
+    configs = list(CONFIGS)
+    if args.standalone_from:
+        best = sweep.best_overall(pl.read_parquet(args.standalone_from))["config"][0]
+        print("standalone lookup chosen by the sweep:", best)
+        configs.insert(0, best)
 
     engine = HFEngine.load(args.model, device=args.device)
     parts_r, parts_s = [], []
     for suite, n in [("labd", args.labd_tokens), ("chat", args.chat_tokens)]:
         prompts = load_workload(suite, doc_tokens=args.doc_tokens, tokenizer=engine.tokenizer)
-        r, s = bench.run_bench(engine, prompts, CONFIGS, DecodeConfig(max_new_tokens=n), repeats=args.repeats,
+        r, s = bench.run_bench(engine, prompts, configs, DecodeConfig(max_new_tokens=n), repeats=args.repeats,
                                meta={"suite": suite, "doc_tokens": args.doc_tokens})
         parts_r.append(r)
         parts_s.append(s)

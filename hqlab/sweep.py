@@ -124,3 +124,13 @@ def by_category(frame: pl.DataFrame) -> pl.DataFrame:
     if "pred_decode_s" in out.columns:
         out = out.with_columns((pl.col("pred_base_s") / pl.col("pred_decode_s")).alias("speedup_pred"))
     return out
+
+
+def best_overall(frame: pl.DataFrame) -> pl.DataFrame:
+    """Configs ranked by the geometric mean over task classes of the predicted speedup (then the worst class):
+    one standalone default that is good everywhere rather than best on one class."""
+    table = by_category(frame)
+    return (table.group_by("config").agg(pl.col("speedup_pred").log().mean().exp().alias("geomean_speedup"),
+                                         pl.col("speedup_pred").min().alias("worst_class"),
+                                         pl.col("tokens_per_step").mean().alias("mean_tokens_per_step"))
+            .sort(["geomean_speedup", "worst_class"], descending=True))

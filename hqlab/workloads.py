@@ -17,8 +17,10 @@ CHAT_PROMPTS = DATA_DIR / "workloads" / "chat.jsonl"
 
 # The instructions of the six document tasks (SPEC §3), phrased so they work for any prefix of the document.
 TASKS: dict[str, str] = {
-    "copy": "Reproduce the first 60 lines of the document above verbatim, exactly as written, including "
-            "markdown syntax and code fences. Output only the copied text.",
+    # Naming the first line matters: asked only to "reproduce the document", the 0.5B model copies its first code
+    # block and stops (214 tokens); anchored on the first line it copies from the start for 640+ tokens.
+    "copy": "Repeat the document above exactly, word for word, from its first line to its last line, starting "
+            "with the line \"{first_line}\". Output only the document.",
     "code": "List every shell command that appears in the document above, verbatim and in order of appearance, "
             "one per line. Output only the commands.",
     "edit": "Rewrite the first section of the document above (from the title down to the second heading) so that "
@@ -60,12 +62,18 @@ def read_document(doc_tokens: int | None = None, tokenizer: Any = None, path: Pa
     if len(ids) <= doc_tokens:
         return text
     prefix = tokenizer.decode(ids[:doc_tokens])
-    cut = prefix.rfind("\n")
+    # Cut at a paragraph break outside any code fence: a document that ends inside an open ``` block makes the
+    # model continue the block instead of following the instruction.
+    cut = prefix.rfind("\n\n")
+    while cut > 0 and prefix[:cut].count("```") % 2:
+        cut = prefix.rfind("\n\n", 0, cut)
     return prefix[: cut + 1] if cut > 0 else prefix
 
 
 def document_prompt(task: str, document: str) -> Prompt:
-    content = f"<document>\n{document.rstrip()}\n</document>\n\n{TASKS[task]}"
+    first_line = next((line for line in document.splitlines() if line.strip() and not line.startswith("<!--")), "")
+    instruction = TASKS[task].replace("{first_line}", first_line)
+    content = f"<document>\n{document.rstrip()}\n</document>\n\n{instruction}"
     return Prompt(id=task, category=task, messages=({"role": "user", "content": content},))
 
 

@@ -143,8 +143,6 @@ chart
 # %%
 best = (table.sort("speedup_pred", descending=True).group_by("category", maintain_order=True).first()
         .select("category", "config", "tokens_per_step", "speedup_pred").sort("category"))
-overall = (table.group_by("config").agg(pl.col("speedup_pred").log().mean().exp().alias("geomean_speedup"),
-                                        pl.col("speedup_pred").min().alias("worst_class"))
-           .sort("geomean_speedup", descending=True))
+overall = sweep.best_overall(grid)
 print(best)
-print(overall.head(5))
+print(overall.head(8))
