@@ -2,12 +2,14 @@
 
 One process, one model load, configs interleaved per prompt; both suites in the same run:
   - labd (copy, code, edit, quote, summary, qa over the frozen document), 512 new tokens;
-  - chat (8 short real prompts), 256 new tokens.
-Configs: no speculation (reference), hqlab lookup k=15 and k=7, hqlab's Spec-Bench PLD, and transformers' own
+  - chat (8 short real prompts), 128 new tokens.
+Configs: no speculation (reference), hqlab lookup with HyperQwen's fused-setting defaults at k=15 and k=7, the
+suffix-length sweep's best standalone lookup (--standalone-from), hqlab's Spec-Bench PLD, and transformers' own
 prompt lookup (hf-pld k=10) timed by the same harness.
 
 Writes data/results/core_<tag>.parquet (+ .steps.parquet) and figures/core_<tag>_*.svg/png.
 Usage: python benchmarks/bench_core.py [--tag cpu] [--repeats 1] [--device auto] [--doc-tokens 2000]
+       [--standalone-from data/results/suffix_sweep.parquet]
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--doc-tokens", type=int, default=2000)
     ap.add_argument("--labd-tokens", type=int, default=512)
-    ap.add_argument("--chat-tokens", type=int, default=256)
+    ap.add_argument("--chat-tokens", type=int, default=128)
     ap.add_argument("--standalone-from", type=Path, default=None,
                     help="suffix_sweep.parquet: add the sweep's best overall lookup config (geomean over classes)")
     args = ap.parse_args()

@@ -23,8 +23,8 @@ tags = ["cpu"]
 rerun = False
 model = "qwen2.5-coder-0.5b"
 device = "auto"
-configs = ["lookup:nmin=6,nmax=12,k=15", "lookup:nmin=6,nmax=12,k=7", "pld:n=3,k=10", "hf-pld:k=10"]
-suites = {"labd": 512, "chat": 256}
+configs = ["lookup:nmin=1,nmax=32,k=15,policy=earliest", "lookup:nmin=6,nmax=12,k=15", "lookup:nmin=6,nmax=12,k=7", "pld:n=3,k=10", "hf-pld:k=10"]
+suites = {"labd": 512, "chat": 128}
 doc_tokens = 2000
 repeats = 1
 limit = 0
