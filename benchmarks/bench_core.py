@@ -39,8 +39,10 @@ def main() -> None:
     ap.add_argument("--chat-tokens", type=int, default=128)
     ap.add_argument("--standalone-from", type=Path, default=None,
                     help="suffix_sweep.parquet: add the sweep's best overall lookup config (geomean over classes)")
+    ap.add_argument("--suites", default="labd,chat", help="comma-separated: labd, chat")
+    ap.add_argument("--configs", default=None, help="';'-separated specs instead of the default set")
     args = ap.parse_args()
-    configs = list(CONFIGS)
+    configs = args.configs.split(";") if args.configs else list(CONFIGS)
     if args.standalone_from:
         best = sweep.best_overall(pl.read_parquet(args.standalone_from))["config"][0]
         print("standalone lookup chosen by the sweep:", best)
@@ -48,7 +50,9 @@ def main() -> None:
 
     engine = HFEngine.load(args.model, device=args.device)
     parts_r, parts_s = [], []
-    for suite, n in [("labd", args.labd_tokens), ("chat", args.chat_tokens)]:
+    tokens = {"labd": args.labd_tokens, "chat": args.chat_tokens}
+    for suite in args.suites.split(","):
+        n = tokens[suite]
         prompts = load_workload(suite, doc_tokens=args.doc_tokens, tokenizer=engine.tokenizer)
         r, s = bench.run_bench(engine, prompts, configs, DecodeConfig(max_new_tokens=n), repeats=args.repeats,
                                meta={"suite": suite, "doc_tokens": args.doc_tokens})
