@@ -198,6 +198,10 @@ def acceptance_by_position(steps: pl.DataFrame) -> pl.DataFrame:
     return pl.DataFrame(out)
 
 
+def core_figure_names(tag: str) -> list[str]:
+    return [f"core_{tag}_{kind}.svg" for kind in ("speedup", "tokens_per_step", "step_time")]
+
+
 def core_figures(results: pl.DataFrame, tag: str, fig_dir: Path) -> list[Path]:
     """The core benchmark's three figures: wall-time speedup, tokens/step, and where a step's time goes."""
     from hqlab import plots
@@ -206,8 +210,7 @@ def core_figures(results: pl.DataFrame, tag: str, fig_dir: Path) -> list[Path]:
         pl.col("speedup_e2e").median(), pl.col("tokens_per_step").median(),
         pl.col("propose_ms_per_step").median().alias("propose"),
         pl.col("verify_ms_per_step").median().alias("verify"))
-    paths = [fig_dir / f"core_{tag}_speedup.svg", fig_dir / f"core_{tag}_tokens_per_step.svg",
-             fig_dir / f"core_{tag}_step_time.svg"]
+    paths = [fig_dir / name for name in core_figure_names(tag)]
     plots.save(plots.grouped_bars(per_cat, "category", "speedup_e2e", "config", rule_at=1.0,
                                   y_title="wall-time speedup over no speculation"), paths[0])
     plots.save(plots.grouped_bars(per_cat, "category", "tokens_per_step", "config", rule_at=1.0,
