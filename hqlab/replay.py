@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from hqlab.proposers.base import Proposer
+from hqlab.rules.verify import greedy_verify
 from hqlab.trace import StepRecord
 
 
@@ -39,11 +40,11 @@ def replay(prompt_ids: Sequence[int], output_ids: Sequence[int], proposer: Propo
         proposal = proposer.propose([view], [budget])[0].truncated(budget) if budget > 0 else None
         propose_s = time.perf_counter() - t0 if time_proposals else 0.0
         tokens = proposal.tokens if proposal is not None else np.empty(0, dtype=np.int64)
-        actual = out[done : done + tokens.size]
-        mismatch = np.flatnonzero(tokens[: actual.size] != actual)
-        accepted = int(mismatch[0]) if mismatch.size else int(actual.size)
-        emitted = min(accepted + 1, out.size - done)
-        accepted = min(accepted, emitted - 1)
+        # The recorded output is the target's argmax sequence, so the engine's own greedy rule decides. Past an
+        # EOS the output has no tokens to compare: there the engine keeps nothing either.
+        m = min(tokens.size, out.size - done - 1)
+        accepted = greedy_verify(tokens[:m], out[done : done + m + 1]).accepted
+        emitted = accepted + 1
         records.append(StepRecord(
             request=request, step=len(records), context_len=prompt_len + done - 1, verify_len=1 + tokens.size,
             proposed=tokens.tolist(), sources=[] if proposal is None else proposal.sources.tolist(),
