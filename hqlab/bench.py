@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from hqlab.config import ConfigError, DecodeConfig, build_config, parse_spec
 from hqlab.lossless import NEAR_TIE_TOL, compare
 from hqlab.proposers import REGISTRY, Proposer, make_proposer
-from hqlab.trace import Generation, records_frame
+from hqlab.trace import Generation, acceptance_curve, records_frame
 from hqlab.workloads import Prompt
 
 
@@ -190,11 +190,9 @@ def acceptance_by_position(steps: pl.DataFrame) -> pl.DataFrame:
         drafts = group.filter(pl.col("proposed").list.len() > 0)
         if drafts.height == 0:
             continue
-        width = int(drafts["proposed"].list.len().max())
-        accepted = drafts["accepted"].to_numpy()
-        for i in range(width):
-            out.append({"category": category, "config": config, "position": i + 1,
-                        "acceptance": float((accepted > i).mean())})
+        curve = acceptance_curve(drafts["accepted"].to_numpy(), int(drafts["proposed"].list.len().max()))
+        out.extend({"category": category, "config": config, "position": i + 1, "acceptance": float(a)}
+                   for i, a in enumerate(curve))
     return pl.DataFrame(out)
 
 

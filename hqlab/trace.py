@@ -91,14 +91,19 @@ def tokens_per_step(records: list[StepRecord]) -> float:
     return float(np.mean([r.accepted + 1 for r in records]))
 
 
+def acceptance_curve(accepted: np.ndarray, width: int) -> np.ndarray:
+    """acc[i] = share of drafts whose accepted count exceeds i (the one definition of per-position acceptance)."""
+    accepted = np.asarray(accepted)
+    if accepted.size == 0:
+        return np.zeros(width)
+    return np.array([(accepted > i).mean() for i in range(width)])
+
+
 def per_position_acceptance(records: list[StepRecord], max_pos: int | None = None) -> np.ndarray:
     """acc[i] = share of drafts (steps with >= 1 proposed token) that accepted more than i tokens."""
     drafts = [r for r in records if r.proposed]
-    if not drafts:
-        return np.zeros(max_pos or 0)
-    width = max_pos or max(len(r.proposed) for r in drafts)
-    accepted = np.array([r.accepted for r in drafts])
-    return np.array([(accepted > i).mean() for i in range(width)])
+    width = max_pos or max((len(r.proposed) for r in drafts), default=0)
+    return acceptance_curve(np.array([r.accepted for r in drafts]), width)
 
 
 def acceptance_histogram(records: list[StepRecord]) -> dict[int, int]:

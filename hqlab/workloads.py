@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 DOCUMENT = DATA_DIR / "documents" / "handbook.md"
@@ -152,5 +152,3 @@ def read_jsonl(path: Path) -> list[Prompt]:
         raise WorkloadError(f"{path}: no prompts (empty file)")
     return prompts
 
-
-TokenizeFn = Callable[[list[dict[str, str]]], list[int]]
