@@ -30,5 +30,9 @@ figures: setup
 notebooks: setup
 	$(BIN)/jupytext --to ipynb notebooks/*.py
 
+# The executed notebooks (make figures) and docs/ as an HTML site that works offline: site/index.html.
+site: setup
+	$(BIN)/hqlab site
+
 clean-venv:
 	rm -rf $(VENV)

@@ -69,6 +69,34 @@ def cmd_figures(args: argparse.Namespace) -> int:
     return run_all(params_file=args.params, only=args.only, out_dir=args.out_dir)
 
 
+def cmd_site(args: argparse.Namespace) -> int:
+    from hqlab.site import SiteError, build_site, site_pages
+
+    try:
+        pages = build_site(args.out, args.notebooks_dir)
+    except SiteError as e:
+        raise ConfigError(str(e)) from None
+    for p in pages:
+        print(f"{p.stem}: {p.status}")
+    print(f"wrote {args.out / 'index.html'}")
+    if not args.check:
+        return 0
+    from hqlab.sitecheck import BrowserMissing, check_page, ensure_chromium
+
+    try:
+        chromium = ensure_chromium(install=False)
+    except BrowserMissing as e:
+        raise ConfigError(str(e)) from None
+    problems = []
+    for page in site_pages(args.out):
+        report = check_page(page, chromium)
+        problems += report.problems()
+        print(f"{page.relative_to(args.out)}: {len(report.charts)} charts, {len(report.widgets)} widget views")
+    for line in problems:
+        print("NOT VISIBLE:", line, file=sys.stderr)
+    return 4 if problems else 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     from hqlab import models
     from hqlab.bench import EXTERNAL
@@ -110,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--only", action="append", default=None, help="run only these notebooks (by stem)")
     f.add_argument("--out-dir", type=Path, default=Path("notebooks/out"), help="executed notebooks go here")
     f.set_defaults(func=cmd_figures)
+
+    s = sub.add_parser("site", help="render the executed notebooks and docs as an offline HTML site")
+    s.add_argument("--out", type=Path, default=Path("site"), help="site folder (replaced whole)")
+    s.add_argument("--notebooks-dir", type=Path, default=Path("notebooks/out"), help="executed notebooks")
+    s.add_argument("--check", action="store_true", help="then screenshot every page in headless Chromium and "
+                   "fail (exit 4) if a chart or widget view is not visible")
+    s.set_defaults(func=cmd_site)
 
     ls = sub.add_parser("list", help="models, proposers and suites")
     ls.set_defaults(func=cmd_list)
