@@ -97,6 +97,47 @@ def cmd_site(args: argparse.Namespace) -> int:
     return 4 if problems else 0
 
 
+def cmd_vocab(args: argparse.Namespace) -> int:
+    """`vocab build` (artifacts of one list) and `vocab coverage` (held-out curves vs reference lists)."""
+    from hqlab import vocab
+    from hqlab.corpus import CorpusError
+    from hqlab.publish import PublishError
+
+    try:
+        if args.vocab_command == "build":
+            r = vocab.build(args.model, args.corpus, args.size, args.out, holdout=not args.no_holdout)
+            print(f"{r.folder}: {r.ids.size} ids from {r.summary['tokens_counted']} tokens of "
+                  f"{r.summary['records_counted']} records; held-out coverage "
+                  + ", ".join(f"{k} {v:.2%}" for k, v in r.coverage.items()))
+            return 0
+        return _vocab_coverage(args, vocab)
+    except (CorpusError, vocab.VocabError, PublishError) as e:
+        print(f"hqlab vocab {args.vocab_command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _vocab_coverage(args: argparse.Namespace, vocab) -> int:
+    import polars as pl
+
+    from hqlab import plots
+    from hqlab.corpus import expand
+    from hqlab.io import write_atomic
+
+    expand(args.corpus + [r for r in args.reference if r != "generic"])  # fail on bad paths before loading
+    _, tokenizer, vocab_size = vocab.model_files(args.model)
+    sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else vocab.default_sizes(vocab_size)
+    refs = {("generic" if r == "generic" else Path(r).stem): [r] for r in args.reference}
+    frame = pl.DataFrame(vocab.compare_lists(tokenizer, vocab_size, args.corpus, refs, sizes))
+    frame = frame.with_columns(pl.lit(str(args.model)).alias("model"))
+    write_atomic(args.out, lambda tmp: frame.write_parquet(tmp))
+    with pl.Config(tbl_rows=100):
+        print(frame.filter(pl.col("src") == "all").pivot(on="list", index="n", values="coverage"))
+    if args.figure:
+        plots.save(plots.lines(frame, "n", "coverage", "list", facet="src", x_title="draft vocabulary size N",
+                               y_title="held-out coverage", log_x=True), args.figure)
+    return 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     from hqlab import models
     from hqlab.bench import EXTERNAL
@@ -145,6 +186,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--check", action="store_true", help="then screenshot every page in headless Chromium and "
                    "fail (exit 4) if a chart or widget view is not visible")
     s.set_defaults(func=cmd_site)
+
+    v = sub.add_parser("vocab", help="draft vocabulary: build artifacts, coverage curves")
+    vsub = v.add_subparsers(dest="vocab_command", required=True)
+    vb = vsub.add_parser("build", help="count a corpus, keep the top N ids, publish ids/lm_head/mapping")
+    vc = vsub.add_parser("coverage", help="held-out coverage vs N of the own-output list and reference lists")
+    for x in (vb, vc):
+        x.add_argument("--model", default="qwen2.5-coder-0.5b", help="offline short name or checkpoint folder")
+        x.add_argument("--corpus", action="append", required=True, metavar="PATH",
+                       help="repeatable: .jsonl/.txt/.py/.parquet file or folder (e.g. a self-generated corpus)")
+    vb.add_argument("--size", type=int, default=16384, help="draft vocabulary size N")
+    vb.add_argument("--out", type=Path, required=True, help="artifact folder (published atomically)")
+    vb.add_argument("--no-holdout", action="store_true", help="count every record (no coverage report)")
+    vc.add_argument("--reference", action="append", default=[], metavar="PATH",
+                    help="repeatable: a corpus to build a comparison list from; 'generic' = stdlib + package docs")
+    vc.add_argument("--sizes", default="", help="comma-separated N values (default: 1k..128k)")
+    vc.add_argument("--out", type=_out_path, required=True, help="curves .parquet")
+    vc.add_argument("--figure", type=Path, default=None, help="also write the curves (.svg + .png)")
+    v.set_defaults(func=cmd_vocab)
 
     ls = sub.add_parser("list", help="models, proposers and suites")
     ls.set_defaults(func=cmd_list)
