@@ -106,3 +106,41 @@ def kernel_latency(frame: pl.DataFrame, *, title: str) -> alt.TopLevelMixin:
         .properties(title=title)
         .configure_legend(orient="bottom", columns=4)
     )
+
+
+def acceptance_histogram_data(steps: pl.DataFrame) -> pl.DataFrame:
+    """Per (category, config, accepted): the share of verify steps that accepted that many proposed tokens.
+    Configs that never accepted anything (no speculation) are left out: their histogram is one bar at 0."""
+    speculating = steps.group_by("config").agg(pl.col("accepted").max()).filter(pl.col("accepted") > 0)["config"]
+    counts = (steps.filter(pl.col("config").is_in(speculating.implode()))
+              .group_by(["category", "config", "accepted"], maintain_order=True).agg(pl.len().alias("steps")))
+    return (counts.with_columns((pl.col("steps") / pl.col("steps").sum().over(["category", "config"])).alias("share"))
+            .sort(["category", "config", "accepted"]))
+
+
+def histograms(data: pl.DataFrame, x: str, y: str, color: str, *, facet: str | None = None,
+               x_title: str | None = None, y_title: str | None = None) -> alt.TopLevelMixin:
+    """Side-by-side histogram bars (one bar per `color` at each integer `x`), one panel per `facet` value."""
+    chart = (alt.Chart() if facet else alt.Chart(data)).mark_bar().encode(
+        x=alt.X(f"{x}:O", title=x_title or x),
+        y=alt.Y(f"{y}:Q", title=y_title or y),
+        color=alt.Color(f"{color}:N", sort=None, legend=alt.Legend(orient="bottom", columns=2, labelLimit=400)),
+        xOffset=alt.XOffset(f"{color}:N", sort=None),
+        tooltip=[x, color, alt.Tooltip(f"{y}:Q", format=".3g")],
+    ).properties(width=WIDTH * 2, height=140)
+    return chart.facet(alt.Facet(f"{facet}:N", title=None), columns=2, data=data) if facet else chart
+
+
+def step_timeline(steps: pl.DataFrame, *, row: str = "config", title: str | None = None) -> alt.TopLevelMixin:
+    """Tokens emitted by each verify step against the output position where the step started, one panel per
+    `row` value: long bars are where speculation pays, flat stretches at 1 are where it does not."""
+    data = steps.with_columns((pl.col("emitted").cum_sum().over(row) - pl.col("emitted") + 1).alias("position"))
+    chart = alt.Chart().mark_bar(width=1.5).encode(
+        x=alt.X("position:Q", title="output position (tokens)"),
+        y=alt.Y("emitted:Q", title="tokens/step"),
+        color=alt.Color(f"{row}:N", legend=None),
+        tooltip=["position", "emitted", "accepted", alt.Tooltip("block:Q", title="block")],
+    ).properties(width=WIDTH * 4, height=70)
+    out = chart.facet(row=alt.Row(f"{row}:N", title=None, header=alt.Header(labelAngle=0, labelAlign="left")),
+                      data=data)
+    return out.properties(title=title) if title else out

@@ -37,7 +37,9 @@ from pathlib import Path
 import altair as alt
 import polars as pl
 
-from hqlab import bench
+from IPython.display import SVG, display
+
+from hqlab import bench, plots
 from hqlab.config import DecodeConfig
 
 alt.renderers.enable("svg")
@@ -52,14 +54,17 @@ if rerun:
     from hqlab.workloads import load_workload
 
     engine = HFEngine.load(model, device=device)
-    frames = []
+    frames, step_frames = [], []
     for suite, n in suites.items():
         prompts = load_workload(suite, doc_tokens=doc_tokens, tokenizer=engine.tokenizer)
         prompts = prompts[:limit] if limit else prompts
-        frames.append(bench.run_bench(engine, prompts, configs, DecodeConfig(max_new_tokens=n), repeats=repeats,
-                                      meta={"suite": suite, "doc_tokens": doc_tokens})[0])
+        res, st = bench.run_bench(engine, prompts, configs, DecodeConfig(max_new_tokens=n), repeats=repeats,
+                                  meta={"suite": suite, "doc_tokens": doc_tokens})
+        frames.append(res)
+        step_frames.append(st)
     results_path.mkdir(parents=True, exist_ok=True)
     pl.concat(frames, how="diagonal_relaxed").write_parquet(results_path / f"core_{tags[0]}.parquet")
+    pl.concat(step_frames, how="diagonal_relaxed").write_parquet(results_path / f"core_{tags[0]}.steps.parquet")
 
 # %%
 for tag in tags:
@@ -69,3 +74,33 @@ for tag in tags:
     print(bench.summarize(results))
     for path in bench.core_figures(results, tag, figures):
         print("wrote", path)
+        display(SVG(filename=str(path)))
+
+# %% [markdown]
+# ## Per task class: decode speed, per-position acceptance, acceptance-length histogram
+#
+# Decode tok/s is (output tokens - 1) / (time of the last token - time of the first), median over prompts.
+# Per-position acceptance at position i is the share of drafts that accepted more than i tokens (transformers'
+# prompt lookup does not expose its drafts, so only hqlab's proposers have a curve). The histogram counts verify
+# steps by the number of proposed tokens they accepted: a proposer that is often right but proposes few tokens
+# piles up at its k, one that guesses long and misses piles up at 0.
+
+# %%
+for tag in tags:
+    results = pl.read_parquet(results_path / f"core_{tag}.parquet")
+    steps = pl.read_parquet(results_path / f"core_{tag}.steps.parquet")
+    per_cat = results.group_by(["category", "config"], maintain_order=True).agg(
+        pl.col("decode_tok_s").median(), pl.col("e2e_tok_s").median(), pl.col("tokens_per_step").median())
+    speed = plots.grouped_bars(per_cat, "category", "decode_tok_s", "config", y_title="decode tok/s (median)")
+    plots.save(speed, figures / f"core_{tag}_decode_tok_s.svg")
+    display(speed)
+    acceptance = bench.acceptance_by_position(steps.filter(pl.col("config") != "none"))
+    curve = plots.lines(acceptance, "position", "acceptance", "config", facet="category",
+                        x_title="draft position", y_title="share of drafts accepting past it")
+    plots.save(curve, figures / f"core_{tag}_acceptance_by_position.svg")
+    display(curve)
+    hist = plots.histograms(plots.acceptance_histogram_data(steps), "accepted", "share", "config",
+                            facet="category", x_title="proposed tokens accepted in a step", y_title="share of steps")
+    plots.save(hist, figures / f"core_{tag}_acceptance_hist.svg")
+    display(hist)
+    print(per_cat.pivot(on="config", index="category", values="decode_tok_s").with_columns(pl.selectors.numeric().round(1)))
