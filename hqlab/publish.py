@@ -85,16 +85,17 @@ def content_name(name: str, sha: str) -> str:
     return f"{stem}-{sha[:12]}{dot}{suffix}"
 
 
-def _write_file(path: Path, data: bytes, points: _Points) -> None:
+def _write_file(path: Path, data: bytes, points: _Points, label: str = "") -> None:
+    label = label or path.name
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    points(f"tmp:{path.name}")
+    points(f"tmp:{label}")
     os.replace(tmp, path)
     fsync_dir(path.parent)
-    points(f"replace:{path.name}")
+    points(f"replace:{label}")
 
 
 def _index_bytes(index: dict[str, Any]) -> bytes:
@@ -148,8 +149,8 @@ def _copy_pristine(folder: Path, index: dict[str, Any], points: _Points) -> None
         dest = target / entry["file"]
         if dest.exists() and sha256_file(dest) == entry["sha256"]:
             continue
-        _write_file(dest, (folder / entry["file"]).read_bytes(), points)
-    _write_file(target / INDEX, _index_bytes(index), points)
+        _write_file(dest, (folder / entry["file"]).read_bytes(), points, f"{PRISTINE}/{dest.name}")
+    _write_file(target / INDEX, _index_bytes(index), points, f"{PRISTINE}/{INDEX}")
 
 
 def _clean(folder: Path, keep: set[str]) -> list[str]:
