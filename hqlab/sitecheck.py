@@ -96,8 +96,8 @@ window.addEventListener('load', function () { setTimeout(function () {
     if (mime.indexOf('image/') === 0 || mime.indexOf('vega') >= 0 ||
         el.querySelector('.vega-embed, [id^="altair-viz"]')) {
       box(el, 'chart', true);
-    } else if (mime === 'application/vnd.jupyter.widget-view+json') {
-      box(el, 'widget', !!el.querySelector('.jupyter-widgets, .lm-Widget'));
+    } else if (el.querySelector('script[type="application/vnd.jupyter.widget-view+json"]')) {
+      box(el, 'widget', !!el.querySelector('.lm-Widget'));  // the manager adds Lumino widgets next to the script
     }
   });
   document.querySelectorAll('main img').forEach(function (el) {
