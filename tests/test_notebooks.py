@@ -21,6 +21,8 @@ SMALL = {
     # runs the benchmark itself (not only the re-plot), on two prompts
     "core_benchmark": dict(rerun=True, tags=["ci"], configs=["lookup:nmin=6,k=15", "hf-pld:k=10"],
                            suites={"copy": 16, "chat": 16}, doc_tokens=300, limit=1),
+    "explorer": dict(suite="copy", doc_tokens=300, max_new_tokens=24, compare=["lookup:nmin=2,nmax=6,k=8"],
+                     start="pld:n=2,k=4"),
 }
 
 
