@@ -17,6 +17,7 @@ truncated head from a loaded model. A drafter scoring only these rows can never 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -316,18 +317,22 @@ def load_draft_head(folder: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 # Build
 
 
-def model_files(model: str) -> tuple[Path, Any, int]:
-    """(checkpoint folder, tokenizer, vocab size) for a model name, without loading the weights."""
+@functools.lru_cache(maxsize=4)
+def _folder_tokenizer(folder: Path) -> tuple[Any, int]:
     from transformers import AutoConfig, AutoTokenizer
 
+    return AutoTokenizer.from_pretrained(folder), int(AutoConfig.from_pretrained(folder).vocab_size)
+
+
+def model_files(model: str) -> tuple[Path, Any, int]:
+    """(checkpoint folder, tokenizer, vocab size) for a model name, without loading the weights. The tokenizer
+    is cached per folder (loading it takes seconds; repeated builds in one process reuse it)."""
     from hqlab import models
 
     target = Path(models.prepare(model))
     if not target.is_dir():
         raise VocabError(f"{model}: vocab build needs a local checkpoint folder (got {target}); download it first")
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    vocab_size = int(AutoConfig.from_pretrained(target).vocab_size)
-    return target, tokenizer, vocab_size
+    return target, *_folder_tokenizer(target)
 
 
 @dataclass
@@ -486,7 +491,7 @@ def measure_draft_latency(model: Any, sizes: Sequence[int], *, context: int = 51
             sliced(hidden).argmax(-1)
             _sync(device)
             t2 = time.perf_counter()
-            cache.crop(context)
+            cache.crop(-(cache.get_seq_length() - context))  # negative: "remove that many" in every 5.x release
             if i >= warmup:
                 step.append(t1 - t0)
                 head_only.append(t2 - t1)

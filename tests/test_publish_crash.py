@@ -129,8 +129,11 @@ def test_tampered_or_missing_files_are_detected(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------
 # The real build, killed at every write point of a republish
 
+SELFGEN = REPO / "data" / "selfgen" / "qwen2.5-coder-0.5b.jsonl"
 
-def vocab_build(corpus: Path, size: int, out: Path, kill_after: int = 0) -> subprocess.CompletedProcess:
+
+def vocab_build_cli(corpus: Path, size: int, out: Path, kill_after: int = 0) -> subprocess.CompletedProcess:
+    """`hqlab vocab build` as a fresh interpreter."""
     env = {k: v for k, v in os.environ.items() if k != KILL_ENV}
     env["OMP_NUM_THREADS"] = "1"
     if kill_after:
@@ -139,33 +142,61 @@ def vocab_build(corpus: Path, size: int, out: Path, kill_after: int = 0) -> subp
                            "--size", str(size), "--out", str(out)], env=env, cwd=REPO, capture_output=True, text=True)
 
 
+def _build_child(corpus: Path, size: int, out: str, kill_after: int) -> None:
+    os.environ[KILL_ENV] = str(kill_after)
+    from hqlab.vocab import build
+
+    build("qwen2.5-coder-0.5b", [corpus], size, out, progress=False)
+
+
+def vocab_build_forked(corpus: Path, size: int, out: Path, kill_after: int) -> int:
+    """The same build in a forked child process (no interpreter start-up per kill point), killed by the hook."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=_build_child, args=(corpus, size, str(out), kill_after))
+    child.start()
+    child.join()
+    return child.exitcode
+
+
 @pytest.mark.slow
 def test_vocab_build_killed_after_each_write_point(tmp_path):
-    from hqlab.vocab import load_draft_head, load_draft_vocab
+    from hqlab.vocab import build, load_draft_head, load_draft_vocab
 
-    corpus = REPO / "data" / "selfgen" / "qwen2.5-coder-0.5b.jsonl"
+    corpus = tmp_path / "corpus.jsonl"  # the committed self-generated corpus of the 0.5B
+    corpus.write_bytes(SELFGEN.read_bytes())
+
     base, clean = tmp_path / "base", tmp_path / "clean"
-    assert vocab_build(corpus, 1024, base).returncode == 0
-    assert vocab_build(corpus, 2048, clean).returncode == 0  # the uninterrupted result to compare with
-    old_ids, new_ids = load_draft_vocab(base), load_draft_vocab(clean)
+    assert vocab_build_cli(corpus, 1024, base).returncode == 0
+    shutil.copytree(base, clean)
+    points = build("qwen2.5-coder-0.5b", [corpus], 2048, clean, progress=False).write_points  # uninterrupted
     old_index, new_index = read_index(base), read_index(clean)
-    assert old_ids.numel() == 1024 and new_ids.numel() == 2048
-    n = 0
-    while True:
-        n += 1
-        folder = tmp_path / f"k{n}"
-        shutil.copytree(base, folder)
-        proc = vocab_build(corpus, 2048, folder, kill_after=n)
-        if proc.returncode == 0:  # fewer write points than n: every point has been covered
-            break
-        assert proc.returncode == KILL_EXIT_CODE, proc.stderr[-2000:]
+    new_ids = load_draft_vocab(clean)
+    assert load_draft_vocab(base).numel() == 1024 and new_ids.numel() == 2048
+    assert len(points) == 16  # republish: pristine copy (3 files + index), 3 files, index; tmp and replace each
+
+    def check_killed_then_completed(folder: Path, n: int) -> None:
         ids = load_draft_vocab(folder)  # the committed list: the old one, or the new one once the index is in
-        assert ids.numel() in (1024, 2048)
-        assert read_index(folder)["files"] == (old_index if ids.numel() == 1024 else new_index)["files"]
-        assert vocab_build(corpus, 2048, folder).returncode == 0
+        committed = n == len(points)
+        assert ids.numel() == (2048 if committed else 1024), points[n - 1]
+        assert read_index(folder) == (new_index if committed else old_index)
+        build("qwen2.5-coder-0.5b", [corpus], 2048, folder, progress=False)  # the next run completes it
         assert read_index(folder) == new_index
         ids, rows = load_draft_head(folder)
-        assert ids.equal(new_ids) and rows.shape[0] == 2048
+        assert ids.equal(new_ids) and rows.shape == (2048, 896)
         assert_clean(folder)
         assert read_index(folder / PRISTINE) == old_index
-    assert n - 1 == 16, f"expected 16 write points in a republish, killed at {n - 1}"
+
+    for n in range(1, len(points) + 1):
+        folder = tmp_path / f"k{n}"
+        shutil.copytree(base, folder)
+        assert vocab_build_forked(corpus, 2048, folder, n) == KILL_EXIT_CODE, points[n - 1]
+        check_killed_then_completed(folder, n)
+
+    # and once through the real command line, killed between writing the new index and committing it
+    folder = tmp_path / "cli"
+    shutil.copytree(base, folder)
+    proc = vocab_build_cli(corpus, 2048, folder, kill_after=len(points) - 1)
+    assert proc.returncode == KILL_EXIT_CODE, proc.stderr[-2000:]
+    assert (folder / "index.json.tmp").exists()  # the half-done index never became the index
+    check_killed_then_completed(folder, len(points) - 1)

@@ -1,0 +1,223 @@
+"""Draft vocabulary: counting with the hold-out, ranking, coverage, artifacts, the truncated head on the real
+0.5B (never an out-of-list token; the full head's argmax whenever that is in the list), latency measurement."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hqlab import vocab
+from hqlab.corpus import CorpusError, CorpusRecord
+from hqlab.publish import read_index
+from hqlab.vocab import VocabError
+
+REPO = Path(__file__).resolve().parents[1]
+SELFGEN = REPO / "data" / "selfgen" / "qwen2.5-coder-0.5b.jsonl"
+
+
+def rec(i: int, ids, src="chat") -> CorpusRecord:
+    return CorpusRecord("f.jsonl", i + 1, i, src, ids=tuple(ids))
+
+
+def test_count_holds_out_every_tenth_record():
+    records = [rec(i, [i % 7, 100]) for i in range(25)]
+    c = vocab.count(records, None, 128, progress=False)
+    assert c.records_held == 3 and c.records_counted == 22  # j = 0, 10, 20
+    assert c.held[0] == 1 and c.held[3] == 1 and c.held[6] == 1 and c.held[100] == 3  # 0 % 7, 10 % 7, 20 % 7
+    assert c.counted[100] == 22 and c.tokens_counted == 44
+    assert set(c.held_by_src) == {"chat"}
+    everything = vocab.count(records, None, 128, holdout=False, progress=False)
+    assert everything.records_held == 0 and everything.tokens_counted == 50
+
+
+def test_count_rejects_ids_outside_the_vocabulary_and_an_empty_split():
+    with pytest.raises(CorpusError, match=r"f.jsonl:2: token id 500 is outside the model's vocabulary of 128"):
+        vocab.count([rec(0, [1]), rec(1, [500])], None, 128, progress=False)
+    with pytest.raises(VocabError, match="no records left to count after the hold-out"):
+        vocab.count([rec(0, [1])], None, 128, progress=False)
+
+
+def test_rank_specials_first_then_count_then_id():
+    counted = np.zeros(10, np.int64)
+    counted[[7, 2, 5]] = [5, 9, 5]
+    order = vocab.rank(counted, special=[9, 8])
+    assert order.tolist() == [8, 9, 2, 5, 7, 0, 1, 3, 4, 6]
+    ids = vocab.top_n(order, 4)
+    assert ids.tolist() == [2, 5, 8, 9] and ids.dtype == np.int64
+    with pytest.raises(VocabError, match="size must be in"):
+        vocab.top_n(order, 11)
+
+
+def test_coverage_curve_is_monotone_and_complete():
+    records = [rec(i, np.random.default_rng(i).zipf(1.3, 50) % 64, src="code" if i % 3 else "chat")
+               for i in range(60)]
+    c = vocab.count(records, None, 64, progress=False)
+    order = vocab.rank(c.counted, [63])
+    rows = vocab.coverage_curve(order, c, [1, 4, 16, 64], label="own")
+    curve = [r["coverage"] for r in rows if r["src"] == "all"]
+    assert curve == sorted(curve) and curve[-1] == 1.0
+    assert {r["src"] for r in rows} == {"all", "chat", "code"}
+    assert vocab.coverage(vocab.top_n(order, 16), c.held) == curve[2]
+    assert curve[2] == pytest.approx(c.held[order[:16]].sum() / c.held.sum())
+
+
+def test_default_sizes_scale_hyperqwen_steps():
+    sizes = vocab.default_sizes(151_936)
+    assert sizes == sorted(sizes) and sizes[0] == 1024 and sizes[-1] < 151_936
+    assert {10240, 20480, 29696, 39936} <= set(sizes)  # 16k/32k/48k/64k of 248k, scaled
+
+
+def test_load_draft_vocab_from_json(tmp_path):
+    plain = tmp_path / "ids.json"
+    plain.write_text(json.dumps([30, 4, 4, 17]))
+    ids = vocab.load_draft_vocab(plain)
+    assert ids.dtype == torch.int64 and ids.dim() == 1 and ids.tolist() == [4, 17, 30]
+    plain.write_text(json.dumps({"ids": [3, 1]}))
+    assert vocab.load_draft_vocab(plain).tolist() == [1, 3]
+    for bad in ("[1, -1]", "[]", '{"ids": "1,2"}', "[1.5]", "{oops"):
+        plain.write_text(bad)
+        with pytest.raises(VocabError, match=str(plain)):
+            vocab.load_draft_vocab(plain)
+    with pytest.raises(VocabError, match="nothing published here"):
+        vocab.load_draft_vocab(tmp_path)
+    with pytest.raises(VocabError, match="no such draft vocabulary"):
+        vocab.load_draft_vocab(tmp_path / "nope")
+
+
+def test_generic_corpus_is_deterministic_prose_and_code():
+    a, b = vocab.generic_records(), vocab.generic_records()
+    assert a == b
+    kinds = {k: sum(len(r["text"]) for r in a if r["src"] == k) for k in ("prose", "code")}
+    assert kinds["prose"] > 500_000 and kinds["code"] >= kinds["prose"]
+    assert all(r["origin"].startswith(("pkg/", "pydoc/", "stdlib/")) for r in a)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# On the real model
+
+
+@pytest.mark.slow
+def test_build_artifacts_match_the_model(tmp_path, engine_05b):
+    result = vocab.build("qwen2.5-coder-0.5b", [SELFGEN], 3000, tmp_path / "v", progress=False)
+    ids = vocab.load_draft_vocab(tmp_path / "v")
+    assert ids.dtype == torch.int64 and ids.dim() == 1 and ids.numel() == 3000
+    assert torch.all(ids[1:] > ids[:-1])
+    assert set(vocab.special_token_ids(engine_05b.tokenizer)) <= set(ids.tolist())
+    assert ids.tolist() == result.ids.tolist()
+    # the rows are the model's own lm_head rows (the checkpoint holds fp32; the engine runs bf16)
+    _, rows = vocab.load_draft_head(tmp_path / "v")
+    assert torch.equal(rows.to(torch.bfloat16), engine_05b.model.get_output_embeddings().weight[ids])
+    from safetensors.torch import load_file
+
+    from hqlab.publish import path_of
+
+    mapping = load_file(path_of(tmp_path / "v", "mapping.safetensors"))
+    assert torch.equal(mapping["d2t"], ids)
+    assert torch.equal(mapping["t2d"][ids], torch.arange(3000))
+    assert int((mapping["t2d"] >= 0).sum()) == 3000 and mapping["t2d"].numel() == 151_936
+    meta = read_index(tmp_path / "v")["meta"]
+    assert meta["records_held_out"] >= 1 and 0 < meta["heldout_coverage"]["all"] <= 1
+    # coverage is measured on held-out records only: recompute it from the corpus
+    records = [json.loads(line) for line in SELFGEN.read_text().splitlines() if line.strip()]
+    held = [t for j, r in enumerate(records) if j % 10 == 0 for t in r["output_ids"]]
+    assert meta["heldout_coverage"]["all"] == pytest.approx(np.isin(held, ids.numpy()).mean())
+
+
+def _hidden_states(engine, text: str) -> torch.Tensor:
+    ids = torch.tensor([engine.tokenizer.encode(text)])
+    with torch.inference_mode():
+        return engine.model.get_decoder()(input_ids=ids).last_hidden_state[0]
+
+
+@pytest.mark.slow
+@torch.inference_mode()
+def test_sliced_head_never_leaves_the_list_and_keeps_in_list_argmax(engine_05b):
+    model = engine_05b.model
+    text = (REPO / "data" / "documents" / "handbook.md").read_text()[:1500]
+    hidden = _hidden_states(engine_05b, text)  # [T, H] real hidden states
+    full = model.get_output_embeddings()(hidden).float()
+    full_argmax = full.argmax(-1)
+    # a list that holds about half of the full head's choices: every other one of them, plus frequent ids
+    chosen = torch.unique(full_argmax)
+    ids = torch.unique(torch.cat([chosen[::2], torch.arange(0, 4000), torch.tensor([151643, 151644, 151645])]))
+    head = vocab.sliced_lm_head(model, ids)
+    assert head.weight.shape == (ids.numel(), model.config.hidden_size) and head.weight.dtype == torch.bfloat16
+    sliced = head(hidden).float()
+    drafted = ids[sliced.argmax(-1)]
+    assert torch.isin(drafted, ids).all()
+    inside = torch.isin(full_argmax, ids)
+    assert 0 < inside.sum() < inside.numel()  # both cases occur
+    same = drafted[inside] == full_argmax[inside]
+    # equal up to exact ties (same logit): the sliced rows are the same rows, scored by a differently shaped matmul
+    tie = full[inside].gather(1, drafted[inside, None])[:, 0] == full[inside].max(-1).values
+    assert (same | tie).all()
+    assert same.float().mean() > 0.99
+    # the expanded logits put -inf outside the list, so a drafter's q is zero there
+    q = torch.softmax(vocab.expand_logits(sliced[:4], ids, full.shape[-1]), -1)
+    assert q.shape == full[:4].shape and float(q[:, ~torch.isin(torch.arange(full.shape[-1]), ids)].sum()) == 0.0
+
+
+@pytest.mark.slow
+def test_greedy_decoding_with_the_sliced_head(engine_05b):
+    """A drafter decoding with the truncated head emits only listed tokens, and follows the full head's greedy
+    output exactly until the first step where the full head's choice is not in the list."""
+    from transformers import DynamicCache
+
+    model, tok = engine_05b.model, engine_05b.tokenizer
+    prompt = engine_05b.encode_chat([{"role": "user", "content": "Write a Python function that adds two numbers."}])
+
+    def decode(head, ids, steps=20):
+        body, cache, out = model.get_decoder(), DynamicCache(config=model.config), []
+        x = torch.tensor([prompt])
+        with torch.inference_mode():
+            for _ in range(steps):
+                h = body(input_ids=x, use_cache=True, **{engine_05b._cache_kw: cache}).last_hidden_state[:, -1]
+                t = int(ids[head(h).argmax(-1)]) if ids is not None else int(head(h).argmax(-1))
+                out.append(t)
+                x = torch.tensor([[t]])
+        return out
+
+    reference = decode(model.get_output_embeddings(), None)
+    # drop one token the full head emits at step 10 from an otherwise generous list
+    listed = torch.tensor(sorted(set(range(60000)) | set(reference) | {151643, 151645}))
+    listed = listed[listed != reference[10]]
+    drafted = decode(vocab.sliced_lm_head(model, listed), listed)
+    assert set(drafted) <= set(listed.tolist())
+    first_out = next(i for i, t in enumerate(reference) if t not in set(listed.tolist()))
+    assert drafted[:first_out] == reference[:first_out]
+    assert drafted[first_out] != reference[first_out]
+
+
+@pytest.mark.slow
+def test_draft_latency_rows(engine_05b):
+    rows = vocab.measure_draft_latency(engine_05b.model, [1024, 16384], context=64, repeats=3, warmup=1)
+    assert [r["n"] for r in rows] == [1024, 16384, 151_936] and rows[-1]["full"]
+    assert all(r["step_ms"] > 0 and r["head_ms"] > 0 for r in rows)
+    # scoring 150k rows costs more than scoring 1k (a 148x larger matmul; robust even on a busy machine)
+    assert rows[-1]["head_ms"] > rows[0]["head_ms"]
+
+
+@pytest.mark.slow
+def test_cli_coverage(tmp_path, capsys):
+    from hqlab.cli import main
+
+    import polars as pl
+
+    ref = tmp_path / "ref.jsonl"
+    ref.write_text("".join(json.dumps({"text": f"Some generic text number {i}, def f(x): return x"}) + "\n"
+                           for i in range(30)))
+    out = tmp_path / "cov.parquet"
+    assert main(["vocab", "coverage", "--corpus", str(SELFGEN), "--reference", str(ref), "--sizes",
+                 "256,1024,151936", "--out", str(out)]) == 0
+    frame = pl.read_parquet(out)
+    assert set(frame["list"]) == {"own outputs", "ref"}
+    for label in ("own outputs", "ref"):
+        curve = frame.filter((pl.col("list") == label) & (pl.col("src") == "all")).sort("n")["coverage"].to_list()
+        assert curve == sorted(curve) and curve[-1] == pytest.approx(1.0)
+    own = frame.filter((pl.col("list") == "own outputs") & (pl.col("src") == "all") & (pl.col("n") == 1024))
+    ref_row = frame.filter((pl.col("list") == "ref") & (pl.col("src") == "all") & (pl.col("n") == 1024))
+    assert own["coverage"][0] > ref_row["coverage"][0]  # a tiny unrelated text loses to the model's own outputs
