@@ -37,9 +37,9 @@ def replay(prompt_ids: Sequence[int], output_ids: Sequence[int], proposer: Propo
         budget = max_new_tokens - done - 1
         view = history[: prompt_len + done]
         t0 = time.perf_counter() if time_proposals else 0.0
-        proposal = proposer.propose([view], [budget])[0].truncated(budget) if budget > 0 else None
+        proposal = proposer.propose([view], [max(budget, 0)], keys=[request])[0].truncated(max(budget, 0))
         propose_s = time.perf_counter() - t0 if time_proposals else 0.0
-        tokens = proposal.tokens if proposal is not None else np.empty(0, dtype=np.int64)
+        tokens = proposal.tokens
         # The recorded output is the target's argmax sequence, so the engine's own greedy rule decides. Past an
         # EOS the output has no tokens to compare: there the engine keeps nothing either.
         m = min(tokens.size, out.size - done - 1)
@@ -47,8 +47,8 @@ def replay(prompt_ids: Sequence[int], output_ids: Sequence[int], proposer: Propo
         emitted = accepted + 1
         records.append(StepRecord(
             request=request, step=len(records), context_len=prompt_len + done - 1, verify_len=1 + tokens.size,
-            proposed=tokens.tolist(), sources=[] if proposal is None else proposal.sources.tolist(),
-            match_len=0 if proposal is None else proposal.match_len, accepted=accepted, emitted=emitted,
-            step_s=propose_s, propose_s=propose_s, t_end=0.0, block=proposer.k))
+            proposed=tokens.tolist(), sources=proposal.sources.tolist(), match_len=proposal.match_len,
+            accepted=accepted, emitted=emitted, step_s=propose_s, propose_s=propose_s, t_end=0.0,
+            block=int(proposal.extra.get("block", proposer.k))))
         done += emitted
     return records

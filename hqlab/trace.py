@@ -32,6 +32,7 @@ class StepRecord:
     propose_s: float  # part of step_s spent proposing
     t_end: float  # seconds since the request started, when this step's tokens were known
     block: int = 0  # verify block length the scheduler allowed (k budget)
+    batch: int = 1  # requests verified together in this step
 
 
 @dataclass
@@ -74,6 +75,7 @@ def step_schema() -> dict:
         "request": pl.String, "step": pl.Int32, "context_len": pl.Int32, "verify_len": pl.Int32,
         "proposed": pl.List(pl.Int64), "sources": pl.List(pl.Int8), "match_len": pl.Int32, "accepted": pl.Int32,
         "emitted": pl.Int32, "step_s": pl.Float64, "propose_s": pl.Float64, "t_end": pl.Float64, "block": pl.Int32,
+        "batch": pl.Int32,
     }
 
 

@@ -19,6 +19,7 @@ from hqlab.config import DecodeConfig
 from hqlab.proposers.base import Proposal, Proposer, Source
 from hqlab.proposers.none import NoProposer
 from hqlab.rules.verify import greedy_verify, sample_verify, target_probs
+from hqlab.kv import RaggedCache
 from hqlab.trace import Generation, StepRecord
 
 
@@ -45,18 +46,43 @@ class TokenHistory:
         return self.buf[: self.n]
 
 
-def _new_cache(model: Any) -> Any:
-    from transformers import DynamicCache
+class _Request:
+    """One request's running state inside `generate_batch`."""
 
-    return DynamicCache(config=model.config)
+    def __init__(self, index: int, name: str, prompt_ids: Sequence[int], decode: DecodeConfig,
+                 device: torch.device) -> None:
+        self.index, self.name, self.prompt_len = index, name, len(prompt_ids)
+        self.t0 = time.perf_counter()
+        self.generator = None
+        if not decode.greedy:  # one stream per request, so its samples do not depend on its neighbours
+            self.generator = torch.Generator(device=device).manual_seed(decode.seed + index)
+        self.history = TokenHistory(prompt_ids, len(prompt_ids) + decode.max_new_tokens + 1)
+        self.out: list[int] = []
+        self.margins: list[float] = []
+        self.records: list[StepRecord] = []
+        self.finish: str | None = None
+        self.ttft = self.t_last = 0.0
 
+    def emit(self, tokens: Sequence[int], margins: Sequence[float], eos: frozenset, limit: int) -> int:
+        """Append the verdict's tokens up to an EOS or the length limit; returns how many were kept."""
+        kept: list[int] = []
+        for tok in tokens:
+            kept.append(tok)
+            if tok in eos:
+                self.finish = "eos"
+                break
+            if len(self.out) + len(kept) == limit:
+                self.finish = "length"
+                break
+        self.out.extend(kept)
+        self.history.extend(kept)
+        self.margins.extend(margins[: len(kept)])
+        return len(kept)
 
-def _crop_to(cache: Any, length: int) -> None:
-    """Drop rejected positions. A negative count means "remove that many" in every transformers 5.x release
-    (older ones also took an absolute length, 5.24 refuses that)."""
-    remove = cache.get_seq_length() - length
-    if remove > 0:
-        cache.crop(-remove)
+    def result(self) -> Generation:
+        return Generation(request=self.name, prompt_len=self.prompt_len, output_ids=self.out,
+                          finish=self.finish or "length", ttft_s=self.ttft, total_s=time.perf_counter() - self.t0,
+                          t_last=self.t_last, records=self.records, margins=self.margins)
 
 
 class HFEngine:
@@ -103,62 +129,78 @@ class HFEngine:
     @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[int], proposer: Proposer | None = None,
                  decode: DecodeConfig = DecodeConfig(), request: str = "0") -> Generation:
+        """One request alone (batch size 1): `generate_batch` with a single prompt."""
+        return self.generate_batch([prompt_ids], proposer, decode, requests=[request], max_batch=1)[0]
+
+    @torch.inference_mode()
+    def generate_batch(self, prompts: Sequence[Sequence[int]], proposer: Proposer | None = None,
+                       decode: DecodeConfig = DecodeConfig(), *, requests: Sequence[str] | None = None,
+                       max_batch: int = 4) -> list[Generation]:
+        """Decode several requests concurrently (up to `max_batch` at a time, the rest wait for a free slot).
+
+        Every request keeps its own verify length each step: the proposer (and its scheduler) decides per request
+        from that request's history alone, and a shorter block is padded and masked, never lengthened. So a
+        request's tokens do not depend on which other requests share the batch (up to floating-point rounding of
+        the batched matmuls, which the lossless checks report as near-tie flips).
+        """
         proposer = proposer or NoProposer()
-        self.check_fits(len(prompt_ids), decode.max_new_tokens, f"request {request!r}")
-        generator = None
-        if not decode.greedy:
-            generator = torch.Generator(device=self.device).manual_seed(decode.seed)
-        history = TokenHistory(prompt_ids, len(prompt_ids) + decode.max_new_tokens + 1)
-        cache = _new_cache(self.model)
-        records: list[StepRecord] = []
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1 (got {max_batch})")
+        requests = [str(i) for i in range(len(prompts))] if requests is None else [str(r) for r in requests]
+        if len(requests) != len(prompts) or len(set(requests)) != len(requests):
+            raise ValueError("requests must name every prompt once, with distinct names")
+        for ids, name in zip(prompts, requests):
+            self.check_fits(len(ids), decode.max_new_tokens, f"request {name!r}")
 
-        t0 = time.perf_counter()
-        ids = torch.tensor([list(prompt_ids)], device=self.device)
-        logits = self._forward(ids, cache, logits_to_keep=1)
-        first, margins = self._choose(logits, Proposal.empty(), decode, generator)
-        out: list[int] = first.emitted
-        history.extend(out)
-        ttft = t_last = time.perf_counter() - t0
-        finish = "eos" if out[0] in self.eos else None
+        kv = RaggedCache(self.model, self._cache_kw)
+        waiting = list(range(len(prompts)))
+        active: list[_Request] = []
+        done: dict[int, Generation] = {}
 
-        while finish is None and len(out) < decode.max_new_tokens:
+        def retire() -> None:  # finished requests leave the batch at once, so their time stops counting
+            nonlocal active
+            finished = [j for j, r in enumerate(active) if r.finish is not None]
+            if finished:
+                for j in finished:
+                    done[active[j].index] = active[j].result()
+                kv.keep_rows([j for j in range(len(active)) if j not in finished])
+                active = [r for r in active if r.finish is None]
+
+        while waiting or active:
+            while waiting and len(active) < max_batch:  # admit: prefill alone, then join the batch
+                i = waiting.pop(0)
+                r = _Request(i, requests[i], prompts[i], decode, self.device)
+                first, margins = self._choose(kv.add(list(prompts[i])), Proposal.empty(), decode, r.generator)
+                r.emit(first.emitted, margins, self.eos, decode.max_new_tokens)
+                r.ttft = r.t_last = time.perf_counter() - r.t0
+                active.append(r)
+                retire()
+            if not active:
+                continue
+
             ts = time.perf_counter()
-            budget = decode.max_new_tokens - len(out) - 1  # more accepted tokens could not be emitted anyway
-            proposal = proposer.propose([history.view()], [budget])[0].truncated(budget) if budget > 0 \
-                else Proposal.empty()
+            budgets = [decode.max_new_tokens - len(r.out) - 1 for r in active]  # more could not be emitted
+            proposals = proposer.propose([r.history.view() for r in active], budgets, keys=[r.name for r in active])
+            proposals = [p.truncated(max(b, 0)) for p, b in zip(proposals, budgets)]
             propose_s = time.perf_counter() - ts
 
-            ctx = cache.get_seq_length()
-            ids = torch.tensor([[out[-1], *proposal.tokens.tolist()]], device=self.device)
-            logits = self._forward(ids, cache)
-            verdict, step_margins = self._choose(logits, proposal, decode, generator)
-            _crop_to(cache, ctx + 1 + verdict.accepted)
-
-            kept: list[int] = []
-            for tok in verdict.emitted:
-                kept.append(tok)
-                if tok in self.eos:
-                    finish = "eos"
-                    break
-                if len(out) + len(kept) == decode.max_new_tokens:
-                    break
-            out.extend(kept)
-            history.extend(kept)
-            margins.extend(step_margins[: len(kept)])
-            t_last = time.perf_counter() - t0
-            records.append(StepRecord(
-                request=request, step=len(records), context_len=ctx, verify_len=int(ids.shape[1]),
-                proposed=proposal.tokens.tolist(), sources=proposal.sources.tolist(), match_len=proposal.match_len,
-                accepted=min(verdict.accepted, len(kept) - 1), emitted=len(kept), step_s=time.perf_counter() - ts,
-                propose_s=propose_s, t_end=t_last, block=proposer.k))
-
-        total = time.perf_counter() - t0
-        return Generation(request=request, prompt_len=len(prompt_ids), output_ids=out, finish=finish or "length",
-                          ttft_s=ttft, total_s=total, t_last=t_last, records=records, margins=margins)
-
-    def _forward(self, ids: torch.Tensor, cache: Any, **kwargs: Any) -> torch.Tensor:
-        kwargs[self._cache_kw] = cache
-        return self.model(input_ids=ids, use_cache=True, **kwargs).logits[0]
+            contexts = list(kv.lengths)
+            blocks = [[r.out[-1], *p.tokens.tolist()] for r, p in zip(active, proposals)]
+            logits = kv.forward(blocks)
+            verdicts = [self._choose(logits[b, : len(blocks[b])], p, decode, r.generator)
+                        for b, (r, p) in enumerate(zip(active, proposals))]
+            kv.keep([1 + v.accepted for v, _ in verdicts])
+            t_end = time.perf_counter()
+            for b, (r, p, (verdict, margins)) in enumerate(zip(active, proposals, verdicts)):
+                kept = r.emit(verdict.emitted, margins, self.eos, decode.max_new_tokens)
+                r.t_last = t_end - r.t0
+                r.records.append(StepRecord(
+                    request=r.name, step=len(r.records), context_len=contexts[b], verify_len=len(blocks[b]),
+                    proposed=p.tokens.tolist(), sources=p.sources.tolist(), match_len=p.match_len,
+                    accepted=min(verdict.accepted, kept - 1), emitted=kept, step_s=t_end - ts, propose_s=propose_s,
+                    t_end=r.t_last, block=int(p.extra.get("block", proposer.k)), batch=len(active)))
+            retire()
+        return [done[i] for i in range(len(prompts))]
 
     def _choose(self, logits: torch.Tensor, proposal: Proposal, decode: DecodeConfig,
                 generator: torch.Generator | None):
@@ -169,7 +211,9 @@ class HFEngine:
             margins = (top.values[:, 0] - top.values[:, 1]).tolist()
             return greedy_verify(proposal.tokens, argmax), margins
         p = target_probs(logits, decode.temperature, decode.top_k, decode.top_p)
-        point_mass = proposal.sources != Source.DRAFT
+        # lookup positions are point masses; drafter positions use the drafter's q when it sampled (a greedy
+        # drafter's token is a point mass too)
+        point_mass = proposal.sources != Source.DRAFT if proposal.q is not None else np.ones(proposal.valid, bool)
         return sample_verify(proposal.tokens, p, generator, q=proposal.q, point_mass=point_mass), []
 
     # ------------------------------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from hqlab.config import ConfigError, build_config, parse_spec
 from hqlab.proposers.base import Proposal, Proposer, Source
+from hqlab.proposers.draft import DraftProposer
+from hqlab.proposers.fused import FusedProposer
 from hqlab.proposers.lookup import LookupProposer, PLDProposer
 from hqlab.proposers.none import NoProposer
 
@@ -11,6 +13,8 @@ REGISTRY: dict[str, type] = {
     "none": NoProposer,
     "lookup": LookupProposer,
     "pld": PLDProposer,
+    "draft": DraftProposer,
+    "fused": FusedProposer,
 }
 
 
@@ -25,4 +29,4 @@ def make_proposer(spec: str) -> Proposer:
 
 
 __all__ = ["REGISTRY", "make_proposer", "Proposal", "Proposer", "Source", "LookupProposer", "PLDProposer",
-           "NoProposer"]
+           "NoProposer", "DraftProposer", "FusedProposer"]

@@ -31,6 +31,7 @@ class Proposal:
     match_len: length of the lookup match that produced the tokens (0 = none).
     q:         optional [n, vocab] proposal probabilities for sampled verification, per position; rows of
                positions with a deterministic source (lookup) are ignored: those are point masses.
+    extra:     decisions worth recording, e.g. `block` (the block length a scheduler chose) or `take_flag`.
     """
 
     tokens: np.ndarray
@@ -57,11 +58,18 @@ class Proposal:
 
 @runtime_checkable
 class Proposer(Protocol):
-    """Anything with a `k` (most tokens per step) and a batched `propose`."""
+    """Anything with a `k` (most tokens per step) and a batched `propose`.
+
+    `keys` name the requests across calls (the engine passes its request names; None means the batch position).
+    Stateless proposers ignore them. Stateful ones (a model drafter's KV cache, a block-length scheduler) keep
+    state per key, and drop the state of keys absent from a call: the engine proposes for every active request
+    at every step, so an absent key is a finished request.
+    """
 
     name: ClassVar[str]
     k: int
 
-    def propose(self, histories: Sequence[np.ndarray], budgets: Sequence[int]) -> list[Proposal]:
+    def propose(self, histories: Sequence[np.ndarray], budgets: Sequence[int],
+                keys: Sequence[str] | None = None) -> list[Proposal]:
         """One proposal per history; proposal i has at most min(k, budgets[i]) tokens."""
         ...

@@ -24,7 +24,8 @@ class LookupProposer:
         self.config = config or LookupConfig()
         self.k = self.config.k
 
-    def propose(self, histories: Sequence[np.ndarray], budgets: Sequence[int]) -> list[Proposal]:
+    def propose(self, histories: Sequence[np.ndarray], budgets: Sequence[int],
+                keys: Sequence[str] | None = None) -> list[Proposal]:
         c = self.config
         if histories and _on_gpu(histories[0]):
             return self._propose_gpu(histories, budgets)

@@ -23,5 +23,6 @@ class NoProposer:
         self.config = config or NoneConfig()
         self.k = 0
 
-    def propose(self, histories: Sequence[np.ndarray], budgets: Sequence[int]) -> list[Proposal]:
+    def propose(self, histories: Sequence[np.ndarray], budgets: Sequence[int],
+                keys: Sequence[str] | None = None) -> list[Proposal]:
         return [Proposal.empty() for _ in histories]

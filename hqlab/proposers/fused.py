@@ -1,0 +1,154 @@
+"""Context lookup fused with a model drafter, with the adaptive long block (SPEC §2.4–2.5).
+
+Per request and step: the lookup proposes up to the long k, the drafter its head (draft_block tokens), the
+fusion rule (`hqlab.rules.fusion.fuse`) decides position by position, and the scheduler
+(`hqlab.rules.schedule.step`) decides from the take flag and the tokens the request emitted last step whether
+this step verifies the short block (the head) or the long one. The proposal is the fused block clipped to that
+length; `extra` records the decisions (block, take_flag, head_taken, tail_taken).
+
+The scheduler needs the previous step's emitted count; it is read off the history (how much it grew since the
+last call for the same request), so replay, the engine and any other engine get the same decisions from the same
+histories. Batch mode "unanimous" is HyperQwen's: one block length for the whole batch, sticky only at batch size
+1; "per-request" (default) decides for each request alone.
+
+Lookup matching length: the fusion rules read matches as short as min(nstrong, nmin, nmin_tail, longmin), so the
+lookup runs with that as its cheap-reject length (with HyperQwen's lookup nmin 6 the tail rule's 4 could never
+fire); `nmax` caps the match as usual.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
+
+import numpy as np
+import torch
+
+from hqlab.config import ConfigError, LookupConfig
+from hqlab.proposers.base import Proposal
+from hqlab.proposers.draft import DraftConfig, DraftProposer
+from hqlab.proposers.lookup import LookupProposer
+from hqlab.rules.fusion import FusionConfig, fuse
+from hqlab.rules.schedule import ScheduleConfig, ScheduleState, step, step_unanimous
+
+BATCH_MODES = ("per-request", "unanimous")
+
+
+@dataclass(frozen=True)
+class FusedConfig:
+    """k: the long block (lookup k); draft_block: the drafter's width = the short block.
+    Drafter: model, dtype, device, temperature, vocab. Lookup: nmax, policy, search.
+    Fusion (SPEC §2.4): nstrong, nmin, agree, nmin_tail, longmin, rule ("threshold" | "score");
+    shipped defaults 6/6/0/4/6, the articles' set is nstrong=8,agree=2.
+    Scheduler (SPEC §2.5): schedule ("adaptive" | "short" | "long"), sticky, entry_steps, stale (0 | 1),
+    batch_mode ("per-request" | "unanimous")."""
+
+    k: int = 15
+    draft_block: int = 7
+    model: str = "qwen2.5-coder-0.5b"
+    dtype: str = "auto"
+    device: str = "auto"
+    temperature: float = 0.0
+    vocab: str = ""
+    nmax: int = 12
+    policy: str = "recent"
+    search: int = 0
+    nstrong: int = 6
+    nmin: int = 6
+    agree: int = 0
+    nmin_tail: int = 4
+    longmin: int = 6
+    rule: str = "threshold"
+    schedule: str = "adaptive"
+    sticky: int = 3
+    entry_steps: int = 2
+    stale: int = 0
+    batch_mode: str = "per-request"
+
+    def __post_init__(self) -> None:
+        if self.draft_block > self.k:
+            raise ConfigError(f"fused: draft_block must be <= k (got draft_block={self.draft_block}, k={self.k}); "
+                              f"k is the long block, draft_block the short one")
+        if self.batch_mode not in BATCH_MODES:
+            raise ConfigError(f"fused: batch_mode must be one of {', '.join(BATCH_MODES)} (got {self.batch_mode!r})")
+        try:  # the parts validate themselves; say which spec they came from
+            self.lookup_config(), self.draft_config(), self.fusion_config(), self.schedule_config()
+        except ConfigError as e:
+            raise ConfigError(f"fused: {e}") from None
+
+    def lookup_config(self) -> LookupConfig:
+        n = max(1, min(self.nstrong, self.nmin, self.nmin_tail, self.longmin))
+        return LookupConfig(nmin=min(n, self.nmax), nmax=self.nmax, k=self.k, search=self.search, policy=self.policy)
+
+    def draft_config(self) -> DraftConfig:
+        return DraftConfig(model=self.model, k=self.draft_block, dtype=self.dtype, device=self.device,
+                           temperature=self.temperature, vocab=self.vocab)
+
+    def fusion_config(self) -> FusionConfig:
+        return FusionConfig(nstrong=self.nstrong, nmin=self.nmin, agree=self.agree, nmin_tail=self.nmin_tail,
+                            longmin=self.longmin, draft_block=self.draft_block, rule=self.rule)
+
+    def schedule_config(self) -> ScheduleConfig:
+        return ScheduleConfig(short=self.draft_block, long=self.k, sticky=self.sticky, entry_steps=self.entry_steps,
+                              stale=self.stale, mode=self.schedule)
+
+
+class FusedProposer:
+    name: ClassVar[str] = "fused"
+    Config = FusedConfig
+
+    def __init__(self, config: FusedConfig | None = None, drafter: DraftProposer | None = None) -> None:
+        self.config = c = config or FusedConfig()
+        self.k = c.k
+        self.lookup = LookupProposer(c.lookup_config())
+        self.drafter = drafter or DraftProposer(c.draft_config())
+        self.fusion = c.fusion_config()
+        self.schedule = c.schedule_config()
+        self.states: dict[str, tuple[ScheduleState, int]] = {}  # key -> (scheduler state, history length seen)
+
+    def propose(self, histories: Sequence[np.ndarray], budgets: Sequence[int],
+                keys: Sequence[str] | None = None) -> list[Proposal]:
+        keys = [str(i) for i in range(len(histories))] if keys is None else [str(x) for x in keys]
+        c = self.config
+        lookups = self.lookup.propose(histories, [c.k] * len(histories))
+        drafts = self.drafter.propose(histories, [c.draft_block if b > 0 else 0 for b in budgets], keys)
+        fused = []
+        for h, lk, dr, budget in zip(histories, lookups, drafts, budgets):
+            if budget <= 0:
+                fused.append(None)
+                continue
+            fused.append(fuse(dr.tokens, lk.tokens, lk.match_len, lk.valid, c.k, self.fusion))
+
+        # scheduler: emitted last step = how much the history grew since this request's last call
+        emitted, states = [], []
+        for key, h in zip(keys, histories):
+            state, seen = self.states.get(key, (ScheduleState(), 0))
+            grew = len(h) - seen
+            if seen == 0 or grew <= 0:  # first call, or a new request under a reused key
+                state, grew = ScheduleState(), 0
+            states.append(state)
+            emitted.append(grew)
+        flags = [f.take_flag if f is not None else False for f in fused]
+        if c.batch_mode == "unanimous":
+            new_states, block = step_unanimous(states, flags, emitted, self.schedule)
+            blocks = [block] * len(keys)
+        else:
+            pairs = [step(s, t, e, self.schedule) for s, t, e in zip(states, flags, emitted)]
+            new_states, blocks = [p[0] for p in pairs], [p[1] for p in pairs]
+        self.states = {key: (s, len(h)) for key, s, h in zip(keys, new_states, histories)}  # absent keys: gone
+
+        out = []
+        for f, lk, dr, block in zip(fused, lookups, drafts, blocks):
+            if f is None:
+                out.append(Proposal.empty())
+                continue
+            n = min(block, f.tokens.shape[0])
+            q = None
+            if dr.q is not None:  # drafter rows for the head; lookup positions are point masses (rows unused)
+                q = torch.zeros(n, dr.q.shape[1], dtype=dr.q.dtype, device=dr.q.device)
+                m = min(n, dr.q.shape[0])
+                q[:m] = dr.q[:m]
+            out.append(Proposal(f.tokens[:n], f.sources[:n], lk.match_len, q, {
+                "block": block, "take_flag": f.take_flag, "head_taken": f.head_taken, "tail_taken": f.tail_taken}))
+        return out
+
