@@ -86,11 +86,11 @@ results.mkdir(parents=True, exist_ok=True)
 grid.write_parquet(results / "suffix_sweep.parquet")
 
 # %% [markdown]
-# ## 3. Acceptance: tokens per step over nmin × nmax (k = 15, most recent match)
+# ## 3. Acceptance: tokens per step over nmin × nmax (largest k, first policy: by default 15 and most recent)
 
 # %%
 k_max = max(k_grid)
-heat = table.filter((pl.col("p_k") == str(k_max)) & (pl.col("p_policy") == "recent")).with_columns(
+heat = table.filter((pl.col("p_k") == str(k_max)) & (pl.col("p_policy") == policies[0])).with_columns(
     pl.col("p_nmin").cast(pl.Int32).alias("nmin"), pl.col("p_nmax").cast(pl.Int32).alias("nmax"))
 chart = plots.heatmap(heat, "nmax", "nmin", "tokens_per_step", facet="category", title="tokens/step")
 plots.save(chart, figures / "suffix_tokens_per_step.svg")
