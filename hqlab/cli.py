@@ -138,6 +138,12 @@ def _vocab_coverage(args: argparse.Namespace, vocab) -> int:
     return 0
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from hqlab import sweep
+
+    return sweep.cli(args)
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     from hqlab import models
     from hqlab.bench import EXTERNAL
@@ -204,6 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
     vc.add_argument("--out", type=_out_path, required=True, help="curves .parquet")
     vc.add_argument("--figure", type=Path, default=None, help="also write the curves (.svg + .png)")
     v.set_defaults(func=cmd_vocab)
+
+    sw = sub.add_parser("sweep", help="replay a grid of proposer configs over cached traces, results to parquet")
+    from hqlab.sweep import add_cli_arguments
+
+    add_cli_arguments(sw)
+    sw.set_defaults(func=cmd_sweep)
 
     ls = sub.add_parser("list", help="models, proposers and suites")
     ls.set_defaults(func=cmd_list)
