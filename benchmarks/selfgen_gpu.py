@@ -3,7 +3,8 @@
 Resumable: run the same command again (same output path, model and settings) and it continues where the last
 run stopped, skipping ids already written; a line cut short by a killed run is dropped. Progress (records and
 tok/s) shows on stderr. With --latency-sizes it then measures the draft step latency vs draft vocabulary size
-on the same device (`hqlab.vocab.measure_draft_latency`), written next to the corpus.
+on the same device (`hqlab.vocab.measure_draft_latency`), written to data/results/vocab_latency_gpu_<model>.json
+where the draft_vocab notebook picks it up.
 
 Usage:
   PYTHONPATH=. python benchmarks/selfgen_gpu.py --model PATH_OR_NAME --records 4000 --batch-size 128 \
@@ -38,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
     ap.add_argument("--latency-sizes", default="", help="comma-separated draft vocab sizes to time after generating")
     ap.add_argument("--latency-context", type=int, default=512)
+    ap.add_argument("--latency-out", type=Path, default=None,
+                    help="latency JSON (default: data/results/vocab_latency_gpu_<model>.json, read by the notebook)")
     args = ap.parse_args(argv)
 
     import torch
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = vocab.measure_draft_latency(model, sizes, context=args.latency_context)
         for r in rows:
             r.update(model=info.name, dtype=info.dtype, device=vocab.device_description(model))
-        path = args.out.with_name(args.out.stem + ".latency.json")
+        path = args.latency_out or Path("data/results") / f"vocab_latency_gpu_{Path(info.name).name}.json"
         from hqlab.io import write_atomic
 
         write_atomic(path, lambda tmp: tmp.write_text(json.dumps(rows, indent=1) + "\n"))

@@ -159,21 +159,45 @@ def coverage_curve(order: np.ndarray, counts: Counts, sizes: Sequence[int], *, l
     return rows
 
 
+def curves(held: Counts, lists: dict[str, Counts], special: Sequence[int], sizes: Sequence[int]) -> list[dict]:
+    """Coverage of `held`'s held-out records by the list counted from each of `lists` (ranked the same way)."""
+    rows = []
+    for label, counts in lists.items():
+        for row in coverage_curve(rank(counts.counted, special), held, sizes, label=label):
+            rows.append(row | dict(list_tokens=counts.tokens_counted, list_records=counts.records_counted,
+                                   list_distinct=int((counts.counted > 0).sum())))
+    return rows
+
+
+def _resolve(paths: Sequence) -> list:
+    return [generic_corpus_file() if str(p) == "generic" else p for p in paths]
+
+
 def compare_lists(tokenizer: Any, vocab_size: int, own: Sequence[str | Path], references: dict[str, Sequence],
                   sizes: Sequence[int], *, progress: bool = True) -> list[dict]:
     """Held-out coverage curves of the model's own outputs (`own`), for the list counted from the rest of `own`
-    ("own outputs") and for lists counted from each reference corpus the same way (hold-out included)."""
-    special = special_token_ids(tokenizer)
+    ("own outputs") and for lists counted from each reference corpus the same way (hold-out included);
+    a reference given as "generic" is `generic_corpus_file()`."""
     own_counts = count_corpus(own, tokenizer, vocab_size, progress=progress)
-    lists = {"own outputs": own_counts}
-    for label, paths in references.items():
-        lists[label] = count_corpus([generic_corpus_file() if str(p) == "generic" else p for p in paths],
-                                    tokenizer, vocab_size, progress=progress)
+    lists = {"own outputs": own_counts} | {label: count_corpus(_resolve(paths), tokenizer, vocab_size,
+                                                               progress=progress)
+                                           for label, paths in references.items()}
+    return curves(own_counts, lists, special_token_ids(tokenizer), sizes)
+
+
+def coverage_study(tokenizer: Any, vocab_size: int, targets: dict[str, Sequence], references: dict[str, Sequence],
+                   sizes: Sequence[int], *, progress: bool = True) -> list[dict]:
+    """`compare_lists` for several targets' outputs at once (each corpus counted once): for every target, its own
+    list, each reference list and the lists from the other targets' outputs, on its held-out records."""
+    counted = {t: count_corpus(p, tokenizer, vocab_size, progress=progress) for t, p in targets.items()}
+    refs = {label: count_corpus(_resolve(p), tokenizer, vocab_size, progress=progress)
+            for label, p in references.items()}
+    special = special_token_ids(tokenizer)
     rows = []
-    for label, counts in lists.items():
-        for row in coverage_curve(rank(counts.counted, special), own_counts, sizes, label=label):
-            rows.append(row | dict(list_tokens=counts.tokens_counted,
-                                   list_distinct=int((counts.counted > 0).sum())))
+    for target, own in counted.items():
+        lists = {"own outputs": own} | refs | {f"{other} outputs": c for other, c in counted.items() if other != target}
+        rows += [r | {"target": target, "target_heldout_records": own.records_held} for r in
+                 curves(own, lists, special, sizes)]
     return rows
 
 
