@@ -307,6 +307,14 @@ def _ids_from_json(path: Path) -> list[int]:
     return ids
 
 
+def write_id_list(path: str | Path, ids: np.ndarray) -> Path:
+    """A bare sorted id list (`{"ids": [...]}`), the lightest draft vocabulary `load_draft_vocab` accepts."""
+    from hqlab.io import write_atomic
+
+    ids = np.sort(np.asarray(ids, dtype=np.int64))
+    return write_atomic(path, lambda tmp: tmp.write_text(json.dumps({"ids": ids.tolist()}) + "\n"))
+
+
 def load_draft_vocab(path: str | Path) -> torch.Tensor:
     """The draft vocabulary as a sorted 1-D int64 tensor of unique token ids.
 
@@ -399,6 +407,16 @@ def build(model: str, corpus: Sequence[str | Path], size: int, out: str | Path, 
                 **counts.summary())
     result = publish(out, files, meta)
     return BuildResult(Path(out), ids, cov, meta, result.write_points)
+
+
+def heldout_prompt_ids(corpus: str | Path) -> list[str]:
+    """Prompt ids whose answers a self-generated corpus holds out (record j % 10 == 0): evaluating a list on
+    these prompts measures it on answers it was not counted from. Sample suffixes (`#n`) are dropped."""
+    path = Path(corpus)
+    records = read_corpus([path])  # validates the file
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    ids = [json.loads(lines[r.index]).get("id") for r in records if r.held_out]
+    return list(dict.fromkeys(i.split("#")[0] for i in ids if isinstance(i, str)))
 
 
 # ----------------------------------------------------------------------------------------------------------------

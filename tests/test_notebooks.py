@@ -24,7 +24,9 @@ SMALL = {
     "explorer": dict(suite="copy", doc_tokens=300, max_new_tokens=24, compare=["lookup:nmin=2,nmax=6,k=8"],
                      start="pld:n=2,k=4"),
     "draft_vocab": dict(corpora={"qwen2.5-coder-0.5b": "data/selfgen/qwen2.5-coder-0.5b.jsonl"},
-                        sizes=[1024, 16384], latency_sizes=[1024], latency_repeats=2, latency_context=64),
+                        sizes=[1024, 16384], latency_sizes=[1024], latency_repeats=2, latency_context=64,
+                        accept_target="qwen2.5-coder-0.5b", accept_sizes=[1024, 0], accept_prompts=1,
+                        accept_max_new_tokens=12, live_prompts=1),
 }
 
 
