@@ -30,6 +30,7 @@ INSTALL_HINT = ("install Chromium from the system's packages (Debian/Ubuntu, as 
 WIDTH = 1100
 MAX_HEIGHT = 16000  # screenshots taller than this are cut (Chromium's texture limit is ~16k px)
 MIN_INK = 0.01  # share of a chart region's pixels that must differ from the background
+MIN_CHART = 60  # px: the smallest width and height that counts as a chart
 
 
 class BrowserMissing(RuntimeError):
@@ -100,8 +101,8 @@ window.addEventListener('load', function () { setTimeout(function () {
       box(el, 'widget', !!el.querySelector('.lm-Widget'));  // the manager adds Lumino widgets next to the script
     }
   });
-  document.querySelectorAll('main img').forEach(function (el) {
-    box(el, 'chart', el.complete && el.naturalWidth > 0);
+  document.querySelectorAll('main img').forEach(function (el) {  // docs figures (outputs were counted above)
+    if (!el.closest('.jp-OutputArea-output')) box(el, 'chart', el.complete && el.naturalWidth > 0);
   });
   document.documentElement.setAttribute('data-hqlab-layout', JSON.stringify(
     {height: document.documentElement.scrollHeight, items: items}));
@@ -121,7 +122,9 @@ class Region:
 
     @property
     def visible(self) -> bool:
-        return self.rendered and self.w >= 20 and self.h >= 20 and self.ink >= MIN_INK
+        # A chart is at least MIN_CHART px each way: a failed embed leaves one line of error text, not a chart.
+        side = MIN_CHART if self.kind == "chart" else 20
+        return self.rendered and self.w >= side and self.h >= side and self.ink >= MIN_INK
 
 
 @dataclass
