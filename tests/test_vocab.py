@@ -88,6 +88,25 @@ def test_load_draft_vocab_from_json(tmp_path):
         vocab.load_draft_vocab(tmp_path / "nope")
 
 
+def test_id_list_and_heldout_prompts(tmp_path):
+    path = vocab.write_id_list(tmp_path / "ids.json", np.array([9, 2, 5]))
+    assert vocab.load_draft_vocab(path).tolist() == [2, 5, 9]
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"id": f"p{j % 12}" + ("#1" if j >= 12 else ""), "src": "chat",
+                                          "output_ids": [j]}) + "\n" for j in range(24)))
+    assert vocab.heldout_prompt_ids(corpus) == ["p0", "p10", "p8"]  # records 0, 10, 20
+
+
+def test_cli_rejects_bad_input_before_loading(tmp_path, capsys):
+    from hqlab.cli import main
+
+    assert main(["vocab", "coverage", "--corpus", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "c.parquet")]) == 2
+    assert "nope.jsonl: no such file or folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["vocab", "coverage", "--corpus", "x.jsonl", "--out", str(tmp_path / "c.csv")])
+    assert "--out must end in .parquet" in capsys.readouterr().err
+
+
 def test_generic_corpus_is_deterministic_prose_and_code():
     a, b = vocab.generic_records(), vocab.generic_records()
     assert a == b
