@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import platform
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -101,6 +102,16 @@ def encode_prompts(engine: Any, prompts: Sequence[Prompt], max_new_tokens: int) 
     return encoded
 
 
+def _warm_up(engine: Any, ids: list[int], configs: Sequence[RunConfig]) -> None:
+    """First calls pay for allocator growth and kernel selection at every verify shape, and drafters for theirs."""
+    engine.generate(ids, None, DecodeConfig(max_new_tokens=16), request="warmup")
+    engine.generate(ids, make_proposer("lookup:nmin=1,nmax=4,k=16"), DecodeConfig(max_new_tokens=32),
+                    request="warmup")
+    for config in configs:
+        if config.proposer is not None and config.proposer.name not in ("none", "lookup", "pld"):
+            engine.generate(ids, config.proposer, DecodeConfig(max_new_tokens=16), request="warmup")
+
+
 def run_bench(engine: Any, prompts: Sequence[Prompt], specs: Sequence[str], decode: DecodeConfig, *,
               repeats: int = 1, warmup: bool = True, progress: bool = True,
               meta: dict[str, Any] | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -115,10 +126,8 @@ def run_bench(engine: Any, prompts: Sequence[Prompt], specs: Sequence[str], deco
     base_meta = {"engine": "hf", "model": getattr(engine.info, "name", "custom"), "dtype": dtype,
                  "machine": machine, "max_new_tokens": decode.max_new_tokens, **(meta or {})}
 
-    if warmup and encoded:  # first calls pay for allocator growth and kernel selection, at every verify shape
-        engine.generate(encoded[0], None, DecodeConfig(max_new_tokens=16), request="warmup")
-        engine.generate(encoded[0], make_proposer("lookup:nmin=1,nmax=4,k=16"), DecodeConfig(max_new_tokens=32),
-                        request="warmup")
+    if warmup and encoded:
+        _warm_up(engine, encoded[0], configs)
 
     rows, steps = [], []
     bar = tqdm(total=len(prompts) * len(configs) * repeats, desc="bench", disable=not progress)
@@ -167,6 +176,62 @@ def run_bench(engine: Any, prompts: Sequence[Prompt], specs: Sequence[str], deco
     results = pl.DataFrame(rows)
     step_frame = pl.concat(steps, how="diagonal_relaxed") if steps else pl.DataFrame()
     return results, step_frame
+
+
+def run_batch_bench(engine: Any, prompts: Sequence[Prompt], specs: Sequence[str], decode: DecodeConfig, *,
+                    batch: int, repeats: int = 1, references: dict[str, Generation] | None = None,
+                    progress: bool = True, meta: dict[str, Any] | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """All prompts decoded concurrently (`batch` at a time) per config: one row per (config, prompt).
+
+    Batch-level columns: `batch_wall_s` (median over repeats of the whole batch's wall time) and `batch_tok_s`
+    (all requests' tokens / that time), the serving-throughput view. Every greedy output is checked against the
+    batch-1 no-speculation reference (`references` by prompt id, computed here when not given).
+    """
+    if batch < 1 or repeats < 1:
+        raise ConfigError(f"batch and repeats must be >= 1 (got batch={batch}, repeats={repeats})")
+    configs = parse_configs(specs)
+    if any(c.external is not None for c in configs):
+        raise ConfigError("batched runs take hqlab proposers only (transformers' generate runs one request)")
+    encoded = encode_prompts(engine, prompts, decode.max_new_tokens)
+    dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
+    tol = NEAR_TIE_TOL.get(dtype, 0.01)
+    names = [p.id for p in prompts]
+    if references is None:
+        references = {p.id: engine.generate(ids, None, decode, request=p.id) for p, ids in zip(prompts, encoded)}
+    base_meta = {"engine": "hf", "model": getattr(engine.info, "name", "custom"), "dtype": dtype, "batch": batch,
+                 "machine": machine_description(engine.device), "max_new_tokens": decode.max_new_tokens,
+                 **(meta or {})}
+    rows, steps = [], []
+    for config in tqdm(configs, desc=f"batch {batch}", disable=not progress):
+        walls, first = [], None
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            gens = engine.generate_batch(encoded, config.proposer, decode, requests=names, max_batch=batch)
+            walls.append(time.perf_counter() - t0)
+            first = first or gens
+        wall = statistics.median(walls)
+        total_tokens = sum(g.new_tokens for g in first)
+        for prompt, g in zip(prompts, first):
+            ref = references[prompt.id]
+            check = compare(ref.output_ids, ref.margins, g.output_ids, tol) if decode.greedy else None
+            n_steps = max(g.steps, 1)
+            rows.append({
+                **base_meta, "config": config.label, "category": prompt.category, "prompt_id": prompt.id,
+                "new_tokens": g.new_tokens, "steps": g.steps, "tokens_per_step": g.tokens_per_step(),
+                "mean_block": sum(r.block for r in g.records) / n_steps,
+                "long_share": sum(r.block >= max(config.proposer.k, 1) for r in g.records) / n_steps,
+                "batch_wall_s": wall, "batch_tok_s": total_tokens / wall, "repeats": repeats,
+                "lossless": None if check is None else check.lossless,
+                "divergence": None if check is None else check.status,
+                "first_divergence": None if check is None else check.first_divergence,
+                "divergence_margin": None if check is None else check.margin,
+            })
+            frame = records_frame(g.records)
+            if frame.height:
+                steps.append(frame.with_columns(pl.lit(config.label).alias("config"),
+                                                pl.lit(prompt.category).alias("category")))
+    results = pl.DataFrame(rows)
+    return results, (pl.concat(steps, how="diagonal_relaxed") if steps else pl.DataFrame())
 
 
 def summarize(results: pl.DataFrame) -> pl.DataFrame:
@@ -218,4 +283,4 @@ def core_figures(results: pl.DataFrame, tag: str, fig_dir: Path) -> list[Path]:
     return paths
 
 
-__all__ = ["run_bench", "summarize", "parse_configs", "acceptance_by_position", "core_figures"]
+__all__ = ["run_bench", "run_batch_bench", "summarize", "parse_configs", "acceptance_by_position", "core_figures"]

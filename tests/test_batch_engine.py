@@ -142,3 +142,22 @@ def test_soak_copy_identical_across_rounds(engine_05b_fp32, drafter_model, promp
         copies.append(gens[0].output_ids)
     assert all(c == copies[0] for c in copies)
     assert copies[0] == reference_copy
+
+
+def test_teacher_forced_replay_equals_real_drafter(engine_05b_fp32, prompts, references):
+    """One drafter pass over the trace gives the same steps as drafting for real at every step."""
+    from hqlab.proposers.draft import load_drafter
+    from hqlab.teacher import TeacherForcedDrafter
+
+    model = load_drafter("qwen2.5-coder-0.5b", "cpu", "float32")
+    for spec in [dict(k=15, sticky=3), dict(k=15, nstrong=8, agree=2), dict(k=7)]:
+        config = FusedConfig(dtype="float32", device="cpu", **spec)
+        for ids, ref in zip(prompts[:2], references[:2]):
+            real = replay(ids, ref.output_ids, FusedProposer(config, drafter=DraftProposer(
+                config.draft_config(), model=model)), max_new_tokens=DECODE.max_new_tokens)
+            teacher = TeacherForcedDrafter(DraftProposer(config.draft_config(), model=model), ids, ref.output_ids)
+            forced = replay(ids, ref.output_ids, FusedProposer(config, drafter=teacher),
+                            max_new_tokens=DECODE.max_new_tokens)
+            for key in ("accepted", "block", "verify_len", "sources"):
+                assert [getattr(r, key) for r in forced] == [getattr(r, key) for r in real], (spec, key)
+            assert teacher.real_calls < len(forced)  # most steps needed no real draft

@@ -12,46 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from hqlab.lossless import chi_square_pvalue
 from hqlab.rules.verify import Verdict, sample_verify, target_probs
 
 V = 6
-
-
-def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    """Pearson chi-square goodness of fit; categories with tiny expectation are pooled."""
-    from math import exp, lgamma, log
-
-    n = counts.sum()
-    expected = probs * n
-    keep = expected >= 5
-    obs = np.append(counts[keep], counts[~keep].sum())
-    exp_ = np.append(expected[keep], expected[~keep].sum())
-    if exp_[-1] < 5:
-        obs, exp_ = obs[:-1], exp_[:-1]
-    stat = float(((obs - exp_) ** 2 / exp_).sum())
-    dof = len(obs) - 1
-    # regularized upper incomplete gamma Q(dof/2, stat/2) by series/continued fraction (no scipy dependency)
-    a, x = dof / 2.0, stat / 2.0
-    if x <= 0:
-        return 1.0
-    if x < a + 1:
-        term = total = 1.0 / a
-        for i in range(1, 500):
-            term *= x / (a + i)
-            total += term
-        return 1.0 - total * exp(-x + a * log(x) - lgamma(a))
-    b, c, d = x + 1 - a, 1e300, 1.0 / (x + 1 - a)
-    h = d
-    for i in range(1, 500):
-        an = -i * (i - a)
-        b += 2
-        d = an * d + b
-        d = 1e-300 if abs(d) < 1e-300 else d
-        c = b + an / c
-        c = 1e-300 if abs(c) < 1e-300 else c
-        d = 1.0 / d
-        h *= d * c
-    return exp(-x + a * log(x) - lgamma(a)) * h
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -101,6 +101,7 @@ class HFEngine:
         # transformers renamed the forward's `past_key_values` argument to `cache` (5.24); accept both releases.
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._calls = 0
 
     @classmethod
     def load(cls, name: str | None = None, *, device: str = "auto", dtype: str = "auto") -> "HFEngine":
@@ -152,6 +153,7 @@ class HFEngine:
         for ids, name in zip(prompts, requests):
             self.check_fits(len(ids), decode.max_new_tokens, f"request {name!r}")
 
+        self._calls += 1
         kv = RaggedCache(self.model, self._cache_kw)
         waiting = list(range(len(prompts)))
         active: list[_Request] = []
@@ -170,6 +172,7 @@ class HFEngine:
             while waiting and len(active) < max_batch:  # admit: prefill alone, then join the batch
                 i = waiting.pop(0)
                 r = _Request(i, requests[i], prompts[i], decode, self.device)
+                r.key = f"{self._calls}:{r.name}"  # a fresh key per call: no proposer state leaks between runs
                 first, margins = self._choose(kv.add(list(prompts[i])), Proposal.empty(), decode, r.generator)
                 r.emit(first.emitted, margins, self.eos, decode.max_new_tokens)
                 r.ttft = r.t_last = time.perf_counter() - r.t0
@@ -180,7 +183,7 @@ class HFEngine:
 
             ts = time.perf_counter()
             budgets = [decode.max_new_tokens - len(r.out) - 1 for r in active]  # more could not be emitted
-            proposals = proposer.propose([r.history.view() for r in active], budgets, keys=[r.name for r in active])
+            proposals = proposer.propose([r.history.view() for r in active], budgets, keys=[r.key for r in active])
             proposals = [p.truncated(max(b, 0)) for p, b in zip(proposals, budgets)]
             propose_s = time.perf_counter() - ts
 
@@ -211,9 +214,7 @@ class HFEngine:
             margins = (top.values[:, 0] - top.values[:, 1]).tolist()
             return greedy_verify(proposal.tokens, argmax), margins
         p = target_probs(logits, decode.temperature, decode.top_k, decode.top_p)
-        # lookup positions are point masses; drafter positions use the drafter's q when it sampled (a greedy
-        # drafter's token is a point mass too)
-        point_mass = proposal.sources != Source.DRAFT if proposal.q is not None else np.ones(proposal.valid, bool)
+        point_mass = proposal.point_mass()
         return sample_verify(proposal.tokens, p, generator, q=proposal.q, point_mass=point_mass), []
 
     # ------------------------------------------------------------------------------------------------------------

@@ -48,6 +48,13 @@ class Proposal:
     def empty() -> "Proposal":
         return Proposal(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int8))
 
+    def point_mass(self) -> np.ndarray:
+        """bool [n]: positions verified as point masses. Lookup positions always are; drafter positions are too
+        when the drafter did not sample (no q: its argmax is a deterministic guess)."""
+        if self.q is None:
+            return np.ones(self.valid, dtype=bool)
+        return self.sources != Source.DRAFT
+
     def truncated(self, n: int) -> "Proposal":
         """The first n positions (the engine clips proposals to the tokens still allowed)."""
         if n >= self.valid:

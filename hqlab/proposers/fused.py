@@ -11,6 +11,12 @@ last call for the same request), so replay, the engine and any other engine get 
 histories. Batch mode "unanimous" is HyperQwen's: one block length for the whole batch, sticky only at batch size
 1; "per-request" (default) decides for each request alone.
 
+Sampled verification stays exact when every decision about a position is fixed before that position's token is
+drawn, or depends only on tokens before it: the head decision (agree = 0) reads only match_len, the tail decision
+reads the drafted head, which precedes the tail. With agree > 0 the head decision reads the drafter's samples at
+the very positions it then keeps or replaces, which biases the output; that combination is refused (the sampling
+test shows the bias).
+
 Lookup matching length: the fusion rules read matches as short as min(nstrong, nmin, nmin_tail, longmin), so the
 lookup runs with that as its cheap-reject length (with HyperQwen's lookup nmin 6 the tail rule's 4 could never
 fire); `nmax` caps the match as usual.
@@ -102,6 +108,12 @@ class FusedProposer:
         self.k = c.k
         self.lookup = LookupProposer(c.lookup_config())
         self.drafter = drafter or DraftProposer(c.draft_config())
+        samples = getattr(getattr(self.drafter, "config", None), "temperature", 0) > 0
+        if samples and c.rule == "threshold" and c.agree > 0:
+            raise ConfigError(
+                "fused: agree > 0 with a sampling drafter (temperature > 0) is not lossless: the head decision "
+                "would depend on the drafter's own samples, so the drafter tokens that stay in the block are no "
+                "longer distributed as the q they are verified with. Use agree=0 (the shipped set) for sampling.")
         self.fusion = c.fusion_config()
         self.schedule = c.schedule_config()
         self.states: dict[str, tuple[ScheduleState, int]] = {}  # key -> (scheduler state, history length seen)
@@ -113,11 +125,17 @@ class FusedProposer:
         lookups = self.lookup.propose(histories, [c.k] * len(histories))
         drafts = self.drafter.propose(histories, [c.draft_block if b > 0 else 0 for b in budgets], keys)
         fused = []
-        for h, lk, dr, budget in zip(histories, lookups, drafts, budgets):
+        for i, (h, lk, budget) in enumerate(zip(histories, lookups, budgets)):
             if budget <= 0:
                 fused.append(None)
                 continue
-            fused.append(fuse(dr.tokens, lk.tokens, lk.match_len, lk.valid, c.k, self.fusion))
+            f = fuse(drafts[i].tokens, lk.tokens, lk.match_len, lk.valid, c.k, self.fusion)
+            known = drafts[i].extra.get("known")  # a teacher-forced draft (replay) is exact only this far
+            if known is not None and min(f.head_len, lk.valid) > known and f.agree_count >= known:
+                # the agreement count ran into positions the trace cannot tell: draft them for real
+                drafts[i] = self.drafter.exact([h], [c.draft_block], [keys[i]])[0]
+                f = fuse(drafts[i].tokens, lk.tokens, lk.match_len, lk.valid, c.k, self.fusion)
+            fused.append(f)
 
         # scheduler: emitted last step = how much the history grew since this request's last call
         emitted, states = [], []
@@ -149,6 +167,7 @@ class FusedProposer:
                 m = min(n, dr.q.shape[0])
                 q[:m] = dr.q[:m]
             out.append(Proposal(f.tokens[:n], f.sources[:n], lk.match_len, q, {
-                "block": block, "take_flag": f.take_flag, "head_taken": f.head_taken, "tail_taken": f.tail_taken}))
+                "block": block, "take_flag": f.take_flag, "head_taken": f.head_taken, "tail_taken": f.tail_taken,
+                "draft_mode": dr.extra.get("draft_mode", "live")}))
         return out
 

@@ -1,0 +1,129 @@
+"""Teacher-forced drafting for replay: a model drafter's greedy drafts from ONE forward pass over a trace.
+
+Under greedy decoding the drafter's first token from a history is its argmax after that history, and every later
+draft token is the argmax after the history plus the earlier draft tokens. Over a recorded trace the true
+continuation is known, so one forward pass of the drafter over prompt + output gives its argmax after every true
+prefix: the draft from position t equals those argmaxes for as long as they agree with the trace, and the first
+one that disagrees is exact too. Acceptance needs nothing more (nothing after a wrong token is ever accepted).
+
+Positions after that first disagreement are unknown; they are returned as UNKNOWN (-1) with
+`extra["known"]` = the number of exact tokens. A rule that needs them (fusion compares drafter and lookup over
+the head) asks `exact()` for a real draft: `FusedProposer` does so only when its decision could change, and
+counts how often (`extra["draft_mode"]` is "teacher" or "real"). Greedy drafters only.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Sequence
+
+import numpy as np
+import torch
+
+from hqlab.config import ConfigError
+from hqlab.proposers.base import Proposal, Source
+from hqlab.proposers.draft import DraftProposer
+
+UNKNOWN = -1
+
+
+class TeacherForcedDrafter:
+    name: ClassVar[str] = "draft"
+
+    def __init__(self, drafter: DraftProposer, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                 chunk: int = 512) -> None:
+        if drafter.config.temperature > 0:
+            raise ConfigError("teacher forcing reproduces greedy drafts only (drafter temperature must be 0)")
+        self.drafter, self.config, self.k = drafter, drafter.config, drafter.k
+        self.seq = np.asarray([*prompt_ids, *output_ids], dtype=np.int64)
+        self.guess = self._argmax_after_every_prefix(chunk)
+        self.real_calls = 0
+
+    @torch.inference_mode()
+    def _argmax_after_every_prefix(self, chunk: int) -> np.ndarray:
+        """guess[t] = the drafter's argmax after seq[: t + 1], in chunks over one growing KV cache."""
+        from transformers import DynamicCache
+
+        d = self.drafter
+        cache = DynamicCache(config=d.model.config)
+        out = []
+        for start in range(0, len(self.seq), chunk):
+            ids = torch.tensor([self.seq[start : start + chunk].tolist()], device=d.device)
+            hidden = d.body(input_ids=ids, use_cache=True, **{d._cache_kw: cache}).last_hidden_state[0]
+            logits = torch.nn.functional.linear(hidden, d.head_weight)
+            idx = logits.argmax(dim=-1)
+            out.append((d.vocab_ids[idx] if d.vocab_ids is not None else idx).cpu().numpy())
+        return np.concatenate(out)
+
+    def propose(self, histories: Sequence[np.ndarray], budgets: Sequence[int],
+                keys: Sequence[str] | None = None) -> list[Proposal]:
+        out = []
+        for h, budget in zip(histories, budgets):
+            t = len(h)
+            if t > len(self.seq) or int(h[-1]) != int(self.seq[t - 1]):
+                raise ValueError("teacher forcing only replays prefixes of its own trace")
+            n = max(0, min(self.k, int(budget)))
+            tokens = np.full(n, UNKNOWN, dtype=np.int64)
+            known = 0
+            for i in range(n):
+                g = int(self.guess[t - 1 + i])
+                tokens[i] = g
+                known += 1
+                if t + i >= len(self.seq) or g != int(self.seq[t + i]):
+                    break  # first disagreement: exact, and nothing after it can be known
+            out.append(Proposal(tokens, np.full(n, Source.DRAFT, dtype=np.int8), 0, None,
+                                {"known": known, "draft_mode": "teacher"}))
+        return out
+
+    def exact(self, histories: Sequence[np.ndarray], budgets: Sequence[int],
+              keys: Sequence[str] | None = None) -> list[Proposal]:
+        """Real drafts from the drafter model (for the rare decisions that read past the known part)."""
+        self.real_calls += len(histories)
+        props = self.drafter.propose(histories, budgets, keys)
+        for p in props:
+            p.extra.update({"known": p.valid, "draft_mode": "real"})
+        return props
+
+
+def replay_fused_grid(traces: Sequence, drafter: DraftProposer, specs: Sequence[str], *,
+                      progress: bool = True):
+    """Replay every `fused:...` spec over every trace with teacher-forced drafts (one drafter pass per trace).
+
+    Returns one row per (config, prompt): tokens/step, mean verified positions per step (the verify cost proxy),
+    share of steps on the long block, share of steps whose head came from the lookup, and how many drafts had
+    to be computed for real. `traces` are `hqlab.sweep.Trace`s of the target's greedy outputs.
+    """
+    import polars as pl
+    from tqdm.auto import tqdm
+
+    from hqlab.config import build_config, parse_spec
+    from hqlab.proposers.fused import FusedConfig, FusedProposer
+    from hqlab.replay import replay
+    from hqlab.trace import tokens_per_step
+
+    configs = []
+    for spec in specs:
+        name, values = parse_spec(spec)
+        if name != "fused":
+            raise ConfigError(f"replay_fused_grid takes fused:... specs, got {spec!r}")
+        configs.append((spec, build_config(FusedConfig, values, context="fused")))
+    rows = []
+    bar = tqdm(total=len(traces) * len(configs), desc="fused replay", disable=not progress)
+    for trace in traces:
+        teacher = TeacherForcedDrafter(drafter, trace.prompt_ids, trace.output_ids)
+        for spec, config in configs:
+            before = teacher.real_calls
+            proposer = FusedProposer(config, drafter=teacher)
+            records = replay(trace.prompt_ids, trace.output_ids, proposer, max_new_tokens=trace.max_new_tokens,
+                             request=trace.prompt_id)
+            n = max(len(records), 1)
+            rows.append({
+                "config": spec, "prompt_id": trace.prompt_id, "category": trace.category, "steps": len(records),
+                "tokens_per_step": tokens_per_step(records),
+                "verify_positions": sum(r.verify_len for r in records) / n,
+                "long_share": sum(r.block == config.k and config.k > config.draft_block for r in records) / n,
+                "lookup_head_share": sum(bool(r.sources) and r.sources[0] == Source.LOOKUP for r in records) / n,
+                "real_drafts": teacher.real_calls - before,
+            })
+            bar.update()
+    bar.close()
+    return pl.DataFrame(rows)

@@ -1,0 +1,111 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Fusion thresholds: when should the context lookup replace the model drafter?
+#
+# A smaller model with the target's tokenizer drafts the head of the verify block; the context lookup can
+# replace it (head) and extend it (tail). The rule has five thresholds (SPEC §2.4). This notebook
+#
+# 1. replays every fusion setting **exactly** over the target's recorded greedy outputs, with the drafter's
+#    greedy drafts **teacher-forced** from one forward pass per trace (the rare steps whose decision reads past
+#    what the trace can tell are drafted for real and counted), and
+# 2. re-plots the live benchmark (`benchmarks/bench_fusion.py`): tokens/step and wall-time speedup per task,
+#    and batch 4 with per-request vs unanimous block lengths.
+
+# %% tags=["parameters"]
+target = "qwen2.5-coder-1.5b"
+drafter = "qwen2.5-coder-0.5b"
+device = "auto"
+dtype = "auto"
+suite = "labd"
+doc_tokens = 1500
+max_new_tokens = 160
+limit = 0
+k = 15
+fusion_grid = ["nstrong=6,agree=0", "nstrong=8,agree=2", "nstrong=8,agree=0", "nstrong=12,agree=0",
+               "nstrong=6,agree=0,nmin_tail=2", "nstrong=6,agree=0,nmin_tail=6", "rule=score"]
+schedule = "sticky=3"
+bench_tag = "cpu"
+figures_dir = "figures"
+results_dir = "data/results"
+
+# %%
+from pathlib import Path
+
+import altair as alt
+import polars as pl
+
+from hqlab import plots, sweep
+from hqlab.bench import machine_description
+from hqlab.config import DecodeConfig
+from hqlab.engines.hf import HFEngine
+from hqlab.proposers.draft import DraftConfig, DraftProposer
+from hqlab.teacher import replay_fused_grid
+from hqlab.workloads import load_workload
+
+alt.renderers.enable("svg")
+pl.Config.set_tbl_width_chars(160)
+figures, results = Path(figures_dir), Path(results_dir)
+engine = HFEngine.load(target, device=device, dtype=dtype)
+dt = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
+draft = DraftProposer(DraftConfig(model=drafter, dtype=dt, device=engine.device.type))
+prompts = load_workload(suite, doc_tokens=doc_tokens, tokenizer=engine.tokenizer)
+prompts = prompts[:limit] if limit else prompts
+print(machine_description(engine.device), "|", target, "drafted by", drafter, "|", len(prompts), "prompts")
+
+# %% [markdown]
+# ## Replay: tokens per step and verified positions per step for each fusion setting
+
+# %%
+traces = sweep.record_traces(engine, prompts, DecodeConfig(max_new_tokens=max_new_tokens))
+specs = [f"fused:k={k},{schedule},{g}" for g in fusion_grid] + [f"fused:k={k},{schedule},schedule=short"]
+grid = replay_fused_grid(traces, draft, specs)
+grid = grid.with_columns(pl.col("config").str.replace(f"fused:k={k},{schedule},", "").alias("setting"))
+grid.write_parquet(results / "fusion_replay.parquet")
+summary = grid.group_by(["category", "setting"], maintain_order=True).agg(
+    pl.col("tokens_per_step").mean(), pl.col("verify_positions").mean(), pl.col("lookup_head_share").mean(),
+    pl.col("real_drafts").sum())
+print(summary)
+
+# %%
+plots.save(plots.grouped_bars(summary, "category", "tokens_per_step", "setting",
+                              y_title="tokens per verify step (replay)"), figures / "fusion_thresholds_tps.svg")
+plots.save(plots.grouped_bars(summary, "category", "verify_positions", "setting",
+                              y_title="verified positions per step"), figures / "fusion_thresholds_cost.svg")
+
+# %% [markdown]
+# ## Live benchmark (1.5B target, 0.5B drafter): re-plotted from the committed results
+
+# %%
+live_path = results / f"fusion_{bench_tag}.parquet"
+if live_path.exists():
+    live = pl.read_parquet(live_path)
+    per = live.group_by(["category", "config"], maintain_order=True).agg(
+        pl.col("tokens_per_step").median(), pl.col("speedup_e2e").median(), pl.col("decode_tok_s").median())
+    per = per.with_columns(pl.col("config").str.replace(r",model=[^,]+,dtype=[^,]+,device=\w+", ""))
+    print(live["machine"][0])
+    print(per)
+    plots.save(plots.grouped_bars(per, "category", "tokens_per_step", "config", rule_at=1.0,
+                                  y_title="tokens per verify step"), figures / f"fusion_{bench_tag}_tps.svg")
+    plots.save(plots.grouped_bars(per, "category", "speedup_e2e", "config", rule_at=1.0,
+                                  y_title="wall-time speedup over no speculation"),
+               figures / f"fusion_{bench_tag}_speedup.svg")
+batch_path = results / f"fusion_{bench_tag}_batch.parquet"
+if batch_path.exists():
+    batch = pl.read_parquet(batch_path).with_columns(
+        pl.col("config").str.replace(r",model=[^,]+,dtype=[^,]+,device=\w+", ""))
+    print(batch.select("config", "prompt_id", "tokens_per_step", "mean_block", "long_share", "batch_tok_s",
+                       "divergence"))
+    plots.save(plots.grouped_bars(batch, "prompt_id", "tokens_per_step", "config",
+                                  y_title="tokens per verify step, batch of 4"), figures / f"fusion_{bench_tag}_batch.svg")

@@ -1,0 +1,106 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Sticky exit: how long should the long verify block survive a dropped flag?
+#
+# The long block (k = 15) is entered after `entry_steps` consecutive qualifying steps (the lookup has a tail and
+# the previous step was saturated) and left after `sticky + 1` non-qualifying ones; `stale = 1` reads the flag
+# one step late, as an engine that copies it asynchronously from the device would (SPEC §2.5). Every setting is
+# replayed exactly over the target's greedy outputs with teacher-forced drafts (see the fusion notebook).
+# Tokens per step measure what a setting gains; verified positions per step what it costs.
+
+# %% tags=["parameters"]
+target = "qwen2.5-coder-1.5b"
+drafter = "qwen2.5-coder-0.5b"
+device = "auto"
+dtype = "auto"
+suite = "labd"
+doc_tokens = 1500
+max_new_tokens = 160
+limit = 0
+k = 15
+sticky_grid = [0, 1, 2, 3, 5]
+entry_grid = [1, 2]
+stale_grid = [0, 1]
+timeline_task = "copy"
+figures_dir = "figures"
+results_dir = "data/results"
+
+# %%
+from pathlib import Path
+
+import altair as alt
+import polars as pl
+
+from hqlab import plots, sweep
+from hqlab.bench import machine_description
+from hqlab.config import DecodeConfig
+from hqlab.engines.hf import HFEngine
+from hqlab.proposers.draft import DraftConfig, DraftProposer
+from hqlab.proposers.fused import FusedConfig, FusedProposer
+from hqlab.replay import replay
+from hqlab.teacher import TeacherForcedDrafter, replay_fused_grid
+from hqlab.workloads import load_workload
+
+alt.renderers.enable("svg")
+pl.Config.set_tbl_width_chars(160)
+figures, results = Path(figures_dir), Path(results_dir)
+engine = HFEngine.load(target, device=device, dtype=dtype)
+dt = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
+draft = DraftProposer(DraftConfig(model=drafter, dtype=dt, device=engine.device.type))
+prompts = load_workload(suite, doc_tokens=doc_tokens, tokenizer=engine.tokenizer)
+prompts = prompts[:limit] if limit else prompts
+traces = sweep.record_traces(engine, prompts, DecodeConfig(max_new_tokens=max_new_tokens))
+print(machine_description(engine.device), "|", target, "drafted by", drafter, "|", len(traces), "traces")
+
+# %% [markdown]
+# ## Tokens per step and verify cost over sticky window, entry rule and flag staleness
+
+# %%
+specs = [f"fused:k={k},sticky={s},entry_steps={e},stale={st}"
+         for s in sticky_grid for e in entry_grid for st in stale_grid]
+grid = replay_fused_grid(traces, draft, specs + [f"fused:k={k},schedule=short", f"fused:k={k},schedule=long"])
+grid.write_parquet(results / "sticky_replay.parquet")
+params = grid["config"].str.extract_groups(r"sticky=(?P<sticky>\d+),entry_steps=(?P<entry>\d+),stale=(?P<stale>\d)")
+grid = pl.concat([grid, params], how="horizontal")
+adaptive = grid.drop_nulls("sticky").with_columns(
+    pl.col("sticky").cast(pl.Int32), ("entry " + pl.col("entry") + ", stale " + pl.col("stale")).alias("rule"))
+summary = adaptive.group_by(["category", "rule", "sticky"], maintain_order=True).agg(
+    pl.col("tokens_per_step").mean(), pl.col("verify_positions").mean(), pl.col("long_share").mean())
+fixed = grid.filter(pl.col("sticky").is_null()).group_by(["category", "config"], maintain_order=True).agg(
+    pl.col("tokens_per_step").mean(), pl.col("verify_positions").mean())
+print(fixed)
+print(summary.filter(pl.col("rule") == "entry 2, stale 0"))
+
+# %%
+plots.save(plots.lines(summary, "sticky", "tokens_per_step", "rule", facet="category",
+                       y_title="tokens per verify step (replay)"), figures / "sticky_tps.svg")
+plots.save(plots.lines(summary, "sticky", "verify_positions", "rule", facet="category",
+                       y_title="verified positions per step"), figures / "sticky_cost.svg")
+
+# %% [markdown]
+# ## One request, step by step: block length and accepted tokens with sticky 0 and 3
+
+# %%
+trace = next(t for t in traces if t.prompt_id == timeline_task)
+teacher = TeacherForcedDrafter(draft, trace.prompt_ids, trace.output_ids)
+rows = []
+for s in (0, 3):
+    records = replay(trace.prompt_ids, trace.output_ids, FusedProposer(FusedConfig(k=k, sticky=s), drafter=teacher),
+                     max_new_tokens=trace.max_new_tokens, request=trace.prompt_id)
+    rows += [{"sticky": f"sticky {s}", "step": r.step, "series": "block", "tokens": r.block} for r in records]
+    rows += [{"sticky": f"sticky {s}", "step": r.step, "series": "emitted", "tokens": r.emitted} for r in records]
+timeline = pl.DataFrame(rows)
+plots.save(plots.lines(timeline, "step", "tokens", "series", facet="sticky", y_title="tokens"),
+           figures / "sticky_timeline.svg")
