@@ -500,44 +500,51 @@ def _sync(device: torch.device) -> None:
 
 @torch.inference_mode()
 def measure_draft_latency(model: Any, sizes: Sequence[int], *, context: int = 512, repeats: int = 20,
-                          warmup: int = 3) -> list[dict[str, Any]]:
+                          warmup: int = 3, seed: int = 0) -> list[dict[str, Any]]:
     """Median time of one draft step (the body's forward of one token over a KV cache of `context` tokens, the
-    head over N rows, argmax) and of the head alone, for each N in `sizes` plus the full vocabulary."""
+    head over N rows, argmax) and of the head alone, for each N in `sizes` plus the full vocabulary.
+
+    Every round times each N once, in a new random order, so a slow spell of a shared machine spreads over all
+    sizes instead of looking like a property of one."""
+    import inspect
+    import random
+
     from transformers import DynamicCache
 
     head = model.get_output_embeddings()
     device = head.weight.device
     vocab_size = head.weight.shape[0]
-    body = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    import inspect
-
+    body = model.get_decoder()
     cache_kw = "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
-    gen = torch.Generator().manual_seed(0)
+    ns = sorted({*(int(s) for s in sizes), vocab_size})
+    bad = [n for n in ns if not 1 <= n <= vocab_size]
+    if bad:
+        raise VocabError(f"latency sizes {bad} are outside [1, {vocab_size}]")
+    heads = {n: sliced_lm_head(model, torch.arange(n)) if n < vocab_size else head for n in ns}
+    gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab_size - 1000, (1, context), generator=gen).to(device)
     cache = DynamicCache(config=model.config)
     body(input_ids=prompt, use_cache=True, **{cache_kw: cache})
     token = prompt[:, -1:]
-    rows = []
-    for n in sorted({*(int(s) for s in sizes), vocab_size}):
-        if not 1 <= n <= vocab_size:
-            raise VocabError(f"latency size {n} is outside [1, {vocab_size}]")
-        sliced = sliced_lm_head(model, torch.arange(n)) if n < vocab_size else head
-        step, head_only = [], []
-        for i in range(warmup + repeats):
+    step: dict[int, list[float]] = {n: [] for n in ns}
+    head_only: dict[int, list[float]] = {n: [] for n in ns}
+    rng = random.Random(seed)
+    for i in range(warmup + repeats):
+        for n in rng.sample(ns, len(ns)):
             _sync(device)
             t0 = time.perf_counter()
             hidden = body(input_ids=token, use_cache=True, **{cache_kw: cache}).last_hidden_state[:, -1]
-            sliced(hidden).argmax(-1)
+            heads[n](hidden).argmax(-1)
             _sync(device)
             t1 = time.perf_counter()
-            sliced(hidden).argmax(-1)
+            heads[n](hidden).argmax(-1)
             _sync(device)
             t2 = time.perf_counter()
             cache.crop(-(cache.get_seq_length() - context))  # negative: "remove that many" in every 5.x release
             if i >= warmup:
-                step.append(t1 - t0)
-                head_only.append(t2 - t1)
-        rows.append(dict(n=n, full=n == vocab_size, context=context, repeats=repeats,
-                         step_ms=1e3 * float(np.median(step)), head_ms=1e3 * float(np.median(head_only)),
-                         dtype=str(head.weight.dtype).removeprefix("torch.")))
-    return rows
+                step[n].append(t1 - t0)
+                head_only[n].append(t2 - t1)
+    dtype = str(head.weight.dtype).removeprefix("torch.")
+    return [dict(n=n, full=n == vocab_size, context=context, repeats=repeats, dtype=dtype,
+                 step_ms=1e3 * float(np.median(step[n])), head_ms=1e3 * float(np.median(head_only[n])))
+            for n in ns]
