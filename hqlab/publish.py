@@ -183,6 +183,12 @@ def publish(folder: str | Path, files: dict[str, bytes], meta: dict[str, Any] | 
     folder.mkdir(parents=True, exist_ok=True)
     points = _Points()
     old = _load_index(folder)
+    if old is None:  # a first publish (or one a crash interrupted): the folder must hold nothing else
+        strays = sorted(p.name for p in folder.iterdir() if not (p.name.endswith(".tmp") or p.name == PRISTINE
+                                                                  or _CONTENT_NAME.match(p.name)))
+        if strays:
+            raise PublishError(f"{folder}: not empty and not a published folder (holds {', '.join(strays[:5])}); "
+                               f"publish into a new or an hqlab-published folder")
     entries = {}
     for name, data in files.items():
         sha = sha256_bytes(data)

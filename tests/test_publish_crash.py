@@ -126,6 +126,13 @@ def test_tampered_or_missing_files_are_detected(tmp_path):
         read_index(folder)
 
 
+def test_refuses_a_folder_with_other_files(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(PublishError, match="not empty and not a published folder .*notes.txt"):
+        publish(tmp_path, {"ids.json": b"[1]"}, {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The real build, killed at every write point of a republish
 
