@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hqlab.config import ConfigError, build_config, parse_spec
 from hqlab.proposers.base import Proposal, Proposer, Source
+from hqlab.proposers.baselines import ArcticSuffixProposer, VllmNgramProposer
 from hqlab.proposers.draft import DraftProposer
 from hqlab.proposers.fused import FusedProposer
 from hqlab.proposers.lookup import LookupProposer, PLDProposer
@@ -15,6 +16,8 @@ REGISTRY: dict[str, type] = {
     "pld": PLDProposer,
     "draft": DraftProposer,
     "fused": FusedProposer,
+    "vllm-ngram": VllmNgramProposer,
+    "arctic-suffix": ArcticSuffixProposer,
 }
 
 
