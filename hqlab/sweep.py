@@ -115,6 +115,34 @@ def cached_traces(model: str, prompts: Sequence[Prompt], decode: DecodeConfig, *
     return traces
 
 
+def save_traces(traces: Sequence[Trace], path: str | Path, *, model: str = "") -> Path:
+    """Write a trace set to parquet (one row per request), atomically: results computed from traces should
+    ship with the traces themselves (the cache under data/traces is not part of the repository)."""
+    frame = pl.DataFrame({"prompt_id": [t.prompt_id for t in traces], "category": [t.category for t in traces],
+                          "prompt_ids": [list(t.prompt_ids) for t in traces],
+                          "output_ids": [list(t.output_ids) for t in traces],
+                          "max_new_tokens": [t.max_new_tokens for t in traces], "model": [model] * len(traces)},
+                         schema_overrides={"prompt_ids": pl.List(pl.Int64), "output_ids": pl.List(pl.Int64)})
+    return write_atomic(path, lambda tmp: frame.write_parquet(tmp))
+
+
+def load_traces(path: str | Path) -> list[Trace]:
+    """Read a trace set written by `save_traces`; a missing column or an output longer than its limit is an
+    error naming the file."""
+    path = Path(path)
+    frame = pl.read_parquet(path)
+    need = {"prompt_id", "category", "prompt_ids", "output_ids", "max_new_tokens"}
+    if not need <= set(frame.columns):
+        raise ConfigError(f"{path}: not a trace set (missing column(s) {', '.join(sorted(need - set(frame.columns)))})")
+    traces = []
+    for i, row in enumerate(frame.iter_rows(named=True)):
+        if len(row["output_ids"]) > row["max_new_tokens"]:
+            raise ConfigError(f"{path}: row {i} ({row['prompt_id']!r}) has more output tokens than max_new_tokens")
+        traces.append(Trace(row["prompt_id"], row["category"], row["prompt_ids"], row["output_ids"],
+                            row["max_new_tokens"]))
+    return traces
+
+
 def grid(name: str, **axes: Iterable[Any]) -> list[str]:
     """Specs for the cartesian product of `axes`, skipping combinations the config rejects (e.g. nmin > nmax)."""
     specs = []

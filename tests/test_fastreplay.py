@@ -3,13 +3,15 @@ real traces of the 0.5B, forced hash collisions, and the sweep's two paths."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hqlab import fastreplay
-from hqlab.config import DecodeConfig, LookupConfig
+from hqlab.config import LookupConfig
 from hqlab.fastreplay import TraceIndex, TraceInput, fast_replay, replay_table
 from hqlab.proposers import make_proposer
 from hqlab.proposers.lookup import LookupProposer
@@ -66,17 +68,15 @@ def test_a_batch_equals_replaying_each_trace(share):
                                               request=tr.request), (spec, i)
 
 
+TRACES = Path(__file__).resolve().parent.parent / "data" / "results" / "traces_0.5b_all_128.parquet"
+
+
 @pytest.fixture(scope="module")
 def real_traces():
-    """The committed traces of the 0.5B on the labd and chat suites (128 new tokens), read with the tokenizer."""
-    from transformers import AutoTokenizer
+    """The 0.5B's greedy outputs on the labd and chat suites (128 new tokens), as committed with the results."""
+    from hqlab.sweep import load_traces
 
-    from hqlab import models, sweep
-    from hqlab.workloads import load_workload
-
-    tokenizer = AutoTokenizer.from_pretrained(models.prepare("qwen2.5-coder-0.5b"))
-    prompts = load_workload("all", doc_tokens=1500, tokenizer=tokenizer)
-    return sweep.cached_traces("qwen2.5-coder-0.5b", prompts, DecodeConfig(max_new_tokens=128), tokenizer=tokenizer)
+    return load_traces(TRACES)
 
 
 def test_real_traces_equal_the_reference(real_traces):
