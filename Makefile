@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.hqlab-installed
 
-.PHONY: setup test test-fast figures notebooks site bench clean-venv
+.PHONY: setup test test-fast figures notebooks site bench clean-venv arctic
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,15 @@ notebooks: setup
 # The executed notebooks (make figures) and docs/ as an HTML site that works offline: site/index.html.
 site: setup
 	$(BIN)/hqlab site
+
+# Optional extra: Arctic Inference's suffix tree (proposer arctic-suffix), built from source in a side venv.
+ARCTIC_BUILD := $(VENV)/arctic-build
+arctic: setup
+	$(PYTHON) -m venv $(ARCTIC_BUILD)
+	$(ARCTIC_BUILD)/bin/python -m pip install --quiet -r requirements-arctic.txt
+	$(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > "$$($(ARCTIC_BUILD)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/project.pth"
+	CMAKE_ARGS="-DPython_EXECUTABLE=$(abspath $(ARCTIC_BUILD))/bin/python3" $(ARCTIC_BUILD)/bin/python -m pip wheel --quiet --no-deps --no-build-isolation arctic-inference==0.3.0 -w $(ARCTIC_BUILD)/wheels
+	$(BIN)/python -m pip install --quiet --no-deps $(ARCTIC_BUILD)/wheels/arctic_inference-0.3.0-*.whl
 
 clean-venv:
 	rm -rf $(VENV)
