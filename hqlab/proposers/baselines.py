@@ -1,7 +1,8 @@
 """Other systems' proposers behind hqlab's `Proposer` protocol, so the replay runs them on the same traces.
 
-Optional extras (see `requirements-zoo.txt`; `make zoo` installs them): the libraries are imported when a
-proposer is built, never at import time, and a missing one is a clear error.
+Optional extras, imported when a proposer is built (never at import time; a missing one is a clear error):
+vLLM installs on a CPU machine with `pip install --no-deps vllm==0.26.0` plus its light import-time packages
+(docs/replay-and-cost.md lists them); Arctic Inference is built from source by `make arctic`.
 
 - `vllm-ngram` (vLLM's `NgramProposer`, v1 spec decode): Numba KMP over the reversed context every step; the
   longest n-gram in [nmin, nmax] ending the history, earliest occurrence; up to k following tokens. Built with a
@@ -25,14 +26,13 @@ from hqlab.config import ConfigError
 from hqlab.proposers.base import Proposal, Source
 
 
-def _extra(module: str, what: str) -> Any:
+def _extra(module: str, what: str, how: str) -> Any:
     import importlib
 
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError(f"{what} needs an optional extra that is not installed ({e}); install it with "
-                          f"`make zoo` (see requirements-zoo.txt)") from None
+        raise ImportError(f"{what} needs an optional extra that is not installed ({e}); {how}") from None
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,8 @@ class VllmNgramProposer:
     def __init__(self, config: VllmNgramConfig | None = None) -> None:
         self.config = config or VllmNgramConfig()
         self.k = self.config.k
-        module = _extra("vllm.v1.spec_decode.ngram_proposer", "the vllm-ngram proposer")
+        module = _extra("vllm.v1.spec_decode.ngram_proposer", "the vllm-ngram proposer",
+                        "install vllm==0.26.0 with --no-deps and its light packages (docs/replay-and-cost.md)")
         c = self.config
         ns = types.SimpleNamespace
         stand_in = ns(speculative_config=ns(prompt_lookup_min=c.nmin, prompt_lookup_max=c.nmax,
@@ -124,7 +125,7 @@ class ArcticSuffixProposer:
     def __init__(self, config: ArcticSuffixConfig | None = None) -> None:
         self.config = config or ArcticSuffixConfig()
         self.k = self.config.k
-        module = _extra("arctic_inference.suffix_decoding", "the arctic-suffix proposer")
+        module = _extra("arctic_inference.suffix_decoding", "the arctic-suffix proposer", "build it with `make arctic`")
         self.cache = module.SuffixDecodingCache(max_tree_depth=self.config.depth,
                                                 max_cached_requests=self.config.cached)
         self._seen: dict[str, tuple[int, int]] = {}  # key -> (tokens in the tree, last of them)
