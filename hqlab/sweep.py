@@ -217,8 +217,12 @@ def sweep(traces: Sequence[Trace], specs: Sequence[str], *, cost: CostModel | No
     set, overrides both. The no-speculation price of each trace is the cost model's sum over its one-token steps,
     so `speedup_pred` compares like with like.
     """
-    rows = []
+    rows: list[dict[str, Any]] = []
+    frames: list[pl.DataFrame] = []
     index = None
+    base_s = None
+    if cost is not None:  # the no-speculation price of each trace does not depend on the configuration
+        base_s = np.array([cost.baseline_seconds(len(tr.prompt_ids), len(tr.output_ids)) for tr in traces])
     for spec in tqdm(list(specs), desc="sweep", disable=not progress):
         proposer = make_proposer(spec)
         params = _spec_params(spec)
@@ -229,9 +233,9 @@ def sweep(traces: Sequence[Trace], specs: Sequence[str], *, cost: CostModel | No
                                                                      tr.prompt_id) for tr in traces])
             proposal = cost.proposal if cost is not None and cost.proposal is not None else (
                 measure_proposal_cost(proposer, traces, samples=proposal_samples) if time_proposals else None)
-            rows += _fast_rows(index, proposer, traces, base, cost, proposal)
+            frames.append(_fast_rows(index, proposer, traces, base, cost, proposal, base_s))
             continue
-        for tr in traces:
+        for i, tr in enumerate(traces):
             records = replay(tr.prompt_ids, tr.output_ids, proposer, max_new_tokens=tr.max_new_tokens,
                              request=tr.prompt_id, time_proposals=time_proposals)
             row: dict[str, Any] = {
@@ -243,38 +247,37 @@ def sweep(traces: Sequence[Trace], specs: Sequence[str], *, cost: CostModel | No
             }
             if cost is not None:
                 spec_s = cost.decode_seconds(records)
-                base_s = cost.baseline_seconds(len(tr.prompt_ids), len(tr.output_ids))
-                row.update(pred_decode_s=spec_s, pred_base_s=base_s, speedup_pred=base_s / spec_s if spec_s else 1.0)
+                row.update(pred_decode_s=spec_s, pred_base_s=float(base_s[i]),
+                           speedup_pred=float(base_s[i]) / spec_s if spec_s else 1.0)
             rows.append(row)
-    return pl.DataFrame(rows)
+    if rows:
+        frames.append(pl.DataFrame(rows))
+    return pl.concat(frames, how="diagonal_relaxed") if frames else pl.DataFrame()
 
 
 def _fast_rows(index: fastreplay.TraceIndex, proposer: Any, traces: Sequence[Trace], base: dict[str, Any],
-               cost: CostModel | None, proposal: ProposalCost | None) -> list[dict[str, Any]]:
+               cost: CostModel | None, proposal: ProposalCost | None, base_s: np.ndarray | None) -> pl.DataFrame:
+    """The sweep's rows for one configuration from the vectorised replay, aggregated per trace without a
+    Python loop over steps or traces."""
     table = fastreplay.replay_table(index, proposer)
     n = len(traces)
     steps = np.bincount(table.trace, minlength=n)
     accepted = np.bincount(table.trace, weights=table.accepted, minlength=n)
-    history = table.context_len + 1
-    prop_ms = proposal.ms(history) if proposal is not None else np.zeros(len(table))
+    prop_ms = proposal.ms(table.context_len + 1) if proposal is not None else np.zeros(len(table))
     prop_sum = np.bincount(table.trace, weights=prop_ms, minlength=n)
+    safe = np.maximum(steps, 1)
+    cols: dict[str, Any] = {
+        **{k: [v] * n for k, v in base.items()}, "category": [t.category for t in traces],
+        "prompt_id": [t.prompt_id for t in traces], "new_tokens": index.out_len, "steps": steps,
+        "tokens_per_step": np.where(steps > 0, (accepted + steps) / safe, np.nan), "accepted": accepted.astype(np.int64),
+        "propose_ms_per_step": np.where(steps > 0, prop_sum / safe, 0.0), "replay": ["fast"] * n}
     if cost is not None:
         step_s = np.bincount(table.trace, weights=np.asarray(cost.step_ms(table.verify_len, table.context_len)),
                              minlength=n) / 1e3
-    rows = []
-    for i, tr in enumerate(traces):
-        row: dict[str, Any] = {
-            **base, "category": tr.category, "prompt_id": tr.prompt_id, "new_tokens": len(tr.output_ids),
-            "steps": int(steps[i]), "tokens_per_step": (accepted[i] + steps[i]) / steps[i] if steps[i] else float("nan"),
-            "accepted": int(accepted[i]), "propose_ms_per_step": prop_sum[i] / steps[i] if steps[i] else 0.0,
-            "replay": "fast",
-        }
-        if cost is not None:
-            spec_s = float(step_s[i] + prop_sum[i] / 1e3)
-            base_s = cost.baseline_seconds(len(tr.prompt_ids), len(tr.output_ids))
-            row.update(pred_decode_s=spec_s, pred_base_s=base_s, speedup_pred=base_s / spec_s if spec_s else 1.0)
-        rows.append(row)
-    return rows
+        spec_s = step_s + prop_sum / 1e3
+        cols.update(pred_decode_s=spec_s, pred_base_s=base_s,
+                    speedup_pred=np.where(spec_s > 0, base_s / np.where(spec_s > 0, spec_s, 1.0), 1.0))
+    return pl.DataFrame(cols)
 
 
 def by_category(frame: pl.DataFrame) -> pl.DataFrame:
