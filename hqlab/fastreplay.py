@@ -12,8 +12,8 @@ time. Here the same steps come out of a few vectorised passes over a batch of tr
    The cap is tried first: positions inside a copy are decided by one index. The others climb from nmin, each
    length indexed only over the groups of the positions still matching (match existence is monotone in L: an
    L-match is also an (L-1)-match at the same end). A hash collision can add a false candidate but never hide
-   a true one (equal L-grams hash equally), so each winner is verified token by token, and wherever the check
-   fails the reference rule decides: the result is exact.
+   a true one (equal L-grams hash equally), so the winner of every step taken is verified token by token, and
+   wherever the check fails the reference rule decides and the walk is redone: the result is exact.
 3. **Accept**: the proposal is h[e+1 .. e+n]; accepted = its common prefix with the target's next tokens, capped
    by the engine's budget rules (as in `replay`).
 4. **Walk**: the step after t is t + emitted(t); the steps taken are the orbit of each trace's first step,
@@ -135,9 +135,17 @@ class TraceIndex:
             return self._salt[ends] + (self._prefix[ends + 1] - self._prefix[a]) * self._inv_powers[a]
 
     def level(self, length: int) -> _Level:
-        """The index of `length` over all output positions (cached)."""
+        """The index of `length` over all output positions (cached). Built from the kept positions of the
+        longest indexed length below it when there is one: an L-gram can only repeat where its shorter suffix
+        does, and those positions were kept there because some output position shares that suffix."""
         if length not in self._levels:
-            self._levels[length] = self._index(length, self._all_windows(length), self.is_query)
+            below = [n for n in self._levels if n < length]
+            if below:
+                pos = self._levels[max(below)].pos
+                pos = np.sort(pos[pos - (length - 1) >= self.start_of[pos]])
+            else:
+                pos = self._all_windows(length)
+            self._levels[length] = self._index(length, pos, self.is_query)
         return self._levels[length]
 
     def _all_windows(self, length: int) -> np.ndarray:
@@ -273,16 +281,36 @@ def replay_table(traces: TraceIndex | Sequence[TraceInput], config: LookupConfig
     budget = ix.max_new[ix.q_trace] - done - 1
     kk = np.minimum(config.k, budget)  # the engine asks for min(k, budget) tokens; nothing when that is <= 0
 
-    end, mlen, fallbacks = _match(ix, config, t, start, kk)
+    end, mlen = _match(ix, config, t, start, kk)
     n = np.where(mlen > 0, np.minimum(kk, t - end), 0)  # proposed tokens, clipped at the history's end
     m = np.minimum(n, out_len - done - 1)  # how many of them the recorded output can confirm
     accepted = _common_prefix(ix.seq, end + 1, t + 1, m)
-    emitted = accepted + 1
-
     q = t.size
-    jump = np.append(np.arange(q, dtype=np.int64) + emitted, q)
-    jump[:q][done + emitted >= out_len] = q  # the request is complete: the sink
-    visited = _orbit(jump, ix.q_first[ix.out_len > 1], sink=q)
+    roots = ix.q_first[ix.out_len > 1]
+    checked = np.zeros(q, dtype=bool)
+    fallbacks = 0
+    while True:
+        emitted = accepted + 1
+        jump = np.append(np.arange(q, dtype=np.int64) + emitted, q)
+        jump[:q][done + emitted >= out_len] = q  # the request is complete: the sink
+        visited = _orbit(jump, roots, sink=q)
+        # Verify the winners of the steps taken, token by token; where a hash collision fooled the index, the
+        # reference rule decides, and the walk is redone from the corrected steps.
+        todo = visited[(mlen[visited] > 0) & ~checked[visited]]
+        checked[todo] = True
+        bad = todo[_mismatch_within(ix.seq, end[todo], t[todo], mlen[todo])]
+        if bad.size == 0:
+            break
+        fallbacks += int(bad.size)
+        for qn in bad.tolist():
+            s = int(start[qn])
+            ref = suffix_match(ix.seq[s : t[qn] + 1], nmin=config.nmin, nmax=config.nmax, k=int(kk[qn]),
+                               search=config.search, policy=config.policy, full=config.full)
+            end[qn], mlen[qn] = (ref.end + s, ref.match_len) if ref.match_len else (-1, 0)
+        checked[bad] = True  # the reference's answer needs no check
+        n[bad] = np.where(mlen[bad] > 0, np.minimum(kk[bad], t[bad] - end[bad]), 0)
+        m[bad] = np.minimum(n[bad], out_len[bad] - done[bad] - 1)
+        accepted[bad] = _common_prefix(ix.seq, end[bad] + 1, t[bad] + 1, m[bad])
     trace = ix.q_trace[visited]
     return StepTable(index=ix, config=config, trace=trace, step=_rank_in_runs(trace),
                      context_len=(t - start)[visited], proposed=n[visited], match_len=mlen[visited],
@@ -291,11 +319,13 @@ def replay_table(traces: TraceIndex | Sequence[TraceInput], config: LookupConfig
 
 
 def _match(ix: TraceIndex, c: LookupConfig, t: np.ndarray, start: np.ndarray,
-           kk: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-    """Winning end (global position, -1 for none) and match length per query, as `suffix_match` decides."""
+           kk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Winning end (global position, -1 for none) and match length per query, as `suffix_match` decides
+    wherever the hashes did not collide (the caller verifies the winners it uses)."""
     end = np.full(t.size, -1, dtype=np.int64)
     mlen = np.zeros(t.size, dtype=np.int64)
     alive = np.flatnonzero(kk > 0)
+    ix.level(c.nmin)  # first: longer lengths are then indexed from its (smaller) set of positions
     ok, e, _ = _candidates(ix.level(c.nmax), c, c.nmax, alive, t, start, kk, ix.pbits)
     end[alive[ok]], mlen[alive[ok]] = e[ok], c.nmax
     alive = alive[~ok]
@@ -304,16 +334,7 @@ def _match(ix: TraceIndex, c: LookupConfig, t: np.ndarray, start: np.ndarray,
     else:
         _climb_lengths(ix, c, alive, t, start, kk, end, mlen)
 
-    # Verify every winner token by token; where a collision fooled the index, the reference rule decides.
-    has = np.flatnonzero(mlen > 0)
-    bad = _mismatch_within(ix.seq, end[has], t[has], mlen[has])
-    for qn in has[bad].tolist():
-        s = int(start[qn])
-        m = suffix_match(ix.seq[s : t[qn] + 1], nmin=c.nmin, nmax=c.nmax, k=int(kk[qn]), search=c.search,
-                         policy=c.policy, full=c.full)
-        end[qn] = m.end + s if m.match_len else -1
-        mlen[qn] = m.match_len
-    return end, mlen, int(bad.sum())
+    return end, mlen
 
 
 def _mismatch_within(seq: np.ndarray, a: np.ndarray, b: np.ndarray, length: np.ndarray) -> np.ndarray:
