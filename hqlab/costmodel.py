@@ -39,15 +39,15 @@ TERMS = ("fixed", "verify_jump", "per_position", "per_1k_context", "per_position
 
 def measure_step_times(engine: Any, context_lens: Sequence[int], verify_lens: Sequence[int], *,
                        repeats: int = 5, progress: bool = True, seed: int = 0) -> pl.DataFrame:
-    """Median ms of one engine verify step for each (context_len, verify_len): the engine's forward over the
-    pending token + v - 1 proposed tokens, its greedy verdict (argmax and margin of every row) and the cache crop.
+    """Median ms of one engine verify step for each (context_len, verify_len), timed the way the engine steps
+    (batch 1): `RaggedCache.forward` over the pending token + v - 1 proposed tokens, the engine's greedy verdict
+    on every row, and `RaggedCache.keep` (the KV rollback); the cache is then rolled back to its context.
 
     `repeats` rounds visit every cell once each, in a new random order per round, after one warm-up round.
     """
-    from hqlab.engines.hf import _crop_to, _new_cache
-    from hqlab.proposers.base import Proposal, Source
-
     from hqlab.config import DecodeConfig
+    from hqlab.kv import RaggedCache
+    from hqlab.proposers.base import Proposal, Source
 
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -56,9 +56,8 @@ def measure_step_times(engine: Any, context_lens: Sequence[int], verify_lens: Se
     caches = {}
     with torch.inference_mode():
         for ctx in sorted(set(context_lens)):
-            caches[ctx] = _new_cache(engine.model)
-            prefix = torch.randint(0, vocab, (1, ctx), generator=gen).to(engine.device)
-            engine._forward(prefix, caches[ctx], logits_to_keep=1)
+            caches[ctx] = RaggedCache(engine.model, engine._cache_kw)
+            caches[ctx].add(torch.randint(0, vocab, (ctx,), generator=gen).tolist())
     cells = [(c, v) for c in sorted(set(context_lens)) for v in sorted(set(verify_lens))]
     samples: dict[tuple[int, int], list[float]] = {cell: [] for cell in cells}
     bar = tqdm(total=len(cells) * (repeats + 1), desc="step cost", disable=not progress)
@@ -67,15 +66,15 @@ def measure_step_times(engine: Any, context_lens: Sequence[int], verify_lens: Se
             order = cells[:]
             rng.shuffle(order)
             for ctx, v in order:
-                tokens = torch.randint(0, vocab, (v,), generator=gen)
-                proposal = Proposal(tokens[1:].numpy().astype(np.int64), np.full(v - 1, Source.LOOKUP, dtype=np.int8))
+                kv = caches[ctx]
+                tokens = torch.randint(0, vocab, (v,), generator=gen).tolist()
+                proposal = Proposal(np.asarray(tokens[1:], dtype=np.int64), np.full(v - 1, Source.LOOKUP, dtype=np.int8))
                 t0 = time.perf_counter()
-                ids = torch.tensor([tokens.tolist()], device=engine.device)
-                logits = engine._forward(ids, caches[ctx])
-                verdict, _ = engine._choose(logits, proposal, greedy, None)
-                _crop_to(caches[ctx], ctx + 1 + verdict.accepted)
+                logits = kv.forward([tokens])
+                verdict, _ = engine._choose(logits[0, :v], proposal, greedy, None)
+                kv.keep([1 + verdict.accepted])
                 elapsed = time.perf_counter() - t0
-                _crop_to(caches[ctx], ctx)
+                kv.truncate_rows({0: ctx})
                 if rnd > 0:  # the first round warms up every shape
                     samples[(ctx, v)].append(elapsed)
                 bar.update()
@@ -169,11 +168,11 @@ class CostModel:
         if np.unique(c).size > 1:
             terms.append("per_1k_context")
         longer = np.unique(v[v > 1])
-        if longer.size:
+        if np.unique(v).size > 1:  # a slope needs two verify lengths; the jump, two beyond one and one itself
             terms.append("per_position")
             if np.unique(c[v > 1]).size > 1:
                 terms.append("per_position_1k_context")
-            if longer.size >= 2 and (v == 1).any():  # the jump is only identifiable next to a slope
+            if longer.size >= 2 and (v == 1).any():
                 terms.append("verify_jump")
         x = _design(v, c, terms)
         beta = robust_lstsq(x, np.asarray(step_ms, dtype=np.float64))

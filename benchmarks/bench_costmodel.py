@@ -1,0 +1,90 @@
+"""Cost model check on this CPU, end to end: calibrate, replay, predict, then measure live and compare.
+
+1. Calibrate: `measure_step_times` (the engine's own step, shuffled rounds) over contexts and verify lengths;
+   fit `CostModel`. Proposal cost: each proposer timed on the traces (`measure_proposal_cost`).
+2. Predict: replay every configuration over the target's greedy outputs (the committed trace set when it
+   matches, else recorded now) and price every step: predicted decode tok/s per request.
+3. Measure: run the same configurations live on the engine (`hqlab.bench.run_bench`) and compare decode tok/s
+   per request and per suite (tokens / summed time).
+
+Writes data/results/costmodel_cpu.parquet (one row per configuration x request) and
+data/results/costmodel_cpu_grid.parquet (the calibration grid).
+Usage: python benchmarks/bench_costmodel.py [--suite labd] [--max-new-tokens 128] [--doc-tokens 1500]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import polars as pl
+
+from hqlab import bench, sweep
+from hqlab.config import DecodeConfig
+from hqlab.costmodel import CostModel, measure_step_times
+from hqlab.engines.hf import HFEngine
+from hqlab.io import write_atomic
+from hqlab.proposers import make_proposer
+from hqlab.workloads import load_workload
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = ["lookup:nmin=6,nmax=12,k=15", "lookup:nmin=1,nmax=32,k=15,policy=earliest", "pld:n=3,k=10"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--suite", default="labd")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--doc-tokens", type=int, default=1500)
+    ap.add_argument("--contexts", default="128,512,1024,1536,2048")
+    ap.add_argument("--verify-lens", default="1,2,4,8,12,16")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=REPO / "data/results/costmodel_cpu.parquet")
+    args = ap.parse_args()
+
+    engine = HFEngine.load(None)
+    prompts = load_workload(args.suite, doc_tokens=args.doc_tokens, tokenizer=engine.tokenizer)
+    decode = DecodeConfig(max_new_tokens=args.max_new_tokens)
+    traces = sweep.record_traces(engine, prompts, decode)
+    machine = bench.machine_description(engine.device)
+    print(machine, "| load", os.getloadavg())
+
+    grid = measure_step_times(engine, [int(x) for x in args.contexts.split(",")],
+                              [int(x) for x in args.verify_lens.split(",")], repeats=args.rounds)
+    cost = CostModel.fit(grid)
+    print(cost.describe())
+    write_atomic(args.out.with_name(args.out.stem + "_grid.parquet"),
+                 lambda t: grid.with_columns(pl.lit(machine).alias("machine")).write_parquet(t))
+
+    predicted = []
+    for spec in CONFIGS:
+        proposal = sweep.measure_proposal_cost(make_proposer(spec), traces)
+        frame = sweep.sweep(traces, [spec], cost=cost.with_proposal(proposal), progress=False)
+        predicted.append(frame.select("config", "prompt_id", "pred_decode_s", "pred_base_s", "tokens_per_step"))
+    pred = pl.concat(predicted)
+    base = pred.group_by("prompt_id").agg(pl.col("pred_base_s").first())
+    pred = pl.concat([pred.select("config", "prompt_id", "pred_decode_s", "tokens_per_step"),
+                      base.select(pl.lit("none").alias("config"), "prompt_id",
+                                  pl.col("pred_base_s").alias("pred_decode_s"), pl.lit(1.0).alias("tokens_per_step"))])
+
+    live, _ = bench.run_bench(engine, prompts, CONFIGS, decode, meta={"suite": args.suite})
+    rows = live.join(pred, on=["config", "prompt_id"], suffix="_replay").with_columns(
+        ((pl.col("new_tokens") - 1) / pl.col("pred_decode_s")).alias("predicted_tok_s"),
+        pl.lit(os.getloadavg()[0]).alias("load_avg_1m"))
+    rows = rows.with_columns((pl.col("predicted_tok_s") / pl.col("decode_tok_s") - 1).alias("tok_s_error"))
+    write_atomic(args.out, lambda t: rows.write_parquet(t))
+    suite = (rows.group_by("config", maintain_order=True)
+             .agg(((pl.col("new_tokens") - 1).sum() / ((pl.col("new_tokens") - 1) / pl.col("decode_tok_s")).sum())
+                  .alias("measured_tok_s"),
+                  ((pl.col("new_tokens") - 1).sum() / pl.col("pred_decode_s").sum()).alias("predicted_tok_s"))
+             .with_columns((pl.col("predicted_tok_s") / pl.col("measured_tok_s") - 1).alias("error")))
+    with pl.Config(tbl_rows=60, tbl_width_chars=200, fmt_str_lengths=50):
+        print(rows.select("config", "prompt_id", "divergence", "tokens_per_step", "tokens_per_step_replay",
+                          "decode_tok_s", "predicted_tok_s", "tok_s_error"))
+        print(suite)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
