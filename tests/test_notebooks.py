@@ -23,6 +23,7 @@ SMALL = {
                            suites={"copy": 16, "chat": 16}, doc_tokens=300, limit=1),
     "explorer": dict(suite="copy", doc_tokens=300, max_new_tokens=24, compare=["lookup:nmin=2,nmax=6,k=8"],
                      start="pld:n=2,k=4"),
+    "replay_and_cost": dict(zoo_rerun="no"),  # re-plots committed results (the zoo needs optional extras)
     "new_proposer": dict(suite="copy", doc_tokens=300, max_new_tokens=24, toy_grid={"k": [4]},
                          builtins=["pld:n=2,k=4"], live_configs=["bigram:k=4", "pld:n=2,k=4"], live_limit=1),
     "draft_vocab": dict(corpora={"qwen2.5-coder-0.5b": "data/selfgen/qwen2.5-coder-0.5b.jsonl"},
