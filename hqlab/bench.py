@@ -138,44 +138,55 @@ def run_bench(engine: Any, prompts: Sequence[Prompt], specs: Sequence[str], deco
                 bar.set_postfix_str(f"{prompt.id} · {config.label}")
                 runs[config.label].append(_run_one(engine, config, ids, decode, prompt.id))
                 bar.update()
-        reference = runs["none"][0]
-        ref_total = statistics.median(g.total_s for g in runs["none"])
-        ref_decode = statistics.median(g.decode_tok_s() for g in runs["none"])
-        for config in configs:
-            gens = runs[config.label]
-            if decode.greedy:
-                checks = [compare(reference.output_ids, reference.margins, g.output_ids, tol) for g in gens]
-                worst = next((c for c in checks if c.status == "mismatch"),
-                             next((c for c in checks if c.status == "near-tie"), checks[0]))
-            else:
-                worst = None
-            g0 = gens[0]
-            total = statistics.median(g.total_s for g in gens)
-            decode_rate = statistics.median(g.decode_tok_s() for g in gens)
-            n_steps = max(g0.steps, 1)
-            rows.append({
-                **base_meta, "config": config.label, "category": prompt.category, "prompt_id": prompt.id,
-                "prompt_tokens": len(ids), "new_tokens": g0.new_tokens, "finish": g0.finish, "steps": g0.steps,
-                "tokens_per_step": g0.tokens_per_step(), "decode_tok_s": decode_rate,
-                "e2e_tok_s": statistics.median(g.e2e_tok_s() for g in gens),
-                "ttft_s": statistics.median(g.ttft_s for g in gens), "total_s": total,
-                "propose_ms_per_step": 1e3 * sum(r.propose_s for r in g0.records) / n_steps,
-                "verify_ms_per_step": 1e3 * sum(r.step_s - r.propose_s for r in g0.records) / n_steps,
-                "speedup_e2e": ref_total / total, "speedup_decode": decode_rate / ref_decode,
-                "repeats": repeats,
-                "lossless": None if worst is None else worst.lossless,
-                "divergence": None if worst is None else worst.status,
-                "first_divergence": None if worst is None else worst.first_divergence,
-                "divergence_margin": None if worst is None else worst.margin,
-            })
-            frame = records_frame(g0.records)
-            if frame.height:
-                steps.append(frame.with_columns(pl.lit(config.label).alias("config"),
-                                                pl.lit(prompt.category).alias("category")))
+        prompt_result, prompt_steps = prompt_rows(prompt, len(ids), runs, runs["none"][0], decode, tol, base_meta,
+                                                  repeats)
+        rows += prompt_result
+        steps += prompt_steps
     bar.close()
     results = pl.DataFrame(rows)
     step_frame = pl.concat(steps, how="diagonal_relaxed") if steps else pl.DataFrame()
     return results, step_frame
+
+
+def prompt_rows(prompt: Prompt, prompt_tokens: int, runs: dict[str, list[Generation]], reference: Generation,
+                decode: DecodeConfig, tol: float, base_meta: dict[str, Any],
+                repeats: int) -> tuple[list[dict[str, Any]], list[pl.DataFrame]]:
+    """One prompt's result rows (one per config in `runs`, which holds the `none` reference's timed runs) and step
+    frames; greedy outputs are checked against `reference` (ids + margins). Shared by every engine's benchmark."""
+    rows, steps = [], []
+    ref_total = statistics.median(g.total_s for g in runs["none"])
+    ref_decode = statistics.median(g.decode_tok_s() for g in runs["none"])
+    for label, gens in runs.items():
+        if decode.greedy:
+            checks = [compare(reference.output_ids, reference.margins, g.output_ids, tol) for g in gens]
+            worst = next((c for c in checks if c.status == "mismatch"),
+                         next((c for c in checks if c.status == "near-tie"), checks[0]))
+        else:
+            worst = None
+        g0 = gens[0]
+        total = statistics.median(g.total_s for g in gens)
+        decode_rate = statistics.median(g.decode_tok_s() for g in gens)
+        n_steps = max(g0.steps, 1)
+        rows.append({
+            **base_meta, "config": label, "category": prompt.category, "prompt_id": prompt.id,
+            "prompt_tokens": prompt_tokens, "new_tokens": g0.new_tokens, "finish": g0.finish, "steps": g0.steps,
+            "tokens_per_step": g0.tokens_per_step(), "decode_tok_s": decode_rate,
+            "e2e_tok_s": statistics.median(g.e2e_tok_s() for g in gens),
+            "ttft_s": statistics.median(g.ttft_s for g in gens), "total_s": total,
+            "propose_ms_per_step": 1e3 * sum(r.propose_s for r in g0.records) / n_steps,
+            "verify_ms_per_step": 1e3 * sum(r.step_s - r.propose_s for r in g0.records) / n_steps,
+            "speedup_e2e": ref_total / total, "speedup_decode": decode_rate / ref_decode,
+            "repeats": repeats,
+            "lossless": None if worst is None else worst.lossless,
+            "divergence": None if worst is None else worst.status,
+            "first_divergence": None if worst is None else worst.first_divergence,
+            "divergence_margin": None if worst is None else worst.margin,
+        })
+        frame = records_frame(g0.records)
+        if frame.height:
+            steps.append(frame.with_columns(pl.lit(label).alias("config"),
+                                            pl.lit(prompt.category).alias("category")))
+    return rows, steps
 
 
 def run_batch_bench(engine: Any, prompts: Sequence[Prompt], specs: Sequence[str], decode: DecodeConfig, *,
