@@ -162,7 +162,7 @@ chart
 
 # %%
 traces = sweep.load_traces(traces_file)
-ok, missing = zoo.available()
+ok, missing = zoo.available() if zoo_rerun != "no" else ({}, {})
 rerun = zoo_rerun == "yes" or (zoo_rerun == "auto" and not missing)
 if rerun:
     zoo_steps = zoo.run_zoo(traces, ok, repeats=zoo_repeats)
