@@ -325,6 +325,8 @@ def add_cli_arguments(p: Any) -> None:
     p.add_argument("--measure-cost", action="store_true",
                    help="measure the step-cost grid on this machine first (loads the model)")
     p.add_argument("--cached-only", action="store_true", help="fail instead of recording missing traces")
+    p.add_argument("--traces", type=Path, default=None,
+                   help="a saved trace set (.parquet from save_traces) instead of --suite/--model's cached traces")
     p.add_argument("--out", required=True, type=Path, help="results .parquet, one row per (config, prompt)")
 
 
@@ -346,20 +348,26 @@ def cli(args: Any) -> int:
     model = args.model or models.DEFAULT_MODEL
     decode = DecodeConfig(max_new_tokens=args.max_new_tokens)
     cost = CostModel.fit(pl.read_parquet(args.cost)) if args.cost is not None else None
+    if args.traces is not None and not args.traces.exists():
+        raise ConfigError(f"--traces {str(args.traces)!r}: no such file")
 
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(models.prepare(model))
-    prompts = load_workload(args.suite, doc_tokens=args.doc_tokens, tokenizer=tokenizer)
-    prompts = prompts[: args.limit] if args.limit else prompts
     engine = None
-    try:
-        traces = cached_traces(model, prompts, decode, tokenizer=tokenizer, dtype=args.dtype)
-    except TracesMissing as e:
-        if args.cached_only:
-            raise
-        print(f"{e}; recording them now")
-        traces = None
+    if args.traces is not None:
+        traces = load_traces(args.traces)
+        traces = traces[: args.limit] if args.limit else traces
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(models.prepare(model))
+        prompts = load_workload(args.suite, doc_tokens=args.doc_tokens, tokenizer=tokenizer)
+        prompts = prompts[: args.limit] if args.limit else prompts
+        try:
+            traces = cached_traces(model, prompts, decode, tokenizer=tokenizer, dtype=args.dtype)
+        except TracesMissing as e:
+            if args.cached_only:
+                raise
+            print(f"{e}; recording them now")
+            traces = None
     if traces is None or args.measure_cost:
         from hqlab.engines.hf import HFEngine
 

@@ -130,3 +130,33 @@ def test_bad_inputs_are_named():
     with pytest.raises(TypeError, match="lookup and PLD"):
         replay_table([TraceInput([1], [2, 3], 2)], make_proposer("none"))
     assert not fastreplay.supports(make_proposer("none")) and fastreplay.supports(make_proposer("pld"))
+
+
+def test_parse_grid_expands_any_keys_and_names_bad_ones():
+    from hqlab.config import ConfigError
+    from hqlab.sweep import parse_grid
+
+    assert parse_grid("lookup:nmin=1|6,nmax=4|8,k=15") == ["lookup:nmin=1,nmax=4,k=15", "lookup:nmin=1,nmax=8,k=15",
+                                                          "lookup:nmin=6,nmax=8,k=15"]
+    assert parse_grid("pld") == ["pld"]
+    with pytest.raises(ConfigError, match="nmin must be <= nmax"):
+        parse_grid("lookup:nmin=9,nmax=2|3")
+    with pytest.raises(ConfigError, match="unknown key"):
+        parse_grid("lookup:depth=1|2")
+    with pytest.raises(ConfigError, match="empty value"):
+        parse_grid("lookup:nmin=1||2")
+
+
+def test_sweep_command_on_a_saved_trace_set(tmp_path, capsys):
+    from hqlab.cli import main
+
+    out = tmp_path / "sweep.parquet"
+    assert main(["sweep", "--traces", str(TRACES), "--grid", "lookup:nmin=1|2,nmax=8,k=8|15", "--proposer",
+                 "pld:n=3,k=10", "--out", str(out)]) == 0
+    import polars as pl
+
+    frame = pl.read_parquet(out)
+    assert frame.height == 5 * 14 and set(frame["replay"]) == {"fast"}
+    assert main(["sweep", "--traces", str(tmp_path / "missing.parquet"), "--grid", "pld", "--out", str(out)]) == 2
+    assert main(["sweep", "--traces", str(TRACES), "--grid", "lookup:nmin=9,nmax=2", "--out", str(out)]) == 2
+    assert "nmin must be <= nmax" in capsys.readouterr().err
