@@ -24,6 +24,7 @@ import platform
 import time
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 
 from hqlab import fastreplay, plots, sweep
@@ -70,7 +71,10 @@ def main() -> None:
     copies = -(-args.tokens // per_copy)
     traces = [sweep.Trace(f"{t.prompt_id}#{i}", t.category, t.prompt_ids, t.output_ids, t.max_new_tokens)
               for i in range(copies) for t in base]
-    inputs = [fastreplay.TraceInput(t.prompt_ids, t.output_ids, t.max_new_tokens, t.prompt_id) for t in traces]
+    # token lists become arrays once, as loading: every configuration then replays the same arrays
+    arrays = [(np.asarray(t.prompt_ids, dtype=np.int64), np.asarray(t.output_ids, dtype=np.int64)) for t in base]
+    inputs = [fastreplay.TraceInput(*arrays[j], base[j].max_new_tokens, f"{base[j].prompt_id}#{i}")
+              for i in range(copies) for j in range(len(base))]
     target = sum(len(t.output_ids) for t in traces)
     history = sum(len(t.prompt_ids) + len(t.output_ids) for t in traces)
     meta = {"machine": f"CPU {cpu_name()}, {os.cpu_count()} cores", "target_tokens": target,
