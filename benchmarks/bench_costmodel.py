@@ -9,7 +9,7 @@
 
 Writes data/results/costmodel_cpu.parquet (one row per configuration x request) and
 data/results/costmodel_cpu_grid.parquet (the calibration grid).
-Usage: python benchmarks/bench_costmodel.py [--suite labd] [--max-new-tokens 128] [--doc-tokens 1500]
+Usage: python benchmarks/bench_costmodel.py [--suite labd] [--max-new-tokens 128] [--doc-tokens 1500] [--threads N]
 """
 
 from __future__ import annotations
@@ -40,8 +40,14 @@ def main() -> None:
     ap.add_argument("--contexts", default="128,512,1024,1536,2048")
     ap.add_argument("--verify-lens", default="1,2,4,8,12,16")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default). On a shared "
+                    "machine one thread can be much faster than two: calibrate and run with the same setting")
     ap.add_argument("--out", type=Path, default=REPO / "data/results/costmodel_cpu.parquet")
     args = ap.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     engine = HFEngine.load(None)
     prompts = load_workload(args.suite, doc_tokens=args.doc_tokens, tokenizer=engine.tokenizer)
