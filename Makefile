@@ -8,10 +8,13 @@ STAMP  := $(VENV)/.hqlab-installed
 
 .PHONY: setup test test-fast figures notebooks site bench clean-venv arctic
 
-$(STAMP): requirements.txt pyproject.toml
+# requirements-vllm.txt: the vllm extra without vLLM's CUDA dependencies (its configs and CPU-side proposers run on
+# any machine; tests/test_vllm_adapter.py drives them).
+$(STAMP): requirements.txt requirements-vllm.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet --no-deps -r requirements-vllm.txt
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
