@@ -142,7 +142,7 @@ class TraceIndex:
             below = [n for n in self._levels if n < length]
             if below:
                 pos = self._levels[max(below)].pos
-                pos = np.sort(pos[pos - (length - 1) >= self.start_of[pos]])
+                pos = pos[pos - (length - 1) >= self.start_of[pos]]
             else:
                 pos = self._all_windows(length)
             self._levels[length] = self._index(length, pos, self.is_query)
