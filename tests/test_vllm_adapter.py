@@ -7,6 +7,7 @@ Numba. These tests skip only when vLLM is not installed at all.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -177,3 +178,126 @@ def test_step_records_reach_the_engine_through_the_worker_extension():
     assert len(records) == 1 and records[0]["context_len"] == 8 and records[0]["tokens"] == [6, 7, 3, 4, 5]
     assert records[0]["match_len"] == 3 and records[0]["propose_s"] >= 0
     assert HqlabWorkerExtension.hqlab_take_records(worker) == []  # taken once
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The engine's configs and bookkeeping (hqlab.engines.vllm): everything but the GPU run itself
+
+
+def test_engine_settings_map_specs_to_vllms_own_speculative_configs():
+    from hqlab.engines.vllm import setting_for, settings_for
+
+    assert settings_for(["lookup:k=7", "none", "lookup:k=7"])[0].label == "none"
+    assert [s.label for s in settings_for(["lookup:k=7", "lookup:k=7"])] == ["none", "lookup:k=7"]
+    lookup = setting_for("lookup:nmin=6,nmax=12,k=15")
+    assert lookup.speculative_config == {"method": "custom_class", "model": vllm_proposer.CLASS_PATH,
+                                         "num_speculative_tokens": 15}
+    assert lookup.additional_config[vllm_proposer.SPEC_KEY] == "lookup:nmin=6,nmax=12,k=15" and lookup.uses_adapter
+    ngram_setting = setting_for("vllm-ngram:nmin=2,nmax=5,k=7")
+    assert ngram_setting.speculative_config == {"method": "ngram", "num_speculative_tokens": 7,
+                                                "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    assert not ngram_setting.uses_adapter
+    suffix = setting_for("arctic-suffix:k=16,depth=24,min_prob=0.2")
+    assert suffix.speculative_config["method"] == "suffix"
+    assert suffix.speculative_config["suffix_decoding_min_token_prob"] == 0.2
+    assert suffix.speculative_config["suffix_decoding_max_cached_requests"] == 0  # each request on its own context
+    for spec in (lookup, ngram_setting):  # vLLM's own config class accepts what the engine will pass
+        built = SpeculativeConfig(**spec.speculative_config)
+        assert built.num_speculative_tokens == spec.k
+    for bad, message in (("none:k=3", "takes no keys"), ("eagle:k=3", "unknown proposer"),
+                         ("arctic-suffix:offset=1", "no offset"), ("lookup:k=0", "k must be >= 1")):
+        with pytest.raises(ConfigError, match=message):
+            setting_for(bad)
+
+
+def test_step_records_from_vllm_counters_and_adapter_records():
+    from hqlab.engines.vllm import UNKNOWN_TOKEN, StepEvent, step_records
+    from hqlab.trace import tokens_per_step
+
+    prompt_len = 100
+    events = [StepEvent(0.050, 1, 0, 0),  # prefill: the first token
+              StepEvent(0.060, 4, 5, 3),  # 5 drafted, 3 accepted + 1
+              StepEvent(0.070, 1, 5, 0),
+              StepEvent(0.081, 2, 5, 4)]  # 4 accepted but EOS after 2 tokens: accepted is clipped to 1
+    adapter = [{"context_len": 101, "tokens": [1, 2, 3, 4, 5], "sources": [1] * 5, "match_len": 7, "propose_s": 1e-4},
+               {"context_len": 105, "tokens": [6, 7, 8, 9, 10], "sources": [1] * 5, "match_len": 6,
+                "propose_s": 2e-4}]
+    ttft, records = step_records("copy", prompt_len, events, k=5, adapter=adapter)
+    assert ttft == 0.050 and len(records) == 3
+    assert [r.context_len for r in records] == [100, 104, 105]  # KV content before each step
+    assert records[0].proposed == [1, 2, 3, 4, 5] and records[0].match_len == 7 and records[0].accepted == 3
+    assert records[1].proposed == [6, 7, 8, 9, 10] and records[1].propose_s == 2e-4
+    assert records[2].proposed == [UNKNOWN_TOKEN] * 5 and math.isnan(records[2].propose_s)  # no adapter record
+    assert records[2].accepted == 1 and records[2].emitted == 2
+    assert [round(r.step_s, 3) for r in records] == [0.010, 0.010, 0.011] and records[-1].t_end == 0.081
+    assert sum(r.emitted for r in records) + events[0].tokens == 8
+    assert tokens_per_step(records) == pytest.approx((4 + 1 + 2) / 3)
+    _, plain = step_records("copy", prompt_len, [StepEvent(0.05, 1, 0, 0), StepEvent(0.06, 1, 0, 0)], k=0)
+    assert plain[0].proposed == [] and plain[0].propose_s == 0.0 and plain[0].verify_len == 1
+
+
+def _generation(ids, margins=(), steps=3, total=1.0):
+    from hqlab.trace import Generation, StepRecord
+
+    records = [StepRecord("p", j, 10 + j, 2, [UNK], [1], 0, 1 if j % 2 else 0, 2 if j % 2 else 1, 0.01, math.nan,
+                          0.1 + 0.01 * j, 1, 1) for j in range(steps)]
+    return Generation("p", 10, list(ids), "length", 0.1, total, records[-1].t_end, records, list(margins))
+
+
+UNK = -1
+
+
+def test_raw_runs_round_trip_and_become_bench_rows():
+    import polars as pl
+
+    from hqlab.config import DecodeConfig
+    from hqlab.engines.vllm import Run, frames_from_raw, raw_table, runs_from_raw
+
+    ref = [5, 6, 7, 8, 9, 10]
+    runs = [Run("none", "copy", "copy", -1, _generation(ref, margins=[3.0, 0.2, 4.0, 4.0, 4.0, 4.0], total=9.0)),
+            Run("none", "copy", "copy", 0, _generation(ref, total=2.0)),
+            Run("none", "copy", "copy", 1, _generation(ref, total=2.2)),
+            Run("lookup:k=7", "copy", "copy", 0, _generation(ref, total=1.0)),
+            Run("vllm-ngram:k=7", "copy", "copy", 0, _generation([5, 99, 7, 8, 9, 10], total=1.5)),
+            Run("pld:k=3", "copy", "copy", 0, _generation([5, 6, 7, 99, 9, 10], total=1.5))]
+    table = raw_table(runs)
+    back = runs_from_raw(pl.from_arrow(table))
+    assert [(r.config, r.repeat, r.generation.output_ids) for r in back] == \
+           [(r.config, r.repeat, r.generation.output_ids) for r in runs]
+    assert back[3].generation.records[1].emitted == 2 and math.isnan(back[3].generation.records[0].propose_s)
+    results, steps = frames_from_raw(back, DecodeConfig(max_new_tokens=6), {"dtype": "bfloat16", "model": "m"})
+    by = {r["config"]: r for r in results.to_dicts()}
+    assert list(by) == ["none", "lookup:k=7", "vllm-ngram:k=7", "pld:k=3"] and results["engine"][0] == "vllm"
+    assert by["none"]["total_s"] == pytest.approx(2.1)  # timed runs only: the margins pass is not timed
+    assert by["lookup:k=7"]["speedup_e2e"] == pytest.approx(2.1) and by["lookup:k=7"]["divergence"] == "identical"
+    assert by["vllm-ngram:k=7"]["divergence"] == "near-tie" and by["vllm-ngram:k=7"]["first_divergence"] == 1
+    assert by["pld:k=3"]["divergence"] == "mismatch" and by["pld:k=3"]["divergence_margin"] == 4.0
+    assert steps.height == 4 * 3 and set(steps["config"]) == set(by)
+
+
+def test_parts_round_trip_and_refuse_damage(tmp_path):
+    """benchmarks/pack_parts.py: files split over parts come back byte-identical; a damaged part is refused."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pack_parts", ROOT / "benchmarks" / "pack_parts.py")
+    pack_parts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pack_parts)
+    rng = np.random.default_rng(1)
+    files = []
+    for name, size in (("a.whl", 1_500_000), ("b.whl", 10), ("model.gguf", 2_700_000)):
+        files.append(tmp_path / name)
+        files[-1].write_bytes(rng.integers(0, 256, size, dtype=np.uint8).tobytes())
+    manifest = pack_parts.pack(files, tmp_path / "parts", 1 << 20)
+    assert [p["size"] for p in manifest["parts"]] == [1 << 20] * 4 + [4_200_010 - 4 * (1 << 20)]
+    arrived = tmp_path / "arrived"
+    pack_parts.stash(tmp_path / "parts" / "manifest.json", sorted((tmp_path / "parts").glob("part-*.bin")), arrived)
+    out = pack_parts.unpack(arrived, tmp_path / "out")
+    assert [p.read_bytes() for p in out] == [f.read_bytes() for f in files]
+    damaged = bytearray((arrived / "part-002.bin").read_bytes())
+    damaged[7] ^= 1
+    (arrived / "part-002.bin").write_bytes(bytes(damaged))
+    with pytest.raises(pack_parts.PartsError, match="part-002.bin: sha256"):
+        pack_parts.unpack(arrived, tmp_path / "again")
+    assert not (tmp_path / "again").exists() or not any((tmp_path / "again").iterdir())
+    with pytest.raises(pack_parts.PartsError, match="sha256"):
+        pack_parts.stash(arrived / "manifest.json", [arrived / "part-002.bin"], tmp_path / "elsewhere")
