@@ -180,6 +180,7 @@ class Explorer:
         self.stream = w.HTML()
         self.widget = w.VBox([w.HBox([self.request, self.proposer]), self.controls, self.summary, self.stream])
         self._fields: dict[str, Any] = {}
+        self._defaults: dict[str, Any] = {}
         self._build_controls(start_values)
         self.request.observe(lambda _: self.update(), names="value")
         self.proposer.observe(lambda _: (self._build_controls({}), self.update()), names="value")
@@ -194,6 +195,7 @@ class Explorer:
         config_cls = REGISTRY[self.proposer.value].Config
         initial = dataclasses.asdict(build_config(config_cls, values, context=self.proposer.value))
         self._fields = {}
+        self._defaults = {name: default for name, _, default in config_fields(config_cls)}
         style = {"description_width": "initial"}
         for name, typ, _ in config_fields(config_cls):
             value = initial[name]
@@ -216,7 +218,9 @@ class Explorer:
 
     @property
     def spec(self) -> str:
-        return spec_of(self.proposer.value, {k: c.value for k, c in self._fields.items()})
+        """The controls as a spec; fields left at their defaults (and empty strings) are not spelled out."""
+        return spec_of(self.proposer.value, {k: c.value for k, c in self._fields.items()
+                                             if c.value != self._defaults[k] and c.value != ""})
 
     def set(self, **values: Any) -> None:
         """Set controls by field name (as moving them by hand would), e.g. `explorer.set(k=8, nmin=2)`."""
@@ -233,11 +237,15 @@ class Explorer:
         trace = self.traces[self.request.value]
         try:
             proposer = make_proposer(self.spec)
+            records = replay(trace.prompt_ids, trace.output_ids, proposer, max_new_tokens=trace.max_new_tokens,
+                             request=trace.prompt_id)
         except ConfigError as e:
             self.summary.value = f'<b style="color:#b00">{html.escape(str(e))}</b>'
             return
-        records = replay(trace.prompt_ids, trace.output_ids, proposer, max_new_tokens=trace.max_new_tokens,
-                         request=trace.prompt_id)
+        except Exception as e:  # noqa: BLE001 - a proposer that cannot run here (missing package, model) is shown
+            self.summary.value = (f'<b style="color:#b00">{html.escape(self.spec)} failed: '
+                                  f"{html.escape(type(e).__name__)}: {html.escape(str(e))}</b>")
+            return
         s = summary(records, len(trace.output_ids))
         self.records = records
         self.summary.value = (f"<code>{html.escape(self.spec)}</code> on <b>{html.escape(trace.prompt_id)}</b> "

@@ -117,7 +117,9 @@ def test_explorer_widget_reruns_replay_on_slider_change():
     assert "nmin must be &lt;= nmax" in ex.summary.value and ex.stream.value == shown
     # switching proposer rebuilds the controls from its config
     ex.proposer.value = "pld"
-    assert set(ex._fields) == {"n", "k", "full"} and ex.spec.startswith("pld:")
+    assert set(ex._fields) == {"n", "k", "full"} and ex.spec == "pld"
+    ex.set(n=2, full=False)
+    assert ex.spec == "pld:n=2,full=false"
     assert "tokens/step" in ex.summary.value
 
 
