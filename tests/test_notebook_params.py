@@ -105,3 +105,26 @@ def test_unknown_parameter_is_refused_before_running(tmp_path):
     params_file.write_text(yaml.safe_dump({"explorer": {"modle": MODEL}}))
     with pytest.raises(ValueError, match="unknown parameter.*modle"):
         run_all(params_file=params_file, only=["explorer"], out_dir=tmp_path / "out")
+
+
+def test_every_notebook_exposes_model_workload_and_outputs_as_parameters():
+    """What a batch sweep changes must be a parameter, in every notebook (present and future): where results
+    and figures go, the model any notebook loads, and the workload any notebook reads."""
+    import re
+
+    import jupytext
+
+    from hqlab.notebooks import declared_parameters
+
+    for path in notebook_paths():
+        nb = jupytext.read(path)
+        declared = declared_parameters(nb)
+        code = "\n".join(c.source for c in nb.cells if c.cell_type == "code"
+                         and "parameters" not in c.get("metadata", {}).get("tags", []))
+        assert "figures_dir" in declared, f"{path.name}: no figures_dir parameter"
+        if re.search(r"\b(?:HFEngine|models)\.load\(", code):
+            assert declared & {"model", "target"}, f"{path.name} loads a model but has no model parameter"
+        if "load_workload(" in code:
+            assert declared & {"suite", "suites"}, f"{path.name} reads a workload but has no suite parameter"
+        hard = re.findall(r"""["'](?:figures|data/results)/[\w.\-]+["']""", code)
+        assert not hard, f"{path.name} writes to fixed paths {hard}: use figures_dir / results_dir"
