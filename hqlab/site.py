@@ -183,13 +183,27 @@ pre { background: #f6f6f6; padding: .6em; overflow-x: auto; }
 """
 
 
+LINKED_FILE_LIMIT = 20 * 2**20  # repo files linked from docs are published up to this size
+
+
 def _docs_pages(docs_dir: Path, site: Path) -> list[tuple[str, str]]:
+    """Render docs/*.md into site/docs/. The site mirrors the repository's layout (docs/, figures/), so a link
+    from a page to another repository file (a results table, a notebook source) works once that file is copied
+    to the same place in the site."""
     out = []
+    repo = docs_dir.resolve().parent
     for md in sorted(docs_dir.glob("*.md"), key=lambda p: (p.stem != "index", p.stem)):
         text = md.read_text(encoding="utf-8")
         title = next((line[2:].strip() for line in text.splitlines() if line.startswith("# ")), md.stem)
-        (site / "docs" / f"{md.stem}.html").write_text(page(title, render_markdown(text), root="../"),
-                                                     encoding="utf-8")
+        body = render_markdown(text)
+        (site / "docs" / f"{md.stem}.html").write_text(page(title, body, root="../"), encoding="utf-8")
+        for ref in re.findall(r'(?:src|href)="((?![a-z]+:|#|/)[^"#?]+)', body):
+            source = (docs_dir / html.unescape(ref)).resolve()
+            target = (site / "docs" / html.unescape(ref)).resolve()
+            if (source.is_file() and source.is_relative_to(repo) and target.is_relative_to(site.resolve())
+                    and not target.exists() and source.stat().st_size <= LINKED_FILE_LIMIT):
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, target)
         out.append((title, f"docs/{md.stem}.html"))
     return out
 
@@ -253,11 +267,11 @@ def build_site(out_dir: Path = REPO / "site", notebooks_dir: Path = REPO / "note
             rendered = render_notebook(executed[stem], tmp / "notebooks" / f"{stem}.html", "../static")
             pages.append(NotebookPage(stem, rendered.title, f"notebooks/{stem}.html", rendered.status,
                                       rendered.executed_at))
-        docs = _docs_pages(docs_dir, tmp) if docs_dir.is_dir() else []
         if figures_dir.is_dir():
             for fig in figures_dir.iterdir():
                 if fig.suffix in (".svg", ".png"):
                     shutil.copy2(fig, tmp / "figures" / fig.name)
+        docs = _docs_pages(docs_dir, tmp) if docs_dir.is_dir() else []
         (tmp / "index.html").write_text(_index(docs, pages), encoding="utf-8")
         (tmp / "manifest.json").write_text(json.dumps([p.__dict__ for p in pages], indent=1), encoding="utf-8")
     except BaseException:

@@ -195,3 +195,22 @@ def test_failed_build_keeps_the_previous_site(tmp_path):
                    sources=[], progress=False)
     assert sorted(p.relative_to(site) for p in site.rglob("*")) == before
     assert not (tmp_path / "site.tmp").exists()
+
+
+def test_docs_links_work_in_the_site(tmp_path):
+    """Links between docs pages point at their HTML pages; linked repository files are published beside them."""
+    repo = tmp_path / "repo"
+    (repo / "docs").mkdir(parents=True)
+    (repo / "data" / "results").mkdir(parents=True)
+    (repo / "data" / "results" / "t.csv").write_text("a,b\n1,2\n")
+    (repo / "docs" / "a.md").write_text("# Page A\n\n[table](../data/results/t.csv), [B](b.md#part), "
+                                        "[web](https://example.org)\n\n| x | y |\n|---|---|\n| 1 | 2 |\n")
+    (repo / "docs" / "b.md").write_text("# Page B\n")
+    site = tmp_path / "site"
+    build_site(site, repo / "none", docs_dir=repo / "docs", figures_dir=repo / "figures", sources=[],
+               progress=False)
+    a = (site / "docs" / "a.html").read_text()
+    assert 'href="b.html#part"' in a and "<table>" in a and 'href="https://example.org"' in a
+    assert (site / "data" / "results" / "t.csv").read_text() == "a,b\n1,2\n"
+    index = (site / "index.html").read_text()
+    assert 'href="docs/a.html">Page A<' in index and 'href="docs/b.html">Page B<' in index
