@@ -20,8 +20,7 @@
 # 1. replays every fusion setting **exactly** over the target's recorded greedy outputs, with the drafter's
 #    greedy drafts **teacher-forced** from one forward pass per trace (the rare steps whose decision reads past
 #    what the trace can tell are drafted for real and counted), and
-# 2. re-plots the live benchmark (`benchmarks/bench_fusion.py`): tokens/step and wall-time speedup per task,
-#    and batch 4 with per-request vs unanimous block lengths.
+# 2. (speed, batches: see `fusion_benchmark.py`, which re-plots the live benchmark).
 
 # %% tags=["parameters"]
 target = "qwen2.5-coder-1.5b"
@@ -36,7 +35,6 @@ k = 15
 fusion_grid = ["nstrong=6,agree=0", "nstrong=8,agree=2", "nstrong=8,agree=0", "nstrong=12,agree=0",
                "nstrong=6,agree=0,nmin_tail=2", "nstrong=6,agree=0,nmin_tail=6", "rule=score"]
 schedule = "sticky=3"
-bench_tag = "cpu"
 figures_dir = "figures"
 results_dir = "data/results"
 
@@ -83,29 +81,3 @@ plots.save(plots.grouped_bars(summary, "category", "tokens_per_step", "setting",
                               y_title="tokens per verify step (replay)"), figures / "fusion_thresholds_tps.svg")
 plots.save(plots.grouped_bars(summary, "category", "verify_positions", "setting",
                               y_title="verified positions per step"), figures / "fusion_thresholds_cost.svg")
-
-# %% [markdown]
-# ## Live benchmark (1.5B target, 0.5B drafter): re-plotted from the committed results
-
-# %%
-live_path = results / f"fusion_{bench_tag}.parquet"
-if live_path.exists():
-    live = pl.read_parquet(live_path)
-    per = live.group_by(["category", "config"], maintain_order=True).agg(
-        pl.col("tokens_per_step").median(), pl.col("speedup_e2e").median(), pl.col("decode_tok_s").median())
-    per = per.with_columns(pl.col("config").str.replace(r",model=[^,]+,dtype=[^,]+,device=\w+", ""))
-    print(live["machine"][0])
-    print(per)
-    plots.save(plots.grouped_bars(per, "category", "tokens_per_step", "config", rule_at=1.0,
-                                  y_title="tokens per verify step"), figures / f"fusion_{bench_tag}_tps.svg")
-    plots.save(plots.grouped_bars(per, "category", "speedup_e2e", "config", rule_at=1.0,
-                                  y_title="wall-time speedup over no speculation"),
-               figures / f"fusion_{bench_tag}_speedup.svg")
-batch_path = results / f"fusion_{bench_tag}_batch.parquet"
-if batch_path.exists():
-    batch = pl.read_parquet(batch_path).with_columns(
-        pl.col("config").str.replace(r",model=[^,]+,dtype=[^,]+,device=\w+", ""))
-    print(batch.select("config", "prompt_id", "tokens_per_step", "mean_block", "long_share", "batch_tok_s",
-                       "divergence"))
-    plots.save(plots.grouped_bars(batch, "prompt_id", "tokens_per_step", "config",
-                                  y_title="tokens per verify step, batch of 4"), figures / f"fusion_{bench_tag}_batch.svg")
