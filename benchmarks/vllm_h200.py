@@ -223,7 +223,12 @@ def bench(args: argparse.Namespace) -> int:
 
     import vllm
 
-    log(f"torch {torch.__version__}, vllm {vllm.__version__}, {torch.cuda.get_device_name(0)}")
+    # The GPU's name from nvidia-smi: touching CUDA here would make vLLM spawn (not fork) its engine processes.
+    smi = shutil.which("nvidia-smi")
+    gpu = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip() if smi else "no nvidia-smi"
+    machine = f"{gpu.split(',')[0]}, torch {torch.__version__}, vllm {vllm.__version__}"
+    log(f"{gpu}; torch {torch.__version__}, vllm {vllm.__version__}")
     t = time.time()
     folder = models.prepare(MODEL)
     log(f"model ready in {time.time() - t:.0f} s: {folder}")
@@ -247,7 +252,7 @@ def bench(args: argparse.Namespace) -> int:
         described.append(description)
         pq.write_table(hv.raw_table(runs), str(raw_path) + ".tmp")
         os.replace(str(raw_path) + ".tmp", raw_path)
-        meta = {"machine": f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, vllm {vllm.__version__}",
+        meta = {"machine": machine,
                 "model": MODEL, "dtype": options.dtype, "doc_tokens": args.doc_tokens, "suite": "labd",
                 "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "engines": described}
         meta_path.write_text(json.dumps(meta, indent=1) + "\n")

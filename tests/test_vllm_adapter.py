@@ -301,3 +301,22 @@ def test_parts_round_trip_and_refuse_damage(tmp_path):
     assert not (tmp_path / "again").exists() or not any((tmp_path / "again").iterdir())
     with pytest.raises(pack_parts.PartsError, match="sha256"):
         pack_parts.stash(arrived / "manifest.json", [arrived / "part-002.bin"], tmp_path / "elsewhere")
+
+
+def test_step_stat_logger_plugs_into_vllms_stat_logging():
+    """The engine reads each step's spec-decode counters through vLLM's own per-engine stat-logger plumbing."""
+    from vllm.v1.metrics.loggers import PerEngineStatLoggerAdapter
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+    from hqlab.engines.vllm import _stat_logger_factory
+
+    sink: list = []
+    config = vllm_config({"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_min": 2,
+                          "prompt_lookup_max": 5})
+    adapter = PerEngineStatLoggerAdapter(config, [0], _stat_logger_factory(sink))
+    spec = SpecDecodingStats.new(7)
+    spec.observe_draft(num_draft_tokens=7, num_accepted_tokens=3)
+    adapter.record(SchedulerStats(spec_decoding_stats=spec), None)
+    adapter.record(SchedulerStats(), None)  # a step without drafts (e.g. the prefill)
+    assert sink == [(1, 7, 3), None]

@@ -46,7 +46,8 @@ class VLLMOptions:
     model: str  # a folder vLLM can load (hqlab.models.prepare gives one for offline names and .gguf files)
     dtype: str = "bfloat16"
     max_model_len: int = 4096
-    max_num_seqs: int = 8  # requests run one at a time; a small batch limit keeps CUDA graph capture short
+    max_num_seqs: int = 8  # requests run one at a time: small batch limits keep engine start-up short
+    max_cudagraph_capture_size: int = 32  # CUDA graphs up to this many tokens per step (k + 1 <= 32 is covered)
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = False
     enable_prefix_caching: bool = False  # off: every repeat pays its prefill, as in hqlab's own engine
@@ -57,6 +58,8 @@ class VLLMOptions:
             raise ConfigError(f"max_model_len must be >= 64 (got {self.max_model_len})")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1 (got {self.max_num_seqs})")
+        if self.max_cudagraph_capture_size < 1:
+            raise ConfigError(f"max_cudagraph_capture_size must be >= 1 (got {self.max_cudagraph_capture_size})")
         if not 0.05 <= self.gpu_memory_utilization <= 0.95:
             raise ConfigError(f"gpu_memory_utilization must be in [0.05, 0.95] (got {self.gpu_memory_utilization})")
 
@@ -214,6 +217,7 @@ class VLLMEngine:
                           max_num_seqs=options.max_num_seqs, gpu_memory_utilization=options.gpu_memory_utilization,
                           enforce_eager=options.enforce_eager, enable_prefix_caching=options.enable_prefix_caching,
                           seed=options.seed, speculative_config=setting.speculative_config,
+                          compilation_config={"max_cudagraph_capture_size": options.max_cudagraph_capture_size},
                           additional_config=dict(setting.additional_config),
                           worker_extension_cls=setting.worker_extension_cls or "", disable_log_stats=False)
         self.engine = LLMEngine.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._stats)])
