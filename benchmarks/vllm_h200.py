@@ -8,9 +8,9 @@ bounded (64 MiB with the repository). So:
        to what an H200 running a dense model loads, takes the 0.5B's GGUF from the hqlab cache and packs all of it
        into checksummed parts of <= 50 MiB under .parts/ (benchmarks/pack_parts.py); prints the GPU commands.
   2. GPU, one call per part:  python3 benchmarks/vllm_h200.py stash
-       verifies the carried part against the manifest and keeps it in /tmp/hqlab-parts.
+       verifies the carried part against the manifest and keeps it in the host's work folder (GPU_WORK).
   3. GPU, last call:  python3 benchmarks/vllm_h200.py run [--configs ...]
-       reassembles and checks every file, installs the wheels into /tmp/site, converts the GGUF with hqlab.models,
+       reassembles and checks every file, installs the wheels into GPU_WORK/site, converts the GGUF (hqlab.models),
        then runs the labd suite for each config (one vLLM engine each) and writes $OUT/vllm_h200_<tag>.parquet
        (raw runs, after every config) and $OUT/vllm_h200_<tag>.log.
   4. here:  python benchmarks/vllm_h200.py finish FILES_AT/vllm_h200_*.parquet
@@ -26,6 +26,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -35,14 +36,16 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout that is not ins
 
 PARTS = ROOT / ".parts"
 DIST = ROOT / ".vllm-dist"
-GPU_PARTS = Path("/tmp/hqlab-parts")
-GPU_FILES = Path("/tmp/hqlab-files")
-GPU_SITE = Path("/tmp/site")
-GPU_CACHE = Path("/tmp/hqlab-cache")
+# Work folder on the GPU host: it must outlive one call (the parts arrive over several), so the system temp folder.
+GPU_WORK = Path(os.environ.get("HQLAB_GPU_WORK") or Path(tempfile.gettempdir()) / "hqlab-gpu")
+GPU_PARTS = GPU_WORK / "parts"
+GPU_FILES = GPU_WORK / "files"
+GPU_SITE = GPU_WORK / "site"
+GPU_CACHE = GPU_WORK / "cache"
 MODEL = "qwen2.5-coder-0.5b"
 
 VLLM = "vllm==0.26.0"
-# What `import vllm` and its engine need on the GPU host beyond its image (KINDS.md lists the image's packages):
+# What `import vllm` and its engine need on the GPU host beyond the packages its image has:
 # found on CPU by importing vLLM's engine, worker, model-runner, Qwen2, sampler, spec-decode and attention modules
 # and mapping every loaded module to its distribution. Versions: vLLM's pins where it has them; xgrammar 0.2.7 is
 # the newest that accepts vLLM's apache-tvm-ffi 0.1.10; openai 2.54.0 the newest on httpx (the image has httpx,
@@ -134,13 +137,13 @@ def prepare(args: argparse.Namespace) -> None:
 
 
 def print_campaign(manifest: dict) -> None:
-    """The device calls, in order: one per part, then the run (and, if wanted, a second run)."""
+    """The GPU-host commands, in order, each with the files it needs from here (one part at a time)."""
     rel = PARTS.relative_to(ROOT)
-    print("\n# GPU campaign: issue these back to back (the host keeps /tmp only while warm).")
+    print("\n# On the GPU host, in order (each line: the command, and the files from here it needs):")
     for p in manifest["parts"]:
         print(json.dumps({"command": f"python3 benchmarks/vllm_h200.py stash {rel}/{p['name']}",
-                          "carry": [f"{rel}/manifest.json", f"{rel}/{p['name']}"], "timeout_s": 120}))
-    print(json.dumps({"command": "python3 benchmarks/vllm_h200.py run --tag a", "timeout_s": 600}))
+                          "files": [f"{rel}/manifest.json", f"{rel}/{p['name']}"]}))
+    print(json.dumps({"command": "python3 benchmarks/vllm_h200.py run --tag a", "files": []}))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -198,6 +201,8 @@ def run(args: argparse.Namespace) -> int:
             f.flush()
 
         both(f"== vllm_h200 run {args.tag} {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        if shutil.which("nvidia-smi"):
+            both(subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout)
         setup_gpu()
         cmd = [sys.executable, "-u", str(Path(__file__).resolve()), "bench", "--tag", args.tag,
                "--repeats", str(args.repeats), "--max-new-tokens", str(args.max_new_tokens),
@@ -212,23 +217,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
-    """In the child that sees /tmp/site: convert the model, run the configs, save raw runs after each config."""
-    import torch
+    """In the child that sees the installed wheels: convert the model, run the configs, save raw runs after each config."""
+    import vllm  # noqa: F401  (first: a wheel missing from the carried set fails here, before the conversion)
 
     from hqlab import models
     from hqlab.config import DecodeConfig
     from hqlab.engines import vllm as hv
-    from hqlab.engines.hf import HFEngine
     from hqlab.workloads import load_workload
 
-    import vllm
-
-    # The GPU's name from nvidia-smi: touching CUDA here would make vLLM spawn (not fork) its engine processes.
-    smi = shutil.which("nvidia-smi")
-    gpu = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                         capture_output=True, text=True).stdout.strip() if smi else "no nvidia-smi"
-    machine = f"{gpu.split(',')[0]}, torch {torch.__version__}, vllm {vllm.__version__}"
-    log(f"{gpu}; torch {torch.__version__}, vllm {vllm.__version__}")
+    machine = hv.machine_description()  # before any CUDA call: vLLM forks its engine processes then
+    log(machine)
     t = time.time()
     folder = models.prepare(MODEL)
     log(f"model ready in {time.time() - t:.0f} s: {folder}")
@@ -236,9 +234,7 @@ def bench(args: argparse.Namespace) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     prompts = load_workload("labd", doc_tokens=args.doc_tokens, tokenizer=tokenizer)
-    # The transformers engine's own chat encoding (its method needs only the tokenizer).
-    holder = type("TokenizerOnly", (), {"tokenizer": tokenizer})()
-    encoded = [(p.id, p.category, HFEngine.encode_chat(holder, list(p.messages))) for p in prompts]
+    encoded = hv.encode_prompts(tokenizer, prompts)
     log("prompt tokens: " + ", ".join(f"{pid} {len(ids)}" for pid, _, ids in encoded))
     options = hv.VLLMOptions(model=folder)
     decode = DecodeConfig(max_new_tokens=args.max_new_tokens)

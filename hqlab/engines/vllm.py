@@ -431,5 +431,49 @@ def frames_from_raw(runs: Sequence[Run], decode: DecodeConfig, meta: dict[str, A
     return results, (pl.concat(steps, how="diagonal_relaxed") if steps else pl.DataFrame())
 
 
+def encode_prompts(tokenizer: Any, prompts: Sequence[Any]) -> list[tuple[str, str, list[int]]]:
+    """(id, category, token ids) per workload prompt, encoded exactly as the transformers engine encodes them."""
+    from hqlab.engines.hf import HFEngine
+
+    holder = type("TokenizerOnly", (), {"tokenizer": tokenizer})()  # encode_chat needs only the tokenizer
+    return [(p.id, p.category, HFEngine.encode_chat(holder, list(p.messages))) for p in prompts]
+
+
+def machine_description() -> str:
+    """GPU name (from nvidia-smi: asking CUDA here would make vLLM spawn rather than fork), torch and vLLM."""
+    import shutil
+    import subprocess
+
+    import torch
+    import vllm
+
+    smi = shutil.which("nvidia-smi")
+    gpu = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                         text=True).stdout.strip().splitlines() if smi else []
+    return f"{gpu[0] if gpu else 'unknown GPU'}, torch {torch.__version__}, vllm {vllm.__version__}"
+
+
+def bench_suite(model: str | None, suite: str, specs: Sequence[str], decode: DecodeConfig, *, doc_tokens: int,
+                limit: int = 0, repeats: int = 1, dtype: str = "auto", progress: bool = True):
+    """`hqlab bench --engine vllm`: a workload through every config; returns bench's (results, steps) frames."""
+    from transformers import AutoTokenizer
+
+    from hqlab import models
+    from hqlab.workloads import load_workload
+
+    settings_for(specs)  # every spec checked before the model is prepared
+    name = model or models.DEFAULT_MODEL
+    folder = models.prepare(name)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompts = load_workload(suite, doc_tokens=doc_tokens, tokenizer=tokenizer)
+    encoded = encode_prompts(tokenizer, prompts[: limit or None])
+    options = VLLMOptions(model=folder, dtype=models.resolve_dtype(dtype))
+    runs, _ = run_configs(options, encoded, specs, decode, repeats=repeats, progress=progress)
+    meta = {"machine": machine_description(), "model": str(name), "dtype": options.dtype, "suite": suite,
+            "doc_tokens": doc_tokens}
+    return frames_from_raw(runs, decode, meta)
+
+
 __all__ = ["VLLMOptions", "EngineSetting", "setting_for", "settings_for", "StepEvent", "step_records", "VLLMEngine",
-           "Run", "check_prompts", "run_setting", "run_configs", "raw_table", "runs_from_raw", "frames_from_raw", "NATIVE"]
+           "Run", "check_prompts", "run_setting", "run_configs", "encode_prompts", "machine_description",
+           "bench_suite", "raw_table", "runs_from_raw", "frames_from_raw", "NATIVE"]
