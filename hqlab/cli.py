@@ -27,18 +27,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     decode = DecodeConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed)
-    bench.parse_configs(args.proposer)  # fail on a bad spec before loading anything
+    if args.engine not in ("hf", "vllm"):
+        raise ConfigError(f"unknown engine {args.engine!r}; available: hf, vllm")
+    if args.engine == "hf":
+        bench.parse_configs(args.proposer)  # fail on a bad spec before loading anything
     if args.suite not in ("labd", "all") and not Path(args.suite).exists():
         load_workload(args.suite)  # validates a file / name early (document suites need the tokenizer)
-    if args.engine != "hf":
-        raise ConfigError(f"unknown engine {args.engine!r}; available: hf")
 
-    engine = HFEngine.load(args.model, device=args.device, dtype=args.dtype)
-    prompts = load_workload(args.suite, doc_tokens=args.doc_tokens, tokenizer=engine.tokenizer)
-    if args.limit:
-        prompts = prompts[: args.limit]
-    results, steps = bench.run_bench(engine, prompts, args.proposer, decode, repeats=args.repeats,
-                                     meta={"suite": args.suite, "doc_tokens": args.doc_tokens})
+    if args.engine == "vllm":  # one vLLM engine per config (CUDA); specs are checked before the model loads
+        from hqlab.engines.vllm import bench_suite
+
+        results, steps = bench_suite(args.model, args.suite, args.proposer, decode, doc_tokens=args.doc_tokens,
+                                     limit=args.limit, repeats=args.repeats, dtype=args.dtype)
+    else:
+        engine = HFEngine.load(args.model, device=args.device, dtype=args.dtype)
+        prompts = load_workload(args.suite, doc_tokens=args.doc_tokens, tokenizer=engine.tokenizer)
+        if args.limit:
+            prompts = prompts[: args.limit]
+        results, steps = bench.run_bench(engine, prompts, args.proposer, decode, repeats=args.repeats,
+                                         meta={"suite": args.suite, "doc_tokens": args.doc_tokens})
     from hqlab.io import write_atomic
 
     steps_path = args.out.with_name(args.out.stem + ".steps.parquet")
@@ -162,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="run proposer configs over a workload and write results parquet")
     b.add_argument("--model", default=None, help="offline short name, local path or hub id (default: the 0.5B)")
-    b.add_argument("--engine", default="hf", help="engine: hf (transformers)")
+    b.add_argument("--engine", default="hf", help="engine: hf (transformers) or vllm (vLLM 0.26 on CUDA, docs/vllm.md)")
     b.add_argument("--suite", default="labd", help="labd, chat, all, a task name, or a JSONL file")
     b.add_argument("--proposer", action="append", default=[], metavar="SPEC",
                    help="NAME[:key=value,...], repeatable; e.g. lookup:nmin=6,nmax=12,k=15, pld:n=3,k=10, hf-pld:k=10")
