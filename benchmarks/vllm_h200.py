@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
-    """In the child that sees the installed wheels: convert the model, run the configs, save raw runs after each config."""
+    """In the child that sees the installed wheels: convert the model, run the configs, save after each config."""
     import vllm  # noqa: F401  (first: a wheel missing from the carried set fails here, before the conversion)
 
     from hqlab import models

@@ -320,3 +320,18 @@ def test_step_stat_logger_plugs_into_vllms_stat_logging():
     adapter.record(SchedulerStats(spec_decoding_stats=spec), None)
     adapter.record(SchedulerStats(), None)  # a step without drafts (e.g. the prefill)
     assert sink == [(1, 7, 3), None]
+
+
+def test_cli_vllm_engine_checks_specs_and_gpu_before_loading_anything(capsys):
+    import torch
+
+    from hqlab.cli import main
+
+    out = ROOT / "never-written.parquet"
+    assert main(["bench", "--engine", "vllm", "--proposer", "eagle:k=3", "--out", str(out)]) == 2
+    assert "unknown proposer 'eagle'" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["bench", "--engine", "vllm", "--proposer", "lookup:k=7", "--out", str(out)]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert main(["bench", "--engine", "tgi", "--out", str(out)]) == 2
+    assert not out.exists()

@@ -461,7 +461,12 @@ def bench_suite(model: str | None, suite: str, specs: Sequence[str], decode: Dec
     from hqlab import models
     from hqlab.workloads import load_workload
 
+    import torch
+
     settings_for(specs)  # every spec checked before the model is prepared
+    if not torch.cuda.is_available():  # (does not initialise CUDA: vLLM may still fork its engine processes)
+        raise ConfigError("the vllm engine needs a CUDA GPU (vLLM's published wheels are CUDA builds); on this "
+                          "machine use --engine hf, or replay vLLM's n-gram rule with the vllm-ngram proposer")
     name = model or models.DEFAULT_MODEL
     folder = models.prepare(name)
     tokenizer = AutoTokenizer.from_pretrained(folder)
