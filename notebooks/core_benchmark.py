@@ -16,11 +16,14 @@
 #
 # By default this notebook re-plots the committed benchmark results (`data/results/core_<tag>.parquet`, written
 # by `benchmarks/bench_core.py` on the machine named in every row). With `rerun = True` it first runs the
-# benchmark here, on this machine, with the parameters below.
+# benchmark here, on this machine, with the parameters below. `engine = "vllm"` runs the configs inside vLLM on a
+# CUDA GPU instead (`hqlab.engines.vllm`, docs/vllm.md; hqlab proposers through the custom_class adapter, and
+# vLLM's own `vllm-ngram` / `arctic-suffix`); its results have the same columns, so every cell below applies.
 
 # %% tags=["parameters"]
 tags = ["cpu"]
 rerun = False
+engine = "hf"
 model = "qwen2.5-coder-0.5b"
 device = "auto"
 configs = ["lookup:nmin=1,nmax=32,k=15,policy=earliest", "lookup:nmin=6,nmax=12,k=15", "lookup:nmin=6,nmax=12,k=7", "pld:n=3,k=10", "hf-pld:k=10"]
@@ -49,19 +52,29 @@ pl.Config.set_tbl_rows(60)
 figures, results_path = Path(figures_dir), Path(results_dir)
 
 # %%
-if rerun:
+if rerun and engine == "vllm":
+    from hqlab.engines.vllm import bench_suite
+
+    frames, step_frames = [], []
+    for suite, n in suites.items():
+        res, st = bench_suite(model, suite, configs, DecodeConfig(max_new_tokens=n), doc_tokens=doc_tokens,
+                              limit=limit, repeats=repeats)
+        frames.append(res)
+        step_frames.append(st)
+elif rerun:
     from hqlab.engines.hf import HFEngine
     from hqlab.workloads import load_workload
 
-    engine = HFEngine.load(model, device=device)
+    hf_engine = HFEngine.load(model, device=device)
     frames, step_frames = [], []
     for suite, n in suites.items():
-        prompts = load_workload(suite, doc_tokens=doc_tokens, tokenizer=engine.tokenizer)
+        prompts = load_workload(suite, doc_tokens=doc_tokens, tokenizer=hf_engine.tokenizer)
         prompts = prompts[:limit] if limit else prompts
-        res, st = bench.run_bench(engine, prompts, configs, DecodeConfig(max_new_tokens=n), repeats=repeats,
+        res, st = bench.run_bench(hf_engine, prompts, configs, DecodeConfig(max_new_tokens=n), repeats=repeats,
                                   meta={"suite": suite, "doc_tokens": doc_tokens})
         frames.append(res)
         step_frames.append(st)
+if rerun:
     results_path.mkdir(parents=True, exist_ok=True)
     pl.concat(frames, how="diagonal_relaxed").write_parquet(results_path / f"core_{tags[0]}.parquet")
     pl.concat(step_frames, how="diagonal_relaxed").write_parquet(results_path / f"core_{tags[0]}.steps.parquet")
