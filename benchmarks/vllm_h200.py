@@ -13,8 +13,9 @@ bounded (64 MiB with the repository). So:
        reassembles and checks every file, installs the wheels into GPU_WORK/site, converts the GGUF (hqlab.models),
        then runs the labd suite for each config (one vLLM engine each) and writes $OUT/vllm_h200_<tag>.parquet
        (raw runs, after every config) and $OUT/vllm_h200_<tag>.log.
-  4. here:  python benchmarks/vllm_h200.py finish FILES_AT/vllm_h200_*.parquet
-       builds data/results/vllm_h200.parquet (+ .steps.parquet) with the columns `hqlab bench` writes.
+  4. here:  python benchmarks/vllm_h200.py finish RETURNED/vllm_h200_*.parquet
+       builds data/results/core_vllm-h200.parquet (+ .steps.parquet) with the columns `hqlab bench` writes; the
+       core benchmark notebook plots it with the tag "vllm-h200".
 """
 
 from __future__ import annotations
@@ -293,15 +294,15 @@ def finish(args: argparse.Namespace) -> None:
         metas.append(json.loads(Path(path).with_suffix(".json").read_text()))
     meta = {k: metas[0][k] for k in ("machine", "model", "dtype", "doc_tokens", "suite")}
     decode = DecodeConfig(max_new_tokens=metas[0]["max_new_tokens"])
-    results, steps = hv.frames_from_raw(runs, decode, meta)
+    engines = [e for m in metas for e in m["engines"]]
+    results, steps = hv.frames_from_raw(runs, decode, meta, engines)
     out = Path(args.out)
     write_atomic(out.with_name(out.stem + ".steps.parquet"), lambda t: steps.write_parquet(t))
     write_atomic(out, lambda t: results.write_parquet(t))
-    engines = [e for m in metas for e in m["engines"]]
-    write_atomic(out.with_suffix(".json"), lambda t: Path(t).write_text(json.dumps(engines, indent=1) + "\n"))
     with pl.Config(tbl_rows=100, tbl_cols=20, tbl_width_chars=220):
         print(hb.summarize(results))
-    print(f"wrote {out} and its .steps.parquet / .json")
+    print(f"wrote {out} and {out.stem}.steps.parquet; figures: the core benchmark notebook with tag "
+          f"{out.stem.removeprefix('core_')!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,9 +323,9 @@ def main(argv: list[str] | None = None) -> int:
         r.add_argument("--doc-tokens", type=int, default=2000)
         if name == "bench":
             r.add_argument("--out", required=True)
-    f = sub.add_parser("finish", help="CPU: raw runs -> data/results/vllm_h200.parquet")
+    f = sub.add_parser("finish", help="CPU: raw runs -> data/results/core_vllm-h200.parquet")
     f.add_argument("raw", nargs="+")
-    f.add_argument("--out", default=str(ROOT / "data" / "results" / "vllm_h200.parquet"))
+    f.add_argument("--out", default=str(ROOT / "data" / "results" / "core_vllm-h200.parquet"))
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
         prepare(args)

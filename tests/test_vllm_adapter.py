@@ -335,3 +335,38 @@ def test_cli_vllm_engine_checks_specs_and_gpu_before_loading_anything(capsys):
         assert "needs a CUDA GPU" in capsys.readouterr().err
     assert main(["bench", "--engine", "tgi", "--out", str(out)]) == 2
     assert not out.exists()
+
+
+def test_h200_finish_turns_returned_raw_runs_into_core_benchmark_results(tmp_path):
+    """benchmarks/vllm_h200.py finish: the GPU host's raw runs (+ engine descriptions) -> core_<tag> parquet."""
+    import importlib.util
+    import json
+
+    import polars as pl
+    import pyarrow.parquet as pq
+
+    from hqlab.engines.vllm import Run, raw_table
+
+    spec = importlib.util.spec_from_file_location("vllm_h200", ROOT / "benchmarks" / "vllm_h200.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    ref = [5, 6, 7, 8, 9, 10]
+    parts = {"a": [Run("none", "copy", "copy", -1, _generation(ref, margins=[1.0] * 6)),
+                   Run("none", "copy", "copy", 0, _generation(ref, total=2.0))],
+             "b": [Run("lookup:k=7", "copy", "copy", 0, _generation(ref, total=1.0))]}
+    raw = []
+    for tag, runs in parts.items():
+        raw.append(tmp_path / f"vllm_h200_{tag}.parquet")
+        pq.write_table(raw_table(runs), raw[-1])
+        engines = [{"config": r.config, "model_runner": "v2" if r.config == "none" else "v1",
+                    "async_scheduling": r.config == "none"} for r in runs[-1:]]
+        raw[-1].with_suffix(".json").write_text(json.dumps(
+            {"machine": "NVIDIA H200, torch 2.11.0+cu130, vllm 0.26.0", "model": "qwen2.5-coder-0.5b",
+             "dtype": "bfloat16", "doc_tokens": 2000, "suite": "labd", "max_new_tokens": 6, "engines": engines}))
+    out = tmp_path / "core_vllm-h200.parquet"
+    script.main(["finish", *map(str, raw), "--out", str(out)])
+    results = pl.read_parquet(out)
+    assert results["config"].to_list() == ["none", "lookup:k=7"]
+    assert results["vllm_runner"].to_list() == ["v2", "v1"] and results["speedup_e2e"][1] == pytest.approx(2.0)
+    assert results["machine"][0].startswith("NVIDIA H200") and results["engine"][0] == "vllm"
+    assert pl.read_parquet(tmp_path / "core_vllm-h200.steps.parquet").height == 6

@@ -397,10 +397,12 @@ def runs_from_raw(raw: Any) -> list[Run]:
     return runs
 
 
-def frames_from_raw(runs: Sequence[Run], decode: DecodeConfig, meta: dict[str, Any]):
+def frames_from_raw(runs: Sequence[Run], decode: DecodeConfig, meta: dict[str, Any],
+                    engines: Sequence[dict[str, Any]] = ()):
     """(results, steps) polars frames with the columns `hqlab.bench.run_bench` writes, one row per (config, prompt).
 
     The reference is the `none` config's margins pass when there is one (greedy), else its first timed run.
+    `engines` (the engines' `describe()`) adds what vLLM chose per config: model runner and async scheduling.
     """
     import polars as pl
 
@@ -428,6 +430,10 @@ def frames_from_raw(runs: Sequence[Run], decode: DecodeConfig, meta: dict[str, A
         rows += r
         steps += s
     results = pl.DataFrame(rows)
+    if engines:
+        chosen = pl.DataFrame([{"config": e["config"], "vllm_runner": e["model_runner"],
+                                "async_scheduling": e["async_scheduling"]} for e in engines])
+        results = results.join(chosen.unique("config", keep="last"), on="config", how="left", maintain_order="left")
     return results, (pl.concat(steps, how="diagonal_relaxed") if steps else pl.DataFrame())
 
 
