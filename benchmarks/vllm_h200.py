@@ -210,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
                "--doc-tokens", str(args.doc_tokens), "--out", str(out)]
         for c in args.configs:
             cmd += ["--config", c]
+        if args.skip_reference:
+            cmd.append("--skip-reference")
         proc = subprocess.Popen(cmd, env=gpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -256,6 +258,8 @@ def bench(args: argparse.Namespace) -> int:
         log(f"saved {len(runs)} runs after {description['config']} ({description})")
 
     settings = hv.settings_for(args.config)  # every spec checked before the first engine starts
+    if args.skip_reference:  # a later call adding configs: the reference ran in an earlier one
+        settings = [s for s in settings if s.label != "none"]
     hv.check_prompts(options, encoded, decode)
     log("configs: " + ", ".join(s.label for s in settings))
     failed = 0
@@ -321,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         r.add_argument("--repeats", type=int, default=3)
         r.add_argument("--max-new-tokens", type=int, default=512)
         r.add_argument("--doc-tokens", type=int, default=2000)
+        r.add_argument("--skip-reference", action="store_true",
+                       help="leave out `none` (it ran in an earlier call with another --tag; finish merges them)")
         if name == "bench":
             r.add_argument("--out", required=True)
     f = sub.add_parser("finish", help="CPU: raw runs -> data/results/core_vllm-h200.parquet")
