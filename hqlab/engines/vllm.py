@@ -238,6 +238,7 @@ class VLLMEngine:
                  margins: bool = False) -> Generation:
         """One request alone; `margins` also asks vLLM for top-2 logprobs (the reference's near-tie margins)."""
         from vllm import SamplingParams
+        from vllm.inputs.engine import tokens_input  # what vLLM's renderer makes of a token prompt
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(
@@ -253,7 +254,7 @@ class VLLMEngine:
         margin_values: list[float] = []
         finish = "length"
         t0 = time.perf_counter()
-        self.engine.add_request(rid, {"prompt_token_ids": list(prompt_ids)}, params)
+        self.engine.add_request(rid, tokens_input([int(t) for t in prompt_ids]), params)
         while self.engine.has_unfinished_requests():
             before = len(self._stats)
             outs = self.engine.step()
