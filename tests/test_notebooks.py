@@ -35,7 +35,7 @@ SMALL = {
     "draft_vocab": dict(corpora={"qwen2.5-coder-0.5b": "data/selfgen/qwen2.5-coder-0.5b.jsonl"},
                         sizes=[1024, 16384], latency_sizes=[1024], latency_repeats=2, latency_context=64,
                         accept_target="qwen2.5-coder-0.5b", accept_sizes=[1024, 0], accept_prompts=1,
-                        accept_max_new_tokens=12, live_prompts=1),
+                        accept_max_new_tokens=12, live_prompts=1, accept_rerun=True),
 }
 
 
