@@ -33,13 +33,13 @@ def sweep_run(tmp_path_factory):
     pl.read_parquet(REPO / "data/results/kernels_h200.parquet").filter(pl.col("batch") == 1).write_parquet(
         kernels_subset)
     params = {
-        "defaults": {"model": MODEL, "suite": str(workload), "max_new_tokens": 20, "device": "cpu",
+        "defaults": {"model": MODEL, "suite": str(workload), "max_new_tokens": 12, "device": "cpu",
                      "figures_dir": str(tmp / "figures"), "results_dir": str(tmp / "results")},
         "suffix_lengths": {"nmin_grid": [1, 3], "nmax_grid": [4], "k_grid": [5], "policies": ["earliest"],
                            "live_configs": ["lookup:nmin=1,nmax=4,k=5,policy=earliest"],
                            "cost_contexts": [64, 256], "cost_verify_lens": [1, 6]},
-        "core_benchmark": {"rerun": True, "tags": ["params"], "suites": {str(workload): 20},
-                           "configs": ["lookup:nmin=2,nmax=6,k=6", "hf-pld:k=5"]},
+        "core_benchmark": {"rerun": True, "tags": ["params"], "suites": {str(workload): 12},
+                           "configs": ["lookup:nmin=2,nmax=6,k=6"]},
         "new_proposer": {"toy_grid": {"k": [3], "min_count": [1, 2]}, "builtins": ["pld:n=2,k=5"],
                          "live_configs": ["bigram:k=3,min_count=1", "pld:n=2,k=5"], "live_limit": 1},
         "explorer": {"request": "echo-list", "compare": ["pld:n=2,k=5"], "start": "lookup:nmin=1,nmax=4,k=5"},
