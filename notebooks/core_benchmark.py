@@ -21,7 +21,7 @@
 # vLLM's own `vllm-ngram` / `arctic-suffix`); its results have the same columns, so every cell below applies.
 
 # %% tags=["parameters"]
-tags = ["cpu"]
+tags = ["cpu", "vllm-h200"]
 rerun = False
 engine = "hf"
 model = "qwen2.5-coder-0.5b"
