@@ -192,6 +192,9 @@ def setup_gpu() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # The carried wheel set has no FlashInfer; vLLM's sampler imports it unless told not to (greedy runs never
+    # sample, so nothing changes). Found on the first H200 run.
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
     logfile = out / f"vllm_h200_{args.tag}.log"
