@@ -273,7 +273,14 @@ def acceptance_by_position(steps: pl.DataFrame) -> pl.DataFrame:
 
 
 def core_figure_names(tag: str) -> list[str]:
-    return [f"core_{tag}_{kind}.svg" for kind in ("speedup", "tokens_per_step", "step_time")]
+    """Figures the core benchmark notebook writes for a results tag (the first three by `core_figures`)."""
+    return [f"core_{tag}_{kind}.svg" for kind in ("speedup", "tokens_per_step", "step_time", "decode_tok_s",
+                                                  "acceptance_by_position", "acceptance_hist")]
+
+
+def fusion_figure_names(tag: str) -> dict[str, str]:
+    """Figures the fusion benchmark notebook writes for a results tag, by kind."""
+    return {kind: f"fusion_{tag}_{kind}.svg" for kind in ("tps", "speedup", "time", "batch")}
 
 
 def core_figures(results: pl.DataFrame, tag: str, fig_dir: Path) -> list[Path]:

@@ -70,12 +70,12 @@ for tag in tags:
         (pl.col("divergence") != "mismatch").all().alias("lossless"))
     print(per)
     plots.save(plots.grouped_bars(per, "category", "tokens_per_step", "config", rule_at=1.0,
-                                  y_title="tokens per verify step"), figures / f"fusion_{tag}_tps.svg")
+                                  y_title="tokens per verify step"), figures / bench.fusion_figure_names(tag)["tps"])
     plots.save(plots.grouped_bars(per, "category", "speedup_e2e", "config", rule_at=1.0,
                                   y_title="wall-time speedup over no speculation"),
-               figures / f"fusion_{tag}_speedup.svg")
+               figures / bench.fusion_figure_names(tag)["speedup"])
     plots.save(plots.stacked_time(per.select("category", "config", "propose", "verify"), "config",
-                                  ["propose", "verify"], facet="category"), figures / f"fusion_{tag}_time.svg")
+                                  ["propose", "verify"], facet="category"), figures / bench.fusion_figure_names(tag)["time"])
 
 # %% [markdown]
 # ## Four concurrent requests (copy, summary, code, qa): per-request vs unanimous block length
@@ -90,4 +90,4 @@ for tag in tags:
                        "divergence", "divergence_margin"))
     plots.save(plots.grouped_bars(batch, "prompt_id", "tokens_per_step", "config",
                                   y_title="tokens per verify step, 4 concurrent requests"),
-               figures / f"fusion_{tag}_batch.svg")
+               figures / bench.fusion_figure_names(tag)["batch"])

@@ -48,7 +48,8 @@ def referenced_figures() -> set[str]:
 
 def written_by_notebooks() -> set[str]:
     """Figure names the notebooks write with their default parameters: literal names in their sources, plus the
-    core benchmark's figures for each default tag (named by `bench.core_figure_names`)."""
+    core and fusion benchmarks' figures for each default tag (named by `bench.core_figure_names` and
+    `bench.fusion_figure_names`)."""
     import ast
 
     import jupytext
@@ -58,12 +59,16 @@ def written_by_notebooks() -> set[str]:
     names: set[str] = set()
     for path in notebook_paths():
         names |= set(re.findall(r"[\w\-]+\.svg", path.read_text()))
-    nb = jupytext.read(NOTEBOOKS / "core_benchmark.py")
-    params = next(c.source for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", []))
-    tags = next(ast.literal_eval(n.value) for n in ast.parse(params).body
-                if isinstance(n, ast.Assign) and n.targets[0].id == "tags")
-    for tag in tags:
-        names |= set(core_figure_names(tag))
+    from hqlab.bench import fusion_figure_names
+
+    for stem, names_for in (("core_benchmark", core_figure_names),
+                            ("fusion_benchmark", lambda tag: list(fusion_figure_names(tag).values()))):
+        nb = jupytext.read(NOTEBOOKS / f"{stem}.py")
+        params = next(c.source for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", []))
+        tags = next(ast.literal_eval(n.value) for n in ast.parse(params).body
+                    if isinstance(n, ast.Assign) and n.targets[0].id == "tags")
+        for tag in tags:
+            names |= set(names_for(tag))
     return names
 
 
