@@ -436,18 +436,35 @@ def _key(name: str) -> str:
     return hashlib.sha1(name.encode()).hexdigest()
 
 
-def generic_records() -> list[dict[str, str]]:
-    """The generic (not model-written) comparison corpus, from what any Python install has offline:
-    prose = the long descriptions of the installed packages (their READMEs: English prose with code snippets)
-    and Python's own documentation topics (`pydoc_data`); code = the standard library's sources. Sampled by a
-    hash of the name (deterministic), code capped at the size of the prose so both halves weigh alike."""
+def _pinned_distributions() -> list[Any]:
+    """Installed distributions pinned in the repository's requirements.txt at exactly the pinned version: the
+    same set on every clean install, whatever else an environment holds."""
     import importlib.metadata as md
+    import re
 
+    req = Path(__file__).resolve().parent.parent / "requirements.txt"
+    pins = dict(re.findall(r"^([A-Za-z0-9_.\-]+)==(\S+)", req.read_text(), re.M)) if req.exists() else {}
+    found = []
+    for name, version in sorted(pins.items(), key=lambda kv: kv[0].lower()):
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError:
+            continue
+        if dist.version == version:
+            found.append(dist)
+    return found
+
+
+def generic_records() -> list[dict[str, str]]:
+    """The generic (not model-written) comparison corpus, from what a Python install has offline:
+    prose = the long descriptions (READMEs: English prose with code snippets) of the pinned requirements and
+    Python's own documentation topics (`pydoc_data`); code = the standard library's sources. Sampled by a hash of
+    the name (deterministic), code capped at the size of the prose so both halves weigh alike."""
     prose: list[dict[str, str]] = []
-    for dist in sorted(md.distributions(), key=lambda d: (d.metadata["Name"] or "").lower()):
+    for dist in _pinned_distributions():
         body = (dist.metadata.get_payload() or dist.metadata.get("Description") or "").strip()
         if len(body) > 200:
-            prose.append(dict(origin=f"pkg/{dist.metadata['Name']}", src="prose", text=body))
+            prose.append(dict(origin=f"pkg/{dist.metadata['Name']}=={dist.version}", src="prose", text=body))
     from pydoc_data.topics import topics
 
     for name in sorted(topics):

@@ -185,7 +185,7 @@ assert live.filter(pl.col("divergence") == "mismatch").height == 0, "a speculati
 print(live["model"][0], "target |", live["machine"][0], "|", replayed["p_model"][0], "drafter, k =",
       replayed["p_k"][0], "|", replayed["prompt_id"].n_unique(), "replayed prompts,", live["prompt_id"].n_unique(),
       "live")
-live_ids = live["prompt_id"].unique()
+live_ids = live["prompt_id"].unique().to_list()
 per_n = replayed.group_by("n").agg(
     pl.col("output_coverage").mean().alias("coverage of the outputs"),
     (pl.col("accepted").sum() / (pl.col("steps").sum() * pl.col("p_k").cast(pl.Int64).first()))
