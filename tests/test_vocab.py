@@ -144,6 +144,13 @@ def test_build_artifacts_match_the_model(tmp_path, engine_05b):
     records = [json.loads(line) for line in SELFGEN.read_text().splitlines() if line.strip()]
     held = [t for j, r in enumerate(records) if j % 10 == 0 for t in r["output_ids"]]
     assert meta["heldout_coverage"]["all"] == pytest.approx(np.isin(held, ids.numpy()).mean())
+    # the draft proposer takes the published folder and only ever proposes listed tokens
+    from hqlab.proposers.draft import DraftConfig, DraftProposer
+
+    drafter = DraftProposer(DraftConfig(k=6, vocab=str(tmp_path / "v")), model=engine_05b.model)
+    history = np.asarray(records[1]["prompt_ids"] + records[1]["output_ids"][:20], dtype=np.int64)
+    proposed = drafter.propose([history], [6])[0].tokens
+    assert proposed.size == 6 and np.isin(proposed, ids.numpy()).all()
 
 
 def _hidden_states(engine, text: str) -> torch.Tensor:
