@@ -55,6 +55,7 @@ from hqlab.workloads import load_workload
 alt.renderers.enable("svg")
 pl.Config.set_tbl_width_chars(160)
 figures, results = Path(figures_dir), Path(results_dir)
+results.mkdir(parents=True, exist_ok=True)
 engine = HFEngine.load(target, device=device, dtype=dtype)
 dt = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
 draft = DraftProposer(DraftConfig(model=drafter, dtype=dt, device=engine.device.type))

@@ -56,6 +56,7 @@ from hqlab.workloads import load_workload
 alt.renderers.enable("svg")
 pl.Config.set_tbl_width_chars(160)
 figures, results = Path(figures_dir), Path(results_dir)
+results.mkdir(parents=True, exist_ok=True)
 engine = HFEngine.load(target, device=device, dtype=dtype)
 dt = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
 draft = DraftProposer(DraftConfig(model=drafter, dtype=dt, device=engine.device.type))
@@ -72,8 +73,8 @@ specs = [f"fused:k={k},sticky={s},entry_steps={e},stale={st}"
          for s in sticky_grid for e in entry_grid for st in stale_grid]
 grid = replay_fused_grid(traces, draft, specs + [f"fused:k={k},schedule=short", f"fused:k={k},schedule=long"])
 grid.write_parquet(results / "sticky_replay.parquet")
-params = grid["config"].str.extract_groups(r"sticky=(?P<sticky>\d+),entry_steps=(?P<entry>\d+),stale=(?P<stale>\d)")
-grid = pl.concat([grid, params], how="horizontal")
+pattern = r"sticky=(?P<sticky>\d+),entry_steps=(?P<entry>\d+),stale=(?P<stale>\d)"
+grid = grid.with_columns(pl.col("config").str.extract_groups(pattern).alias("p")).unnest("p")
 adaptive = grid.drop_nulls("sticky").with_columns(
     pl.col("sticky").cast(pl.Int32), ("entry " + pl.col("entry") + ", stale " + pl.col("stale")).alias("rule"))
 summary = adaptive.group_by(["category", "rule", "sticky"], maintain_order=True).agg(

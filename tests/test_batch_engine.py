@@ -122,13 +122,19 @@ def test_batched_runs_are_lossless(engine_05b_fp32, drafter_model, prompts, refe
 
 
 def test_replay_equals_live_fused(engine_05b_fp32, drafter_model, prompts):
+    """Every drafter configuration of the fusion benchmark: replay reproduces the live run step by step."""
     eng = engine_05b_fp32
-    for sticky in (0, 3):
-        gen = eng.generate(prompts[0], fused(drafter_model, k=15, sticky=sticky), DECODE, request="copy")
-        rep = replay(prompts[0], gen.output_ids, fused(drafter_model, k=15, sticky=sticky),
-                     max_new_tokens=DECODE.max_new_tokens, request="copy")
+    makers = {
+        "draft k=7": lambda: DraftProposer(DraftConfig(k=7, device="cpu", dtype="bfloat16"), model=drafter_model),
+        "fused k=7": lambda: fused(drafter_model, k=7),
+        "fused k=15 sticky 0": lambda: fused(drafter_model, k=15, sticky=0),
+        "fused k=15 sticky 3": lambda: fused(drafter_model, k=15, sticky=3),
+    }
+    for label, make in makers.items():
+        gen = eng.generate(prompts[0], make(), DECODE, request="copy")
+        rep = replay(prompts[0], gen.output_ids, make(), max_new_tokens=DECODE.max_new_tokens, request="copy")
         for key in ("proposed", "sources", "accepted", "block"):
-            assert [getattr(r, key) for r in rep] == [getattr(r, key) for r in gen.records], (sticky, key)
+            assert [getattr(r, key) for r in rep] == [getattr(r, key) for r in gen.records], (label, key)
 
 
 def test_soak_copy_identical_across_rounds(engine_05b_fp32, drafter_model, prompts, references):

@@ -19,7 +19,7 @@ SMALL = {
                    fusion_grid=["nstrong=6,agree=0", "nstrong=8,agree=2"]),
     "sticky_exit": dict(target="qwen2.5-coder-0.5b", limit=1, doc_tokens=300, max_new_tokens=16, sticky_grid=[0, 3],
                         entry_grid=[2], stale_grid=[0, 1]),
-    "fusion_benchmark": dict(),
+    "fusion_benchmark": dict(published_dir=str(REPO / "data" / "results")),  # re-plot the committed runs
     "suffix_lengths": dict(limit=3, suite="all", max_new_tokens=24, doc_tokens=300, nmin_grid=[2, 6],
                            nmax_grid=[6, 12], k_grid=[4, 15], cost_contexts=[128, 512], cost_verify_lens=[1, 4, 16],
                            live_configs=["lookup:nmin=2,nmax=6,k=8"]),
