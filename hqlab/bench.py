@@ -176,17 +176,24 @@ def prompt_rows(prompt: Prompt, prompt_tokens: int, runs: dict[str, list[Generat
             "propose_ms_per_step": 1e3 * sum(r.propose_s for r in g0.records) / n_steps,
             "verify_ms_per_step": 1e3 * sum(r.step_s - r.propose_s for r in g0.records) / n_steps,
             "speedup_e2e": ref_total / total, "speedup_decode": decode_rate / ref_decode,
-            "repeats": repeats,
-            "lossless": None if worst is None else worst.lossless,
-            "divergence": None if worst is None else worst.status,
-            "first_divergence": None if worst is None else worst.first_divergence,
-            "divergence_margin": None if worst is None else worst.margin,
+            "repeats": repeats, **_lossless_columns(worst),
         })
-        frame = records_frame(g0.records)
-        if frame.height:
-            steps.append(frame.with_columns(pl.lit(label).alias("config"),
-                                            pl.lit(prompt.category).alias("category")))
+        _append_steps(steps, g0.records, label, prompt.category)
     return rows, steps
+
+
+def _lossless_columns(check: Any) -> dict[str, Any]:
+    """The lossless verdict of one output (`hqlab.lossless.compare`), or nulls where none applies (sampling)."""
+    return {"lossless": None if check is None else check.lossless,
+            "divergence": None if check is None else check.status,
+            "first_divergence": None if check is None else check.first_divergence,
+            "divergence_margin": None if check is None else check.margin}
+
+
+def _append_steps(steps: list, records: list, label: str, category: str) -> None:
+    frame = records_frame(records)
+    if frame.height:
+        steps.append(frame.with_columns(pl.lit(label).alias("config"), pl.lit(category).alias("category")))
 
 
 def run_batch_bench(engine: Any, prompts: Sequence[Prompt], specs: Sequence[str], decode: DecodeConfig, *,
@@ -232,15 +239,9 @@ def run_batch_bench(engine: Any, prompts: Sequence[Prompt], specs: Sequence[str]
                 "mean_block": sum(r.block for r in g.records) / n_steps,
                 "long_share": sum(r.block >= max(config.proposer.k, 1) for r in g.records) / n_steps,
                 "batch_wall_s": wall, "batch_tok_s": total_tokens / wall, "repeats": repeats,
-                "lossless": None if check is None else check.lossless,
-                "divergence": None if check is None else check.status,
-                "first_divergence": None if check is None else check.first_divergence,
-                "divergence_margin": None if check is None else check.margin,
+                **_lossless_columns(check),
             })
-            frame = records_frame(g.records)
-            if frame.height:
-                steps.append(frame.with_columns(pl.lit(config.label).alias("config"),
-                                                pl.lit(prompt.category).alias("category")))
+            _append_steps(steps, g.records, config.label, prompt.category)
     results = pl.DataFrame(rows)
     return results, (pl.concat(steps, how="diagonal_relaxed") if steps else pl.DataFrame())
 
