@@ -127,3 +127,13 @@ def replay_fused_grid(traces: Sequence, drafter: DraftProposer, specs: Sequence[
             bar.update()
     bar.close()
     return pl.DataFrame(rows)
+
+
+def load_target_and_drafter(target: str, drafter: str, *, device: str = "auto", dtype: str = "auto"):
+    """The target engine and a greedy drafter on the target's device and dtype (the replay notebooks' pair)."""
+    from hqlab.engines.hf import HFEngine
+    from hqlab.proposers.draft import DraftConfig
+
+    engine = HFEngine.load(target, device=device, dtype=dtype)
+    dt = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
+    return engine, DraftProposer(DraftConfig(model=drafter, dtype=dt, device=engine.device.type))

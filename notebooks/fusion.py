@@ -47,18 +47,14 @@ import polars as pl
 from hqlab import plots, sweep
 from hqlab.bench import machine_description
 from hqlab.config import DecodeConfig
-from hqlab.engines.hf import HFEngine
-from hqlab.proposers.draft import DraftConfig, DraftProposer
-from hqlab.teacher import replay_fused_grid
+from hqlab.teacher import load_target_and_drafter, replay_fused_grid
 from hqlab.workloads import load_workload
 
 alt.renderers.enable("svg")
 pl.Config.set_tbl_width_chars(160)
 figures, results = Path(figures_dir), Path(results_dir)
 results.mkdir(parents=True, exist_ok=True)
-engine = HFEngine.load(target, device=device, dtype=dtype)
-dt = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
-draft = DraftProposer(DraftConfig(model=drafter, dtype=dt, device=engine.device.type))
+engine, draft = load_target_and_drafter(target, drafter, device=device, dtype=dtype)
 prompts = load_workload(suite, doc_tokens=doc_tokens, tokenizer=engine.tokenizer)
 prompts = prompts[:limit] if limit else prompts
 print(machine_description(engine.device), "|", target, "drafted by", drafter, "|", len(prompts), "prompts")

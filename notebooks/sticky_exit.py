@@ -46,20 +46,16 @@ import polars as pl
 from hqlab import plots, sweep
 from hqlab.bench import machine_description
 from hqlab.config import DecodeConfig
-from hqlab.engines.hf import HFEngine
-from hqlab.proposers.draft import DraftConfig, DraftProposer
 from hqlab.proposers.fused import FusedConfig, FusedProposer
 from hqlab.replay import replay
-from hqlab.teacher import TeacherForcedDrafter, replay_fused_grid
+from hqlab.teacher import TeacherForcedDrafter, load_target_and_drafter, replay_fused_grid
 from hqlab.workloads import load_workload
 
 alt.renderers.enable("svg")
 pl.Config.set_tbl_width_chars(160)
 figures, results = Path(figures_dir), Path(results_dir)
 results.mkdir(parents=True, exist_ok=True)
-engine = HFEngine.load(target, device=device, dtype=dtype)
-dt = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
-draft = DraftProposer(DraftConfig(model=drafter, dtype=dt, device=engine.device.type))
+engine, draft = load_target_and_drafter(target, drafter, device=device, dtype=dtype)
 prompts = load_workload(suite, doc_tokens=doc_tokens, tokenizer=engine.tokenizer)
 prompts = prompts[:limit] if limit else prompts
 traces = sweep.record_traces(engine, prompts, DecodeConfig(max_new_tokens=max_new_tokens))
