@@ -59,16 +59,17 @@ class FusedConfig:
     nmax: int = 12
     policy: str = "recent"
     search: int = 0
-    nstrong: int = 6
-    nmin: int = 6
-    agree: int = 0
-    nmin_tail: int = 4
-    longmin: int = 6
-    rule: str = "threshold"
-    schedule: str = "adaptive"
-    sticky: int = 3
-    entry_steps: int = 2
-    stale: int = 0
+    # fusion and scheduler defaults are the rules' own (one definition each)
+    nstrong: int = FusionConfig.nstrong
+    nmin: int = FusionConfig.nmin
+    agree: int = FusionConfig.agree
+    nmin_tail: int = FusionConfig.nmin_tail
+    longmin: int = FusionConfig.longmin
+    rule: str = FusionConfig.rule
+    schedule: str = ScheduleConfig.mode
+    sticky: int = ScheduleConfig.sticky
+    entry_steps: int = ScheduleConfig.entry_steps
+    stale: int = ScheduleConfig.stale
     batch_mode: str = "per-request"
 
     def __post_init__(self) -> None:
