@@ -292,7 +292,7 @@ def core_figures(results: pl.DataFrame, tag: str, fig_dir: Path) -> list[Path]:
         pl.col("speedup_e2e").median(), pl.col("tokens_per_step").median(),
         pl.col("propose_ms_per_step").median().alias("propose"),
         pl.col("verify_ms_per_step").median().alias("verify"))
-    paths = [fig_dir / name for name in core_figure_names(tag)]
+    paths = [fig_dir / name for name in core_figure_names(tag)[:3]]
     plots.save(plots.grouped_bars(per_cat, "category", "speedup_e2e", "config", rule_at=1.0,
                                   y_title="wall-time speedup over no speculation"), paths[0])
     plots.save(plots.grouped_bars(per_cat, "category", "tokens_per_step", "config", rule_at=1.0,
