@@ -270,7 +270,9 @@ def acceptance_by_position(steps: pl.DataFrame) -> pl.DataFrame:
         curve = acceptance_curve(drafts["accepted"].to_numpy(), int(drafts["proposed"].list.len().max()))
         out.extend({"category": category, "config": config, "position": i + 1, "acceptance": float(a)}
                    for i, a in enumerate(curve))
-    return pl.DataFrame(out)
+    # typed even when no config drafted (a plot of it then says so instead of failing on unknown columns)
+    return pl.DataFrame(out, schema={"category": pl.String, "config": pl.String, "position": pl.Int64,
+                                     "acceptance": pl.Float64})
 
 
 def core_figure_names(tag: str) -> list[str]:

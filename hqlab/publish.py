@@ -68,6 +68,13 @@ class _Points:
             os._exit(KILL_EXIT_CODE)
 
 
+def call_killed_after(kill_after: int, func: Any, /, *args: Any, **kwargs: Any) -> Any:
+    """Crash-test driver: `func(*args, **kwargs)` in this process with the kill point set to `kill_after`.
+    Meant as the target of a child process (module-level, so it pickles for spawn and forkserver)."""
+    os.environ[KILL_ENV] = str(int(kill_after))
+    return func(*args, **kwargs)
+
+
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

@@ -108,12 +108,17 @@ for tag in tags:
     plots.save(speed, figures / f"core_{tag}_decode_tok_s.svg")
     display(speed)
     acceptance = bench.acceptance_by_position(steps.filter(pl.col("config") != "none"))
-    curve = plots.lines(acceptance, "position", "acceptance", "config", facet="category",
-                        x_title="draft position", y_title="share of drafts accepting past it")
-    plots.save(curve, figures / f"core_{tag}_acceptance_by_position.svg")
-    display(curve)
-    hist = plots.histograms(plots.acceptance_histogram_data(steps), "accepted", "share", "config",
-                            facet="category", x_title="proposed tokens accepted in a step", y_title="share of steps")
-    plots.save(hist, figures / f"core_{tag}_acceptance_hist.svg")
-    display(hist)
+    histogram = plots.acceptance_histogram_data(steps)
+    if acceptance.height == 0:  # e.g. very short answers: nothing was ever proposed
+        print(f"[{tag}] no config proposed a draft: no acceptance curves or histograms")
+    else:
+        curve = plots.lines(acceptance, "position", "acceptance", "config", facet="category",
+                            x_title="draft position", y_title="share of drafts accepting past it")
+        plots.save(curve, figures / f"core_{tag}_acceptance_by_position.svg")
+        display(curve)
+    if histogram.height:
+        hist = plots.histograms(histogram, "accepted", "share", "config", facet="category",
+                                x_title="proposed tokens accepted in a step", y_title="share of steps")
+        plots.save(hist, figures / f"core_{tag}_acceptance_hist.svg")
+        display(hist)
     print(per_cat.pivot(on="config", index="category", values="decode_tok_s").with_columns(pl.selectors.numeric().round(1)))

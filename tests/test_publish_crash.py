@@ -149,20 +149,29 @@ def vocab_build_cli(corpus: Path, size: int, out: Path, kill_after: int = 0) -> 
                            "--size", str(size), "--out", str(out)], env=env, cwd=REPO, capture_output=True, text=True)
 
 
-def _build_child(corpus: Path, size: int, out: str, kill_after: int) -> None:
-    os.environ[KILL_ENV] = str(kill_after)
-    from hqlab.vocab import build
-
-    build("qwen2.5-coder-0.5b", [corpus], size, out, progress=False)
+_FORKSERVER = None
 
 
 def vocab_build_forked(corpus: Path, size: int, out: Path, kill_after: int) -> int:
-    """The same build in a forked child process (no interpreter start-up per kill point), killed by the hook."""
+    """The same build in a child process, killed by the hook. Children come from a forkserver that imported
+    hqlab.vocab once (no interpreter start-up per kill point). Not a plain fork of this process: after torch has
+    used its OpenMP thread pool here (any earlier model test), a forked child that runs torch hangs for ever."""
     import multiprocessing
 
-    child = multiprocessing.get_context("fork").Process(target=_build_child, args=(corpus, size, str(out), kill_after))
+    from hqlab.publish import call_killed_after
+    from hqlab.vocab import build
+
+    global _FORKSERVER
+    if _FORKSERVER is None:
+        _FORKSERVER = multiprocessing.get_context("forkserver")
+        _FORKSERVER.set_forkserver_preload(["hqlab.vocab", "hqlab.publish"])
+    child = _FORKSERVER.Process(target=call_killed_after, args=(kill_after, build, "qwen2.5-coder-0.5b", [corpus],
+                                                                  size, str(out)), kwargs={"progress": False})
     child.start()
-    child.join()
+    child.join(timeout=600)
+    if child.exitcode is None:
+        child.kill()
+        pytest.fail(f"the build child killed after write point {kill_after} did not finish in 10 minutes")
     return child.exitcode
 
 
