@@ -1,4 +1,5 @@
-"""Cost model check on this CPU, end to end: calibrate, replay, predict, then measure live and compare.
+"""Cost model check on one machine (this CPU, or a GPU with --device cuda), end to end: calibrate, replay,
+predict, then measure live and compare.
 
 1. Calibrate: `measure_step_times` (the engine's own step, shuffled rounds) over contexts and verify lengths;
    fit `CostModel`. Proposal cost: each proposer timed on the traces (`measure_proposal_cost`).
@@ -7,9 +8,10 @@
 3. Measure: run the same configurations live on the engine (`hqlab.bench.run_bench`) and compare decode tok/s
    per request and per suite (tokens / summed time).
 
-Writes data/results/costmodel_cpu.parquet (one row per configuration x request) and
-data/results/costmodel_cpu_grid.parquet (the calibration grid).
-Usage: python benchmarks/bench_costmodel.py [--suite labd] [--max-new-tokens 128] [--doc-tokens 1500] [--threads N]
+Writes data/results/costmodel_<tag>.parquet (one row per configuration x request; with --repeats the live
+numbers are medians of the repeats) and data/results/costmodel_<tag>_grid.parquet (the calibration grid).
+Usage: python benchmarks/bench_costmodel.py [--tag cpu] [--model qwen2.5-coder-0.5b] [--device cpu|cuda]
+           [--suite labd] [--max-new-tokens 128] [--doc-tokens 1500] [--repeats 1] [--threads N]
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ CONFIGS = ["lookup:nmin=6,nmax=12,k=15", "lookup:nmin=1,nmax=32,k=15,policy=earl
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--tag", default="cpu", help="names the outputs: costmodel_<tag>.parquet")
+    ap.add_argument("--model", default=None, help="model name or path (default: the embedded default)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--repeats", type=int, default=1, help="live runs per configuration and request (median)")
+    ap.add_argument("--config", dest="configs", action="append", default=None,
+                    help=f"a proposer spec (repeatable; default: {', '.join(CONFIGS)})")
     ap.add_argument("--suite", default="labd")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--doc-tokens", type=int, default=1500)
@@ -42,14 +50,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default). On a shared "
                     "machine one thread can be much faster than two: calibrate and run with the same setting")
-    ap.add_argument("--out", type=Path, default=REPO / "data/results/costmodel_cpu.parquet")
+    ap.add_argument("--out", type=Path, default=None, help="default: data/results/costmodel_<tag>.parquet")
     args = ap.parse_args()
+    args.out = args.out or REPO / f"data/results/costmodel_{args.tag}.parquet"
+    configs = args.configs or CONFIGS
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
 
-    engine = HFEngine.load(None)
+    engine = HFEngine.load(args.model, device=args.device)
     prompts = load_workload(args.suite, doc_tokens=args.doc_tokens, tokenizer=engine.tokenizer)
     decode = DecodeConfig(max_new_tokens=args.max_new_tokens)
     traces = sweep.record_traces(engine, prompts, decode)
@@ -64,7 +74,7 @@ def main() -> None:
                  lambda t: grid.with_columns(pl.lit(machine).alias("machine")).write_parquet(t))
 
     predicted = []
-    for spec in CONFIGS:
+    for spec in configs:
         proposal = sweep.measure_proposal_cost(make_proposer(spec), traces)
         frame = sweep.sweep(traces, [spec], cost=cost.with_proposal(proposal), progress=False)
         predicted.append(frame.select("config", "prompt_id", "pred_decode_s", "pred_base_s", "tokens_per_step"))
@@ -74,7 +84,7 @@ def main() -> None:
                       base.select(pl.lit("none").alias("config"), "prompt_id",
                                   pl.col("pred_base_s").alias("pred_decode_s"), pl.lit(1.0).alias("tokens_per_step"))])
 
-    live, _ = bench.run_bench(engine, prompts, CONFIGS, decode, meta={"suite": args.suite})
+    live, _ = bench.run_bench(engine, prompts, configs, decode, repeats=args.repeats, meta={"suite": args.suite})
     rows = live.join(pred, on=["config", "prompt_id"], suffix="_replay").with_columns(
         ((pl.col("new_tokens") - 1) / pl.col("pred_decode_s")).alias("predicted_tok_s"),
         pl.lit(os.getloadavg()[0]).alias("load_avg_1m"))
