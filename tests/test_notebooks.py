@@ -26,7 +26,7 @@ SMALL = {
     "kernels": dict(),
     # runs the benchmark itself (not only the re-plot), on two prompts
     "core_benchmark": dict(rerun=True, tags=["ci"], configs=["lookup:nmin=6,k=15", "hf-pld:k=10"],
-                           suites={"copy": 16, "chat": 16}, doc_tokens=300, limit=1),
+                           suites={"edit": 32, "chat": 16}, doc_tokens=300, limit=1),
     "explorer": dict(suite="copy", doc_tokens=300, max_new_tokens=24, compare=["lookup:nmin=2,nmax=6,k=8"],
                      start="pld:n=2,k=4"),
     "replay_and_cost": dict(zoo_rerun="no"),  # re-plots committed results (the zoo needs optional extras)
@@ -37,6 +37,10 @@ SMALL = {
                         accept_target="qwen2.5-coder-0.5b", accept_sizes=[1024, 0], accept_prompts=1,
                         accept_max_new_tokens=12, live_prompts=1, accept_rerun=True),
 }
+
+
+# Figures that show the small run did the work (e.g. the lookup drafted, so acceptance curves exist).
+EXPECTED_FIGURES = {"core_benchmark": ["core_ci_acceptance_by_position.svg", "core_ci_acceptance_hist.svg"]}
 
 
 def referenced_figures() -> set[str]:
@@ -99,3 +103,5 @@ def test_notebook_runs_with_small_parameters(tmp_path, stem):
     assert (tmp_path / "out" / f"{stem}.ipynb").exists()
     written = sorted(p.name for p in (tmp_path / "figures_dir").glob("*.svg"))
     assert written, "the notebook wrote no figures"
+    missing = [name for name in EXPECTED_FIGURES.get(stem, []) if name not in written]
+    assert not missing, f"{stem} did not write {missing}"
