@@ -149,9 +149,6 @@ def vocab_build_cli(corpus: Path, size: int, out: Path, kill_after: int = 0) -> 
                            "--size", str(size), "--out", str(out)], env=env, cwd=REPO, capture_output=True, text=True)
 
 
-_FORKSERVER = None
-
-
 def vocab_build_forked(corpus: Path, size: int, out: Path, kill_after: int) -> int:
     """The same build in a child process, killed by the hook. Children come from a forkserver that imported
     hqlab.vocab once (no interpreter start-up per kill point). Not a plain fork of this process: after torch has
@@ -161,12 +158,10 @@ def vocab_build_forked(corpus: Path, size: int, out: Path, kill_after: int) -> i
     from hqlab.publish import call_killed_after
     from hqlab.vocab import build
 
-    global _FORKSERVER
-    if _FORKSERVER is None:
-        _FORKSERVER = multiprocessing.get_context("forkserver")
-        _FORKSERVER.set_forkserver_preload(["hqlab.vocab", "hqlab.publish"])
-    child = _FORKSERVER.Process(target=call_killed_after, args=(kill_after, build, "qwen2.5-coder-0.5b", [corpus],
-                                                                  size, str(out)), kwargs={"progress": False})
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["hqlab.vocab", "hqlab.publish"])  # read once, when the server starts
+    child = context.Process(target=call_killed_after, args=(kill_after, build, "qwen2.5-coder-0.5b", [corpus], size,
+                                                            str(out)), kwargs={"progress": False})
     child.start()
     child.join(timeout=600)
     if child.exitcode is None:
