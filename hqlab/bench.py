@@ -275,10 +275,14 @@ def acceptance_by_position(steps: pl.DataFrame) -> pl.DataFrame:
                                      "acceptance": pl.Float64})
 
 
-def core_figure_names(tag: str) -> list[str]:
-    """Figures the core benchmark notebook writes for a results tag (the first three by `core_figures`)."""
-    return [f"core_{tag}_{kind}.svg" for kind in ("speedup", "tokens_per_step", "step_time", "decode_tok_s",
-                                                  "acceptance_by_position", "acceptance_hist")]
+# The core benchmark's figures by kind: `core_figures` writes the first three, the notebook the rest.
+CORE_FIGURE_KINDS = ("speedup", "tokens_per_step", "step_time", "decode_tok_s", "acceptance_by_position",
+                     "acceptance_hist")
+
+
+def core_figure_names(tag: str, kinds: Sequence[str] = CORE_FIGURE_KINDS) -> list[str]:
+    """Figures the core benchmark notebook writes for a results tag (all kinds by default)."""
+    return [f"core_{tag}_{kind}.svg" for kind in kinds]
 
 
 def fusion_figure_names(tag: str) -> dict[str, str]:
@@ -294,7 +298,7 @@ def core_figures(results: pl.DataFrame, tag: str, fig_dir: Path) -> list[Path]:
         pl.col("speedup_e2e").median(), pl.col("tokens_per_step").median(),
         pl.col("propose_ms_per_step").median().alias("propose"),
         pl.col("verify_ms_per_step").median().alias("verify"))
-    paths = [fig_dir / name for name in core_figure_names(tag)[:3]]
+    paths = [fig_dir / name for name in core_figure_names(tag, ("speedup", "tokens_per_step", "step_time"))]
     plots.save(plots.grouped_bars(per_cat, "category", "speedup_e2e", "config", rule_at=1.0,
                                   y_title="wall-time speedup over no speculation"), paths[0])
     plots.save(plots.grouped_bars(per_cat, "category", "tokens_per_step", "config", rule_at=1.0,
