@@ -38,7 +38,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from hqlab.engines.vllm import bench_suite
 
         results, steps = bench_suite(args.model, args.suite, args.proposer, decode, doc_tokens=args.doc_tokens,
-                                     limit=args.limit, repeats=args.repeats, dtype=args.dtype)
+                                     limit=args.limit, repeats=args.repeats, dtype=args.dtype,
+                                     concurrency=args.concurrency, tensor_parallel_size=args.tensor_parallel_size)
     else:
         engine = HFEngine.load(args.model, device=args.device, dtype=args.dtype)
         prompts = load_workload(args.suite, doc_tokens=args.doc_tokens, tokenizer=engine.tokenizer)
@@ -177,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--doc-tokens", type=int, default=1500, help="document length for the labd tasks")
     b.add_argument("--repeats", type=int, default=1, help="runs per (config, prompt); timings are medians")
     b.add_argument("--limit", type=int, default=0, help="only the first N prompts")
+    b.add_argument("--concurrency", type=int, default=0,
+                   help="vllm engine: also run the first N prompts submitted together (total throughput)")
+    b.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm engine: GPUs per model")
     b.add_argument("--device", default="auto")
     b.add_argument("--dtype", default="auto")
     b.add_argument("--temperature", type=float, default=0.0)

@@ -21,8 +21,8 @@ from vllm.v1.spec_decode.custom_class_proposer import create_custom_proposer  # 
 from vllm.v1.spec_decode.ngram_proposer import NgramProposer  # noqa: E402
 
 from hqlab.config import ConfigError  # noqa: E402
-from hqlab.engines import vllm_proposer  # noqa: E402
-from hqlab.engines.vllm_proposer import HqlabProposer, HqlabWorkerExtension  # noqa: E402
+from hqlab.engines.vllm import adapter as vllm_proposer  # noqa: E402
+from hqlab.engines.vllm.adapter import HqlabProposer, HqlabWorkerExtension  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_MODEL_LEN = 8192
@@ -309,7 +309,7 @@ def test_step_stat_logger_plugs_into_vllms_stat_logging():
     from vllm.v1.metrics.stats import SchedulerStats
     from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
-    from hqlab.engines.vllm import _stat_logger_factory
+    from hqlab.engines.vllm.engine import _stat_logger_factory
 
     sink: list = []
     config = vllm_config({"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_min": 2,

@@ -2,7 +2,7 @@
 
 vLLM (0.25 to 0.33) builds `HqlabProposer(vllm_config)` in its model runner when the speculative config reads
 
-    {"method": "custom_class", "model": "hqlab.engines.vllm_proposer.HqlabProposer", "num_speculative_tokens": k}
+    {"method": "custom_class", "model": "hqlab.engines.vllm.adapter.HqlabProposer", "num_speculative_tokens": k}
 
 and, after each step's bookkeeping, calls `propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
 slot_mappings=...)` on CPU data: per running request, the tokens sampled this step (an empty list means a partial
@@ -33,8 +33,8 @@ import numpy as np
 from hqlab.config import ConfigError
 from hqlab.proposers import make_proposer
 
-CLASS_PATH = "hqlab.engines.vllm_proposer.HqlabProposer"
-EXTENSION_PATH = "hqlab.engines.vllm_proposer.HqlabWorkerExtension"
+CLASS_PATH = "hqlab.engines.vllm.adapter.HqlabProposer"
+EXTENSION_PATH = "hqlab.engines.vllm.adapter.HqlabWorkerExtension"
 SPEC_KEY = "hqlab_proposer"
 RECORD_KEY = "hqlab_record"
 ENV_VAR = "HQLAB_VLLM_PROPOSER"
@@ -111,11 +111,18 @@ class HqlabProposer:
 
 
 class HqlabWorkerExtension:
-    """Mixed into vLLM's worker (`worker_extension_cls`): lets the engine collect the adapter's step records."""
+    """Mixed into vLLM's worker (`worker_extension_cls`): lets the engine collect the step records hqlab's code
+    kept inside vLLM — the adapter's (V1 runner: `model_runner.drafter`) or the GPU speculator's (V2 runner:
+    `model_runner.speculator`)."""
 
     def hqlab_take_records(self) -> list[dict[str, Any]]:
-        drafter = getattr(getattr(self, "model_runner", None), "drafter", None)
-        return drafter.take_records() if isinstance(drafter, HqlabProposer) else []
+        from hqlab.engines.vllm.gpu_lookup import GpuLookupSpeculator
+
+        runner = getattr(self, "model_runner", None)
+        for found in (getattr(runner, "drafter", None), getattr(runner, "speculator", None)):
+            if isinstance(found, (HqlabProposer, GpuLookupSpeculator)):
+                return found.take_records()
+        return []
 
 
 __all__ = ["HqlabProposer", "HqlabWorkerExtension", "proposer_spec", "speculative_config", "CLASS_PATH",

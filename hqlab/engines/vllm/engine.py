@@ -7,14 +7,19 @@ Configurations (the `--proposer` specs of `hqlab bench`, one vLLM engine each):
   num_speculative_tokens) — the same rule hqlab's `vllm-ngram` proposer replays.
 - `arctic-suffix:k=..,depth=..,factor=..,min_prob=..,cached=..`: vLLM's suffix decoding (`method="suffix"`, needs
   arctic-inference) with the settings of hqlab's `arctic-suffix` proposer.
+- `vllm-ngram-gpu:nmin=..,nmax=..,k=..`: vLLM's GPU n-gram proposer (`method="ngram_gpu"`, V1 runner, async).
+- `gpu-lookup:nmin=..,nmax=..,k=..,policy=..`: hqlab's lookup inside vLLM's GPU step (model runner V2, async
+  scheduling), through hqlab's vLLM plugin (`hqlab.engines.vllm.gpu_lookup`, `hqlab.engines.vllm.plugin`).
 - any other hqlab proposer spec (`lookup:...`, `pld:...`): hqlab's own code inside vLLM through the
-  `custom_class` adapter (`hqlab.engines.vllm_proposer`).
+  `custom_class` adapter on the host (`hqlab.engines.vllm.adapter`).
 
-Measurements: requests run one at a time (batch size 1, as `hqlab bench`). Each engine step's output is timed as it
-arrives, and vLLM's speculative-decoding counters for that step (drafts, draft tokens, accepted tokens, per
-position; read through a stat logger) become the step's `StepRecord`. For hqlab proposers the adapter also reports
-the drafted token ids, match length and proposal time; vLLM's own proposers report only how many tokens they
-drafted, so their `proposed` ids are -1 and their proposal time is unknown (NaN). The no-speculation reference is
+Measurements: requests run one at a time (batch size 1, as `hqlab bench`), or `concurrency` at once. Each engine step's
+output is timed as it arrives, and vLLM's speculative-decoding counters for that step (drafts, draft tokens,
+accepted tokens, per position; read through a stat logger) become the step's `StepRecord`. For hqlab proposers the
+adapter (or the GPU speculator) also reports the drafted token ids, match length and proposal time, and for the GPU
+speculator its own records replace vLLM's counters (which lag a step under asynchronous scheduling): the tokens a
+step emitted give its accepted count. vLLM's own proposers report only how many tokens they drafted, so their
+`proposed` ids are -1 and their proposal time is unknown (NaN). The no-speculation reference is
 run once more with top-2 logprobs: the logit margins that tell a near-tie flip from a real mismatch.
 
 The GPU side needs only vLLM, torch and pyarrow: `run_configs` returns plain `Generation`s and `raw_table` stores
@@ -25,17 +30,19 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 from hqlab.config import ConfigError, DecodeConfig, build_config, parse_spec
-from hqlab.engines import vllm_proposer
+from hqlab.engines.vllm import adapter as vllm_proposer
+from hqlab.engines.vllm import gpu_lookup
 from hqlab.proposers import REGISTRY, make_proposer
 from hqlab.proposers.base import Source
-from hqlab.trace import Generation, StepRecord
+from hqlab.trace import Generation, StepRecord, records_frame
 
-NATIVE = {"vllm-ngram": "ngram", "arctic-suffix": "suffix"}  # hqlab proposer name -> vLLM's own method
+NATIVE = {"vllm-ngram": "ngram", "vllm-ngram-gpu": "ngram_gpu", "arctic-suffix": "suffix"}  # -> vLLM's own method
 UNKNOWN_TOKEN = -1  # a drafted position whose token id vLLM does not report
 
 
@@ -52,12 +59,15 @@ class VLLMOptions:
     enforce_eager: bool = False
     enable_prefix_caching: bool = False  # off: every repeat pays its prefill, as in hqlab's own engine
     seed: int = 0
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.max_model_len < 64:
             raise ConfigError(f"max_model_len must be >= 64 (got {self.max_model_len})")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1 (got {self.max_num_seqs})")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1 (got {self.tensor_parallel_size})")
         if self.max_cudagraph_capture_size < 1:
             raise ConfigError(f"max_cudagraph_capture_size must be >= 1 (got {self.max_cudagraph_capture_size})")
         if not 0.05 <= self.gpu_memory_utilization <= 0.95:
@@ -73,10 +83,16 @@ class EngineSetting:
     additional_config: dict[str, Any] = field(default_factory=dict)
     worker_extension_cls: str | None = None
     k: int = 0  # most tokens drafted per step
+    fixed_width: bool = False  # every step verifies k draft positions (the GPU speculator under async scheduling)
 
     @property
     def uses_adapter(self) -> bool:
+        """hqlab code drafts inside vLLM and keeps step records (the custom_class adapter or a GPU speculator)."""
         return self.worker_extension_cls is not None
+
+    @property
+    def gpu(self) -> bool:
+        return gpu_lookup.is_gpu_lookup(self.speculative_config)
 
 
 def setting_for(spec: str) -> EngineSetting:
@@ -87,12 +103,19 @@ def setting_for(spec: str) -> EngineSetting:
         if values:
             raise ConfigError(f"'none' takes no keys (got {label!r})")
         return EngineSetting(label, None)
-    if name not in REGISTRY:
-        raise ConfigError(f"unknown proposer {name!r} in {label!r}; the vllm engine runs none, "
-                          f"{', '.join(sorted(NATIVE))} (vLLM's own) or any of {', '.join(sorted(REGISTRY))}")
-    config = build_config(REGISTRY[name].Config, values, context=f"proposer {name!r}")
-    if name == "vllm-ngram":
-        return EngineSetting(label, {"method": "ngram", "num_speculative_tokens": config.k,
+    if name == gpu_lookup.NAME:
+        config = gpu_lookup.lookup_config(label)
+        return EngineSetting(label, gpu_lookup.speculative_config(label),
+                             {gpu_lookup.SPEC_KEY: label, gpu_lookup.RECORD_KEY: True},
+                             vllm_proposer.EXTENSION_PATH, k=config.k, fixed_width=True)
+    if name not in REGISTRY and name not in NATIVE:
+        raise ConfigError(f"unknown proposer {name!r} in {label!r}; the vllm engine runs none, {gpu_lookup.NAME} "
+                          f"(hqlab on vLLM's GPU step), {', '.join(sorted(NATIVE))} (vLLM's own) or any of "
+                          f"{', '.join(sorted(REGISTRY))} (through the custom_class adapter)")
+    config = build_config(REGISTRY["vllm-ngram" if name == "vllm-ngram-gpu" else name].Config, values,
+                          context=f"proposer {name!r}")
+    if name in ("vllm-ngram", "vllm-ngram-gpu"):
+        return EngineSetting(label, {"method": NATIVE[name], "num_speculative_tokens": config.k,
                                      "prompt_lookup_min": config.nmin, "prompt_lookup_max": config.nmax}, k=config.k)
     if name == "arctic-suffix":
         if config.offset != 0 or config.cached < 0:
@@ -134,12 +157,13 @@ class StepEvent:
 
 
 def step_records(request: str, prompt_len: int, events: Sequence[StepEvent], *, k: int,
-                 adapter: Sequence[dict[str, Any]] = ()) -> tuple[float, list[StepRecord]]:
+                 adapter: Sequence[dict[str, Any]] = (), fixed_width: bool = False) -> tuple[float, list[StepRecord]]:
     """(time to first token, one StepRecord per verify step); the first event is the prefill.
 
     `adapter` holds the adapter's records (one per draft it made, keyed by the history length it saw), which add
     the drafted token ids, the match length and the proposal time; without them ids are unknown (-1) and the
-    proposal time NaN.
+    proposal time NaN. `fixed_width`: every step verified k draft positions (the GPU speculator), whatever the
+    lookup filled; the records' tokens are what it drafted, and the tokens a step emitted give what it accepted.
     """
     if not events:
         return math.nan, []
@@ -149,20 +173,22 @@ def step_records(request: str, prompt_len: int, events: Sequence[StepEvent], *, 
     records = []
     for j, e in enumerate(events[1:]):
         history = prompt_len + emitted  # prompt + every token emitted so far: what the proposer saw
-        drafted = e.drafted
         made = by_context.get(history)
+        drafted = (len(made["tokens"]) if made is not None else 0) if fixed_width else e.drafted
+        accepted = e.tokens - 1 if fixed_width else min(e.accepted, max(e.tokens - 1, 0))
         if made is not None:
             proposed = [int(t) for t in made["tokens"][:drafted]]
             sources = [int(s) for s in made["sources"][:drafted]]
             match_len, propose_s = int(made["match_len"]), float(made["propose_s"])
+            batch = int(made.get("batch", 1))
         else:
             proposed = [UNKNOWN_TOKEN] * drafted
             sources = [int(Source.LOOKUP)] * drafted
-            match_len, propose_s = 0, (0.0 if k == 0 else math.nan)
+            match_len, propose_s, batch = 0, (0.0 if k == 0 else math.nan), 1
         records.append(StepRecord(
-            request=request, step=j, context_len=history - 1, verify_len=1 + drafted, proposed=proposed,
-            sources=sources, match_len=match_len, accepted=min(e.accepted, max(e.tokens - 1, 0)), emitted=e.tokens,
-            step_s=e.t - prev, propose_s=propose_s, t_end=e.t, block=k, batch=1))
+            request=request, step=j, context_len=history - 1, verify_len=1 + (k if fixed_width else drafted),
+            proposed=proposed, sources=sources, match_len=match_len, accepted=max(accepted, 0), emitted=e.tokens,
+            step_s=e.t - prev, propose_s=propose_s, t_end=e.t, block=k, batch=batch))
         emitted += e.tokens
         prev = e.t
     return events[0].t, records
@@ -211,12 +237,18 @@ class VLLMEngine:
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        if setting.gpu:
+            from hqlab.engines.vllm import plugin
+
+            plugin.check_vllm_version()
+            plugin.register()  # this process; vLLM's own processes load it through the entry point (or fork)
         self.options, self.setting = options, setting
         self._stats: list = []
         args = EngineArgs(model=options.model, dtype=options.dtype, max_model_len=options.max_model_len,
                           max_num_seqs=options.max_num_seqs, gpu_memory_utilization=options.gpu_memory_utilization,
                           enforce_eager=options.enforce_eager, enable_prefix_caching=options.enable_prefix_caching,
                           seed=options.seed, speculative_config=setting.speculative_config,
+                          tensor_parallel_size=options.tensor_parallel_size,
                           compilation_config={"max_cudagraph_capture_size": options.max_cudagraph_capture_size},
                           additional_config=dict(setting.additional_config),
                           worker_extension_cls=setting.worker_extension_cls or "", disable_log_stats=False)
@@ -273,14 +305,71 @@ class VLLMEngine:
                 events.append(StepEvent(t, got, sum(s[1] for s in new), sum(s[2] for s in new)))
         total = time.perf_counter() - t0
         adapter = self.take_adapter_records() if self.setting.uses_adapter else []
-        ttft, records = step_records(request, len(prompt_ids), events, k=self.setting.k, adapter=adapter)
+        ttft, records = step_records(request, len(prompt_ids), events, k=self.setting.k, adapter=adapter,
+                                     fixed_width=self.setting.fixed_width)
         t_last = records[-1].t_end if records else ttft
         return Generation(request=request, prompt_len=len(prompt_ids), output_ids=output_ids, finish=finish,
                           ttft_s=ttft, total_s=total, t_last=t_last, records=records, margins=margin_values)
 
+    def generate_concurrent(self, prompts: Sequence[Sequence[int]], decode: DecodeConfig,
+                            requests: Sequence[str]) -> tuple[list[Generation], float]:
+        """All prompts submitted at once (vLLM batches them as its scheduler sees fit); (generations, wall s).
+
+        Each request's steps are timed from the batch's start; a record's `batch` is how many requests drafted in
+        that step (GPU speculator and adapter) or emitted in it (vLLM's own methods)."""
+        from vllm import SamplingParams
+        from vllm.inputs.engine import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            temperature=decode.temperature, top_p=decode.top_p, top_k=decode.top_k if decode.top_k > 0 else 0,
+            seed=None if decode.greedy else decode.seed, max_tokens=decode.max_new_tokens,
+            output_kind=RequestOutputKind.DELTA, detokenize=False)
+        if self.setting.uses_adapter:
+            self.take_adapter_records()
+        self._counter += 1
+        rids = {f"{name}-{self._counter}": name for name in requests}
+        events: dict[str, list[StepEvent]] = {rid: [] for rid in rids}
+        outputs: dict[str, list[int]] = {rid: [] for rid in rids}
+        finish = {rid: "length" for rid in rids}
+        t0 = time.perf_counter()
+        for rid, ids in zip(rids, prompts):
+            self.engine.add_request(rid, tokens_input([int(t) for t in ids]), params)
+        while self.engine.has_unfinished_requests():
+            before = len(self._stats)
+            outs = self.engine.step()
+            t = time.perf_counter() - t0
+            new = [s for s in self._stats[before:] if s is not None]
+            emitting = [o for o in outs if o.outputs and len(o.outputs[0].token_ids)]
+            for out in outs:
+                completion = out.outputs[0]
+                if completion.token_ids:
+                    # vLLM's counters are per step, not per request: share them out only when one request ran
+                    share = new if len(emitting) == 1 else []
+                    events[out.request_id].append(StepEvent(t, len(completion.token_ids),
+                                                            sum(s[1] for s in share), sum(s[2] for s in share)))
+                    outputs[out.request_id] += list(completion.token_ids)
+                if out.finished:
+                    finish[out.request_id] = "eos" if completion.finish_reason == "stop" else "length"
+        wall = time.perf_counter() - t0
+        adapter = self.take_adapter_records() if self.setting.uses_adapter else []
+        gens = []
+        for rid, ids in zip(rids, prompts):
+            mine = [r for r in adapter if str(r.get("request", "")).startswith(f"{rid}-") or r.get("request") == rid]
+            ttft, records = step_records(rids[rid], len(ids), events[rid], k=self.setting.k,
+                                         adapter=mine if self.setting.gpu else adapter if len(rids) == 1 else (),
+                                         fixed_width=self.setting.fixed_width)
+            t_last = records[-1].t_end if records else ttft
+            gens.append(Generation(request=rids[rid], prompt_len=len(ids), output_ids=outputs[rid],
+                                   finish=finish[rid], ttft_s=ttft, total_s=events[rid][-1].t if events[rid] else wall,
+                                   t_last=t_last, records=records))
+        return gens, wall
+
     def take_adapter_records(self) -> list[dict[str, Any]]:
+        """The step records hqlab's code kept inside vLLM since the last call, from the first worker only: with
+        tensor parallelism every rank drafts the same tokens, so one rank's records are the records."""
         per_worker = self.engine.collective_rpc("hqlab_take_records")
-        return [r for worker in per_worker for r in worker]
+        return list(per_worker[0]) if per_worker else []
 
     def close(self) -> None:
         core = getattr(self.engine, "engine_core", None)
@@ -308,6 +397,8 @@ class Run:
     category: str
     repeat: int
     generation: Generation
+    concurrency: int = 1  # requests submitted together (1: one at a time)
+    batch_wall_s: float = math.nan  # wall time of the whole concurrent batch this run was part of
 
 
 def check_prompts(options: VLLMOptions, prompts: Sequence[tuple[str, str, list[int]]], decode: DecodeConfig) -> None:
@@ -318,11 +409,15 @@ def check_prompts(options: VLLMOptions, prompts: Sequence[tuple[str, str, list[i
 
 
 def run_setting(options: VLLMOptions, setting: EngineSetting, prompts: Sequence[tuple[str, str, list[int]]],
-                decode: DecodeConfig, *, repeats: int = 1, bar: Any = None) -> tuple[list[Run], dict[str, Any]]:
+                decode: DecodeConfig, *, repeats: int = 1, bar: Any = None,
+                concurrency: int = 0) -> tuple[list[Run], dict[str, Any]]:
     """One engine: a warm-up request, then every (prompt id, category, token ids) `repeats` times; for the `none`
-    reference under greedy decoding also the margins pass. Returns the runs and the engine's description."""
+    reference under greedy decoding also the margins pass. With `concurrency` > 1, then the first `concurrency`
+    prompts submitted together, `repeats` times. Returns the runs and the engine's description."""
     if repeats < 1:
         raise ConfigError(f"repeats must be >= 1 (got {repeats})")
+    if concurrency < 0 or concurrency > options.max_num_seqs:
+        raise ConfigError(f"concurrency must be in [0, max_num_seqs={options.max_num_seqs}] (got {concurrency})")
     runs: list[Run] = []
     engine = VLLMEngine(options, setting)
     try:
@@ -338,13 +433,19 @@ def run_setting(options: VLLMOptions, setting: EngineSetting, prompts: Sequence[
                 runs.append(Run(setting.label, pid, category, r, engine.generate(ids, decode, request=pid)))
                 if bar is not None:
                     bar.update()
+        group = list(prompts[:concurrency]) if concurrency > 1 else []
+        for r in range(repeats if group else 0):
+            gens, wall = engine.generate_concurrent([ids for _, _, ids in group], decode, [pid for pid, _, _ in group])
+            runs += [Run(setting.label, pid, category, r, g, len(group), wall)
+                     for (pid, category, _), g in zip(group, gens)]
     finally:
         engine.close()
     return runs, description
 
 
 def run_configs(options: VLLMOptions, prompts: Sequence[tuple[str, str, list[int]]], specs: Sequence[str],
-                decode: DecodeConfig, *, repeats: int = 1, progress: bool = True) -> tuple[list[Run], list[dict]]:
+                decode: DecodeConfig, *, repeats: int = 1, progress: bool = True,
+                concurrency: int = 0) -> tuple[list[Run], list[dict]]:
     """Every config (one engine at a time, `none` first) on every (prompt id, category, token ids); all specs and
     prompt lengths are checked before the first engine starts. Returns the runs and one description per engine."""
     from tqdm.auto import tqdm
@@ -355,7 +456,8 @@ def run_configs(options: VLLMOptions, prompts: Sequence[tuple[str, str, list[int
     described = []
     bar = tqdm(total=len(settings) * len(prompts) * repeats, desc="vllm bench", disable=not progress)
     for setting in settings:
-        more, description = run_setting(options, setting, prompts, decode, repeats=repeats, bar=bar)
+        more, description = run_setting(options, setting, prompts, decode, repeats=repeats, bar=bar,
+                                        concurrency=concurrency)
         runs += more
         described.append(description)
     bar.close()
@@ -363,7 +465,7 @@ def run_configs(options: VLLMOptions, prompts: Sequence[tuple[str, str, list[int
 
 
 RAW_COLUMNS = ("config", "prompt_id", "category", "repeat", "prompt_len", "output_ids", "margins", "finish",
-               "ttft_s", "total_s", "t_last", "records")
+               "ttft_s", "total_s", "t_last", "records")  # + concurrency, batch_wall_s (absent in older tables: 1, NaN)
 
 
 def raw_table(runs: Sequence[Run]):
@@ -374,11 +476,13 @@ def raw_table(runs: Sequence[Run]):
              "prompt_len": r.generation.prompt_len, "output_ids": r.generation.output_ids,
              "margins": [float(m) for m in r.generation.margins], "finish": r.generation.finish,
              "ttft_s": r.generation.ttft_s, "total_s": r.generation.total_s, "t_last": r.generation.t_last,
-             "records": json.dumps([asdict(s) for s in r.generation.records])} for r in runs]
+             "records": json.dumps([asdict(s) for s in r.generation.records]), "concurrency": r.concurrency,
+             "batch_wall_s": r.batch_wall_s} for r in runs]
     schema = pa.schema([("config", pa.string()), ("prompt_id", pa.string()), ("category", pa.string()),
                         ("repeat", pa.int32()), ("prompt_len", pa.int32()), ("output_ids", pa.list_(pa.int64())),
                         ("margins", pa.list_(pa.float64())), ("finish", pa.string()), ("ttft_s", pa.float64()),
-                        ("total_s", pa.float64()), ("t_last", pa.float64()), ("records", pa.string())])
+                        ("total_s", pa.float64()), ("t_last", pa.float64()), ("records", pa.string()),
+                        ("concurrency", pa.int32()), ("batch_wall_s", pa.float64())])
     return pa.Table.from_pylist(rows, schema=schema)
 
 
@@ -394,21 +498,26 @@ def runs_from_raw(raw: Any) -> list[Run]:
         gen = Generation(request=row["prompt_id"], prompt_len=row["prompt_len"], output_ids=list(row["output_ids"]),
                          finish=row["finish"], ttft_s=row["ttft_s"], total_s=row["total_s"], t_last=row["t_last"],
                          records=records, margins=list(row["margins"] or []))
-        runs.append(Run(row["config"], row["prompt_id"], row["category"], int(row["repeat"]), gen))
+        runs.append(Run(row["config"], row["prompt_id"], row["category"], int(row["repeat"]), gen,
+                        int(row.get("concurrency") or 1), float(row.get("batch_wall_s") or math.nan)))
     return runs
 
 
 def frames_from_raw(runs: Sequence[Run], decode: DecodeConfig, meta: dict[str, Any],
                     engines: Sequence[dict[str, Any]] = ()):
-    """(results, steps) polars frames with the columns `hqlab.bench.run_bench` writes, one row per (config, prompt).
+    """(results, steps) polars frames with the columns `hqlab.bench.run_bench` writes, one row per (config, prompt)
+    and concurrency level (column `concurrency`: 1 for requests run alone).
 
-    The reference is the `none` config's margins pass when there is one (greedy), else its first timed run.
-    `engines` (the engines' `describe()`) adds what vLLM chose per config: model runner and async scheduling.
+    The reference is the `none` config's margins pass when there is one (greedy), else its first timed run; it
+    checks every output, concurrent ones included. `step_efficiency` = decode tok/s / (tokens/step x none's decode
+    tok/s): 1.0 when a speculative step costs what a plain step costs. Concurrent rows add `batch_wall_s` (median
+    over repeats of the whole batch's wall time) and `batch_tok_s` (all its tokens / that time). `engines` (the
+    engines' `describe()`) adds what vLLM chose per config: model runner and async scheduling.
     """
     import polars as pl
 
     from hqlab.bench import prompt_rows
-    from hqlab.lossless import NEAR_TIE_TOL
+    from hqlab.lossless import NEAR_TIE_TOL, compare
     from hqlab.workloads import Prompt
 
     tol = NEAR_TIE_TOL.get(str(meta.get("dtype", "bfloat16")), 0.01)
@@ -418,24 +527,60 @@ def frames_from_raw(runs: Sequence[Run], decode: DecodeConfig, meta: dict[str, A
         raise ConfigError("the runs hold no 'none' config: there is no reference to compare with")
     labels.remove("none")
     labels.insert(0, "none")
-    rows, steps = [], []
-    for pid in dict.fromkeys(r.prompt_id for r in runs):
-        mine = [r for r in runs if r.prompt_id == pid]
+    alone = [r for r in runs if r.concurrency <= 1]
+    rows, steps, references = [], [], {}
+    for pid in dict.fromkeys(r.prompt_id for r in alone):
+        mine = [r for r in alone if r.prompt_id == pid]
         timed = {label: [r.generation for r in mine if r.config == label and r.repeat >= 0] for label in labels}
         timed = {label: gens for label, gens in timed.items() if gens}
         margins_pass = [r.generation for r in mine if r.config == "none" and r.repeat < 0]
         reference = margins_pass[0] if margins_pass else timed["none"][0]
+        references[pid] = reference
         prompt = Prompt(pid, mine[0].category, ())
         repeats = max(len(g) for g in timed.values())
         r, s = prompt_rows(prompt, reference.prompt_len, timed, reference, decode, tol, base_meta, repeats)
-        rows += r
-        steps += s
-    results = pl.DataFrame(rows)
+        rows += [{**row, "concurrency": 1} for row in r]
+        steps += [frame.with_columns(pl.lit(1).alias("concurrency")) for frame in s]
+    for (label, level), group in _groups(r for r in runs if r.concurrency > 1).items():
+        walls = {}
+        for r in group:
+            walls.setdefault(r.repeat, r.batch_wall_s)
+        wall = statistics.median(walls.values())
+        first = [r for r in group if r.repeat == min(walls)]
+        tokens = sum(r.generation.new_tokens for r in first)
+        for r in first:
+            g = r.generation
+            ref = references.get(r.prompt_id)
+            check = compare(ref.output_ids, ref.margins, g.output_ids, tol) if ref is not None and decode.greedy \
+                else None
+            rows.append({**base_meta, "config": label, "category": r.category, "prompt_id": r.prompt_id,
+                         "prompt_tokens": g.prompt_len, "new_tokens": g.new_tokens, "finish": g.finish,
+                         "steps": g.steps, "tokens_per_step": g.tokens_per_step(), "concurrency": level,
+                         "batch_wall_s": wall, "batch_tok_s": tokens / wall if wall > 0 else math.nan,
+                         "repeats": len(walls),
+                         "lossless": None if check is None else check.lossless,
+                         "divergence": None if check is None else check.status,
+                         "first_divergence": None if check is None else check.first_divergence,
+                         "divergence_margin": None if check is None else check.margin})
+            frame = records_frame(g.records)
+            if frame.height:
+                steps.append(frame.with_columns(pl.lit(label).alias("config"), pl.lit(r.category).alias("category"),
+                                                pl.lit(level).alias("concurrency")))
+    results = pl.DataFrame(rows, infer_schema_length=None)
+    if "speedup_decode" in results.columns:
+        results = results.with_columns((pl.col("speedup_decode") / pl.col("tokens_per_step")).alias("step_efficiency"))
     if engines:
         chosen = pl.DataFrame([{"config": e["config"], "vllm_runner": e["model_runner"],
                                 "async_scheduling": e["async_scheduling"]} for e in engines])
         results = results.join(chosen.unique("config", keep="last"), on="config", how="left", maintain_order="left")
     return results, (pl.concat(steps, how="diagonal_relaxed") if steps else pl.DataFrame())
+
+
+def _groups(runs: Any) -> dict[tuple[str, int], list[Run]]:
+    out: dict[tuple[str, int], list[Run]] = {}
+    for r in runs:
+        out.setdefault((r.config, r.concurrency), []).append(r)
+    return out
 
 
 def encode_prompts(tokenizer: Any, prompts: Sequence[Any]) -> list[tuple[str, str, list[int]]]:
@@ -461,8 +606,10 @@ def machine_description() -> str:
 
 
 def bench_suite(model: str | None, suite: str, specs: Sequence[str], decode: DecodeConfig, *, doc_tokens: int,
-                limit: int = 0, repeats: int = 1, dtype: str = "auto", progress: bool = True):
-    """`hqlab bench --engine vllm`: a workload through every config; returns bench's (results, steps) frames."""
+                limit: int = 0, repeats: int = 1, dtype: str = "auto", progress: bool = True, concurrency: int = 0,
+                tensor_parallel_size: int = 1):
+    """`hqlab bench --engine vllm`: a workload through every config (and, with `concurrency` > 1, its first
+    `concurrency` prompts submitted together); returns bench's (results, steps) frames."""
     from transformers import AutoTokenizer
 
     from hqlab import models
@@ -470,7 +617,14 @@ def bench_suite(model: str | None, suite: str, specs: Sequence[str], decode: Dec
 
     import torch
 
-    settings_for(specs)  # every spec checked before the model is prepared
+    settings = settings_for(specs)  # every spec checked before the model is prepared
+    if any(s.gpu for s in settings):
+        from hqlab.engines.vllm.plugin import check_vllm_version
+
+        check_vllm_version()
+    if concurrency < 0 or tensor_parallel_size < 1:
+        raise ConfigError(f"concurrency must be >= 0 and tensor_parallel_size >= 1 (got {concurrency}, "
+                          f"{tensor_parallel_size})")
     if not torch.cuda.is_available():  # (does not initialise CUDA: vLLM may still fork its engine processes)
         raise ConfigError("the vllm engine needs a CUDA GPU (vLLM's published wheels are CUDA builds); on this "
                           "machine use --engine hf, or replay vLLM's n-gram rule with the vllm-ngram proposer")
@@ -479,13 +633,15 @@ def bench_suite(model: str | None, suite: str, specs: Sequence[str], decode: Dec
     tokenizer = AutoTokenizer.from_pretrained(folder)
     prompts = load_workload(suite, doc_tokens=doc_tokens, tokenizer=tokenizer)
     encoded = encode_prompts(tokenizer, prompts[: limit or None])
-    options = VLLMOptions(model=folder, dtype=models.resolve_dtype(dtype))
-    runs, _ = run_configs(options, encoded, specs, decode, repeats=repeats, progress=progress)
+    options = VLLMOptions(model=folder, dtype=models.resolve_dtype(dtype), tensor_parallel_size=tensor_parallel_size,
+                          max_num_seqs=max(8, concurrency))
+    runs, described = run_configs(options, encoded, specs, decode, repeats=repeats, progress=progress,
+                                  concurrency=concurrency)
     meta = {"machine": machine_description(), "model": str(name), "dtype": options.dtype, "suite": suite,
-            "doc_tokens": doc_tokens}
-    return frames_from_raw(runs, decode, meta)
+            "doc_tokens": doc_tokens, "tensor_parallel_size": tensor_parallel_size}
+    return frames_from_raw(runs, decode, meta, described)
 
 
 __all__ = ["VLLMOptions", "EngineSetting", "setting_for", "settings_for", "StepEvent", "step_records", "VLLMEngine",
            "Run", "check_prompts", "run_setting", "run_configs", "encode_prompts", "machine_description",
-           "bench_suite", "raw_table", "runs_from_raw", "frames_from_raw", "NATIVE"]
+           "bench_suite", "raw_table", "runs_from_raw", "frames_from_raw", "NATIVE", "UNKNOWN_TOKEN"]

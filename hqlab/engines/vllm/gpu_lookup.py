@@ -1,0 +1,234 @@
+"""hqlab's lookup inside vLLM's own GPU decode step (model runner V2, asynchronous scheduling, CUDA graphs).
+
+vLLM's `custom_class` hook runs a proposer on the host between steps, and asking for it moves vLLM to its V1 model
+runner with synchronous scheduling: every step then pays a host round trip, drafted or not. This speculator runs
+where vLLM's own EAGLE/MTP speculators run instead: after sampling, inside the worker's step, on GPU tensors.
+
+- The histories are vLLM's: `req_states.all_token_ids` (one row of prompt + output per request slot) and
+  `req_states.total_len`, already updated with this step's tokens when `propose` is called.
+- The match is the Triton suffix-match kernel (`hqlab_kernels.suffix_match.SuffixMatcher`), bit-identical to
+  `hqlab.rules.lookup.suffix_match` (tests/test_kernels.py), one launch for the batch, no allocation.
+- The drafts stay on the GPU: vLLM's runner copies them into its draft buffer and verifies them next step. Nothing
+  here reads a device value on the host, so the step adds no synchronisation.
+
+vLLM 0.26's V2 runner verifies the same number of draft positions (`num_speculative_tokens`) for every request on
+every step: its scheduler reserves them before the drafts exist (asynchronous scheduling). Positions the lookup
+did not fill carry `pad`, a token id the target practically never emits (the last row of Qwen's padded
+vocabulary), so they are rejected; greedy and sampled outputs stay exact whatever the pad is, since the target
+decides every token.
+
+The plugin (`hqlab.engines.vllm.plugin`) makes vLLM build this class for
+`speculative_config={"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": k}` with the lookup
+spec in `additional_config["hqlab_proposer"]`. Nothing here imports vLLM, so the drafting path runs (and is tested)
+on any torch device, the Triton interpreter included.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hqlab.config import ConfigError, LookupConfig, build_config, parse_spec
+from hqlab.proposers.base import Source
+
+NAME = "gpu-lookup"  # the config name in `hqlab bench --engine vllm`
+CLASS_PATH = "hqlab.engines.vllm.gpu_lookup.GpuLookupSpeculator"
+SPEC_KEY = "hqlab_proposer"  # additional_config key holding the lookup spec (as for the custom_class adapter)
+RECORD_KEY = "hqlab_record"  # additional_config key: keep per-step records on the GPU for `take_records`
+PAD_KEY = "hqlab_pad_token"  # additional_config key: override the pad token id
+RECORD_CAPACITY = 4096  # steps kept between two `take_records` calls
+
+
+def lookup_config(spec: str) -> LookupConfig:
+    """The lookup settings of a `gpu-lookup:...` (or `lookup:...`) spec, validated."""
+    name, values = parse_spec(spec)
+    if name not in (NAME, "lookup"):
+        raise ConfigError(f"{spec!r} is not a {NAME} spec (expected '{NAME}:nmin=..,nmax=..,k=..,policy=..')")
+    return build_config(LookupConfig, values, context=f"proposer {NAME!r}")
+
+
+def speculative_config(spec: str) -> dict[str, Any]:
+    """vLLM's `speculative_config` for a `gpu-lookup` spec: k draft positions verified every step."""
+    return {"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": lookup_config(spec).k}
+
+
+def is_gpu_lookup(speculative_config: Any) -> bool:
+    """True for a vLLM SpeculativeConfig (or dict) that asks for this speculator."""
+    if speculative_config is None:
+        return False
+    get = speculative_config.get if isinstance(speculative_config, dict) else (
+        lambda key: getattr(speculative_config, key, None))
+    return get("method") == "custom_class" and get("model") == CLASS_PATH
+
+
+class StepRecorder:
+    """Per-step drafts kept on the GPU (no host read while decoding), read back in one copy by `take`."""
+
+    def __init__(self, capacity: int, max_reqs: int, k: int, device: torch.device | str) -> None:
+        self.capacity = int(capacity)
+        self.meta = torch.zeros(self.capacity, max_reqs, 3, dtype=torch.int32, device=device)
+        self.tokens = torch.zeros(self.capacity, max_reqs, k, dtype=torch.int32, device=device)
+        self.steps: list[tuple[int, list[str], float]] = []  # (ring slot, request ids, host seconds)
+        self.count = 0
+
+    def add(self, req_ids: list[str], lengths: torch.Tensor, match_len: torch.Tensor, valid: torch.Tensor,
+            proposals: torch.Tensor, host_s: float) -> None:
+        slot = self.count % self.capacity
+        n = len(req_ids)
+        self.meta[slot, :n].copy_(torch.stack((lengths.to(torch.int32), match_len, valid), 1))
+        self.tokens[slot, :n].copy_(proposals)
+        self.steps.append((slot, list(req_ids), host_s))
+        self.count += 1
+
+    def take(self) -> list[dict[str, Any]]:
+        """Every step since the last call, one dict per (step, request); clears them."""
+        steps, self.steps = self.steps, []
+        if len(steps) > self.capacity:
+            raise RuntimeError(f"{len(steps)} steps were drafted since the records were last taken but only "
+                               f"{self.capacity} fit: take them more often (after each request)")
+        if not steps:
+            return []
+        meta, tokens = self.meta.cpu().numpy(), self.tokens.cpu().numpy()  # one sync, outside the decode loop
+        out = []
+        for slot, req_ids, host_s in steps:
+            for i, rid in enumerate(req_ids):
+                length, match_len, valid = (int(x) for x in meta[slot, i])
+                out.append({"request": rid, "row": i, "context_len": length, "match_len": match_len,
+                            "tokens": [int(t) for t in tokens[slot, i, :valid]],
+                            "sources": [int(Source.LOOKUP)] * valid, "propose_s": host_s, "batch": len(req_ids)})
+        return out
+
+
+@dataclass
+class _RequestState:
+    """The slices of vLLM's request state the lookup reads (bound by the plugin when vLLM loads the model)."""
+
+    all_token_ids: torch.Tensor  # [max_num_reqs, max_model_len] int32, prompt + output per request slot
+    total_len: torch.Tensor  # [max_num_reqs] int32, tokens in each slot's history
+
+
+class GpuLookupSpeculator:
+    """vLLM V2 speculator: the suffix-match lookup over vLLM's GPU histories, k drafts per request per step.
+
+    vLLM's V2 runner calls `propose(input_batch, ..., dummy_run=...)` after sampling and expects [num_reqs, k]
+    int64 draft tokens on the device. It also reads `draft_logits` (None: drafts are point masses, so the rejection
+    sampler needs no draft distribution), `supports_mm_inputs`, `model` (for its communication-buffer hook), and
+    calls `init_cudagraph_manager` and `capture` (the lookup has no model to capture).
+    """
+
+    def __init__(self, vllm_config: Any, device: torch.device | str | None = None) -> None:
+        from hqlab.engines.vllm.adapter import proposer_spec
+
+        if device is None:  # vLLM's V1 runner builds custom_class proposers with the config alone
+            raise ConfigError(
+                f"{CLASS_PATH} runs inside vLLM's model runner V2, but vLLM built it as a V1 custom_class proposer: "
+                "the hqlab vLLM plugin is not active (install hqlab with its vllm extra in the environment vLLM runs "
+                "in, leave VLLM_PLUGINS unset or include 'hqlab', and do not set VLLM_USE_V2_MODEL_RUNNER=0), or "
+                "this vLLM version is not the one the plugin was built for (see hqlab.engines.vllm.plugin)")
+        self.spec = proposer_spec(vllm_config)
+        self.config = lookup_config(self.spec)
+        slots = int(vllm_config.speculative_config.num_speculative_tokens)
+        if self.config.k != slots:
+            raise ConfigError(f"{self.spec!r} drafts k={self.config.k} tokens but vLLM's num_speculative_tokens is "
+                              f"{slots}; make them equal (hqlab.engines.vllm.gpu_lookup.speculative_config does)")
+        self.k = slots
+        self.device = torch.device(device)
+        self.max_num_reqs = int(vllm_config.scheduler_config.max_num_seqs)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        extra = getattr(vllm_config, "additional_config", None) or {}
+        vocab = int(vllm_config.model_config.get_vocab_size())
+        self.pad = int(extra.get(PAD_KEY, vocab - 1))
+        if not 0 <= self.pad < vocab:
+            raise ConfigError(f"{PAD_KEY} must be a token id in [0, {vocab}) (got {self.pad})")
+        self._setup(record=bool(extra.get(RECORD_KEY, False)))
+
+    @classmethod
+    def standalone(cls, config: LookupConfig, *, max_num_reqs: int, max_model_len: int, pad: int,
+                   device: torch.device | str, record: bool = False) -> "GpuLookupSpeculator":
+        """The same speculator without a vLLM config (tests and micro-benchmarks drive `lookup` directly)."""
+        self = cls.__new__(cls)
+        self.spec, self.config, self.k = f"{NAME}:...", config, config.k
+        self.device, self.max_num_reqs, self.max_model_len, self.pad = torch.device(device), max_num_reqs, \
+            max_model_len, pad
+        self._setup(record=record)
+        return self
+
+    def _setup(self, *, record: bool) -> None:
+        from hqlab_kernels.suffix_match import SuffixMatcher
+
+        c = self.config
+        # The variant is planned for the longest possible history, so no step reads a length back to the host.
+        self.matcher = SuffixMatcher(self.max_num_reqs, self.k, nmin=c.nmin, nmax=c.nmax, search=c.search,
+                                     full=c.full, policy=c.policy, max_len=self.max_model_len, device=self.device)
+        self.draft_tokens = torch.zeros(self.max_num_reqs, self.k, dtype=torch.int64, device=self.device)
+        self.row_offsets: torch.Tensor | None = None
+        self.state: _RequestState | None = None
+        self.recorder = StepRecorder(RECORD_CAPACITY, self.max_num_reqs, self.k, self.device) if record else None
+        # What vLLM's V2 runner reads from a speculator.
+        self.draft_logits = None
+        self.supports_mm_inputs = False
+        self.model = torch.nn.Module()  # no weights; vLLM prepares communication buffers for `speculator.model`
+
+    def bind(self, all_token_ids: torch.Tensor, total_len: torch.Tensor) -> None:
+        """Attach vLLM's histories ([slots, max_model_len] int32, contiguous) and their lengths ([slots] int32)."""
+        if all_token_ids.dtype != torch.int32 or all_token_ids.dim() != 2 or not all_token_ids.is_contiguous():
+            raise TypeError(f"all_token_ids must be a contiguous 2-D int32 tensor, got {all_token_ids.dtype} "
+                            f"{tuple(all_token_ids.shape)}")
+        if all_token_ids.shape[0] < self.max_num_reqs or total_len.shape[0] < self.max_num_reqs:
+            raise ValueError(f"vLLM's request state holds {all_token_ids.shape[0]} slots, fewer than max_num_seqs "
+                             f"{self.max_num_reqs}")
+        self.state = _RequestState(all_token_ids, total_len)
+        width = all_token_ids.shape[1]
+        self.row_offsets = torch.arange(all_token_ids.shape[0], dtype=torch.int64, device=self.device) * width
+
+    # vLLM's speculator interface -------------------------------------------------------------------------------
+
+    def init_cudagraph_manager(self, cudagraph_mode: Any) -> None:
+        """Nothing to capture: the lookup is one kernel launch after the target's (captured) forward."""
+
+    def capture(self) -> None:
+        pass
+
+    def propose(self, input_batch: Any, attn_metadata: Any = None, slot_mappings: Any = None,
+                last_hidden_states: Any = None, aux_hidden_states: Any = None, num_sampled: Any = None,
+                num_rejected: Any = None, last_sampled: Any = None, next_prefill_tokens: Any = None,
+                temperature: Any = None, seeds: Any = None, num_tokens_across_dp: Any = None, dummy_run: bool = False,
+                skip_attn_for_dummy_run: bool = False, mm_inputs: Any = None, is_profile: bool = False) -> torch.Tensor:
+        n = int(input_batch.num_reqs)
+        if dummy_run or self.state is None:  # warm-up and profiling runs: vLLM only needs the shape
+            return self.draft_tokens[:n]
+        start = time.perf_counter()
+        drafts = self.lookup(input_batch.idx_mapping, n, req_ids=input_batch.req_ids)
+        if self.recorder is not None:
+            self.recorder.steps[-1] = (*self.recorder.steps[-1][:2], time.perf_counter() - start)
+        return drafts
+
+    # The drafting step itself --------------------------------------------------------------------------------
+
+    def lookup(self, rows: torch.Tensor, n: int, *, req_ids: list[str] | None = None) -> torch.Tensor:
+        """Drafts [n, k] int64 for the request slots `rows` ([n] int32/int64 on the device), on the device.
+
+        Entries past each request's `valid` hold `pad`. No host synchronisation, no allocation beyond a few
+        n-sized temporaries."""
+        assert self.state is not None and self.row_offsets is not None, "bind() vLLM's request state first"
+        lengths = self.state.total_len[rows]
+        offsets = self.row_offsets[rows]
+        proposals, match_len, valid = self.matcher(self.state.all_token_ids.view(-1), offsets, lengths)
+        drafts = self.draft_tokens[:n]
+        drafts.copy_(proposals)
+        drafts.masked_fill_(proposals < 0, self.pad)
+        if self.recorder is not None:
+            self.recorder.add(req_ids if req_ids is not None else [str(i) for i in range(n)], lengths, match_len,
+                              valid, proposals, 0.0)
+        return drafts
+
+    def take_records(self) -> list[dict[str, Any]]:
+        """The per-step drafts since the last call (empty when recording is off)."""
+        return self.recorder.take() if self.recorder is not None else []
+
+
+__all__ = ["GpuLookupSpeculator", "StepRecorder", "lookup_config", "speculative_config", "is_gpu_lookup", "NAME",
+           "CLASS_PATH", "SPEC_KEY", "RECORD_KEY", "PAD_KEY"]

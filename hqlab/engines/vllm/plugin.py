@@ -1,0 +1,146 @@
+"""The vLLM plugin that puts hqlab's speculators inside vLLM's GPU step. Built for vLLM 0.26.0 only.
+
+vLLM loads every `vllm.general_plugins` entry point in each of its processes (front end, engine core, workers);
+hqlab's (pyproject.toml) is `register` below. vLLM 0.26 has no registry for new speculative methods: its V2 model
+runner dispatches only EAGLE/MTP/DFlash/DSpark (`init_speculator`), its config sends every other method to the V1
+runner with synchronous scheduling (`VllmConfig._get_v2_model_runner_unsupported_features` and the async-scheduling
+whitelist in `VllmConfig.__post_init__`). The plugin changes exactly those three decisions, and only for configs
+that ask for an hqlab GPU speculator (`gpu_lookup.is_gpu_lookup`); every other config is left to vLLM:
+
+1. the V2 feature check no longer lists our `custom_class` speculator as unsupported;
+2. asynchronous scheduling stays on for it (as vLLM does for EAGLE: placeholders for the k draft positions are
+   reserved by the scheduler, the drafts are filled in on the GPU), unless the user turned it off;
+3. `init_speculator` builds `GpuLookupSpeculator`, which is bound to the runner's request state when vLLM loads
+   the model.
+
+Nothing of vLLM is forked or copied. On any other vLLM version `register` patches nothing and says so, and a
+config that asks for the speculator fails with a clear error (`check_vllm_version`).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Callable
+
+from hqlab.config import ConfigError
+
+VLLM_VERSION = "0.26.0"  # the version whose internals the patches below were written against
+_PATCHED = "_hqlab_patched"
+log = logging.getLogger("hqlab.vllm")
+
+
+def check_vllm_version(version: str | None = None) -> None:
+    """Raise ConfigError unless vLLM is the version the plugin was built for."""
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    if version != VLLM_VERSION:
+        raise ConfigError(f"hqlab's GPU speculators are built for vLLM {VLLM_VERSION} and refuse vLLM {version}: "
+                          f"install vllm=={VLLM_VERSION} (pip install 'hqlab[vllm]'), or use the custom_class "
+                          f"adapter (lookup:...), which works with vLLM 0.25 to 0.33")
+
+
+def register() -> None:
+    """vLLM's plugin entry point: idempotent, cheap (imports only vLLM's config and spec-decode modules)."""
+    import vllm
+
+    try:
+        check_vllm_version(vllm.__version__)
+    except ConfigError as e:
+        log.warning("hqlab vLLM plugin inactive: %s", e)
+        return
+    _patch_config()
+    _patch_init_speculator()
+
+
+def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+    original = getattr(owner, name)
+    if getattr(original, _PATCHED, False):
+        return
+    wrapped = make(original)
+    setattr(wrapped, _PATCHED, True)
+    wrapped.__wrapped__ = original
+    wrapped.__name__ = getattr(original, "__name__", name)
+    setattr(owner, name, wrapped)
+
+
+def _ours(vllm_config: Any) -> bool:
+    from hqlab.engines.vllm.gpu_lookup import is_gpu_lookup
+
+    return is_gpu_lookup(getattr(vllm_config, "speculative_config", None))
+
+
+def _patch_config() -> None:
+    from vllm.config import VllmConfig
+
+    def features(original: Callable) -> Callable:
+        def unsupported(self: Any) -> list[str]:
+            found = original(self)
+            if _ours(self):
+                found = [f for f in found if f != "speculative method 'custom_class'"]
+            return found
+        return unsupported
+
+    def post_init(original: Callable) -> Callable:
+        def __post_init__(self: Any) -> None:
+            if not _ours(self):
+                return original(self)
+            asked = self.scheduler_config.async_scheduling  # None (vLLM decides), True or False (the user's)
+            if asked:  # vLLM would refuse it for custom_class: let it decide, then turn it on below
+                self.scheduler_config.async_scheduling = None
+            original(self)
+            if asked is not False and not self.scheduler_config.async_scheduling:
+                # What vLLM does for EAGLE-style speculators, whose drafts also stay on the GPU.
+                self.scheduler_config.async_scheduling = True
+                self.parallel_config.disable_nccl_for_dp_synchronization = True
+                if self.model_config is not None:
+                    self.model_config.disable_cascade_attn = True  # not compatible with async spec decoding
+                log.info("hqlab: asynchronous scheduling enabled for %s", self.speculative_config)
+        return __post_init__
+
+    _wrap(VllmConfig, "_get_v2_model_runner_unsupported_features", features)
+    _wrap(VllmConfig, "__post_init__", post_init)
+
+
+def _patch_init_speculator() -> None:
+    import vllm.v1.worker.gpu.spec_decode as spec_decode
+
+    def make(original: Callable) -> Callable:
+        def init_speculator(vllm_config: Any, device: Any) -> Any:
+            if not _ours(vllm_config):
+                return original(vllm_config, device)
+            from hqlab.engines.vllm.gpu_lookup import GpuLookupSpeculator
+
+            _patch_runner_binding()
+            return GpuLookupSpeculator(vllm_config, device)
+        return init_speculator
+
+    _wrap(spec_decode, "init_speculator", make)
+    runner = sys.modules.get("vllm.v1.worker.gpu.model_runner")
+    if runner is not None:  # imported before the plugin: it holds its own reference
+        runner.init_speculator = spec_decode.init_speculator
+
+
+def _patch_runner_binding() -> None:
+    """Give our speculator the runner's request state when vLLM loads the model (after the state exists)."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    from hqlab.engines.vllm.gpu_lookup import GpuLookupSpeculator
+
+    def make(original: Callable) -> Callable:
+        def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+            speculator = getattr(self, "speculator", None)
+            if isinstance(speculator, GpuLookupSpeculator):
+                if getattr(self, "use_pp", False):
+                    raise ConfigError("hqlab's gpu-lookup does not support pipeline parallelism yet "
+                                      "(pipeline_parallel_size must be 1)")
+                speculator.bind(self.req_states.all_token_ids.gpu, self.req_states.total_len.gpu)
+            return original(self, *args, **kwargs)
+        return load_model
+
+    _wrap(GPUModelRunner, "load_model", make)
+
+
+__all__ = ["register", "check_vllm_version", "VLLM_VERSION"]
