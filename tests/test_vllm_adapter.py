@@ -276,10 +276,10 @@ def test_raw_runs_round_trip_and_become_bench_rows():
 
 
 def test_parts_round_trip_and_refuse_damage(tmp_path):
-    """benchmarks/pack_parts.py: files split over parts come back byte-identical; a damaged part is refused."""
+    """tools/gpu_host/pack_parts.py: files split over parts come back byte-identical; a damaged part is refused."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("pack_parts", ROOT / "benchmarks" / "pack_parts.py")
+    spec = importlib.util.spec_from_file_location("pack_parts", ROOT / "tools" / "gpu_host" / "pack_parts.py")
     pack_parts = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pack_parts)
     rng = np.random.default_rng(1)
@@ -337,8 +337,8 @@ def test_cli_vllm_engine_checks_specs_and_gpu_before_loading_anything(capsys):
     assert not out.exists()
 
 
-def test_h200_finish_turns_returned_raw_runs_into_core_benchmark_results(tmp_path):
-    """benchmarks/vllm_h200.py finish: the GPU host's raw runs (+ engine descriptions) -> core_<tag> parquet."""
+def test_gpu_finish_turns_returned_raw_runs_into_bench_results(tmp_path):
+    """benchmarks/vllm_gpu.py finish: the GPU host's raw runs (+ engine descriptions) -> results parquet."""
     import importlib.util
     import json
 
@@ -347,7 +347,7 @@ def test_h200_finish_turns_returned_raw_runs_into_core_benchmark_results(tmp_pat
 
     from hqlab.engines.vllm import Run, raw_table
 
-    spec = importlib.util.spec_from_file_location("vllm_h200", ROOT / "benchmarks" / "vllm_h200.py")
+    spec = importlib.util.spec_from_file_location("vllm_gpu", ROOT / "benchmarks" / "vllm_gpu.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     ref = [5, 6, 7, 8, 9, 10]
@@ -356,7 +356,7 @@ def test_h200_finish_turns_returned_raw_runs_into_core_benchmark_results(tmp_pat
              "b": [Run("lookup:k=7", "copy", "copy", 0, _generation(ref, total=1.0))]}
     raw = []
     for tag, runs in parts.items():
-        raw.append(tmp_path / f"vllm_h200_{tag}.parquet")
+        raw.append(tmp_path / f"vllm_gpu_{tag}.parquet")
         pq.write_table(raw_table(runs), raw[-1])
         engines = [{"config": r.config, "model_runner": "v2" if r.config == "none" else "v1",
                     "async_scheduling": r.config == "none"} for r in runs[-1:]]

@@ -54,7 +54,9 @@ class VLLMOptions:
     dtype: str = "bfloat16"
     max_model_len: int = 4096
     max_num_seqs: int = 8  # requests run one at a time: small batch limits keep engine start-up short
-    max_cudagraph_capture_size: int = 32  # CUDA graphs up to this many tokens per step (k + 1 <= 32 is covered)
+    # CUDA graphs up to this many tokens per step; 0: enough for max_num_seqs requests verifying k + 1 each (at
+    # least 32), so no config falls back to eager steps at the batch sizes it runs
+    max_cudagraph_capture_size: int = 0
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = False
     enable_prefix_caching: bool = False  # off: every repeat pays its prefill, as in hqlab's own engine
@@ -68,8 +70,13 @@ class VLLMOptions:
             raise ConfigError(f"max_num_seqs must be >= 1 (got {self.max_num_seqs})")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1 (got {self.tensor_parallel_size})")
-        if self.max_cudagraph_capture_size < 1:
-            raise ConfigError(f"max_cudagraph_capture_size must be >= 1 (got {self.max_cudagraph_capture_size})")
+        if self.max_cudagraph_capture_size < 0:
+            raise ConfigError(f"max_cudagraph_capture_size must be >= 0, 0 meaning automatic "
+                              f"(got {self.max_cudagraph_capture_size})")
+
+    def capture_size(self, k: int) -> int:
+        """Largest step (in tokens) captured in a CUDA graph for a config drafting up to k tokens."""
+        return self.max_cudagraph_capture_size or max(32, self.max_num_seqs * (k + 1))
         if not 0.05 <= self.gpu_memory_utilization <= 0.95:
             raise ConfigError(f"gpu_memory_utilization must be in [0.05, 0.95] (got {self.gpu_memory_utilization})")
 
@@ -249,9 +256,11 @@ class VLLMEngine:
                           enforce_eager=options.enforce_eager, enable_prefix_caching=options.enable_prefix_caching,
                           seed=options.seed, speculative_config=setting.speculative_config,
                           tensor_parallel_size=options.tensor_parallel_size,
-                          compilation_config={"max_cudagraph_capture_size": options.max_cudagraph_capture_size},
+                          compilation_config={"max_cudagraph_capture_size": options.capture_size(setting.k)},
                           additional_config=dict(setting.additional_config),
-                          worker_extension_cls=setting.worker_extension_cls or "", disable_log_stats=False)
+                          # every engine gets hqlab's worker extension: step records and the phase timer
+                          worker_extension_cls=setting.worker_extension_cls or vllm_proposer.EXTENSION_PATH,
+                          disable_log_stats=False)
         self.engine = LLMEngine.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._stats)])
         self._counter = 0
 
@@ -365,6 +374,17 @@ class VLLMEngine:
                                    t_last=t_last, records=records))
         return gens, wall
 
+    def profile(self, prompt_ids: Sequence[int], decode: DecodeConfig, request: str = "profile") -> dict[str, Any]:
+        """One request with the worker's phases timed (`adapter.StepTimer`): the generation (its step records carry
+        the front end's per-step times) and the worker's per-call phase timings. Needs the worker extension."""
+        if not self.engine.collective_rpc("hqlab_profile_start")[0]:
+            raise RuntimeError("the worker has no model runner to time")
+        try:
+            generation = self.generate(prompt_ids, decode, request)
+        finally:
+            phases = self.engine.collective_rpc("hqlab_profile_stop")[0]
+        return {"generation": generation, "phases": phases}
+
     def take_adapter_records(self) -> list[dict[str, Any]]:
         """The step records hqlab's code kept inside vLLM since the last call, from the first worker only: with
         tensor parallelism every rank drafts the same tokens, so one rank's records are the records."""
@@ -410,10 +430,11 @@ def check_prompts(options: VLLMOptions, prompts: Sequence[tuple[str, str, list[i
 
 def run_setting(options: VLLMOptions, setting: EngineSetting, prompts: Sequence[tuple[str, str, list[int]]],
                 decode: DecodeConfig, *, repeats: int = 1, bar: Any = None,
-                concurrency: int = 0) -> tuple[list[Run], dict[str, Any]]:
+                concurrency: int = 0, profile: bool = False) -> tuple[list[Run], dict[str, Any]]:
     """One engine: a warm-up request, then every (prompt id, category, token ids) `repeats` times; for the `none`
     reference under greedy decoding also the margins pass. With `concurrency` > 1, then the first `concurrency`
-    prompts submitted together, `repeats` times. Returns the runs and the engine's description."""
+    prompts submitted together, `repeats` times. `profile`: then every prompt once more with the worker's phases
+    timed, kept in the description under "profile". Returns the runs and the engine's description."""
     if repeats < 1:
         raise ConfigError(f"repeats must be >= 1 (got {repeats})")
     if concurrency < 0 or concurrency > options.max_num_seqs:
@@ -438,6 +459,12 @@ def run_setting(options: VLLMOptions, setting: EngineSetting, prompts: Sequence[
             gens, wall = engine.generate_concurrent([ids for _, _, ids in group], decode, [pid for pid, _, _ in group])
             runs += [Run(setting.label, pid, category, r, g, len(group), wall)
                      for (pid, category, _), g in zip(group, gens)]
+        if profile:
+            description["profile"] = []
+            for pid, category, ids in prompts:
+                timed = engine.profile(ids, decode, request=pid)
+                description["profile"].append({"prompt_id": pid, "category": category, "phases": timed["phases"],
+                                               "steps": [asdict(r) for r in timed["generation"].records]})
     finally:
         engine.close()
     return runs, description

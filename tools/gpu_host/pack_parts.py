@@ -1,8 +1,8 @@
 """Move large files to a machine that takes only small transfers: pack them into checksummed parts, reassemble there.
 
-    python benchmarks/pack_parts.py pack FILE... --out .parts [--part-mib 50]
-    python benchmarks/pack_parts.py stash --manifest .parts/manifest.json .parts/part-003.bin --to DIR
-    python benchmarks/pack_parts.py unpack --parts DIR --out OUT_DIR
+    python tools/gpu_host/pack_parts.py pack FILE... --out .parts [--part-mib 50]
+    python tools/gpu_host/pack_parts.py stash --manifest .parts/manifest.json .parts/part-003.bin --to DIR
+    python tools/gpu_host/pack_parts.py unpack --parts DIR --out OUT_DIR
 
 `pack` concatenates the files (in the order given) into one byte stream, cuts it into parts of at most
 `--part-mib` MiB (`part-000.bin`, ...) and writes `manifest.json`: every part's size and sha256, and every file's

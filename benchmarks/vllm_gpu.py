@@ -1,0 +1,171 @@
+"""hqlab inside vLLM on a GPU: the configs of docs/vllm.md on one engine each, raw runs saved after every config.
+
+  GPU (through tools/gpu_host/vllm_host.py run, which installs vLLM and the model on an offline host):
+      python3 benchmarks/vllm_gpu.py bench --tag a --suite all --repeats 3 --concurrency 8 --profile \\
+          --config gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest --config lookup:nmin=1,nmax=32,k=15,policy=earliest
+    writes $OUT/vllm_gpu_<tag>.parquet (raw runs, after every config) and $OUT/vllm_gpu_<tag>.json (machine, settings,
+    what vLLM chose per engine, and with --profile each engine's phase timings: hqlab.engines.vllm.adapter.StepTimer)
+  CPU (here):
+      python benchmarks/vllm_gpu.py finish RETURNED/vllm_gpu_*.parquet --out data/results/vllm_gpu_h200.parquet
+    merges the raw runs of several calls (the `none` reference may come from an earlier call), writes the results
+    with the columns `hqlab bench` writes (+ concurrency, batch_tok_s, step_efficiency, vllm_runner,
+    async_scheduling) and `<out>.steps.parquet`, and the phase timings to `<out>.phases.parquet`.
+
+`none` always runs first in a call unless --skip-reference; a failing config is logged and the others still run
+(--fail-fast stops at the first failure instead, to save device time while a new path is brought up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # a bare checkout on the GPU host
+
+DEFAULT_CONFIGS = ["gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest", "lookup:nmin=1,nmax=32,k=15,policy=earliest"]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def bench(args: argparse.Namespace) -> int:
+    import vllm  # noqa: F401  (first: a wheel missing from the carried set fails here, before the conversion)
+
+    from hqlab import models
+    from hqlab.config import DecodeConfig
+    from hqlab.engines import vllm as hv
+    from hqlab.workloads import load_workload
+
+    machine = hv.machine_description()  # before any CUDA call: vLLM forks its engine processes then
+    log(machine)
+    t = time.time()
+    folder = models.prepare(args.model)
+    log(f"model ready in {time.time() - t:.0f} s: {folder}")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompts = load_workload(args.suite, doc_tokens=args.doc_tokens, tokenizer=tokenizer)
+    encoded = hv.encode_prompts(tokenizer, prompts)[: args.limit or None]
+    log("prompt tokens: " + ", ".join(f"{pid} {len(ids)}" for pid, _, ids in encoded))
+    options = hv.VLLMOptions(model=folder, max_num_seqs=max(8, args.concurrency),
+                             tensor_parallel_size=args.tensor_parallel_size)
+    decode = DecodeConfig(max_new_tokens=args.max_new_tokens)
+    out = Path(os.environ.get("OUT", "out"))
+    out.mkdir(parents=True, exist_ok=True)
+    raw_path, meta_path = out / f"vllm_gpu_{args.tag}.parquet", out / f"vllm_gpu_{args.tag}.json"
+    settings = hv.settings_for(args.config or DEFAULT_CONFIGS)  # every spec checked before the first engine
+    if args.skip_reference:
+        settings = [s for s in settings if s.label != "none"]
+    hv.check_prompts(options, encoded, decode)
+    log("configs: " + ", ".join(s.label for s in settings))
+    described: list[dict] = []
+    runs: list = []
+
+    def save() -> None:
+        import pyarrow.parquet as pq
+
+        pq.write_table(hv.raw_table(runs), str(raw_path) + ".tmp")
+        os.replace(str(raw_path) + ".tmp", raw_path)
+        meta = {"machine": machine, "model": args.model, "dtype": options.dtype, "doc_tokens": args.doc_tokens,
+                "suite": args.suite, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+                "concurrency": args.concurrency, "tensor_parallel_size": args.tensor_parallel_size,
+                "engines": described}
+        tmp = meta_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(meta) + "\n")
+        os.replace(tmp, meta_path)
+
+    failed = 0
+    for setting in settings:
+        t = time.time()
+        try:
+            more, description = hv.run_setting(options, setting, encoded, decode, repeats=args.repeats,
+                                               concurrency=args.concurrency, profile=args.profile)
+        except Exception as e:  # one config failing must not lose the others
+            import traceback
+
+            failed += 1
+            log(f"{setting.label} FAILED after {time.time() - t:.0f} s: {type(e).__name__}: {e}")
+            traceback.print_exc()
+            if args.fail_fast:
+                break
+            continue
+        runs += more
+        described.append(description)
+        save()
+        alone = [r for r in more if r.concurrency <= 1 and r.repeat >= 0]
+        rate = sorted(r.generation.decode_tok_s() for r in alone)
+        tps = sorted(r.generation.tokens_per_step() for r in alone)
+        log(f"{setting.label}: {time.time() - t:.0f} s, runner {description['model_runner']}, async "
+            f"{description['async_scheduling']}, median decode {rate[len(rate) // 2]:.0f} tok/s, "
+            f"median tokens/step {tps[len(tps) // 2]:.2f}")
+    return 1 if failed else 0
+
+
+def finish(args: argparse.Namespace) -> None:
+    import polars as pl
+
+    from hqlab import bench as hb
+    from hqlab.config import DecodeConfig
+    from hqlab.engines import vllm as hv
+    from hqlab.io import write_atomic
+
+    runs, metas = [], []
+    for path in args.raw:
+        runs += hv.runs_from_raw(pl.read_parquet(path))
+        metas.append(json.loads(Path(path).with_suffix(".json").read_text()))
+    keys = ("machine", "model", "dtype", "doc_tokens", "suite", "tensor_parallel_size")
+    meta = {k: metas[0][k] for k in keys if k in metas[0]}
+    decode = DecodeConfig(max_new_tokens=metas[0]["max_new_tokens"])
+    engines = [e for m in metas for e in m["engines"]]
+    results, steps = hv.frames_from_raw(runs, decode, meta, engines)
+    phases = [{"config": e["config"], "prompt_id": p["prompt_id"], "category": p["category"], **ph}
+              for e in engines for p in e.get("profile", []) for ph in p["phases"]]
+    profile_steps = [{"config": e["config"], "prompt_id": p["prompt_id"], "category": p["category"], **st}
+                     for e in engines for p in e.get("profile", []) for st in p["steps"]]
+    out = Path(args.out)
+    write_atomic(out.with_name(out.stem + ".steps.parquet"), lambda t: steps.write_parquet(t))
+    if phases:
+        write_atomic(out.with_name(out.stem + ".phases.parquet"), lambda t: pl.DataFrame(phases).write_parquet(t))
+        write_atomic(out.with_name(out.stem + ".profile_steps.parquet"),
+                     lambda t: pl.DataFrame(profile_steps).drop("proposed", "sources").write_parquet(t))
+    write_atomic(out, lambda t: results.write_parquet(t))
+    with pl.Config(tbl_rows=100, tbl_cols=20, tbl_width_chars=220):
+        print(hb.summarize(results.filter(pl.col("concurrency") == 1)))
+    print(f"wrote {out} (+ .steps{', .phases, .profile_steps' if phases else ''})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("bench", help="GPU: every config on one vLLM engine each, raw runs into $OUT")
+    b.add_argument("--tag", default="a")
+    b.add_argument("--model", default="qwen2.5-coder-0.5b")
+    b.add_argument("--suite", default="all", help="labd, chat, all, a task, or a JSONL file")
+    b.add_argument("--config", action="append", default=None, help="a config spec (repeatable); `none` is added")
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--max-new-tokens", type=int, default=256)
+    b.add_argument("--doc-tokens", type=int, default=2000)
+    b.add_argument("--limit", type=int, default=0, help="only the first N prompts")
+    b.add_argument("--concurrency", type=int, default=8, help="then the first N prompts at once (0: skip)")
+    b.add_argument("--tensor-parallel-size", type=int, default=1)
+    b.add_argument("--profile", action="store_true", help="time the worker's phases on one more pass")
+    b.add_argument("--skip-reference", action="store_true", help="leave out `none` (an earlier call ran it)")
+    b.add_argument("--fail-fast", action="store_true", help="stop at the first failing config")
+    f = sub.add_parser("finish", help="CPU: raw runs -> results parquet (+ steps, phases)")
+    f.add_argument("raw", nargs="+")
+    f.add_argument("--out", default=str(ROOT / "data" / "results" / "vllm_gpu_h200.parquet"))
+    args = ap.parse_args(argv)
+    if args.cmd == "bench":
+        return bench(args)
+    finish(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
