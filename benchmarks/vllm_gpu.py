@@ -7,9 +7,10 @@
     what vLLM chose per engine, and with --profile each engine's phase timings: hqlab.engines.vllm.adapter.StepTimer)
   CPU (here):
       python benchmarks/vllm_gpu.py finish RETURNED/vllm_gpu_*.parquet --out data/results/vllm_gpu_h200.parquet
-    merges the raw runs of several calls (the `none` reference may come from an earlier call), writes the results
-    with the columns `hqlab bench` writes (+ concurrency, batch_tok_s, step_efficiency, vllm_runner,
-    async_scheduling) and `<out>.steps.parquet`, and the phase timings to `<out>.phases.parquet`.
+    merges the raw runs of several calls into one run (the `none` reference may come from an earlier call), writes
+    the results with the columns `hqlab bench` writes (+ concurrency, batch_tok_s, step_efficiency, vllm_runner,
+    async_scheduling, run) and `<out>.steps.parquet`, and the phase timings to `<out>.phases.parquet`;
+    `--run NAME --append` adds another run (its own reference) to the same files.
 
 `none` always runs first in a call unless --skip-reference; a failing config is logged and the others still run
 (--fail-fast stops at the first failure instead, to save device time while a new path is brought up).
@@ -129,15 +130,20 @@ def finish(args: argparse.Namespace) -> None:
     profile_steps = [{"config": e["config"], "prompt_id": p["prompt_id"], "category": p["category"], **st}
                      for e in engines for p in e.get("profile", []) for st in p["steps"]]
     out = Path(args.out)
-    write_atomic(out.with_name(out.stem + ".steps.parquet"), lambda t: steps.write_parquet(t))
-    if phases:
-        write_atomic(out.with_name(out.stem + ".phases.parquet"), lambda t: pl.DataFrame(phases).write_parquet(t))
-        write_atomic(out.with_name(out.stem + ".profile_steps.parquet"),
-                     lambda t: pl.DataFrame(profile_steps).drop("proposed", "sources").write_parquet(t))
-    write_atomic(out, lambda t: results.write_parquet(t))
+    tagged = {"": results, ".steps": steps, ".phases": pl.DataFrame(phases),
+              ".profile_steps": pl.DataFrame(profile_steps).drop("proposed", "sources", strict=False)}
+    for suffix, frame in tagged.items():
+        path = out.with_name(out.stem + suffix + ".parquet")
+        if frame.height:
+            frame = frame.with_columns(pl.lit(args.run).alias("run"))
+        if args.append and path.exists():  # this run's rows replace the same run's, other runs stay
+            frame = pl.concat([pl.read_parquet(path).filter(pl.col("run") != args.run), frame],
+                              how="diagonal_relaxed")
+        if frame.height:
+            write_atomic(path, lambda t, f=frame: f.write_parquet(t))
     with pl.Config(tbl_rows=100, tbl_cols=20, tbl_width_chars=220):
         print(hb.summarize(results.filter(pl.col("concurrency") == 1)))
-    print(f"wrote {out} (+ .steps{', .phases, .profile_steps' if phases else ''})")
+    print(f"wrote run {args.run!r} into {out} (+ .steps{', .phases, .profile_steps' if phases else ''})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     f = sub.add_parser("finish", help="CPU: raw runs -> results parquet (+ steps, phases)")
     f.add_argument("raw", nargs="+")
     f.add_argument("--out", default=str(ROOT / "data" / "results" / "vllm_gpu_h200.parquet"))
+    f.add_argument("--run", default="a", help="name of this run (one GPU session's reference and configs)")
+    f.add_argument("--append", action="store_true", help="keep the other runs already in --out")
     args = ap.parse_args(argv)
     if args.cmd == "bench":
         return bench(args)

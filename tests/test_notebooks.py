@@ -24,6 +24,7 @@ SMALL = {
                            nmax_grid=[6, 12], k_grid=[4, 15], cost_contexts=[128, 512], cost_verify_lens=[1, 4, 16],
                            live_configs=["lookup:nmin=2,nmax=6,k=8"]),
     "kernels": dict(),
+    "vllm_gpu": dict(),  # re-plots the committed vLLM runs
     # runs the benchmark itself (not only the re-plot), on two prompts
     "core_benchmark": dict(rerun=True, tags=["ci"], configs=["lookup:nmin=6,k=15", "hf-pld:k=10"],
                            suites={"edit": 32, "chat": 16}, doc_tokens=300, limit=1),

@@ -582,7 +582,8 @@ def frames_from_raw(runs: Sequence[Run], decode: DecodeConfig, meta: dict[str, A
                 else None
             rows.append({**base_meta, "config": label, "category": r.category, "prompt_id": r.prompt_id,
                          "prompt_tokens": g.prompt_len, "new_tokens": g.new_tokens, "finish": g.finish,
-                         "steps": g.steps, "tokens_per_step": g.tokens_per_step(), "concurrency": level,
+                         # emitted per step: vLLM's counters cannot be told apart per request in a batch
+                         "steps": g.steps, "tokens_per_step": _emitted_per_step(g), "concurrency": level,
                          "batch_wall_s": wall, "batch_tok_s": tokens / wall if wall > 0 else math.nan,
                          "repeats": len(walls),
                          "lossless": None if check is None else check.lossless,
@@ -601,6 +602,10 @@ def frames_from_raw(runs: Sequence[Run], decode: DecodeConfig, meta: dict[str, A
                                 "async_scheduling": e["async_scheduling"]} for e in engines])
         results = results.join(chosen.unique("config", keep="last"), on="config", how="left", maintain_order="left")
     return results, (pl.concat(steps, how="diagonal_relaxed") if steps else pl.DataFrame())
+
+
+def _emitted_per_step(g: Generation) -> float:
+    return sum(r.emitted for r in g.records) / len(g.records) if g.records else math.nan
 
 
 def _groups(runs: Any) -> dict[tuple[str, int], list[Run]]:

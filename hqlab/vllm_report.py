@@ -1,0 +1,110 @@
+"""Reading vLLM benchmark results (benchmarks/vllm_gpu.py): ratios within a run, throughput under concurrency, and
+where a step's milliseconds go. The vllm_gpu notebook plots these; docs/vllm.md quotes them.
+
+A *run* is one GPU session's engines, its own `none` reference included. Wall times on a shared host drift between
+runs (the same `none` decode rate varied 360–600 tok/s between calls an hour apart), so every comparison here is a
+ratio inside one run, and summaries are medians of those ratios over runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+
+CUSTOM_CLASS = "lookup:"  # configs run through the host-side custom_class adapter start with this
+
+
+def family(config: str) -> str:
+    """What runs a config inside vLLM: `none`, hqlab on the GPU step, hqlab's host adapter, or vLLM's own."""
+    if config == "none":
+        return "none"
+    if config.startswith("gpu-lookup"):
+        return "hqlab GPU step (V2, async)"
+    if config.startswith("vllm-ngram-gpu"):
+        return "vLLM ngram_gpu (V1, async)"
+    if config.startswith("vllm-ngram"):
+        return "vLLM ngram (V1, sync)"
+    return "hqlab custom_class (V1, sync)"
+
+
+def run_ratios(results: pl.DataFrame) -> pl.DataFrame:
+    """Per (run, category, config) at batch 1: median decode tok/s over the class's prompts, its ratio to `none`
+    and to the run's custom_class lookup with the same settings (if it ran), tokens/step and step efficiency."""
+    alone = results.filter(pl.col("concurrency") == 1) if "concurrency" in results.columns else results
+    per = (alone.group_by(["run", "category", "config"], maintain_order=True)
+           .agg(pl.col("decode_tok_s").median(), pl.col("tokens_per_step").median(),
+                pl.col("step_efficiency").median(), pl.len().alias("prompts"),
+                (pl.col("divergence") == "mismatch").sum().alias("mismatches"),
+                (pl.col("divergence") == "near-tie").sum().alias("near_ties")))
+    none = per.filter(pl.col("config") == "none").select("run", "category", pl.col("decode_tok_s").alias("none"))
+    host = (per.filter(pl.col("config").str.starts_with(CUSTOM_CLASS))
+            .select("run", "category", pl.col("config").str.strip_prefix(CUSTOM_CLASS).alias("settings"),
+                    pl.col("decode_tok_s").alias("custom_class")))
+    return (per.join(none, on=["run", "category"], how="left")
+            .with_columns((pl.col("decode_tok_s") / pl.col("none")).alias("vs_none"),
+                          pl.col("config").str.replace(r"^[a-z\-]+:", "").alias("settings"),
+                          pl.col("config").map_elements(family, return_dtype=pl.String).alias("family"))
+            .join(host, on=["run", "category", "settings"], how="left")
+            .with_columns((pl.col("decode_tok_s") / pl.col("custom_class")).alias("vs_custom_class"))
+            .drop("settings"))
+
+
+def summary(ratios: pl.DataFrame) -> pl.DataFrame:
+    """Medians over runs of each (category, config)'s ratios, with the number of runs."""
+    return (ratios.group_by(["category", "config", "family"], maintain_order=True)
+            .agg(pl.len().alias("runs"), pl.col("vs_none").median(), pl.col("vs_custom_class").median(),
+                 pl.col("tokens_per_step").median(), pl.col("step_efficiency").median(),
+                 pl.col("decode_tok_s").median(), pl.col("mismatches").sum(), pl.col("near_ties").sum()))
+
+
+def concurrency(results: pl.DataFrame) -> pl.DataFrame:
+    """Per (run, config): total throughput of the requests submitted together, and its ratio to `none`."""
+    together = results.filter(pl.col("concurrency") > 1)
+    per = together.group_by(["run", "config", "concurrency"], maintain_order=True).agg(
+        pl.col("batch_tok_s").first(), pl.col("tokens_per_step").median(),
+        (pl.col("divergence") == "mismatch").sum().alias("mismatches"))
+    none = per.filter(pl.col("config") == "none").select("run", pl.col("batch_tok_s").alias("none"))
+    return per.join(none, on="run", how="left").with_columns(
+        (pl.col("batch_tok_s") / pl.col("none")).alias("vs_none"),
+        pl.col("config").map_elements(family, return_dtype=pl.String).alias("family"))
+
+
+PARTS = ["execute_model (host)", "sample + verify (host)", "propose (host)", "scheduler, IPC, front end"]
+
+
+def step_breakdown(phases: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
+    """Milliseconds per decode step, by part, per config (profiled pass: `adapter.StepTimer`).
+
+    The worker's host time in the model runner's `execute_model` (inputs and the forward's launches), in
+    `sample_tokens` less the proposer (sampling, verification, bookkeeping), in the proposer's `propose`, and the
+    rest of the step interval the front end saw (engine-core scheduling, inter-process messages, output
+    processing, and any wait for the GPU). `gpu_forward_ms` is the forward's GPU span, for comparison."""
+    per_call = phases.group_by(["config", "phase"]).agg(pl.col("host_ms").sum(), pl.col("gpu_ms").sum())
+    counts = steps.group_by("config").agg(pl.len().alias("steps"), (pl.col("step_s").mean() * 1e3).alias("step_ms"))
+    wide = per_call.pivot(on="phase", index="config", values="host_ms", aggregate_function="first").fill_null(0.0)
+    gpu = per_call.filter(pl.col("phase") == "execute_model").select("config", pl.col("gpu_ms").alias("gpu_total"))
+    propose = [c for c in wide.columns if c.startswith("propose")]
+    out = (wide.join(counts, on="config").join(gpu, on="config")
+           .with_columns(pl.sum_horizontal(propose).alias("_propose") if propose else pl.lit(0.0).alias("_propose"))
+           .with_columns((pl.col("execute_model") / pl.col("steps")).alias(PARTS[0]),
+                         ((pl.col("sample_tokens") - pl.col("_propose")) / pl.col("steps")).alias(PARTS[1]),
+                         (pl.col("_propose") / pl.col("steps")).alias(PARTS[2]),
+                         (pl.col("gpu_total") / pl.col("steps")).alias("gpu_forward_ms")))
+    out = out.with_columns((pl.col("step_ms") - pl.sum_horizontal(PARTS[:3])).clip(lower_bound=0).alias(PARTS[3]))
+    return (out.select("config", pl.col("config").map_elements(family, return_dtype=pl.String).alias("family"),
+                       "step_ms", *PARTS, "gpu_forward_ms", "steps")
+            .sort("step_ms"))
+
+
+def load(results_path: str | Path) -> dict[str, pl.DataFrame]:
+    """The results and, where the run was profiled, its phases and profiled steps (empty frames otherwise)."""
+    path = Path(results_path)
+    out = {"results": pl.read_parquet(path)}
+    for part in ("phases", "profile_steps", "steps"):
+        side = path.with_name(f"{path.stem}.{part}.parquet")
+        out[part] = pl.read_parquet(side) if side.exists() else pl.DataFrame()
+    return out
+
+
+__all__ = ["run_ratios", "summary", "concurrency", "step_breakdown", "load", "family", "PARTS"]
