@@ -29,7 +29,7 @@ from hqlab.config import ConfigError, DecodeConfig, LookupConfig  # noqa: E402
 from hqlab.engines.vllm import gpu_lookup, plugin  # noqa: E402
 from hqlab.engines.vllm.engine import (Run, StepEvent, frames_from_raw, raw_table, runs_from_raw,  # noqa: E402
                                        setting_for, step_records)
-from hqlab.engines.vllm.gpu_lookup import GpuLookupSpeculator  # noqa: E402
+from hqlab.engines.vllm.gpu_lookup import RECORD_CAPACITY, GpuLookupSpeculator  # noqa: E402
 from hqlab.rules.lookup import suffix_match  # noqa: E402
 from hqlab.trace import Generation  # noqa: E402
 
@@ -120,12 +120,12 @@ def test_records_are_taken_once_and_overflow_is_an_error():
     tokens = torch.zeros(2, 64, dtype=torch.int32)
     tokens[0, :5] = torch.from_numpy(h)
     speculator.bind(tokens, torch.tensor([5, 0], dtype=torch.int32))
-    out = speculator.lookup(torch.tensor([0], dtype=torch.int32), 1, req_ids=["a"])
+    out = speculator.lookup(torch.tensor([0], dtype=torch.int32), 1)
+    speculator.recorder.note(["a"], 0.0)
     assert out.tolist() == [[3, 1, 2]]  # after "1 2" came "3 1 2"
     assert [r["tokens"] for r in speculator.take_records()] == [[3, 1, 2]] and speculator.take_records() == []
-    speculator.recorder.capacity = 2
-    for _ in range(3):
-        speculator.lookup(torch.tensor([0], dtype=torch.int32), 1, req_ids=["a"])
+    for _ in range(RECORD_CAPACITY + 1):
+        speculator.recorder.note(["a"], 0.0)
     with pytest.raises(RuntimeError, match="take them more often"):
         speculator.take_records()
 
@@ -232,3 +232,29 @@ def test_concurrent_runs_round_trip_and_become_rows_with_throughput_and_step_eff
     assert together["batch_tok_s"].to_list() == [24.0, 24.0, 12.0, 12.0]  # 6 tokens / wall
     # checked against the batch-1 reference, where there is one
     assert together["divergence"].to_list() == ["mismatch", None, "identical", None]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_captured_drafting_equals_eager_drafting_on_the_gpu():
+    histories = real_histories()
+    tokens, lengths = vllm_rows(histories)
+    config = LookupConfig(nmin=1, nmax=32, k=15, policy="earliest")
+
+    def build(graphs: bool) -> GpuLookupSpeculator:
+        s = GpuLookupSpeculator.standalone(config, max_num_reqs=SLOTS, max_model_len=WIDTH, pad=VOCAB - 1,
+                                           device="cuda", record=True)
+        s.bind(tokens.cuda(), lengths.cuda())
+        s.use_graphs = graphs
+        s.capture()
+        return s
+
+    eager, graphed = build(False), build(True)
+    assert len(graphed.graphs) == SLOTS and not eager.graphs
+    for rows in ([3, 0, 6], [7], [0, 1, 2, 3, 4, 5, 6, 7], [5, 2]):
+        idx = torch.tensor(rows, dtype=torch.int32, device="cuda")
+        want = eager.lookup(idx, len(rows)).clone()
+        got = graphed.lookup(idx, len(rows))
+        for s in (eager, graphed):
+            s.recorder.note([f"r{r}" for r in rows], 0.0)
+        assert torch.equal(got, want), rows
+    assert graphed.take_records() == eager.take_records()

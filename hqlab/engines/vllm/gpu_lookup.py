@@ -10,6 +10,8 @@ where vLLM's own EAGLE/MTP speculators run instead: after sampling, inside the w
   `hqlab.rules.lookup.suffix_match` (tests/test_kernels.py), one launch for the batch, no allocation.
 - The drafts stay on the GPU: vLLM's runner copies them into its draft buffer and verifies them next step. Nothing
   here reads a device value on the host, so the step adds no synchronisation.
+- The drafting step (gathers, the kernel, the pad fill, the record ring) is captured in one CUDA graph per batch
+  size when vLLM captures its own (`capture`), so a step costs the host one copy and one graph launch.
 
 vLLM 0.26's V2 runner verifies the same number of draft positions (`num_speculative_tokens`) for every request on
 every step: its scheduler reserves them before the drafts exist (asynchronous scheduling). Positions the lookup
@@ -65,23 +67,36 @@ def is_gpu_lookup(speculative_config: Any) -> bool:
 
 
 class StepRecorder:
-    """Per-step drafts kept on the GPU (no host read while decoding), read back in one copy by `take`."""
+    """Per-step drafts kept on the GPU (no host read while decoding), read back in one copy by `take`.
+
+    `write` runs on the device only (its ring slot comes from a device counter, so it can be captured in a CUDA
+    graph); `note` keeps the host half of the same step (request ids, host time). Every `write` is followed by one
+    `note`, so the n-th noted step sits in slot n mod capacity."""
 
     def __init__(self, capacity: int, max_reqs: int, k: int, device: torch.device | str) -> None:
         self.capacity = int(capacity)
         self.meta = torch.zeros(self.capacity, max_reqs, 3, dtype=torch.int32, device=device)
         self.tokens = torch.zeros(self.capacity, max_reqs, k, dtype=torch.int32, device=device)
+        self.counter = torch.zeros(1, dtype=torch.int64, device=device)  # steps written, on the device
         self.steps: list[tuple[int, list[str], float]] = []  # (ring slot, request ids, host seconds)
-        self.count = 0
+        self.count = 0  # steps noted, on the host
 
-    def add(self, req_ids: list[str], lengths: torch.Tensor, match_len: torch.Tensor, valid: torch.Tensor,
-            proposals: torch.Tensor, host_s: float) -> None:
-        slot = self.count % self.capacity
-        n = len(req_ids)
-        self.meta[slot, :n].copy_(torch.stack((lengths.to(torch.int32), match_len, valid), 1))
-        self.tokens[slot, :n].copy_(proposals)
-        self.steps.append((slot, list(req_ids), host_s))
+    def write(self, lengths: torch.Tensor, match_len: torch.Tensor, valid: torch.Tensor,
+              proposals: torch.Tensor) -> None:
+        m = lengths.shape[0]
+        slot = self.counter.remainder(self.capacity)
+        self.meta[slot, :m] = torch.stack((lengths.to(torch.int32), match_len, valid), 1)[None]
+        self.tokens[slot, :m] = proposals[None]
+        self.counter += 1
+
+    def note(self, req_ids: list[str], host_s: float) -> None:
+        self.steps.append((self.count % self.capacity, list(req_ids), host_s))
         self.count += 1
+
+    def restart(self) -> None:
+        """Forget everything (after warm-up and graph capture, which write without a step to note)."""
+        self.counter.zero_()
+        self.steps, self.count = [], 0
 
     def take(self) -> list[dict[str, Any]]:
         """Every step since the last call, one dict per (step, request); clears them."""
@@ -164,9 +179,12 @@ class GpuLookupSpeculator:
         self.matcher = SuffixMatcher(self.max_num_reqs, self.k, nmin=c.nmin, nmax=c.nmax, search=c.search,
                                      full=c.full, policy=c.policy, max_len=self.max_model_len, device=self.device)
         self.draft_tokens = torch.zeros(self.max_num_reqs, self.k, dtype=torch.int64, device=self.device)
+        self.rows = torch.full((self.max_num_reqs,), -1, dtype=torch.int32, device=self.device)  # slots to draft for
         self.row_offsets: torch.Tensor | None = None
         self.state: _RequestState | None = None
         self.recorder = StepRecorder(RECORD_CAPACITY, self.max_num_reqs, self.k, self.device) if record else None
+        self.use_graphs = False  # vLLM's cudagraph mode, from init_cudagraph_manager
+        self.graphs: dict[int, Any] = {}  # batch size -> captured drafting step (`capture`)
         # What vLLM's V2 runner reads from a speculator.
         self.draft_logits = None
         self.supports_mm_inputs = False
@@ -187,10 +205,28 @@ class GpuLookupSpeculator:
     # vLLM's speculator interface -------------------------------------------------------------------------------
 
     def init_cudagraph_manager(self, cudagraph_mode: Any) -> None:
-        """Nothing to capture: the lookup is one kernel launch after the target's (captured) forward."""
+        """Capture the drafting step in CUDA graphs unless vLLM runs eagerly (cudagraph mode NONE)."""
+        self.use_graphs = getattr(cudagraph_mode, "name", "NONE") != "NONE"
 
     def capture(self) -> None:
-        pass
+        """One CUDA graph per batch size up to max_num_seqs: a step then costs one copy and one graph launch
+        instead of about ten kernel launches from Python. Called by vLLM after it captured the target."""
+        if not (self.use_graphs and self.state is not None and self.device.type == "cuda"):
+            return
+        pool = torch.cuda.graph_pool_handle()
+        for m in range(1, self.max_num_reqs + 1):
+            self.rows.fill_(-1)
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # warm up off the capture (Triton compiles, allocator settles)
+                self._draft(m)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._draft(m)
+            self.graphs[m] = graph
+        if self.recorder is not None:
+            self.recorder.restart()
 
     def propose(self, input_batch: Any, attn_metadata: Any = None, slot_mappings: Any = None,
                 last_hidden_states: Any = None, aux_hidden_states: Any = None, num_sampled: Any = None,
@@ -201,29 +237,41 @@ class GpuLookupSpeculator:
         if dummy_run or self.state is None:  # warm-up and profiling runs: vLLM only needs the shape
             return self.draft_tokens[:n]
         start = time.perf_counter()
-        drafts = self.lookup(input_batch.idx_mapping, n, req_ids=input_batch.req_ids)
+        drafts = self.lookup(input_batch.idx_mapping, n)
         if self.recorder is not None:
-            self.recorder.steps[-1] = (*self.recorder.steps[-1][:2], time.perf_counter() - start)
+            self.recorder.note(input_batch.req_ids, time.perf_counter() - start)
         return drafts
 
     # The drafting step itself --------------------------------------------------------------------------------
 
-    def lookup(self, rows: torch.Tensor, n: int, *, req_ids: list[str] | None = None) -> torch.Tensor:
+    def lookup(self, rows: torch.Tensor, n: int) -> torch.Tensor:
         """Drafts [n, k] int64 for the request slots `rows` ([n] int32/int64 on the device), on the device.
 
-        Entries past each request's `valid` hold `pad`. No host synchronisation, no allocation beyond a few
-        n-sized temporaries."""
+        Entries past each request's `valid` hold `pad`. No host synchronisation; through a captured graph when
+        there is one for n. With recording on, the caller notes the step (`recorder.note`)."""
         assert self.state is not None and self.row_offsets is not None, "bind() vLLM's request state first"
-        lengths = self.state.total_len[rows]
-        offsets = self.row_offsets[rows]
+        self.rows[:n].copy_(rows)
+        graph = self.graphs.get(n)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._draft(n)
+        return self.draft_tokens[:n]
+
+    def _draft(self, m: int) -> None:
+        """The first m slots of `rows` (-1: none) -> `draft_tokens[:m]` (+ the record ring). Static shapes, no
+        host reads: the body of the captured graphs."""
+        assert self.state is not None and self.row_offsets is not None
+        rows = self.rows[:m]
+        slot = rows.clamp(min=0)
+        lengths = torch.where(rows >= 0, self.state.total_len[slot], 0)
+        offsets = self.row_offsets[slot]
         proposals, match_len, valid = self.matcher(self.state.all_token_ids.view(-1), offsets, lengths)
-        drafts = self.draft_tokens[:n]
+        drafts = self.draft_tokens[:m]
         drafts.copy_(proposals)
         drafts.masked_fill_(proposals < 0, self.pad)
         if self.recorder is not None:
-            self.recorder.add(req_ids if req_ids is not None else [str(i) for i in range(n)], lengths, match_len,
-                              valid, proposals, 0.0)
-        return drafts
+            self.recorder.write(lengths, match_len, valid, proposals)
 
     def take_records(self) -> list[dict[str, Any]]:
         """The per-step drafts since the last call (empty when recording is off)."""
