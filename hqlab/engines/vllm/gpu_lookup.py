@@ -44,12 +44,37 @@ PAD_KEY = "hqlab_pad_token"  # additional_config key: override the pad token id
 RECORD_CAPACITY = 4096  # steps kept between two `take_records` calls
 
 
-def lookup_config(spec: str) -> LookupConfig:
-    """The lookup settings of a `gpu-lookup:...` (or `lookup:...`) spec, validated."""
+WIDTHS = ("fixed", "stale")
+
+
+@dataclass(frozen=True)
+class GpuLookupConfig(LookupConfig):
+    """The lookup's settings plus how many positions a step verifies (SPEC §2.5's stale flag, for the lookup).
+
+    width:     "fixed": every step verifies k draft positions per request (vLLM's scheduler reserves them before
+               the drafts exist). "stale": a request verifies k positions only if the lookup found at least
+               `min_valid` tokens to propose one step earlier, else none (a plain step); the scheduler learns it a
+               step late, as HyperQwen read its qualify flag.
+    min_valid: the fewest proposable tokens that keep a request's next-but-one step wide (width "stale").
+    """
+
+    width: str = "fixed"
+    min_valid: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.width not in WIDTHS:
+            raise ConfigError(f"width must be one of {', '.join(WIDTHS)} (got {self.width!r})")
+        if not 1 <= self.min_valid <= self.k:
+            raise ConfigError(f"min_valid must be in [1, k={self.k}] (got {self.min_valid})")
+
+
+def lookup_config(spec: str) -> GpuLookupConfig:
+    """The settings of a `gpu-lookup:...` (or `lookup:...`) spec, validated."""
     name, values = parse_spec(spec)
     if name not in (NAME, "lookup"):
         raise ConfigError(f"{spec!r} is not a {NAME} spec (expected '{NAME}:nmin=..,nmax=..,k=..,policy=..')")
-    return build_config(LookupConfig, values, context=f"proposer {NAME!r}")
+    return build_config(GpuLookupConfig, values, context=f"proposer {NAME!r}")
 
 
 def speculative_config(spec: str) -> dict[str, Any]:
@@ -183,6 +208,14 @@ class GpuLookupSpeculator:
         self.row_offsets: torch.Tensor | None = None
         self.state: _RequestState | None = None
         self.recorder = StepRecorder(RECORD_CAPACITY, self.max_num_reqs, self.k, self.device) if record else None
+        # Width "stale": each request's next-but-one width, computed on the device and copied to pinned host
+        # memory without waiting; the scheduler reads it through the step's output (plugin.py).
+        self.stale = getattr(self.config, "width", "fixed") == "stale"
+        self.widths = torch.zeros(self.max_num_reqs, dtype=torch.int32, device=self.device)
+        self.pending: tuple[list[str], Any, Any] | None = None  # (request ids, host copy, copy-done event)
+        self._host_widths = [torch.zeros(self.max_num_reqs, dtype=torch.int32,
+                                         pin_memory=self.device.type == "cuda") for _ in range(4)]
+        self._host_turn = 0
         self.use_graphs = False  # vLLM's cudagraph mode, from init_cudagraph_manager
         self.graphs: dict[int, Any] = {}  # batch size -> captured drafting step (`capture`)
         # What vLLM's V2 runner reads from a speculator.
@@ -238,9 +271,28 @@ class GpuLookupSpeculator:
             return self.draft_tokens[:n]
         start = time.perf_counter()
         drafts = self.lookup(input_batch.idx_mapping, n)
+        if self.stale:
+            self.pending = self._copy_widths(list(input_batch.req_ids), n)
         if self.recorder is not None:
             self.recorder.note(input_batch.req_ids, time.perf_counter() - start)
         return drafts
+
+    def _copy_widths(self, req_ids: list[str], n: int) -> tuple[list[str], torch.Tensor, Any]:
+        """Start copying this step's widths to the host (no wait); a ring of pinned buffers, since up to three
+        steps are in flight under asynchronous scheduling."""
+        self._host_turn = (self._host_turn + 1) % len(self._host_widths)
+        host = self._host_widths[self._host_turn][:n]
+        host.copy_(self.widths[:n], non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return req_ids, host, event
+
+    def take_pending_widths(self) -> tuple[list[str], torch.Tensor, Any] | None:
+        """The widths of the step just proposed (for the runner's output), once."""
+        pending, self.pending = self.pending, None
+        return pending
 
     # The drafting step itself --------------------------------------------------------------------------------
 
@@ -270,6 +322,8 @@ class GpuLookupSpeculator:
         drafts = self.draft_tokens[:m]
         drafts.copy_(proposals)
         drafts.masked_fill_(proposals < 0, self.pad)
+        if self.stale:
+            self.widths[:m] = torch.where(valid >= self.config.min_valid, self.k, 0)
         if self.recorder is not None:
             self.recorder.write(lengths, match_len, valid, proposals)
 
@@ -278,5 +332,15 @@ class GpuLookupSpeculator:
         return self.recorder.take() if self.recorder is not None else []
 
 
-__all__ = ["GpuLookupSpeculator", "StepRecorder", "lookup_config", "speculative_config", "is_gpu_lookup", "NAME",
+__all__ = ["GpuLookupSpeculator", "GpuLookupConfig", "StepRecorder", "lookup_config", "widths_of", "speculative_config", "is_gpu_lookup", "NAME",
            "CLASS_PATH", "SPEC_KEY", "RECORD_KEY", "PAD_KEY"]
+
+
+def widths_of(pending: tuple[list[str], torch.Tensor, Any] | None) -> dict[str, int]:
+    """request id -> width, once the copy started by `propose` has landed (waits for that copy only)."""
+    if pending is None:
+        return {}
+    req_ids, host, event = pending
+    if event is not None:
+        event.synchronize()
+    return dict(zip(req_ids, host.tolist()))
