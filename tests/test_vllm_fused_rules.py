@@ -11,9 +11,9 @@ GPU step, allowed only because these tests hold it to the references:
   `simulate` over whole sequences and HyperQwen's unanimous batch mode;
 - recorded traces (data/results/*.steps.parquet): the block lengths the engine recorded are reproduced, and real
   take-flag / emitted sequences replayed under every schedule config give the reference's decisions;
-- no synchronisation: the module has no host reads in its source, its outputs' shapes do not depend on values,
-  it traces into one graph (torch.compile fullgraph), and on CUDA it runs under sync-debug "error" and replays
-  from a captured CUDA graph.
+- no synchronisation: the module's source has no host-read calls and branches only on the config and shapes,
+  its outputs' shapes do not depend on values, it traces into one graph (torch.compile fullgraph), and on CUDA it
+  runs under sync-debug "error" and replays from a captured CUDA graph.
 
 Runs on the GPU when there is one, else on the CPU.
 """
@@ -632,7 +632,8 @@ def test_preallocated_outputs_are_written_in_place():
 
 
 def test_traces_into_one_graph():
-    """torch.compile(fullgraph=True) refuses a function with a host read or a value-dependent Python branch."""
+    """torch.compile(fullgraph=True) refuses a Python branch on a tensor value and a shape sized by one (it no
+    longer refuses `.item()` itself: the source scan above and the CUDA sync-debug test catch host reads)."""
     config, schedule = FusionConfig.articles(), ScheduleConfig(stale=1)
     x = random_fusion_inputs(np.random.default_rng(8), config, 6, 15, 12)
     args = (as_tensor(x.draft, torch.int64), as_tensor(x.lookup, torch.int64), as_tensor(x.valid, torch.int32),

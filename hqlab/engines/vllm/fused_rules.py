@@ -188,7 +188,9 @@ class ScheduleTensors:
         return self.run, self.hold, self.long, self.pending
 
     def reset(self, rows: Rows) -> None:
-        """Back to the fresh state for the given slots: indices, or a [B] bool mask (a reused slot is a new request)."""
+        """Back to the fresh state for the given slots (a reused slot holds a new request): a [B] bool mask or
+        indices. Indices given as a Python sequence are copied to the device first; that happens when requests are
+        admitted, outside the decode step, and a device tensor avoids it."""
         if isinstance(rows, torch.Tensor) and rows.dtype == torch.bool:
             for field in self._fields():
                 field.masked_fill_(rows, 0)
@@ -305,7 +307,7 @@ def step_unanimous_tensors(
     sticky = torch.where(alone, config.sticky, 0).to(torch.int32)  # 0-d: no host read of the batch size
     new, wanted = _advance(state, take_flag, emitted_last, config, sticky)
     batch_len = unanimous_block_len_tensors(wanted, config, in_batch)
-    return _keep_inactive(state, new, batch_len.expand_as(wanted), active if active is not None else in_batch)
+    return _keep_inactive(state, new, batch_len.expand_as(wanted), in_batch)
 
 
 __all__ = ["FusedTensors", "ScheduleTensors", "SOURCE_NONE", "agree_count_tensors", "fuse_tensors",
