@@ -115,11 +115,14 @@ def fuse_tensors(
                          f"and {tuple(match_len.shape)}")
     if config.rule not in ("threshold", "score"):  # FusionConfig refuses others; a new rule must be added here
         raise NotImplementedError(f"fuse_tensors implements the 'threshold' and 'score' rules, not {config.rule!r}")
+    if out is not None and (out.tokens.shape[0] < batch or out.tokens.shape[1] != k):
+        raise ValueError(f"out holds [{out.tokens.shape[0]}, {out.tokens.shape[1]}] blocks, need at least "
+                         f"[{batch}, {k}]")
 
+    valid = lookup_valid
     positions = torch.arange(k, device=lookup_tokens.device)
     in_head = positions < head_len  # [k]
-    supplied = positions < lookup_valid[:, None]  # [B, k]: only these positions may hold a lookup token
-    valid = lookup_valid
+    supplied = positions < valid[:, None]  # [B, k]: only these positions may hold a lookup token
     agreed = agree_count_tensors(draft_tokens, lookup_tokens, valid)
 
     if config.rule == "threshold":
@@ -146,9 +149,6 @@ def fuse_tensors(
     result = FusedTensors(tokens, sources, n_proposed.to(torch.int32), take_flag, head_taken, tail_taken)
     if out is None:
         return result
-    if out.tokens.shape[0] < batch or out.tokens.shape[1] != k:
-        raise ValueError(f"out holds [{out.tokens.shape[0]}, {out.tokens.shape[1]}] blocks, need at least "
-                         f"[{batch}, {k}]")
     target = out.rows(batch)
     for dst, src in zip(target, result):
         dst.copy_(src)
