@@ -93,13 +93,6 @@ def provenance(device: Any) -> dict[str, str | None]:
     return {"git_commit": git_commit(), **versions(), "device": device_name(device)}
 
 
-def check_columns(row: dict[str, Any]) -> None:
-    """Raise ValueError naming the provenance columns a result row lacks (writers call it before writing)."""
-    missing = [c for c in COLUMNS if c not in row]
-    if missing:
-        raise ValueError(f"result row lacks provenance column(s) {', '.join(missing)}")
-
-
 __all__ = ["COLUMNS", "git_commit", "package_version", "versions", "device_name", "provenance", "cpu_name"]
 
 if __name__ == "__main__":  # print this process's provenance

@@ -12,7 +12,8 @@
    no-speculation run's price.
 
 Grids: `parse_grid("lookup:nmin=1|2|6,nmax=8|12,k=15")` expands `|`-separated values of any keys a proposer's
-config accepts (lookup, fusion and scheduler keys of a fused proposer alike).
+config accepts (lookup, fusion and scheduler keys of a fused proposer alike). The command is `hqlab sweep`
+(`hqlab/cli.py`).
 """
 
 from __future__ import annotations
