@@ -43,7 +43,10 @@ def bench(args: argparse.Namespace) -> int:
     from hqlab.engines import vllm as hv
     from hqlab.workloads import load_workload
 
+    from hqlab import provenance
+
     machine = hv.machine_description()  # before any CUDA call: vLLM forks its engine processes then
+    versions = {**provenance.versions(), "device": f"cuda ({machine.split(',')[0]})"}
     log(machine)
     t = time.time()
     folder = models.prepare(args.model)
@@ -73,7 +76,8 @@ def bench(args: argparse.Namespace) -> int:
 
         pq.write_table(hv.raw_table(runs), str(raw_path) + ".tmp")
         os.replace(str(raw_path) + ".tmp", raw_path)
-        meta = {"machine": machine, "model": args.model, "dtype": options.dtype, "doc_tokens": args.doc_tokens,
+        meta = {"machine": machine, "versions": versions, "model": args.model, "dtype": options.dtype,
+                "doc_tokens": args.doc_tokens,
                 "suite": args.suite, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
                 "concurrency": args.concurrency, "tensor_parallel_size": args.tensor_parallel_size,
                 "engines": described}
@@ -125,6 +129,14 @@ def finish(args: argparse.Namespace) -> None:
     decode = DecodeConfig(max_new_tokens=metas[0]["max_new_tokens"])
     engines = [e for m in metas for e in m["engines"]]
     results, steps = hv.frames_from_raw(runs, decode, meta, engines)
+    # Provenance: versions and device as the GPU host reported them; the commit is the one whose code ran there
+    # (the host gets the working tree without its history).
+    from hqlab import provenance
+
+    host = metas[0].get("versions") or {}
+    results = results.with_columns(pl.lit(args.commit or provenance.git_commit()).alias("git_commit"),
+                                   *(pl.lit(host.get(c), dtype=pl.String).alias(c)
+                                     for c in provenance.COLUMNS if c != "git_commit"))
     phases = [{"config": e["config"], "prompt_id": p["prompt_id"], "category": p["category"], **ph}
               for e in engines for p in e.get("profile", []) for ph in p["phases"]]
     profile_steps = [{"config": e["config"], "prompt_id": p["prompt_id"], "category": p["category"], **st}
@@ -168,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--out", default=str(ROOT / "data" / "results" / "vllm_gpu_h200.parquet"))
     f.add_argument("--run", default="a", help="name of this run (one GPU session's reference and configs)")
     f.add_argument("--append", action="store_true", help="keep the other runs already in --out")
+    f.add_argument("--commit", default=None, help="the commit whose code ran on the host (default: this checkout's)")
     args = ap.parse_args(argv)
     if args.cmd == "bench":
         return bench(args)

@@ -2,12 +2,12 @@
 
 Hygiene (SPEC §3): the engine's own no-speculation run is always first and is the reference every greedy output
 is checked against; configs are interleaved per prompt so drift hits them alike; timings are medians over
-repeats; the machine is written next to the numbers.
+repeats; the machine and the provenance (commit, library versions, device: `hqlab.provenance`) are written in
+every row.
 """
 
 from __future__ import annotations
 
-import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -19,10 +19,11 @@ import torch
 from tqdm.auto import tqdm
 
 from hqlab.config import ConfigError, DecodeConfig, build_config, parse_spec
+from hqlab import provenance
 from hqlab.lossless import NEAR_TIE_TOL, compare
 from hqlab.proposers import REGISTRY, Proposer, make_proposer
 from hqlab.trace import Generation, acceptance_curve, records_frame
-from hqlab.workloads import Prompt
+from hqlab.workloads import Prompt, WorkloadError, load_workload, read_jsonl, suite_names
 
 
 @dataclass(frozen=True)
@@ -73,16 +74,79 @@ def parse_configs(specs: Sequence[str]) -> list[RunConfig]:
     return configs
 
 
+def check_workload(suite: str, doc_tokens: int | None = None) -> None:
+    """Raise WorkloadError unless `suite` is a built-in suite or a valid JSONL workload file (read whole), and
+    `doc_tokens` a valid document length. Needs no tokenizer and loads no model."""
+    if suite in suite_names():
+        if doc_tokens is not None and suite != "chat" and doc_tokens < 64:
+            raise WorkloadError(f"doc_tokens must be >= 64 (got {doc_tokens})")
+        return
+    path = Path(suite)
+    if path.is_dir():
+        raise WorkloadError(f"workload {suite!r} is a folder; give a suite ({', '.join(suite_names())}) or a "
+                            f"JSONL file")
+    if not path.exists():
+        load_workload(suite)  # raises: unknown suite and no such file
+    read_jsonl(path)
+
+
+def check_specs(specs: Sequence[str]) -> None:
+    """Validate every proposer spec (its name, keys and values, a drafter's model name, dtype, device and
+    vocabulary file) without building any proposer: nothing is loaded."""
+    from hqlab import models
+    from hqlab.sweep import spec_config
+
+    for spec in specs:
+        name, values = parse_spec(spec)
+        if name in EXTERNAL:
+            build_config(EXTERNAL[name], values, context=name)
+            continue
+        if name not in REGISTRY:
+            known = sorted([*REGISTRY, *EXTERNAL])
+            raise ConfigError(f"unknown proposer {name!r} in {spec!r}; known: {', '.join(known)}")
+        config = spec_config(spec)
+        try:
+            if getattr(config, "model", ""):
+                models.resolve(config.model)
+            if getattr(config, "dtype", "auto") != "auto":
+                models.resolve_dtype(config.dtype)
+            if getattr(config, "device", "auto") != "auto":
+                models.resolve_device(config.device)
+        except models.ModelError as e:
+            raise ConfigError(f"{spec!r}: {e}") from None
+        if getattr(config, "vocab", ""):
+            from hqlab.vocab import VocabError, load_draft_vocab
+
+            try:
+                load_draft_vocab(config.vocab)
+            except VocabError as e:
+                raise ConfigError(f"{spec!r}: {e}") from None
+
+
 def machine_description(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return f"CPU {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    return f"CPU {provenance.cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def run_meta(engine: Any, decode: DecodeConfig, meta: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    """The columns every result row of `engine` shares: engine, model, dtype, machine, the provenance columns
+    (`hqlab.provenance.COLUMNS`: commit, torch/transformers/triton/vllm versions, device) and `meta`."""
+    dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
+    return {"engine": "hf", "model": getattr(engine.info, "name", "custom"), "dtype": dtype, **extra,
+            "machine": machine_description(engine.device), **provenance.provenance(engine.device),
+            "max_new_tokens": decode.max_new_tokens, **(meta or {})}
+
+
+def with_provenance(results: pl.DataFrame, device: Any) -> pl.DataFrame:
+    """`results` with every provenance column, as strings: the ones it lacks are those of this process on
+    `device` (engines whose rows are built elsewhere, such as vLLM's, get theirs here)."""
+    if results.is_empty():
+        return results
+    columns = provenance.provenance(device)
+    missing = {c: v for c, v in columns.items() if c not in results.columns}
+    return results.with_columns(*(pl.lit(v, dtype=pl.String).alias(c) for c, v in missing.items()),
+                                *(pl.col(c).cast(pl.String) for c in columns if c in results.columns))
 
 
 def _run_one(engine: Any, config: RunConfig, prompt_ids: list[int], decode: DecodeConfig, pid: str) -> Generation:
@@ -120,11 +184,8 @@ def run_bench(engine: Any, prompts: Sequence[Prompt], specs: Sequence[str], deco
         raise ConfigError(f"repeats must be >= 1 (got {repeats})")
     configs = parse_configs(specs)
     encoded = encode_prompts(engine, prompts, decode.max_new_tokens)
-    dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
-    tol = NEAR_TIE_TOL.get(dtype, 0.01)
-    machine = machine_description(engine.device)
-    base_meta = {"engine": "hf", "model": getattr(engine.info, "name", "custom"), "dtype": dtype,
-                 "machine": machine, "max_new_tokens": decode.max_new_tokens, **(meta or {})}
+    base_meta = run_meta(engine, decode, meta)
+    tol = NEAR_TIE_TOL.get(base_meta["dtype"], 0.01)
 
     if warmup and encoded:
         _warm_up(engine, encoded[0], configs)
@@ -143,7 +204,7 @@ def run_bench(engine: Any, prompts: Sequence[Prompt], specs: Sequence[str], deco
         rows += prompt_result
         steps += prompt_steps
     bar.close()
-    results = pl.DataFrame(rows)
+    results = with_provenance(pl.DataFrame(rows), engine.device)
     step_frame = pl.concat(steps, how="diagonal_relaxed") if steps else pl.DataFrame()
     return results, step_frame
 
@@ -211,14 +272,11 @@ def run_batch_bench(engine: Any, prompts: Sequence[Prompt], specs: Sequence[str]
     if any(c.external is not None for c in configs):
         raise ConfigError("batched runs take hqlab proposers only (transformers' generate runs one request)")
     encoded = encode_prompts(engine, prompts, decode.max_new_tokens)
-    dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
-    tol = NEAR_TIE_TOL.get(dtype, 0.01)
+    base_meta = run_meta(engine, decode, meta, batch=batch)
+    tol = NEAR_TIE_TOL.get(base_meta["dtype"], 0.01)
     names = [p.id for p in prompts]
     if references is None:
         references = {p.id: engine.generate(ids, None, decode, request=p.id) for p, ids in zip(prompts, encoded)}
-    base_meta = {"engine": "hf", "model": getattr(engine.info, "name", "custom"), "dtype": dtype, "batch": batch,
-                 "machine": machine_description(engine.device), "max_new_tokens": decode.max_new_tokens,
-                 **(meta or {})}
     rows, steps = [], []
     for config in tqdm(configs, desc=f"batch {batch}", disable=not progress):
         walls, first = [], None
@@ -242,7 +300,7 @@ def run_batch_bench(engine: Any, prompts: Sequence[Prompt], specs: Sequence[str]
                 **_lossless_columns(check),
             })
             _append_steps(steps, g.records, config.label, prompt.category)
-    results = pl.DataFrame(rows)
+    results = with_provenance(pl.DataFrame(rows), engine.device)
     return results, (pl.concat(steps, how="diagonal_relaxed") if steps else pl.DataFrame())
 
 

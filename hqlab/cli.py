@@ -1,12 +1,30 @@
-"""hqlab command line: bench, figures, and listings. Every input is validated before any model is loaded."""
+"""hqlab command line: bench, sweep, figures, vocab, site and listings.
+
+Every command validates all its inputs (specs, grids, suites and workload files, models, devices and dtypes,
+parameter files, notebook names, output paths) before it loads a model or writes anything, and a bad input ends
+the command with one line on stderr naming the problem and exit code 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from hqlab.config import ConfigError, DecodeConfig
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with errors on one line (usage is in --help), exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Input checks: cheap, and nothing is loaded or written
 
 
 def _out_path(value: str) -> Path:
@@ -18,36 +36,106 @@ def _out_path(value: str) -> Path:
     return path
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    import polars as pl
+def check_writable(path: Path, option: str, *, folder: bool = False) -> None:
+    """`path` can be created or replaced: it is not a folder (unless `folder`), no parent is a file, and the
+    nearest existing parent is writable. Creates nothing."""
+    if path.exists() and path.is_dir() != folder:
+        raise ConfigError(f"{option} {str(path)!r} is {'a file' if folder else 'a directory'}")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"{option} {str(path)!r}: {parent} is a file, not a folder")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise ConfigError(f"{option} {str(path)!r}: {parent} is not writable")
+            return
 
-    from hqlab import bench, plots
-    from hqlab.engines.hf import HFEngine
-    from hqlab.workloads import load_workload
+
+def check_figure(path: Path | None) -> None:
+    if path is None:
+        return
+    if path.suffix != ".svg":
+        raise ConfigError(f"--figure must end in .svg (got {str(path)!r}); a .png is written beside it")
+    check_writable(path, "--figure")
+
+
+def check_model(name: str | None, option: str = "--model") -> str:
+    """The model name (default: the registry's default), after checking it names an offline model, an existing
+    folder or .gguf file, or a hub id. Nothing is downloaded or converted."""
+    from hqlab import models
+
+    name = name or models.DEFAULT_MODEL
+    source, key = models.resolve(name)
+    if source == "path" and Path(key).is_file() and not key.endswith(".gguf"):
+        raise ConfigError(f"{option} {name!r} is a file but not a .gguf; give a model folder, a .gguf file or a "
+                          f"hub id")
+    if source == "path" and Path(key).is_dir() and not (Path(key) / "config.json").is_file():
+        raise ConfigError(f"{option} {name!r} is a folder without config.json, not a model folder "
+                          f"from_pretrained can load")
+    return name
+
+
+def check_device_dtype(device: str, dtype: str) -> None:
+    from hqlab import models
+
+    models.resolve_dtype(dtype)
+    models.resolve_device(device)
+
+
+def check_counts(**values: int) -> None:
+    """`limit`-like options must be >= 0, `repeats`-like >= 1 (named by the keyword)."""
+    for name, value in values.items():
+        least = 0 if name == "limit" else 1
+        if value < least:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= {least} (got {value})")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Commands
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from hqlab import bench
 
     decode = DecodeConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed)
     if args.engine not in ("hf", "vllm"):
         raise ConfigError(f"unknown engine {args.engine!r}; available: hf, vllm")
+    check_counts(repeats=args.repeats, limit=args.limit)
+    check_writable(args.out, "--out")
+    check_figure(args.figure)
+    model = check_model(args.model)
+    check_device_dtype(args.device, args.dtype)
+    bench.check_workload(args.suite, args.doc_tokens)
     if args.engine == "hf":
-        bench.parse_configs(args.proposer)  # fail on a bad spec before loading anything
-    if args.suite not in ("labd", "all") and not Path(args.suite).exists():
-        load_workload(args.suite)  # validates a file / name early (document suites need the tokenizer)
+        bench.check_specs(args.proposer)
+    else:
+        from hqlab.engines.vllm import settings_for
 
-    if args.engine == "vllm":  # one vLLM engine per config (CUDA); specs are checked before the model loads
+        settings_for(args.proposer)
+
+    import polars as pl
+
+    from hqlab import plots
+    from hqlab.io import write_atomic
+
+    if args.engine == "vllm":  # one vLLM engine per config (CUDA)
         from hqlab.engines.vllm import bench_suite
 
-        results, steps = bench_suite(args.model, args.suite, args.proposer, decode, doc_tokens=args.doc_tokens,
+        results, steps = bench_suite(model, args.suite, args.proposer, decode, doc_tokens=args.doc_tokens,
                                      limit=args.limit, repeats=args.repeats, dtype=args.dtype,
                                      concurrency=args.concurrency, tensor_parallel_size=args.tensor_parallel_size)
+        results = bench.with_provenance(results, "cuda")
     else:
-        engine = HFEngine.load(args.model, device=args.device, dtype=args.dtype)
+        from hqlab.engines.hf import HFEngine
+        from hqlab.workloads import load_workload
+
+        bench.parse_configs(args.proposer)  # builds the proposers (a drafter loads here) before the target
+        engine = HFEngine.load(model, device=args.device, dtype=args.dtype)
         prompts = load_workload(args.suite, doc_tokens=args.doc_tokens, tokenizer=engine.tokenizer)
         if args.limit:
             prompts = prompts[: args.limit]
         results, steps = bench.run_bench(engine, prompts, args.proposer, decode, repeats=args.repeats,
                                          meta={"suite": args.suite, "doc_tokens": args.doc_tokens})
-    from hqlab.io import write_atomic
 
     steps_path = args.out.with_name(args.out.stem + ".steps.parquet")
     if steps.height:
@@ -55,7 +143,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     write_atomic(args.out, lambda tmp: results.write_parquet(tmp))
     with pl.Config(tbl_rows=200, tbl_cols=20, tbl_width_chars=200):
         print(bench.summarize(results))
-    print(f"machine: {results['machine'][0]}; wrote {args.out} and {steps_path}")
+    print(f"machine: {results['machine'][0]}; commit {results['git_commit'][0]}; wrote {args.out} and {steps_path}")
     if args.figure:
         chart = plots.grouped_bars(results.group_by(["category", "config"], maintain_order=True)
                                    .agg(pl.col("speedup_e2e").median()),
@@ -72,14 +160,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_figures(args: argparse.Namespace) -> int:
-    from hqlab.notebooks import run_all
+    from hqlab.notebooks import plan, run_all
 
+    plan(params_file=args.params, only=args.only, out_dir=args.out_dir)  # every input, before anything runs
     return run_all(params_file=args.params, only=args.only, out_dir=args.out_dir)
 
 
 def cmd_site(args: argparse.Namespace) -> int:
     from hqlab.site import SiteError, build_site, site_pages
 
+    check_writable(args.out, "--out", folder=True)
+    if not args.notebooks_dir.is_dir():
+        raise ConfigError(f"--notebooks-dir {str(args.notebooks_dir)!r}: no such folder (run hqlab figures first)")
     try:
         pages = build_site(args.out, args.notebooks_dir)
     except SiteError as e:
@@ -105,38 +197,76 @@ def cmd_site(args: argparse.Namespace) -> int:
     return 4 if problems else 0
 
 
+def _parse_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--sizes must be comma-separated integers (got {text!r})") from None
+    if any(n < 1 for n in sizes):
+        raise ConfigError(f"--sizes must all be >= 1 (got {text!r})")
+    return sizes
+
+
+def _check_vocab_out(folder: Path) -> None:
+    """A vocabulary folder can be published into: new, empty, or published before by hqlab."""
+    from hqlab.publish import INDEX
+
+    check_writable(folder, "--out", folder=True)
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / INDEX).is_file():
+        raise ConfigError(f"--out {str(folder)!r} is not empty and not a published vocabulary folder; give a new "
+                          f"folder or one hqlab vocab build wrote")
+
+
 def cmd_vocab(args: argparse.Namespace) -> int:
     """`vocab build` (artifacts of one list) and `vocab coverage` (held-out curves vs reference lists)."""
+    from hqlab.corpus import CorpusError, expand
+
+    try:
+        model = check_model(args.model)
+        expand(args.corpus)
+        if args.vocab_command == "build":
+            if args.size < 1:
+                raise ConfigError(f"--size must be >= 1 (got {args.size})")
+            _check_vocab_out(args.out)
+        else:
+            references = [r for r in args.reference if r != "generic"]
+            if references:
+                expand(references)
+            sizes = _parse_sizes(args.sizes) if args.sizes else None
+            check_writable(args.out, "--out")
+            check_figure(args.figure)
+    except CorpusError as e:
+        raise ConfigError(str(e)) from None
+
     from hqlab import vocab
-    from hqlab.corpus import CorpusError
     from hqlab.publish import PublishError
 
     try:
         if args.vocab_command == "build":
-            r = vocab.build(args.model, args.corpus, args.size, args.out, holdout=not args.no_holdout)
+            r = vocab.build(model, args.corpus, args.size, args.out, holdout=not args.no_holdout)
             print(f"{r.folder}: {r.ids.size} ids from {r.summary['tokens_counted']} tokens of "
                   f"{r.summary['records_counted']} records; held-out coverage "
                   + ", ".join(f"{k} {v:.2%}" for k, v in r.coverage.items()))
             return 0
-        return _vocab_coverage(args, vocab)
+        return _vocab_coverage(args, vocab, model, sizes)
     except (CorpusError, vocab.VocabError, PublishError) as e:
-        print(f"hqlab vocab {args.vocab_command}: error: {e}", file=sys.stderr)
-        return 2
+        raise ConfigError(str(e)) from None
 
 
-def _vocab_coverage(args: argparse.Namespace, vocab) -> int:
+def _vocab_coverage(args: argparse.Namespace, vocab: Any, model: str, sizes: list[int] | None) -> int:
     import polars as pl
 
     from hqlab import plots
-    from hqlab.corpus import expand
     from hqlab.io import write_atomic
 
-    expand(args.corpus + [r for r in args.reference if r != "generic"])  # fail on bad paths before loading
-    _, tokenizer, vocab_size = vocab.model_files(args.model)
-    sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else vocab.default_sizes(vocab_size)
+    _, tokenizer, vocab_size = vocab.model_files(model)
+    sizes = sizes or vocab.default_sizes(vocab_size)
+    too_big = [n for n in sizes if n > vocab_size]
+    if too_big:
+        raise ConfigError(f"--sizes {too_big} exceed the model's vocabulary of {vocab_size}")
     refs = {("generic" if r == "generic" else Path(r).stem): [r] for r in args.reference}
     frame = pl.DataFrame(vocab.compare_lists(tokenizer, vocab_size, args.corpus, refs, sizes))
-    frame = frame.with_columns(pl.lit(str(args.model)).alias("model"))
+    frame = frame.with_columns(pl.lit(str(model)).alias("model"))
     write_atomic(args.out, lambda tmp: frame.write_parquet(tmp))
     with pl.Config(tbl_rows=100):
         print(frame.filter(pl.col("src") == "all").pivot(on="list", index="n", values="coverage"))
@@ -147,9 +277,92 @@ def _vocab_coverage(args: argparse.Namespace, vocab) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from hqlab import sweep
+    """`hqlab sweep`: validate everything, get traces (cache first), replay the grid, write parquet."""
+    import time
 
-    return sweep.cli(args)
+    from hqlab import bench, sweep
+    from hqlab.costmodel import CostModel
+
+    check_writable(args.out, "--out")
+    if args.cost is not None and args.measure_cost:
+        raise ConfigError("give --cost or --measure-cost, not both")
+    check_counts(limit=args.limit, max_new_tokens=args.max_new_tokens)
+    specs = [s for g in args.grid for s in sweep.parse_grid(g)]
+    bench.check_specs(args.proposer)
+    specs = list(dict.fromkeys(specs + [s.strip() for s in args.proposer]))
+    if not specs:
+        raise ConfigError("nothing to sweep: give --grid and/or --proposer")
+    cost = None
+    if args.cost is not None:
+        cost = _read_cost(args.cost)
+    if args.traces is not None:
+        traces = sweep.load_traces(args.traces)  # validates the whole file
+        traces = traces[: args.limit] if args.limit else traces
+        if not traces:
+            raise ConfigError(f"--traces {str(args.traces)!r} holds no traces")
+    else:
+        traces = None
+        bench.check_workload(args.suite, args.doc_tokens)
+    model = check_model(args.model) if (traces is None or args.measure_cost) else None
+    check_device_dtype(args.device, args.dtype)
+
+    # inputs are valid: load what is needed
+    engine = None
+    if args.measure_cost:
+        from hqlab.engines.hf import HFEngine
+
+        engine = HFEngine.load(model, device=args.device, dtype=args.dtype)
+    if traces is None:
+        found = sweep.cached_traces(model, args.suite, args.max_new_tokens, dtype=args.dtype, device=args.device,
+                                    doc_tokens=args.doc_tokens, limit=args.limit, engine=engine,
+                                    record=not args.cached_only)
+        traces = found.traces
+        print(f"{len(traces)} traces of {found.origin.describe()}: {len(traces) - found.recorded} from the cache, "
+              f"{found.recorded} recorded now")
+    if args.measure_cost:
+        from hqlab.costmodel import measure_step_times
+
+        longest = max(len(t.prompt_ids) + len(t.output_ids) for t in traces)
+        contexts = sorted({128, 512, *range(1024, longest + 1024, 1024)})
+        cost = CostModel.fit(measure_step_times(engine, contexts, [1, 2, 4, 8, 12, 16]))
+        print(cost.describe())
+    print(f"{len(specs)} configurations × {len(traces)} traces ({sum(len(t.output_ids) for t in traces)} tokens)")
+    t0 = time.perf_counter()
+    frame = sweep.sweep(traces, specs, cost=cost)
+    print(f"replayed in {time.perf_counter() - t0:.1f}s")
+    import polars as pl
+
+    from hqlab.io import write_atomic
+
+    prov = sweep.traces_provenance(traces)
+    frame = frame.with_columns(*(pl.lit(v, dtype=pl.String).alias(k) for k, v in prov.items()))
+    write_atomic(args.out, lambda tmp: frame.write_parquet(tmp))
+    table = sweep.by_category(frame)
+    cols = ["config", "category", "tokens_per_step", *(["speedup_pred"] if cost is not None else [])]
+    with pl.Config(tbl_rows=40, tbl_width_chars=160, fmt_str_lengths=60):
+        print(table.sort("tokens_per_step", descending=True).select(cols).head(40))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _read_cost(path: Path) -> Any:
+    import polars as pl
+
+    from hqlab.costmodel import CostModel
+
+    if not path.is_file():
+        raise ConfigError(f"--cost {str(path)!r}: no such file")
+    try:
+        grid = pl.read_parquet(path)
+    except Exception as e:  # polars raises several kinds for a file that is not parquet
+        raise ConfigError(f"--cost {str(path)!r}: not a readable parquet file ({type(e).__name__})") from None
+    need = {"context_len", "verify_len", "step_ms"}
+    if not need <= set(grid.columns):
+        raise ConfigError(f"--cost {str(path)!r}: missing column(s) {', '.join(sorted(need - set(grid.columns)))}")
+    try:
+        return CostModel.fit(grid)
+    except (ValueError, ArithmeticError) as e:
+        raise ConfigError(f"--cost {str(path)!r}: cannot fit a cost model ({e})") from None
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -164,8 +377,29 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="offline short name, local path or hub id (default: the 0.5B)")
+    p.add_argument("--suite", default="all", help="labd, chat, all, a task name, or a JSONL file")
+    p.add_argument("--grid", action="append", default=[], metavar="GRID",
+                   help="NAME:key=v1|v2,key2=...: every combination, repeatable; e.g. lookup:nmin=1|2|6,nmax=8|12")
+    p.add_argument("--proposer", action="append", default=[], metavar="SPEC", help="single specs, repeatable")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--doc-tokens", type=int, default=1500, help="document length for the labd tasks")
+    p.add_argument("--limit", type=int, default=0, help="only the first N prompts")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--cost", type=Path, default=None,
+                   help="step-cost grid (.parquet with context_len, verify_len, step_ms) to predict speed from")
+    p.add_argument("--measure-cost", action="store_true",
+                   help="measure the step-cost grid on this machine first (loads the model)")
+    p.add_argument("--cached-only", action="store_true", help="fail instead of recording missing traces")
+    p.add_argument("--traces", type=Path, default=None,
+                   help="a saved trace set (.parquet from save_traces) instead of --suite/--model's cached traces")
+    p.add_argument("--out", required=True, type=_out_path, help="results .parquet, one row per (config, prompt)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hqlab", description=__doc__)
+    p = Parser(prog="hqlab", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("bench", help="run proposer configs over a workload and write results parquet")
@@ -223,9 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_vocab)
 
     sw = sub.add_parser("sweep", help="replay a grid of proposer configs over cached traces, results to parquet")
-    from hqlab.sweep import add_cli_arguments
-
-    add_cli_arguments(sw)
+    _add_sweep_arguments(sw)
     sw.set_defaults(func=cmd_sweep)
 
     ls = sub.add_parser("list", help="models, proposers and suites")
@@ -233,19 +465,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _input_errors() -> tuple[type, ...]:
+    """Exception classes that mean bad input (exit 2, one line), from the modules this run has imported (an
+    error of a module that was never imported cannot have been raised; importing torch to catch it costs
+    seconds)."""
+    classes: list[type] = [ConfigError]
+    for module, name in (("hqlab.workloads", "WorkloadError"), ("hqlab.models", "ModelError"),
+                         ("hqlab.engines.hf", "PromptTooLongError")):
+        if module in sys.modules:
+            classes.append(getattr(sys.modules[module], name))
+    return tuple(classes)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from hqlab.workloads import WorkloadError
-
-    try:
-        from hqlab.engines.hf import PromptTooLongError
-        from hqlab.models import ModelError
-    except ImportError:  # pragma: no cover - models is always present in a full checkout
-        ModelError = PromptTooLongError = RuntimeError  # type: ignore[misc,assignment]
+    name = args.command + (f" {args.vocab_command}" if args.command == "vocab" else "")
     try:
         return args.func(args)
-    except (ConfigError, WorkloadError, ModelError, PromptTooLongError) as e:
-        print(f"hqlab {args.command}: error: {e}", file=sys.stderr)
+    except Exception as e:
+        if not isinstance(e, _input_errors()):
+            raise
+        print(f"hqlab {name}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
 
 

@@ -42,39 +42,38 @@ def compare(reference: Sequence[int], reference_margins: Sequence[float], output
     return Comparison("identical")
 
 
-def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    """Pearson chi-square goodness of fit of sampled `counts` to exact `probs` (categories with an expectation
-    below 5 are pooled): the statistical check that sampled speculative decoding keeps the target's distribution."""
-    from math import exp, lgamma, log
+def chi2_sf(stat: float, dof: int) -> float:
+    """Survival function of the chi-square distribution, P(X >= stat) for X ~ chi2(dof): the regularized upper
+    incomplete gamma function Q(dof/2, stat/2), computed by torch (`torch.special.gammaincc`) in float64."""
+    import torch
 
+    if dof < 1:
+        raise ValueError(f"degrees of freedom must be >= 1 (got {dof})")
+    if stat <= 0:
+        return 1.0
+    q = torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                torch.tensor(stat / 2.0, dtype=torch.float64))
+    return float(q)
+
+
+def chi_square_statistic(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
+    """Pearson's statistic and its degrees of freedom for sampled `counts` against exact `probs`; categories
+    with an expectation below 5 are pooled into one (dropped if the pool itself expects fewer than 5)."""
+    counts = np.asarray(counts, dtype=np.float64)
     n = counts.sum()
-    expected = probs * n
+    expected = np.asarray(probs, dtype=np.float64) * n
     keep = expected >= 5
     obs = np.append(counts[keep], counts[~keep].sum())
     exp_ = np.append(expected[keep], expected[~keep].sum())
     if exp_[-1] < 5:
         obs, exp_ = obs[:-1], exp_[:-1]
-    stat = float(((obs - exp_) ** 2 / exp_).sum())
-    dof = len(obs) - 1
-    # regularized upper incomplete gamma Q(dof/2, stat/2) by series/continued fraction (no scipy dependency)
-    a, x = dof / 2.0, stat / 2.0
-    if x <= 0:
-        return 1.0
-    if x < a + 1:
-        term = total = 1.0 / a
-        for i in range(1, 500):
-            term *= x / (a + i)
-            total += term
-        return 1.0 - total * exp(-x + a * log(x) - lgamma(a))
-    b, c, d = x + 1 - a, 1e300, 1.0 / (x + 1 - a)
-    h = d
-    for i in range(1, 500):
-        an = -i * (i - a)
-        b += 2
-        d = an * d + b
-        d = 1e-300 if abs(d) < 1e-300 else d
-        c = b + an / c
-        c = 1e-300 if abs(c) < 1e-300 else c
-        d = 1.0 / d
-        h *= d * c
-    return exp(-x + a * log(x) - lgamma(a)) * h
+    return float(((obs - exp_) ** 2 / exp_).sum()), len(obs) - 1
+
+
+def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson chi-square goodness of fit of sampled `counts` to exact `probs` (categories with an expectation
+    below 5 are pooled): the statistical check that sampled speculative decoding keeps the target's distribution."""
+    stat, dof = chi_square_statistic(counts, probs)
+    if dof < 1:
+        raise ValueError("chi-square test needs at least two categories expecting >= 5 samples each")
+    return chi2_sf(stat, dof)

@@ -1,8 +1,10 @@
 """Parameter sweeps over recorded greedy traces: exact acceptance by replay, speed from the measured cost model.
 
-1. `record_traces`: run the target once per prompt without speculation (cached on disk by content: model,
-   prompt tokens, decoding settings), keeping its output. `cached_traces` reads the cache with the tokenizer
-   alone (no model load).
+1. Traces: the target's greedy no-speculation output per prompt, cached on disk by content (model and checkpoint
+   hash, dtype, device, prompt tokens, decoding settings; `TraceOrigin.key`) with the provenance of the run that
+   recorded it. `cached_traces(model, suite, max_new_tokens, dtype=..., device=...)` is the one way in for
+   notebooks and commands: it loads only the tokenizer when everything is cached and the model only to record
+   what is missing; `record_traces(engine, prompts, decode)` does the same with an engine already loaded.
 2. `sweep`: replay every proposer spec over every trace (exact for greedy decoding, see `hqlab.replay`). The
    lookup and PLD proposers take the vectorised path of `hqlab.fastreplay` (the same steps, far faster); any
    other proposer (fused, drafter, ...) is replayed step by step with the engine's own code.
@@ -10,7 +12,8 @@
    no-speculation run's price.
 
 Grids: `parse_grid("lookup:nmin=1|2|6,nmax=8|12,k=15")` expands `|`-separated values of any keys a proposer's
-config accepts (lookup, fusion and scheduler keys of a fused proposer alike).
+config accepts (lookup, fusion and scheduler keys of a fused proposer alike). The command is `hqlab sweep`
+(`hqlab/cli.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import hashlib
 import itertools
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -28,7 +31,7 @@ import polars as pl
 from tqdm.auto import tqdm
 
 from hqlab.config import ConfigError, DecodeConfig
-from hqlab import fastreplay
+from hqlab import fastreplay, provenance
 from hqlab.config import parse_spec
 from hqlab.costmodel import CostModel, ProposalCost
 from hqlab.io import write_atomic
@@ -47,39 +50,111 @@ class Trace:
     prompt_ids: list[int]
     output_ids: list[int]
     max_new_tokens: int
+    provenance: dict[str, Any] | None = field(default=None, compare=False)  # who recorded it (hqlab.provenance)
 
 
-def _trace_key(model: str, prompt_ids: Sequence[int], decode: DecodeConfig) -> str:
-    blob = json.dumps([model, list(prompt_ids), decode.max_new_tokens, decode.temperature, decode.seed])
-    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+@dataclass(frozen=True)
+class TraceOrigin:
+    """What produced a trace's output, and so what its cache key holds besides the prompt and decoding
+    settings: the model (resolved name and checkpoint hash), the dtype and the device (`provenance.device_name`:
+    bf16 near-ties break differently on CPU and CUDA, so their greedy outputs may differ)."""
+
+    model: str
+    sha256: str | None
+    dtype: str
+    device: str
+
+    @classmethod
+    def resolve(cls, model: str, *, dtype: str = "auto", device: str = "auto") -> "TraceOrigin":
+        """The origin of traces `HFEngine.load(model, device=device, dtype=dtype)` would record, without loading
+        anything (a user's .gguf file is hashed)."""
+        from hqlab import models
+
+        source, name = models.resolve(model)
+        sha = None
+        if source == "offline":
+            sha = models.offline_entry(name).sha256
+        elif source == "path" and Path(name).is_file():
+            sha = models.sha256_file(name)
+        return cls(name, sha, models.resolve_dtype(dtype), provenance.device_name(models.resolve_device(device)))
+
+    @classmethod
+    def of_engine(cls, engine: Any) -> "TraceOrigin":
+        from hqlab import models
+
+        info = getattr(engine, "info", None)
+        name = getattr(info, "name", "custom")
+        try:
+            name = models.resolve(name)[1]
+        except models.ModelError:
+            pass
+        dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
+        return cls(name, getattr(info, "sha256", None), dtype, provenance.device_name(engine.device))
+
+    def key(self, prompt_ids: Sequence[int], decode: DecodeConfig) -> str:
+        """The cache key of one trace: this origin, the prompt's tokens and the decoding settings."""
+        blob = json.dumps([self.model, self.sha256, self.dtype, self.device, list(map(int, prompt_ids)),
+                           decode.max_new_tokens, decode.temperature, decode.seed])
+        return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+    def describe(self) -> str:
+        return f"{self.model} ({self.dtype}, {self.device})"
 
 
-def model_key(name: str, sha256: str | None, dtype: str) -> str:
-    """What identifies the target in a trace's cache key."""
-    return f"{name}:{sha256}:{dtype}"
+def _encode(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """A prompt's token ids exactly as the engine encodes them (its own method, given only the tokenizer)."""
+    from types import SimpleNamespace
+
+    from hqlab.engines.hf import HFEngine
+
+    return HFEngine.encode_chat(SimpleNamespace(tokenizer=tokenizer), list(prompt.messages))
+
+
+def _read_cached(path: Path) -> dict[str, Any] | None:
+    """A cached trace record, or None where there is none (or an unreadable one, which is recorded afresh)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("output_ids"), list) else None
+
+
+def _record(engine: Any, origin: TraceOrigin, prompt: Prompt, ids: list[int], decode: DecodeConfig,
+            path: Path | None) -> Trace:
+    """Decode one prompt without speculation and cache the output with its origin and provenance."""
+    output = engine.generate(ids, None, decode, request=prompt.id).output_ids
+    prov = provenance.provenance(engine.device)
+    if path is not None:
+        record = {"model": origin.model, "sha256": origin.sha256, "dtype": origin.dtype, "device": origin.device,
+                  "prompt_id": prompt.id, "max_new_tokens": decode.max_new_tokens, "provenance": prov,
+                  "output_ids": output}
+        write_atomic(path, lambda tmp: tmp.write_text(json.dumps(record)))
+    return Trace(prompt.id, prompt.category, ids, output, decode.max_new_tokens, prov)
+
+
+def _check_greedy(decode: DecodeConfig) -> None:
+    if not decode.greedy:
+        raise ConfigError("traces for replay must be greedy (temperature 0): sampled outputs are not reproducible")
 
 
 def record_traces(engine: Any, prompts: Sequence[Prompt], decode: DecodeConfig, *, cache_dir: Path | None = TRACE_DIR,
                   progress: bool = True) -> list[Trace]:
-    """Greedy no-speculation outputs for `prompts`, from the on-disk cache when the same run was done before."""
-    if not decode.greedy:
-        raise ConfigError("traces for replay must be greedy (temperature 0): sampled outputs are not reproducible")
-    info = getattr(engine, "info", None)
-    key = model_key(getattr(info, "name", "custom"), getattr(info, "sha256", None), getattr(info, "dtype", ""))
+    """Greedy no-speculation outputs of `engine` for `prompts`, from the on-disk cache when the same run (same
+    model, dtype, device, prompt and settings) was done before. `cached_traces` is the same cache for callers
+    that have not loaded the model (it loads it only if something is missing)."""
+    _check_greedy(decode)
+    origin = TraceOrigin.of_engine(engine)
     traces = []
     for prompt in tqdm(prompts, desc="traces", disable=not progress):
         ids = engine.encode_chat(list(prompt.messages))
         engine.check_fits(len(ids), decode.max_new_tokens, f"prompt {prompt.id!r}")
-        path = cache_dir / f"{_trace_key(key, ids, decode)}.json" if cache_dir else None
-        if path is not None and path.exists():
-            output = json.loads(path.read_text())["output_ids"]
+        path = cache_dir / f"{origin.key(ids, decode)}.json" if cache_dir else None
+        record = _read_cached(path) if path is not None else None
+        if record is not None:
+            traces.append(Trace(prompt.id, prompt.category, ids, record["output_ids"], decode.max_new_tokens,
+                                record.get("provenance")))
         else:
-            output = engine.generate(ids, None, decode, request=prompt.id).output_ids
-            if path is not None:
-                record = {"model": key, "prompt_id": prompt.id, "max_new_tokens": decode.max_new_tokens,
-                          "output_ids": output}
-                write_atomic(path, lambda tmp: tmp.write_text(json.dumps(record)))
-        traces.append(Trace(prompt.id, prompt.category, ids, output, decode.max_new_tokens))
+            traces.append(_record(engine, origin, prompt, ids, decode, path))
     return traces
 
 
@@ -87,60 +162,135 @@ class TracesMissing(ConfigError):
     """Some prompts have no cached trace for this model and decoding settings."""
 
 
-def cached_traces(model: str, prompts: Sequence[Prompt], decode: DecodeConfig, *, tokenizer: Any = None,
-                  dtype: str = "bfloat16", cache_dir: Path = TRACE_DIR) -> list[Trace]:
-    """The cached traces of `prompts` without loading the model (only its tokenizer): the same keys as
-    `record_traces`. Raises `TracesMissing` naming the prompts that were never recorded."""
-    from hqlab import models
+@dataclass
+class TraceSet:
+    """Traces of a workload (`cached_traces`): the traces, their prompts, the tokenizer that encoded them, where
+    they come from, how many this call recorded (0: all from the cache) and the engine, if one was loaded."""
 
-    if tokenizer is None:
+    traces: list[Trace]
+    prompts: list[Prompt]
+    tokenizer: Any
+    origin: TraceOrigin
+    recorded: int
+    engine: Any = None
+
+
+def cached_traces(model: str | None, suite: str | Sequence[Prompt], max_new_tokens: int, *, dtype: str = "auto",
+                  device: str = "auto", doc_tokens: int | None = 1500, limit: int = 0, engine: Any = None,
+                  record: bool = True, cache_dir: Path = TRACE_DIR, progress: bool = True) -> TraceSet:
+    """The greedy no-speculation traces of `model` on `suite` (a suite name, a JSONL file or a list of prompts;
+    the first `limit` if > 0), one per prompt, through the on-disk trace cache shared by every notebook and
+    command: a trace set is recorded once per model, prompt, length, dtype and device.
+
+    Only the tokenizer is loaded when every trace is cached. Missing traces are recorded with `engine` when one
+    is given (it must be `model` on `device` in `dtype`), else by loading the model; with `record=False` they
+    raise `TracesMissing` naming the prompts."""
+    from hqlab import models
+    from hqlab.workloads import load_workload
+
+    decode = DecodeConfig(max_new_tokens=max_new_tokens)
+    _check_greedy(decode)
+    if limit < 0:
+        raise ConfigError(f"limit must be >= 0, 0 meaning all prompts (got {limit})")
+    model = model or models.DEFAULT_MODEL
+    origin = TraceOrigin.resolve(model, dtype=dtype, device=device)
+    if engine is not None and TraceOrigin.of_engine(engine) != origin:
+        raise ConfigError(f"the engine given is {TraceOrigin.of_engine(engine).describe()}, "
+                          f"not the requested {origin.describe()}")
+    if engine is not None:
+        tokenizer = engine.tokenizer
+    else:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(models.prepare(model))
-    sha = models.offline_entry(model).sha256 if model in models.offline_names() else None
-    key = model_key(model, sha, models.resolve_dtype(dtype))
-    traces, missing = [], []
-    for prompt in prompts:
-        text = tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True, tokenize=False)
-        ids = list(tokenizer.encode(text, add_special_tokens=False))
-        path = cache_dir / f"{_trace_key(key, ids, decode)}.json"
-        if not path.exists():
-            missing.append(prompt.id)
-            continue
-        traces.append(Trace(prompt.id, prompt.category, ids, json.loads(path.read_text())["output_ids"],
-                            decode.max_new_tokens))
+    if isinstance(suite, str):
+        prompts = load_workload(suite, doc_tokens=doc_tokens, tokenizer=tokenizer)
+    else:
+        prompts = list(suite)
+    prompts = prompts[:limit] if limit else prompts
+    encoded = [_encode(tokenizer, p) for p in prompts]
+    found: dict[int, Trace] = {}
+    for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
+        rec = _read_cached(cache_dir / f"{origin.key(ids, decode)}.json")
+        if rec is not None:
+            found[i] = Trace(prompt.id, prompt.category, ids, rec["output_ids"], max_new_tokens,
+                             rec.get("provenance"))
+    missing = [i for i in range(len(prompts)) if i not in found]
+    if missing and not record:
+        raise TracesMissing(f"no cached trace of {origin.describe()}, max_new_tokens={max_new_tokens} for "
+                            f"prompt(s) {', '.join(prompts[i].id for i in missing)}; record them first "
+                            f"(hqlab sweep records missing traces)")
     if missing:
-        raise TracesMissing(f"no cached trace of {model} ({dtype}, max_new_tokens={decode.max_new_tokens}) for "
-                            f"prompt(s) {', '.join(missing)}; record them first (hqlab sweep records missing traces)")
-    return traces
+        if engine is None:
+            from hqlab.engines.hf import HFEngine
+
+            print(f"recording {len(missing)} of {len(prompts)} traces of {origin.describe()}", flush=True)
+            engine = HFEngine.load(model, device=device, dtype=dtype)
+        for i in missing:  # every prompt checked before the first is decoded
+            engine.check_fits(len(encoded[i]), max_new_tokens, f"prompt {prompts[i].id!r}")
+        for i in tqdm(missing, desc="traces", disable=not progress):
+            found[i] = _record(engine, origin, prompts[i], encoded[i], decode,
+                               cache_dir / f"{origin.key(encoded[i], decode)}.json")
+    return TraceSet([found[i] for i in range(len(prompts))], prompts, tokenizer, origin, len(missing), engine)
 
 
 def save_traces(traces: Sequence[Trace], path: str | Path, *, model: str = "") -> Path:
     """Write a trace set to parquet (one row per request), atomically: results computed from traces should
-    ship with the traces themselves (the cache under data/traces is not part of the repository)."""
+    ship with the traces themselves (the cache under data/traces is not part of the repository). Each row
+    carries the provenance its trace was recorded with (`provenance_*` columns, null where unknown)."""
     frame = pl.DataFrame({"prompt_id": [t.prompt_id for t in traces], "category": [t.category for t in traces],
                           "prompt_ids": [list(t.prompt_ids) for t in traces],
                           "output_ids": [list(t.output_ids) for t in traces],
-                          "max_new_tokens": [t.max_new_tokens for t in traces], "model": [model] * len(traces)},
-                         schema_overrides={"prompt_ids": pl.List(pl.Int64), "output_ids": pl.List(pl.Int64)})
+                          "max_new_tokens": [t.max_new_tokens for t in traces], "model": [model] * len(traces),
+                          **{f"provenance_{c}": [(t.provenance or {}).get(c) for t in traces]
+                             for c in provenance.COLUMNS}},
+                         schema_overrides={"prompt_ids": pl.List(pl.Int64), "output_ids": pl.List(pl.Int64),
+                                           **{f"provenance_{c}": pl.String for c in provenance.COLUMNS}})
     return write_atomic(path, lambda tmp: frame.write_parquet(tmp))
 
 
 def load_traces(path: str | Path) -> list[Trace]:
-    """Read a trace set written by `save_traces`; a missing column or an output longer than its limit is an
-    error naming the file."""
+    """Read a trace set written by `save_traces`; an unreadable file, a missing column or an output longer than
+    its limit is an error naming the file."""
     path = Path(path)
-    frame = pl.read_parquet(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such trace set file")
+    try:
+        frame = pl.read_parquet(path)
+    except Exception as e:  # polars raises several kinds for a file that is not parquet
+        raise ConfigError(f"{path}: not a readable parquet trace set ({type(e).__name__})") from None
     need = {"prompt_id", "category", "prompt_ids", "output_ids", "max_new_tokens"}
     if not need <= set(frame.columns):
         raise ConfigError(f"{path}: not a trace set (missing column(s) {', '.join(sorted(need - set(frame.columns)))})")
+    prov_cols = [c for c in provenance.COLUMNS if f"provenance_{c}" in frame.columns]
     traces = []
     for i, row in enumerate(frame.iter_rows(named=True)):
         if len(row["output_ids"]) > row["max_new_tokens"]:
             raise ConfigError(f"{path}: row {i} ({row['prompt_id']!r}) has more output tokens than max_new_tokens")
+        prov = {c: row[f"provenance_{c}"] for c in prov_cols} or None
         traces.append(Trace(row["prompt_id"], row["category"], row["prompt_ids"], row["output_ids"],
-                            row["max_new_tokens"]))
+                            row["max_new_tokens"], prov))
     return traces
+
+
+def traces_provenance(traces: Sequence[Trace]) -> dict[str, str | None]:
+    """Provenance columns for results replayed from `traces`: this process's commit and versions, and the
+    device the traces were recorded on ("unknown" when they do not say, or say different things)."""
+    devices = {(t.provenance or {}).get("device") for t in traces}
+    device = devices.pop() if len(devices) == 1 else None
+    return {**provenance.provenance("cpu"), "device": device or "unknown"}
+
+
+def spec_config(spec: str) -> Any:
+    """The validated config dataclass of a registered proposer's spec, without building the proposer (so a
+    drafter's model is not loaded): raises ConfigError naming what is wrong."""
+    from hqlab.config import build_config
+    from hqlab.proposers import REGISTRY
+
+    name, values = parse_spec(spec)
+    if name not in REGISTRY:
+        raise ConfigError(f"unknown proposer {name!r} in {spec!r}; known: {', '.join(sorted(REGISTRY))}")
+    return build_config(REGISTRY[name].Config, values, context=f"proposer {name!r}")
 
 
 def grid(name: str, **axes: Iterable[Any]) -> list[str]:
@@ -150,7 +300,7 @@ def grid(name: str, **axes: Iterable[Any]) -> list[str]:
     for values in itertools.product(*(list(axes[k]) for k in keys)):
         spec = f"{name}:" + ",".join(f"{k}={v}" for k, v in zip(keys, values))
         try:
-            make_proposer(spec)
+            spec_config(spec)
         except ConfigError:
             continue
         specs.append(spec)
@@ -159,20 +309,52 @@ def grid(name: str, **axes: Iterable[Any]) -> list[str]:
 
 def parse_grid(text: str) -> list[str]:
     """Expand `NAME:key=v1|v2|...,key2=...` into specs (cartesian product; combinations the proposer's config
-    rejects, such as nmin > nmax, are skipped). A grid that yields nothing valid is an error."""
+    rejects, such as nmin > nmax, are skipped). Every value must be valid for its key on its own (`nmin=x` is
+    an error, not a skipped value) and take part in at least one valid combination; otherwise the error names
+    the value and why it fails."""
+    import dataclasses
+    import typing
+
+    from hqlab.config import _coerce
+    from hqlab.proposers import REGISTRY
+
     name, values = parse_spec(text)
+    if name not in REGISTRY:
+        raise ConfigError(f"grid {text!r}: unknown proposer {name!r}; known: {', '.join(sorted(REGISTRY))}")
+    cls = REGISTRY[name].Config
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ConfigError(f"grid {text!r}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(fields))}")
+    hints = typing.get_type_hints(cls)
     axes = {k: [x.strip() for x in v.split("|")] for k, v in values.items()}
     for k, vals in axes.items():
         if any(not x for x in vals):
             raise ConfigError(f"grid {text!r}: key {k!r} has an empty value in {values[k]!r}")
+        for x in vals:
+            try:
+                _coerce(x, hints[k], f"{name}: {k}")
+            except ConfigError as e:
+                raise ConfigError(f"grid {text!r}: {e}") from None
     if not axes:
-        make_proposer(name)
+        spec_config(name)
         return [name]
     specs = grid(name, **axes)
-    if not specs:
-        # say why: build the first combination and let its error speak
-        make_proposer(f"{name}:" + ",".join(f"{k}={v[0]}" for k, v in axes.items()))
-        raise ConfigError(f"grid {text!r} has no valid combination")
+    used = {k: set() for k in axes}
+    for spec in specs:
+        for k, v in parse_spec(spec)[1].items():
+            used[k].add(v)
+    for k, vals in axes.items():
+        for x in vals:
+            if x in used[k]:
+                continue
+            # say why: build the first combination with this value and let its error speak
+            first = {key: (x if key == k else v[0]) for key, v in axes.items()}
+            try:
+                spec_config(f"{name}:" + ",".join(f"{key}={v}" for key, v in first.items()))
+            except ConfigError as e:
+                raise ConfigError(f"grid {text!r}: {k}={x} is in no valid combination ({e})") from None
+            raise ConfigError(f"grid {text!r}: {k}={x} is in no valid combination")
     return specs
 
 
@@ -303,92 +485,3 @@ def best_overall(frame: pl.DataFrame) -> pl.DataFrame:
                                          pl.col("speedup_pred").min().alias("worst_class"),
                                          pl.col("tokens_per_step").mean().alias("mean_tokens_per_step"))
             .sort(["geomean_speedup", "worst_class"], descending=True))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# `hqlab sweep`
-
-
-def add_cli_arguments(p: Any) -> None:
-    p.add_argument("--model", default=None, help="offline short name, local path or hub id (default: the 0.5B)")
-    p.add_argument("--suite", default="all", help="labd, chat, all, a task name, or a JSONL file")
-    p.add_argument("--grid", action="append", default=[], metavar="GRID",
-                   help="NAME:key=v1|v2,key2=...: every combination, repeatable; e.g. lookup:nmin=1|2|6,nmax=8|12")
-    p.add_argument("--proposer", action="append", default=[], metavar="SPEC", help="single specs, repeatable")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--doc-tokens", type=int, default=1500, help="document length for the labd tasks")
-    p.add_argument("--limit", type=int, default=0, help="only the first N prompts")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--cost", type=Path, default=None,
-                   help="step-cost grid (.parquet with context_len, verify_len, step_ms) to predict speed from")
-    p.add_argument("--measure-cost", action="store_true",
-                   help="measure the step-cost grid on this machine first (loads the model)")
-    p.add_argument("--cached-only", action="store_true", help="fail instead of recording missing traces")
-    p.add_argument("--traces", type=Path, default=None,
-                   help="a saved trace set (.parquet from save_traces) instead of --suite/--model's cached traces")
-    p.add_argument("--out", required=True, type=Path, help="results .parquet, one row per (config, prompt)")
-
-
-def cli(args: Any) -> int:
-    """`hqlab sweep`: validate everything, get traces (cache first), replay the grid, write parquet."""
-    from hqlab import models
-    from hqlab.workloads import load_workload
-
-    if args.out.suffix != ".parquet":
-        raise ConfigError(f"--out must end in .parquet (got {str(args.out)!r})")
-    if args.cost is not None and args.measure_cost:
-        raise ConfigError("give --cost or --measure-cost, not both")
-    if args.cost is not None and not args.cost.exists():
-        raise ConfigError(f"--cost {str(args.cost)!r}: no such file")
-    specs = [s for g in args.grid for s in parse_grid(g)] + [s for s in args.proposer if make_proposer(s)]
-    specs = list(dict.fromkeys(specs))
-    if not specs:
-        raise ConfigError("nothing to sweep: give --grid and/or --proposer")
-    model = args.model or models.DEFAULT_MODEL
-    decode = DecodeConfig(max_new_tokens=args.max_new_tokens)
-    cost = CostModel.fit(pl.read_parquet(args.cost)) if args.cost is not None else None
-    if args.traces is not None and not args.traces.exists():
-        raise ConfigError(f"--traces {str(args.traces)!r}: no such file")
-
-    engine = None
-    if args.traces is not None:
-        traces = load_traces(args.traces)
-        traces = traces[: args.limit] if args.limit else traces
-    else:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(models.prepare(model))
-        prompts = load_workload(args.suite, doc_tokens=args.doc_tokens, tokenizer=tokenizer)
-        prompts = prompts[: args.limit] if args.limit else prompts
-        try:
-            traces = cached_traces(model, prompts, decode, tokenizer=tokenizer, dtype=args.dtype)
-        except TracesMissing as e:
-            if args.cached_only:
-                raise
-            print(f"{e}; recording them now")
-            traces = None
-    if traces is None or args.measure_cost:
-        from hqlab.engines.hf import HFEngine
-
-        engine = HFEngine.load(model, device=args.device, dtype=args.dtype)
-    if traces is None:
-        traces = record_traces(engine, prompts, decode)
-    if args.measure_cost:
-        from hqlab.costmodel import measure_step_times
-
-        longest = max(len(t.prompt_ids) + len(t.output_ids) for t in traces)
-        contexts = sorted({128, 512, *range(1024, longest + 1024, 1024)})
-        cost = CostModel.fit(measure_step_times(engine, contexts, [1, 2, 4, 8, 12, 16]))
-        print(cost.describe())
-    print(f"{len(specs)} configurations × {len(traces)} traces ({sum(len(t.output_ids) for t in traces)} tokens)")
-    t0 = time.perf_counter()
-    frame = sweep(traces, specs, cost=cost)
-    print(f"replayed in {time.perf_counter() - t0:.1f}s")
-    write_atomic(args.out, lambda tmp: frame.write_parquet(tmp))
-    table = by_category(frame)
-    cols = ["config", "category", "tokens_per_step", *(["speedup_pred"] if cost is not None else [])]
-    with pl.Config(tbl_rows=40, tbl_width_chars=160, fmt_str_lengths=60):
-        print(table.sort("tokens_per_step", descending=True).select(cols).head(40))
-    print(f"wrote {args.out}")
-    return 0

@@ -51,7 +51,7 @@ class TeacherForcedDrafter:
             hidden = d.body(input_ids=ids, use_cache=True, **{d._cache_kw: cache}).last_hidden_state[0]
             logits = torch.nn.functional.linear(hidden, d.head_weight)
             idx = logits.argmax(dim=-1)
-            out.append((d.vocab_ids[idx] if d.vocab_ids is not None else idx).cpu().numpy())
+            out.append((d.draft_to_target[idx] if d.draft_to_target is not None else idx).cpu().numpy())
         return np.concatenate(out)
 
     def propose(self, histories: Sequence[np.ndarray], budgets: Sequence[int],
@@ -127,6 +127,18 @@ def replay_fused_grid(traces: Sequence, drafter: DraftProposer, specs: Sequence[
             bar.update()
     bar.close()
     return pl.DataFrame(rows)
+
+
+def load_drafter(drafter: str, *, device: str = "auto", dtype: str = "auto") -> DraftProposer:
+    """A greedy drafter on the device and in the dtype a target loaded with the same `device` and `dtype` gets
+    (so the replay notebooks need not load the target when its traces are cached)."""
+    import torch
+
+    from hqlab import models
+    from hqlab.proposers.draft import DraftConfig
+
+    dev = torch.device(models.resolve_device(device)).type
+    return DraftProposer(DraftConfig(model=drafter, dtype=models.resolve_dtype(dtype), device=dev))
 
 
 def load_target_and_drafter(target: str, drafter: str, *, device: str = "auto", dtype: str = "auto"):

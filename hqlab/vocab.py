@@ -10,9 +10,15 @@ output tokens that the list contains; `coverage_curve` reports it over N, overal
 Artifacts (published crash-safely by `hqlab.publish` into one folder):
 - `ids.json`             `{"ids": [sorted ids], "vocab_size": V, "special": [...]}`
 - `lm_head.safetensors`  `weight` [N, hidden]: the lm_head rows of those ids (the checkpoint's dtype)
-- `mapping.safetensors`  `d2t` [N] (draft row -> target id) and `t2d` [V] (target id -> draft row, -1 if absent)
-`load_draft_vocab(path)` returns the sorted ids as a 1-D int64 tensor; `sliced_lm_head(model, ids)` builds the
-truncated head from a loaded model. A drafter scoring only these rows can never propose a token outside the list.
+- `mapping.safetensors`  `draft_to_target` [N] (draft row -> target token id, absolute: the sorted ids) and
+                         `target_to_draft` [V] (target token id -> draft row, -1 if absent)
+`load_draft_vocab(path)` returns the sorted ids as a 1-D int64 tensor; `load_mapping(folder)` the two maps;
+`sliced_lm_head(model, ids)` builds the truncated head from a loaded model. A drafter scoring only these rows can
+never propose a token outside the list.
+
+The maps hold absolute ids, not offsets. vLLM's EAGLE-3 `d2t` holds offsets (`target_id = draft_id +
+d2t[draft_id]`); `eagle3_d2t(draft_to_target)` converts. Folders published before the maps were renamed call them
+`d2t`/`t2d` with the same absolute contents; `load_mapping` reads them too.
 """
 
 from __future__ import annotations
@@ -282,16 +288,50 @@ def artifact_bytes(ids: np.ndarray, head_rows: torch.Tensor, vocab_size: int, sp
         raise VocabError("draft ids must be a non-empty, strictly increasing 1-D list")
     if head_rows.shape[0] != ids.size:
         raise VocabError(f"{head_rows.shape[0]} lm_head rows for {ids.size} ids")
-    t2d = torch.full((vocab_size,), -1, dtype=torch.long)
-    d2t = torch.from_numpy(ids.copy())
-    t2d[d2t] = torch.arange(ids.size)
+    target_to_draft = torch.full((vocab_size,), -1, dtype=torch.long)
+    draft_to_target = torch.from_numpy(ids.copy())
+    target_to_draft[draft_to_target] = torch.arange(ids.size)
     ids_json = json.dumps({"ids": ids.tolist(), "vocab_size": int(vocab_size),
                            "special": [int(s) for s in special]}, separators=(",", ":")) + "\n"
     return {
         "ids.json": ids_json.encode(),
         "lm_head.safetensors": save({"weight": head_rows.contiguous()}),
-        "mapping.safetensors": save({"d2t": d2t, "t2d": t2d}),
+        "mapping.safetensors": save({"draft_to_target": draft_to_target, "target_to_draft": target_to_draft}),
     }
+
+
+# Names of the maps in `mapping.safetensors`, now and in folders published before they were renamed (the same
+# absolute contents: draft row -> target id, target id -> draft row).
+MAP_NAMES = ("draft_to_target", "target_to_draft")
+_OLD_MAP_NAMES = ("d2t", "t2d")
+
+
+def load_mapping(folder: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`draft_to_target` [N], `target_to_draft` [V]) of a published vocabulary folder, both absolute ids;
+    checked against the folder's id list. Folders from before the rename (`d2t`/`t2d`) read the same."""
+    from safetensors.torch import load_file
+
+    try:
+        index = read_index(folder)
+        tensors = load_file(path_of(folder, "mapping.safetensors", index))
+    except PublishError as e:
+        raise VocabError(str(e)) from None
+    names = MAP_NAMES if set(MAP_NAMES) <= set(tensors) else _OLD_MAP_NAMES
+    if not set(names) <= set(tensors):
+        raise VocabError(f"{folder}: mapping.safetensors holds {', '.join(sorted(tensors))}, not "
+                         f"{' and '.join(MAP_NAMES)}; rebuild the folder with `hqlab vocab build`")
+    draft_to_target, target_to_draft = (tensors[n].long() for n in names)
+    ids = load_draft_vocab(folder)
+    if not torch.equal(draft_to_target, ids) or not torch.equal(target_to_draft[ids], torch.arange(ids.numel())):
+        raise VocabError(f"{folder}: mapping.safetensors disagrees with ids.json (absolute ids expected); "
+                         f"rebuild the folder with `hqlab vocab build`")
+    return draft_to_target, target_to_draft
+
+
+def eagle3_d2t(draft_to_target: torch.Tensor) -> torch.Tensor:
+    """vLLM's EAGLE-3 `d2t` (offsets: `target_id = draft_id + d2t[draft_id]`) from hqlab's absolute map."""
+    draft_to_target = torch.as_tensor(draft_to_target, dtype=torch.long)
+    return draft_to_target - torch.arange(draft_to_target.numel(), device=draft_to_target.device)
 
 
 def _ids_from_json(path: Path) -> list[int]:

@@ -171,7 +171,8 @@ if accept_rerun:
     live, _ = bench.run_bench(engine, prompts[:live_prompts], list(specs), decode)
     live = live.with_columns(pl.col("config").replace_strict(specs, default=0).alias("n"))
     live.drop("config").write_parquet(live_file)
-    traces = sweep.record_traces(engine, prompts, decode)
+    traces = sweep.cached_traces(accept_target, prompts, accept_max_new_tokens, dtype=dtype, device=device,
+                                 engine=engine).traces
     replayed = sweep.sweep(traces, list(specs)).with_columns(pl.col("config").replace_strict(specs).alias("n"))
     # coverage of each held-out output by each list: the ceiling the list puts on the drafter
     outputs = {t.prompt_id: np.asarray(t.output_ids) for t in traces}

@@ -44,25 +44,22 @@ import polars as pl
 from IPython.display import HTML, display
 
 from hqlab import explorer, plots, sweep
-from hqlab.config import DecodeConfig
-from hqlab.engines.hf import HFEngine
 from hqlab.proposers import make_proposer
 from hqlab.replay import replay
 from hqlab.trace import records_frame
-from hqlab.workloads import load_workload
 
 alt.renderers.enable("svg")
-engine = HFEngine.load(model, device=device, dtype=dtype)
-prompts = load_workload(suite, doc_tokens=doc_tokens, tokenizer=engine.tokenizer)
-prompts = prompts[:limit] if limit else prompts
-traces = sweep.record_traces(engine, prompts, DecodeConfig(max_new_tokens=max_new_tokens))
+# the target's greedy outputs from the trace cache (the model loads only if they were never recorded)
+found = sweep.cached_traces(model, suite, max_new_tokens, dtype=dtype, device=device, doc_tokens=doc_tokens,
+                            limit=limit)
+traces, tokenizer = found.traces, found.tokenizer
 by_id = {t.prompt_id: t for t in traces}
 trace = by_id.get(request, traces[0])
 print(f"{len(traces)} traces; showing {trace.prompt_id!r} ({trace.category}, {len(trace.output_ids)} tokens)")
 
 
 def token_text(token_id: int) -> str:
-    return engine.tokenizer.decode([token_id])
+    return tokenizer.decode([token_id])
 
 
 texts = [token_text(t) for t in trace.output_ids]

@@ -46,24 +46,22 @@ import polars as pl
 
 from hqlab import plots, sweep
 from hqlab.bench import machine_description
-from hqlab.config import DecodeConfig
-from hqlab.teacher import load_target_and_drafter, replay_fused_grid
-from hqlab.workloads import load_workload
+from hqlab.teacher import load_drafter, replay_fused_grid
 
 alt.renderers.enable("svg")
 pl.Config.set_tbl_width_chars(160)
 figures, results = Path(figures_dir), Path(results_dir)
 results.mkdir(parents=True, exist_ok=True)
-engine, draft = load_target_and_drafter(target, drafter, device=device, dtype=dtype)
-prompts = load_workload(suite, doc_tokens=doc_tokens, tokenizer=engine.tokenizer)
-prompts = prompts[:limit] if limit else prompts
-print(machine_description(engine.device), "|", target, "drafted by", drafter, "|", len(prompts), "prompts")
+# the target's greedy outputs from the trace cache (the target loads only if they were never recorded)
+traces = sweep.cached_traces(target, suite, max_new_tokens, dtype=dtype, device=device, doc_tokens=doc_tokens,
+                             limit=limit).traces
+draft = load_drafter(drafter, device=device, dtype=dtype)
+print(machine_description(draft.device), "|", target, "drafted by", drafter, "|", len(traces), "prompts")
 
 # %% [markdown]
 # ## Replay: tokens per step and verified positions per step for each fusion setting
 
 # %%
-traces = sweep.record_traces(engine, prompts, DecodeConfig(max_new_tokens=max_new_tokens))
 specs = [f"fused:k={k},{schedule},{g}" for g in fusion_grid] + [f"fused:k={k},{schedule},schedule=short"]
 grid = replay_fused_grid(traces, draft, specs)
 grid = grid.with_columns(pl.col("config").str.replace(f"fused:k={k},{schedule},", "").alias("setting"))

@@ -101,24 +101,23 @@ REGISTRY["bigram"] = BigramProposer
 assert isinstance(make_proposer("bigram:k=4"), Proposer)
 
 # %% [markdown]
-# ## 1. Reference outputs: one plain decode per prompt (cached under data/traces)
+# ## 1. Reference outputs: one plain decode per prompt (from the trace cache under data/traces)
 
 # %%
 from hqlab.costmodel import CostModel
 from hqlab.engines.hf import HFEngine
-from hqlab.workloads import load_workload
 
 alt.renderers.enable("svg")
 pl.Config.set_fmt_str_lengths(60)
 pl.Config.set_tbl_width_chars(160)
 figures, results = Path(figures_dir), Path(results_dir)
 results.mkdir(parents=True, exist_ok=True)
-engine = HFEngine.load(model, device=device, dtype=dtype)
-prompts = load_workload(suite, doc_tokens=doc_tokens, tokenizer=engine.tokenizer)
-prompts = prompts[:limit] if limit else prompts
+engine = HFEngine.load(model, device=device, dtype=dtype)  # the live runs below need it anyway
+found = sweep.cached_traces(model, suite, max_new_tokens, dtype=dtype, device=device, doc_tokens=doc_tokens,
+                            limit=limit, engine=engine)
+prompts, traces = found.prompts, found.traces
 decode = DecodeConfig(max_new_tokens=max_new_tokens)
 print(bench.machine_description(engine.device), "|", len(prompts), "prompts")
-traces = sweep.record_traces(engine, prompts, decode)
 
 # %% [markdown]
 # ## 2. Live: the real engine runs the toy (registered above) next to a built-in

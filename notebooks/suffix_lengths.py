@@ -47,15 +47,15 @@ from hqlab import bench, plots, sweep
 from hqlab.config import DecodeConfig
 from hqlab.costmodel import CostModel, measure_step_times
 from hqlab.engines.hf import HFEngine
-from hqlab.workloads import load_workload
 
 alt.renderers.enable("svg")
 pl.Config.set_fmt_str_lengths(60)
 pl.Config.set_tbl_width_chars(160)
 figures, results = Path(figures_dir), Path(results_dir)
-engine = HFEngine.load(model, device=device, dtype=dtype)
-prompts = load_workload(suite, doc_tokens=doc_tokens, tokenizer=engine.tokenizer)
-prompts = prompts[:limit] if limit else prompts
+engine = HFEngine.load(model, device=device, dtype=dtype)  # the cost model and the live check need it anyway
+found = sweep.cached_traces(model, suite, max_new_tokens, dtype=dtype, device=device, doc_tokens=doc_tokens,
+                            limit=limit, engine=engine)
+prompts = found.prompts
 decode = DecodeConfig(max_new_tokens=max_new_tokens)
 print(bench.machine_description(engine.device), "|", len(prompts), "prompts")
 
@@ -63,7 +63,7 @@ print(bench.machine_description(engine.device), "|", len(prompts), "prompts")
 # ## 1. Reference outputs and exact replay of the grid
 
 # %%
-traces = sweep.record_traces(engine, prompts, decode)
+traces = found.traces
 specs = [s for policy in policies for s in sweep.grid("lookup", nmin=nmin_grid, nmax=nmax_grid, k=k_grid,
                                                      policy=[policy])]
 print(len(specs), "configurations ×", len(traces), "traces")

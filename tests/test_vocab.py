@@ -107,6 +107,40 @@ def test_cli_rejects_bad_input_before_loading(tmp_path, capsys):
     assert "--out must end in .parquet" in capsys.readouterr().err
 
 
+def _publish_vocab(folder: Path, ids: np.ndarray, vocab_size: int, *, old_names: bool = False,
+                   tamper: bool = False) -> Path:
+    """A vocabulary folder as `hqlab vocab build` publishes it (random head rows: no model needed); `old_names`
+    writes the maps under the names folders had before the rename (`d2t`/`t2d`, the same absolute ids)."""
+    from safetensors.torch import load, save
+
+    from hqlab.publish import publish
+
+    files = vocab.artifact_bytes(ids, torch.randn(ids.size, 8), vocab_size, [int(ids[0])])
+    maps = load(files["mapping.safetensors"])
+    if tamper:
+        maps["draft_to_target"] = maps["draft_to_target"].roll(1)
+    if old_names:
+        maps = {"d2t": maps["draft_to_target"], "t2d": maps["target_to_draft"]}
+    files["mapping.safetensors"] = save(maps)
+    publish(folder, files, {"size": int(ids.size)})
+    return folder
+
+
+def test_mapping_names_say_absolute_ids_and_old_folders_still_read(tmp_path):
+    ids = np.array([0, 3, 4, 9, 17, 40], dtype=np.int64)
+    d2t, t2d = vocab.load_mapping(_publish_vocab(tmp_path / "new", ids, 64))
+    assert d2t.tolist() == ids.tolist()  # draft row i stands for target token ids[i] (absolute)
+    assert t2d.numel() == 64 and t2d[ids].tolist() == list(range(6)) and int((t2d >= 0).sum()) == 6
+    old_d2t, old_t2d = vocab.load_mapping(_publish_vocab(tmp_path / "old", ids, 64, old_names=True))
+    assert torch.equal(old_d2t, d2t) and torch.equal(old_t2d, t2d)
+    with pytest.raises(VocabError, match="disagrees with ids.json.*rebuild"):
+        vocab.load_mapping(_publish_vocab(tmp_path / "bad", ids, 64, tamper=True))
+    # vLLM's EAGLE-3 convention: offsets, target = draft + d2t[draft]
+    offsets = vocab.eagle3_d2t(d2t)
+    assert offsets.tolist() == [0, 2, 2, 6, 13, 35]
+    assert [i + int(offsets[i]) for i in range(6)] == ids.tolist()
+
+
 def test_generic_corpus_is_deterministic_prose_and_code():
     a, b = vocab.generic_records(), vocab.generic_records()
     assert a == b
@@ -135,9 +169,10 @@ def test_build_artifacts_match_the_model(tmp_path, engine_05b):
     from hqlab.publish import path_of
 
     mapping = load_file(path_of(tmp_path / "v", "mapping.safetensors"))
-    assert torch.equal(mapping["d2t"], ids)
-    assert torch.equal(mapping["t2d"][ids], torch.arange(3000))
-    assert int((mapping["t2d"] >= 0).sum()) == 3000 and mapping["t2d"].numel() == 151_936
+    assert set(mapping) == {"draft_to_target", "target_to_draft"}
+    assert torch.equal(mapping["draft_to_target"], ids)
+    assert torch.equal(mapping["target_to_draft"][ids], torch.arange(3000))
+    assert int((mapping["target_to_draft"] >= 0).sum()) == 3000 and mapping["target_to_draft"].numel() == 151_936
     meta = read_index(tmp_path / "v")["meta"]
     assert meta["records_held_out"] >= 1 and 0 < meta["heldout_coverage"]["all"] <= 1
     # coverage is measured on held-out records only: recompute it from the corpus
@@ -148,6 +183,7 @@ def test_build_artifacts_match_the_model(tmp_path, engine_05b):
     from hqlab.proposers.draft import DraftConfig, DraftProposer
 
     drafter = DraftProposer(DraftConfig(k=6, vocab=str(tmp_path / "v")), model=engine_05b.model)
+    assert torch.equal(drafter.draft_to_target, ids)
     history = np.asarray(records[1]["prompt_ids"] + records[1]["output_ids"][:20], dtype=np.int64)
     proposed = drafter.propose([history], [6])[0].tokens
     assert proposed.size == 6 and np.isin(proposed, ids.numpy()).all()

@@ -10,7 +10,8 @@ Greedy drafting takes the drafter's argmax (a point mass, like the lookup). With
 returns its distribution q per position, which sampled verification needs to stay exact.
 
 `vocab=PATH` restricts drafting to a draft vocabulary (SPEC §2.7): the head scores only those rows, so a token
-outside the list can never be proposed.
+outside the list can never be proposed. Row i of that head stands for target token `draft_to_target[i]` (absolute
+ids, `hqlab.vocab.load_mapping`; vLLM's EAGLE-3 `d2t` holds offsets instead, see `hqlab.vocab.eagle3_d2t`).
 """
 
 from __future__ import annotations
@@ -79,14 +80,21 @@ class DraftProposer:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.body = self.model.get_decoder()
         weight = self.model.get_output_embeddings().weight
-        self.vocab_ids: torch.Tensor | None = None
+        # draft row -> target token id (absolute ids, hqlab.vocab's draft_to_target; not vLLM's offset d2t)
+        self.draft_to_target: torch.Tensor | None = None
         if c.vocab:
-            from hqlab.vocab import load_draft_vocab
+            from pathlib import Path
 
-            ids = load_draft_vocab(c.vocab).to(self.device)
+            from hqlab.vocab import VocabError, load_draft_vocab, load_mapping
+
+            try:  # a published folder's map (checked against its id list), or a JSON id list
+                ids = load_mapping(c.vocab)[0] if Path(c.vocab).is_dir() else load_draft_vocab(c.vocab)
+            except VocabError as e:
+                raise ConfigError(f"draft: vocab: {e}") from None
+            ids = ids.to(self.device)
             if ids.numel() == 0 or int(ids.max()) >= weight.shape[0]:
                 raise ConfigError(f"draft: vocabulary {c.vocab} has ids outside the drafter's {weight.shape[0]} rows")
-            self.vocab_ids = ids
+            self.draft_to_target = ids
             weight = weight.index_select(0, ids)  # the truncated head: only these rows are ever scored
         self.head_weight = weight
         self.full_vocab = self.model.get_output_embeddings().weight.shape[0]
@@ -178,10 +186,10 @@ class DraftProposer:
         else:
             probs = torch.softmax(logits / self.config.temperature, dim=-1)
             idx = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
-            if self.vocab_ids is not None:
+            if self.draft_to_target is not None:
                 full = torch.zeros(probs.shape[0], self.full_vocab, dtype=probs.dtype, device=probs.device)
-                probs = full.index_copy(1, self.vocab_ids, probs)
+                probs = full.index_copy(1, self.draft_to_target, probs)
             q = probs
-        if self.vocab_ids is not None:
-            idx = self.vocab_ids[idx]
+        if self.draft_to_target is not None:
+            idx = self.draft_to_target[idx]
         return idx.tolist(), q

@@ -1,0 +1,102 @@
+"""Provenance: what produced a result row or a recorded trace (code commit, library versions, device).
+
+One definition, used by every writer of results (`hqlab.bench` rows, `hqlab sweep` output) and of cached traces
+(`hqlab.sweep`), so they all say the same thing the same way:
+
+- `git_commit`    the commit of the hqlab checkout the code runs from, with `+dirty` when tracked files differ
+                  from it; "unknown" when hqlab does not run from a git checkout (an installed copy, a tarball)
+- `torch`, `transformers`, `triton`, `vllm`: installed versions (None where a package is not installed)
+- `device`        what computed the numbers: `cpu (<processor>)` or `cuda (<GPU name>)`. No thread count or
+                  device index: it also keys the trace cache, where it separates numerics (bf16 near-ties differ
+                  between CPU and CUDA, and between GPU models), not runs.
+
+A leaf module (imports nothing from hqlab), so every floor may use it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+COLUMNS = ("git_commit", "torch", "transformers", "triton", "vllm", "python", "device")
+
+
+@functools.lru_cache(maxsize=4)
+def git_commit(repo: str | Path = REPO) -> str:
+    """HEAD of the git checkout at `repo` (+dirty if tracked files are modified), or "unknown" when `repo` is not
+    the top of a checkout (hqlab installed elsewhere, no git binary, a copy without .git)."""
+    repo = Path(repo)
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=20,
+                              check=True).stdout.strip()
+
+    try:
+        top = Path(git("rev-parse", "--show-toplevel")).resolve()
+        if top != repo.resolve():  # e.g. hqlab installed in a virtual environment that lies inside another repo
+            return "unknown"
+        sha = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return sha + ("+dirty" if dirty else "")
+
+
+def package_version(name: str) -> str | None:
+    """Installed version of a distribution, None if it is not installed (never imports it)."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict[str, str | None]:
+    import torch
+
+    return {"torch": torch.__version__, "transformers": package_version("transformers"),
+            "triton": package_version("triton"), "vllm": package_version("vllm"),
+            "python": platform.python_version()}
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_name() -> str:
+    name = platform.processor() or platform.machine() or "unknown processor"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return name
+
+
+def device_name(device: Any) -> str:
+    """`cpu (<processor>)` or `cuda (<GPU name>)` for a torch device or a device string ("cpu", "cuda:1")."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(dev)})"
+    if dev.type == "cpu":
+        return f"cpu ({cpu_name()})"
+    return dev.type
+
+
+def provenance(device: Any) -> dict[str, str | None]:
+    """The provenance columns (`COLUMNS`) of results computed on `device` by this process."""
+    return {"git_commit": git_commit(), **versions(), "device": device_name(device)}
+
+
+__all__ = ["COLUMNS", "git_commit", "package_version", "versions", "device_name", "provenance", "cpu_name"]
+
+if __name__ == "__main__":  # print this process's provenance
+    import json
+
+    json.dump(provenance(sys.argv[1] if len(sys.argv) > 1 else "cpu"), sys.stdout, indent=1)
+    print()
