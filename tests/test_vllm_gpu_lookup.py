@@ -307,3 +307,23 @@ def test_width_settings_are_checked():
     with pytest.raises(ConfigError, match="min_valid must be in"):
         gpu_lookup.lookup_config("gpu-lookup:k=4,min_valid=5")
     assert not GpuLookupSpeculator(vllm_config("gpu-lookup:k=4", k=4), device="cpu").stale
+
+
+def test_several_workers_tensor_parallel_options_and_one_ranks_records():
+    from hqlab.engines.vllm.engine import VLLMOptions, records_from_workers
+
+    assert VLLMOptions(model="m", tensor_parallel_size=2).tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match="tensor_parallel_size must be >= 1"):
+        VLLMOptions(model="m", tensor_parallel_size=0)
+    # two tensor-parallel ranks run the same speculator on the same histories: identical records, kept once
+    speculators = []
+    for _ in range(2):
+        s = GpuLookupSpeculator(vllm_config("gpu-lookup:nmin=1,nmax=8,k=4", k=4), device="cpu")
+        s.bind(*vllm_rows(real_histories()))
+        s.propose(batch([0, 5]))
+        speculators.append(s)
+    per_worker = [s.take_records() for s in speculators]
+    assert per_worker[0] == per_worker[1] and len(per_worker[0]) == 2
+    assert records_from_workers(per_worker) == per_worker[0]
+    assert records_from_workers([[], per_worker[1]]) == per_worker[1]  # a pipeline stage that drafts nothing
+    assert records_from_workers([]) == []

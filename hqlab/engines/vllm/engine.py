@@ -388,14 +388,21 @@ class VLLMEngine:
     def take_adapter_records(self) -> list[dict[str, Any]]:
         """The step records hqlab's code kept inside vLLM since the last call, from the first worker only: with
         tensor parallelism every rank drafts the same tokens, so one rank's records are the records."""
-        per_worker = self.engine.collective_rpc("hqlab_take_records")
-        return list(per_worker[0]) if per_worker else []
+        return records_from_workers(self.engine.collective_rpc("hqlab_take_records"))
 
     def close(self) -> None:
         core = getattr(self.engine, "engine_core", None)
         if core is not None:
             core.shutdown()
         del self.engine
+
+
+def records_from_workers(per_worker: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One rank's records from `collective_rpc`'s per-worker answers. With tensor parallelism every rank runs the
+    same speculator on the same histories and drafts the same tokens, so the first rank's records are the records
+    (taking every rank's would count each step once per GPU). Pipeline stages other than the last draft nothing."""
+    drafted = [list(worker) for worker in per_worker if worker]
+    return drafted[0] if drafted else []
 
 
 def _margin(position: dict) -> float:
@@ -676,4 +683,5 @@ def bench_suite(model: str | None, suite: str, specs: Sequence[str], decode: Dec
 
 __all__ = ["VLLMOptions", "EngineSetting", "setting_for", "settings_for", "StepEvent", "step_records", "VLLMEngine",
            "Run", "check_prompts", "run_setting", "run_configs", "encode_prompts", "machine_description",
-           "bench_suite", "raw_table", "runs_from_raw", "frames_from_raw", "NATIVE", "UNKNOWN_TOKEN"]
+           "bench_suite", "raw_table", "runs_from_raw", "frames_from_raw", "records_from_workers", "NATIVE",
+           "UNKNOWN_TOKEN"]
