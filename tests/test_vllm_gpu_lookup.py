@@ -323,7 +323,8 @@ def test_several_workers_tensor_parallel_options_and_one_ranks_records():
         s.propose(batch([0, 5]))
         speculators.append(s)
     per_worker = [s.take_records() for s in speculators]
-    assert per_worker[0] == per_worker[1] and len(per_worker[0]) == 2
+    drafted = [[{k: v for k, v in r.items() if k != "propose_s"} for r in w] for w in per_worker]  # not the timing
+    assert drafted[0] == drafted[1] and len(drafted[0]) == 2
     assert records_from_workers(per_worker) == per_worker[0]
     assert records_from_workers([[], per_worker[1]]) == per_worker[1]  # a pipeline stage that drafts nothing
     assert records_from_workers([]) == []
