@@ -36,6 +36,10 @@ def _make(*args: str) -> list[str]:
     return ["make", "--no-print-directory", "-C", str(REPO), "-o", f"{VENV}/.hqlab-installed", f"VENV={VENV}", *args]
 
 
+# a make of its own, not a sub-make of the `make test` that may be running these tests
+_ENV = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+
+
 def _copy_notebook(folder: Path) -> Path:
     """A copy of the notebook, with the repository's jupytext.toml, in `folder`."""
     shutil.copy(REPO / "jupytext.toml", folder)
@@ -43,7 +47,8 @@ def _copy_notebook(folder: Path) -> Path:
 
 
 def _make_notebooks(folder: Path) -> Path:
-    run = subprocess.run(_make("notebooks", f"NOTEBOOK_DIR={folder}"), capture_output=True, text=True, timeout=120)
+    run = subprocess.run(_make("notebooks", f"NOTEBOOK_DIR={folder}"), capture_output=True, text=True, timeout=120,
+                         env=_ENV)
     assert run.returncode == 0, run.stdout + run.stderr
     return folder / NOTEBOOK.with_suffix(".ipynb").name
 
@@ -125,7 +130,7 @@ def lab(tmp_path_factory):
     port, token = _free_port(), secrets.token_hex(16)
     args = f"--no-browser --ServerApp.ip=127.0.0.1 --ServerApp.port={port} --ServerApp.port_retries=0 " \
            f"--IdentityProvider.token={token}"
-    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(home / "config"), "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
+    env = {**_ENV, "JUPYTER_CONFIG_DIR": str(home / "config"), "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
            "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"), "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces")}
     log = home / "lab.log"
     with open(log, "w") as out:
