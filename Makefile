@@ -106,7 +106,7 @@ site: setup
 
 # The site check (hqlab site --check, tests/test_site.py) drives the system's Chromium through playwright, which
 # never downloads a browser of its own here. Installed from the system's packages when missing (apt-get, as root).
-CHROMIUM_FOUND = $(or $(HQLAB_CHROMIUM),$(shell command -v chromium || command -v chromium-browser || command -v google-chrome || command -v google-chrome-stable))
+CHROMIUM_FOUND = $(or $(wildcard $(HQLAB_CHROMIUM)),$(shell command -v chromium || command -v chromium-browser || command -v google-chrome || command -v google-chrome-stable))
 chromium:
 ifeq ($(strip $(CHROMIUM_FOUND)),)
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
