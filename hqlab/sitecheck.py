@@ -1,36 +1,42 @@
-"""Check that a published page shows its charts and widgets, by looking at a headless Chromium screenshot.
+"""Check that published pages show their charts and widgets, in the system's headless Chromium driven by playwright.
 
-For each page: Chromium loads it once to report where every chart output (inline SVG/PNG, or a Vega/altair
-embed) and every widget view sits, then takes a screenshot of the whole page; a chart counts as visible when
-enough of its region differs from the page background. A chart whose script could not load (a CDN renderer
-offline) or whose output was never saved leaves that region blank, or leaves no chart at all, and fails.
+One browser serves a whole run (`SiteChecker`; `check_page` shares one per process). Each page is loaded once from
+the file system with every request off the machine refused (the site must work offline): then every chart output
+(inline SVG/PNG, a Vega/altair embed, a docs figure) and every widget view is found in the page and photographed on
+its own, wherever it sits on the page (no height cut), and a chart counts as visible when enough of its pixels
+differ from the background behind it. A chart whose script could not load (a CDN renderer offline), or whose
+output was never saved, stays blank or is missing and fails; so does a page that logs a script error or asks the
+network for anything.
 
-Chromium comes from the system (Debian: `apt-get install -y chromium`); `ensure_chromium(install=True)` installs
-it that way when run as root, and otherwise fails with that instruction. Nothing here downloads a browser build.
+Chromium comes from the system (`make chromium`: Debian's `chromium` package) or `HQLAB_CHROMIUM`; playwright only
+drives it and never downloads a browser here. Screenshots are read with Pillow.
 """
 
 from __future__ import annotations
 
-import json
+import atexit
+import io
 import os
-import re
 import shutil
-import struct
-import subprocess
-import tempfile
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
-INSTALL_HINT = ("install Chromium from the system's packages (Debian/Ubuntu, as root: apt-get update && "
-                "apt-get install -y chromium), or set HQLAB_CHROMIUM to a Chromium/Chrome binary")
+INSTALL_HINT = ("run `make chromium` (installs Debian's chromium with apt-get as root), or install Chromium from "
+                "your system's packages (Debian/Ubuntu: apt-get install -y chromium), or set HQLAB_CHROMIUM to a "
+                "Chromium/Chrome binary")
 WIDTH = 1100
-MAX_HEIGHT = 16000  # screenshots taller than this are cut (Chromium's texture limit is ~16k px)
+HEIGHT = 1200  # the viewport; pages and charts taller than it are photographed in full all the same
 MIN_INK = 0.01  # share of a chart region's pixels that must differ from the background
 MIN_CHART = 60  # px: the smallest width and height that counts as a chart
+LOAD_TIMEOUT_MS = 60_000
+RENDER_TIMEOUT_MS = 8_000  # how long widget views and Vega embeds may take to draw after the page loaded
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--disable-quic", "--no-first-run", "--hide-scrollbars",
+                 "--allow-file-access-from-files", "--force-device-scale-factor=1"]
 
 
 class BrowserMissing(RuntimeError):
@@ -44,81 +50,80 @@ def find_chromium() -> str | None:
     return next((p for p in map(shutil.which, CHROMIUM_NAMES) if p), None)
 
 
-def install_chromium() -> str:
-    """`apt-get install -y chromium` (root only). Returns the binary; raises BrowserMissing with the reason."""
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        raise BrowserMissing(f"no Chromium found and cannot install it here (needs root and apt-get): {INSTALL_HINT}")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium"]):
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-        if proc.returncode != 0:
-            raise BrowserMissing(f"{' '.join(cmd)} failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}; "
-                                 f"{INSTALL_HINT}")
+def ensure_chromium(install: bool = False) -> str:
+    """The Chromium binary to drive, or BrowserMissing saying how to get one.
+
+    Nothing here installs a browser: `make chromium` does, with the system's package manager. `install` remains
+    for callers of the earlier interface and must be False."""
+    if install:
+        raise ValueError(f"ensure_chromium does not install Chromium: {INSTALL_HINT}")
+    env = os.environ.get("HQLAB_CHROMIUM")
+    if env and not Path(env).exists():
+        raise BrowserMissing(f"HQLAB_CHROMIUM={env} does not exist; {INSTALL_HINT}")
     found = find_chromium()
     if found is None:
-        raise BrowserMissing(f"apt-get installed chromium but no binary is on PATH; {INSTALL_HINT}")
+        raise BrowserMissing(f"no Chromium found ({', '.join(CHROMIUM_NAMES)} on PATH): {INSTALL_HINT}")
     return found
 
 
-def ensure_chromium(install: bool = False) -> str:
-    found = find_chromium()
-    if found:
-        return found
-    if install:
-        return install_chromium()
-    raise BrowserMissing(f"no Chromium found: {INSTALL_HINT}")
-
-
-def _chromium(binary: str, args: list[str], url: str, height: int, timeout: float = 120) -> subprocess.CompletedProcess:
-    with tempfile.TemporaryDirectory(prefix="hqlab-chromium-") as profile:
-        cmd = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-               "--disable-component-update", "--disable-sync", "--disable-quic", "--no-first-run",
-               "--hide-scrollbars", "--allow-file-access-from-files", "--force-device-scale-factor=1",
-               f"--user-data-dir={profile}", f"--window-size={WIDTH},{height}", "--virtual-time-budget=10000",
-               *args, url]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"chromium failed on {url} (exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
-    return proc
-
-
-# The layout probe: added to a copy of the page, it writes where the chart and widget outputs are into an
-# attribute of <html> once the page (and the widget manager, which renders asynchronously) has settled.
-_PROBE = """<script>
-window.addEventListener('load', function () { setTimeout(function () {
-  var items = [];
-  function box(el, kind, rendered) {
-    var r = el.getBoundingClientRect();
+# Finds the chart and widget outputs, tags each with data-hqlab-region=<index> and returns where they are.
+# Chart outputs: image outputs, Vega/altair embeds, and docs figures (<img> in <main> outside notebook outputs).
+# A widget view is rendered when the widget manager has put a Lumino widget next to its saved-state script.
+_FIND_REGIONS = """() => {
+  const items = [];
+  function add(el, kind, rendered) {
+    const r = el.getBoundingClientRect();
+    el.setAttribute('data-hqlab-region', String(items.length));
     items.push({kind: kind, x: r.left + window.scrollX, y: r.top + window.scrollY, w: r.width, h: r.height,
                 rendered: rendered});
   }
   document.querySelectorAll('.jp-OutputArea-output').forEach(function (el) {
-    var mime = el.getAttribute('data-mime-type') || '';
+    const mime = el.getAttribute('data-mime-type') || '';
     if (mime.indexOf('image/') === 0 || mime.indexOf('vega') >= 0 ||
         el.querySelector('.vega-embed, [id^="altair-viz"]')) {
-      box(el, 'chart', true);
+      add(el, 'chart', true);
     } else if (el.querySelector('script[type="application/vnd.jupyter.widget-view+json"]')) {
-      box(el, 'widget', !!el.querySelector('.lm-Widget'));  // the manager adds Lumino widgets next to the script
+      add(el, 'widget', !!el.querySelector('.lm-Widget'));
     }
   });
-  document.querySelectorAll('main img').forEach(function (el) {  // docs figures (outputs were counted above)
-    if (!el.closest('.jp-OutputArea-output')) box(el, 'chart', el.complete && el.naturalWidth > 0);
+  document.querySelectorAll('main img').forEach(function (el) {
+    if (!el.closest('.jp-OutputArea-output')) add(el, 'chart', el.complete && el.naturalWidth > 0);
   });
-  document.documentElement.setAttribute('data-hqlab-layout', JSON.stringify(
-    {height: document.documentElement.scrollHeight, items: items}));
-}, 4000); });
-</script>"""
+  return {height: document.documentElement.scrollHeight, items: items};
+}"""
+
+# True once every widget view is rendered and every Vega embed has drawn (or the wait times out: then the regions
+# are measured as they are, and the blank ones fail).
+_RENDERED = """() => {
+  const views = Array.from(document.querySelectorAll('.jp-OutputArea-output')).filter(
+    el => el.querySelector('script[type="application/vnd.jupyter.widget-view+json"]'));
+  const embeds = Array.from(document.querySelectorAll('.vega-embed, [id^="altair-viz"]'));
+  return views.every(el => el.querySelector('.lm-Widget')) && embeds.every(el => el.querySelector('svg, canvas'));
+}"""
+
+# The colour behind an element: the first ancestor with an opaque background (the canvas is white).
+_BACKGROUND = """(el) => {
+  for (let n = el.parentElement; n; n = n.parentElement) {
+    const c = getComputedStyle(n).backgroundColor;
+    const m = c.match(/rgba?\\(([^)]*)\\)/);
+    if (!m) continue;
+    const v = m[1].split(',').map(s => parseFloat(s));
+    if (v.length < 4 || v[3] >= 1) return v.slice(0, 3);
+  }
+  return [255, 255, 255];
+}"""
 
 
 @dataclass
 class Region:
     kind: str  # "chart" or "widget"
     x: int
-    y: int
+    y: int  # from the top of the page, px
     w: int
     h: int
     rendered: bool  # widgets: the manager replaced the saved-state placeholder; images: the file loaded
-    ink: float = 0.0  # share of the region's screenshot pixels that differ from the background
+    ink: float = 0.0  # share of the region's pixels that differ from the background behind it
+    screenshot: Path | None = None  # where its picture was saved (SiteChecker(shots_dir=...))
 
     @property
     def visible(self) -> bool:
@@ -132,7 +137,7 @@ class PageCheck:
     page: Path
     height: int
     regions: list[Region] = field(default_factory=list)
-    screenshot: Path | None = None
+    errors: list[str] = field(default_factory=list)  # script errors, console errors, refused network requests
 
     @property
     def charts(self) -> list[Region]:
@@ -152,122 +157,142 @@ class PageCheck:
             if not r.visible:
                 out.append(f"{self.page.name}: {r.kind} at y={r.y} ({r.w}x{r.h} px) not visible "
                            f"(rendered={r.rendered}, ink={r.ink:.3f})")
+        out += [f"{self.page.name}: {e}" for e in self.errors]
         return out
 
 
-def layout(page: Path, chromium: str) -> tuple[int, list[Region]]:
-    """Page height and the chart/widget regions, measured by Chromium in a copy of the page beside it."""
-    text = page.read_text(encoding="utf-8")
-    probe = text.replace("</body>", _PROBE + "</body>", 1) if "</body>" in text else text + _PROBE
-    tmp = page.with_name(f".{page.stem}.hqlab-probe.html")
-    try:
-        tmp.write_text(probe, encoding="utf-8")
-        dom = _chromium(chromium, ["--dump-dom"], tmp.resolve().as_uri(), 1200).stdout
-    finally:
-        tmp.unlink(missing_ok=True)
-    m = re.search(r'data-hqlab-layout="([^"]*)"', dom)
-    if not m:
-        raise RuntimeError(f"{page}: the layout probe did not run (page scripts failed before load?)")
-    import html as _html
-
-    data = json.loads(_html.unescape(m.group(1)))
-    regions = [Region(i["kind"], round(i["x"]), round(i["y"]), round(i["w"]), round(i["h"]), bool(i["rendered"]))
-               for i in data["items"]]
-    return int(data["height"]), regions
-
-
-def check_page(page: str | Path, chromium: str, *, screenshot: Path | None = None) -> PageCheck:
-    page = Path(page).resolve()
-    height, regions = layout(page, chromium)
-    height = max(200, min(height, MAX_HEIGHT))
-    shot = screenshot or Path(tempfile.mkstemp(suffix=".png", prefix="hqlab-shot-")[1])
-    _chromium(chromium, [f"--screenshot={shot}"], page.as_uri(), height)
-    pixels = read_png(shot)
-    background = background_color(pixels)
-    for r in regions:
-        r.ink = ink_fraction(pixels, background, r.x, r.y, r.w, r.h)
-    if screenshot is None:
-        shot.unlink(missing_ok=True)
-    return PageCheck(page, height, regions, screenshot)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# pixels
-
-
-def background_color(pixels: np.ndarray) -> np.ndarray:
-    """The most common colour of the screenshot (the page background)."""
-    flat = pixels[..., :3].reshape(-1, 3).astype(np.int64)
-    keys = (flat[:, 0] << 16) | (flat[:, 1] << 8) | flat[:, 2]
-    values, counts = np.unique(keys, return_counts=True)
-    k = int(values[counts.argmax()])
-    return np.array([k >> 16, (k >> 8) & 255, k & 255])
-
-
-def ink_fraction(pixels: np.ndarray, background: np.ndarray, x: int, y: int, w: int, h: int,
-                 tolerance: int = 24) -> float:
-    """Share of pixels in the box that differ from `background` by more than `tolerance` in some channel.
-    Parts of the box outside the screenshot count as blank."""
-    if w <= 0 or h <= 0:
+def ink_fraction(pixels: np.ndarray, background: np.ndarray, tolerance: int = 24) -> float:
+    """Share of pixels [h, w, 3+] that differ from `background` by more than `tolerance` in some channel."""
+    if pixels.size == 0:
         return 0.0
-    box = pixels[max(y, 0): y + h, max(x, 0): x + w, :3].astype(np.int16)
-    if box.size == 0:
-        return 0.0
-    differs = (np.abs(box - background.astype(np.int16)) > tolerance).any(axis=-1)
-    return float(differs.sum()) / float(w * h)
+    differs = (np.abs(pixels[..., :3].astype(np.int16) - np.asarray(background, dtype=np.int16)) > tolerance)
+    return float(differs.any(axis=-1).mean())
 
 
-def read_png(path: str | Path) -> np.ndarray:
-    """Decode an 8-bit RGB/RGBA non-interlaced PNG (what Chromium writes) to an [h, w, channels] uint8 array.
+def png_pixels(data: bytes) -> np.ndarray:
+    """A PNG (bytes) as an [h, w, 3] uint8 RGB array, decoded by Pillow."""
+    from PIL import Image
 
-    The five PNG row filters predict each byte from its left, upper and upper-left neighbours, which makes rows
-    sequential; decoding along anti-diagonals (every pixel of one diagonal depends only on the two before it)
-    vectorizes it with numpy: about h + w steps instead of h * w.
-    """
-    data = Path(path).read_bytes()
-    if data[:8] != b"\x89PNG\r\n\x1a\n":
-        raise ValueError(f"{path}: not a PNG file")
-    pos, idat, header = 8, [], None
-    while pos < len(data):
-        (n,) = struct.unpack(">I", data[pos: pos + 4])
-        kind, chunk = data[pos + 4: pos + 8], data[pos + 8: pos + 8 + n]
-        pos += 12 + n
-        if kind == b"IHDR":
-            header = struct.unpack(">IIBBBBB", chunk)
-        elif kind == b"IDAT":
-            idat.append(chunk)
-        elif kind == b"IEND":
-            break
-    if header is None:
-        raise ValueError(f"{path}: PNG without a header chunk")
-    w, h, depth, color, _, _, interlace = header
-    channels = {2: 3, 6: 4}.get(color)
-    if depth != 8 or channels is None or interlace:
-        raise ValueError(f"{path}: only 8-bit RGB/RGBA non-interlaced PNGs are supported "
-                         f"(depth {depth}, colour type {color}, interlace {interlace})")
-    raw = np.frombuffer(zlib.decompress(b"".join(idat)), dtype=np.uint8)
-    if raw.size != h * (1 + w * channels):
-        raise ValueError(f"{path}: image data has {raw.size} bytes, expected {h * (1 + w * channels)}")
-    raw = raw.reshape(h, 1 + w * channels)
-    return unfilter(raw[:, 0], raw[:, 1:].reshape(h, w, channels))
+    with Image.open(io.BytesIO(data)) as img:
+        return np.asarray(img.convert("RGB"))
 
 
-def unfilter(filters: np.ndarray, data: np.ndarray) -> np.ndarray:
-    """Undo PNG row filters: `filters` [h] (0 none, 1 sub, 2 up, 3 average, 4 paeth), `data` [h, w, c] bytes."""
-    h, w, c = data.shape
-    if filters.size and int(filters.max()) > 4:
-        raise ValueError(f"invalid PNG row filter {int(filters.max())}")
-    out = np.zeros((h + 1, w + 1, c), dtype=np.int16)  # row 0 / column 0: the zero neighbours outside the image
-    data = data.astype(np.int16)
-    filt = filters.astype(np.int8)
-    for d in range(h + w - 1):
-        ys = np.arange(max(0, d - w + 1), min(h, d + 1))
-        xs = d - ys
-        a, b, cc = out[ys + 1, xs], out[ys, xs + 1], out[ys, xs]
-        pa, pb, pc = np.abs(b - cc), np.abs(a - cc), np.abs(a + b - 2 * cc)
-        paeth = np.where((pa <= pb) & (pa <= pc), a, np.where(pb <= pc, b, cc))
-        f = filt[ys][:, None]
-        pred = np.where(f == 1, a, np.where(f == 2, b, np.where(f == 3, (a + b) >> 1,
-                                                                  np.where(f == 4, paeth, 0))))
-        out[ys + 1, xs + 1] = (data[ys, xs] + pred) & 255
-    return out[1:, 1:].astype(np.uint8)
+class SiteChecker:
+    """One headless Chromium for many pages: `with SiteChecker(chromium) as c: c.check(page)`.
+
+    `shots_dir` keeps each region's picture there (`<page>-<index>-<kind>.png`), to look at."""
+
+    def __init__(self, chromium: str | None = None, *, shots_dir: str | Path | None = None) -> None:
+        self.chromium = chromium or ensure_chromium()
+        self.shots_dir = Path(shots_dir) if shots_dir is not None else None
+        self._playwright: Any = None
+        self._browser: Any = None
+
+    def __enter__(self) -> SiteChecker:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        if self._browser is not None:
+            return
+        from playwright.sync_api import sync_playwright
+
+        self._playwright = sync_playwright().start()
+        try:
+            self._browser = self._playwright.chromium.launch(executable_path=self.chromium, headless=True,
+                                                             args=CHROMIUM_ARGS)
+        except Exception as e:
+            self._playwright.stop()
+            self._playwright = None
+            raise BrowserMissing(f"could not start {self.chromium}: {e}") from None
+
+    def close(self) -> None:
+        if self._browser is not None:
+            self._browser.close()
+            self._browser = None
+        if self._playwright is not None:
+            self._playwright.stop()
+            self._playwright = None
+
+    def check(self, page: str | Path) -> PageCheck:
+        page = Path(page).resolve()
+        if not page.is_file():
+            raise FileNotFoundError(f"no page to check at {page}")
+        self.start()
+        context = self._browser.new_context(viewport={"width": WIDTH, "height": HEIGHT}, device_scale_factor=1)
+        errors: list[str] = []
+
+        def refuse_network(route: Any) -> None:
+            url = route.request.url
+            if url.startswith(("file:", "data:", "blob:", "about:")):
+                route.continue_()
+            else:
+                errors.append(f"asks the network for {url} (refused: the site must work offline)")
+                route.abort()
+
+        context.route("**/*", refuse_network)
+        tab = context.new_page()
+        tab.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+        tab.on("pageerror", lambda e: errors.append(f"script error: {e}"))
+        tab.on("requestfailed", lambda r: errors.append(f"could not load {r.url}: {r.failure}")
+               if r.url.startswith("file:") else None)
+        try:
+            tab.goto(page.as_uri(), wait_until="load", timeout=LOAD_TIMEOUT_MS)
+            try:
+                tab.wait_for_function(_RENDERED, timeout=RENDER_TIMEOUT_MS)
+            except Exception:  # noqa: BLE001 - playwright's TimeoutError: measure what is there
+                pass
+            layout = tab.evaluate(_FIND_REGIONS)
+            regions = []
+            for i, item in enumerate(layout["items"]):
+                region = Region(item["kind"], round(item["x"]), round(item["y"]), round(item["w"]),
+                                round(item["h"]), bool(item["rendered"]))
+                if region.w >= 1 and region.h >= 1:
+                    self._photograph(tab, page, i, region, errors)
+                regions.append(region)
+        finally:
+            context.close()
+        return PageCheck(page, int(layout["height"]), regions, errors)
+
+    def _photograph(self, tab: Any, page: Path, index: int, region: Region, errors: list[str]) -> None:
+        element = tab.query_selector(f'[data-hqlab-region="{index}"]')
+        try:
+            data = element.screenshot(timeout=RENDER_TIMEOUT_MS, animations="disabled", caret="hide")
+        except Exception as e:  # noqa: BLE001 - an element that cannot be photographed is not visible
+            errors.append(f"{region.kind} at y={region.y}: no screenshot ({str(e).splitlines()[0]})")
+            return
+        background = np.asarray(element.evaluate(_BACKGROUND), dtype=np.int16)
+        region.ink = ink_fraction(png_pixels(data), background)
+        if self.shots_dir is not None:
+            self.shots_dir.mkdir(parents=True, exist_ok=True)
+            region.screenshot = self.shots_dir / f"{page.stem}-{index}-{region.kind}.png"
+            region.screenshot.write_bytes(data)
+
+
+_shared: dict[str, SiteChecker] = {}
+
+
+def _close_shared() -> None:
+    while _shared:
+        _shared.popitem()[1].close()
+
+
+def check_page(page: str | Path, chromium: str) -> PageCheck:
+    """Check one page with the process's shared browser for `chromium` (started on first use, closed at exit)."""
+    checker = _shared.get(chromium)
+    if checker is None:
+        if not _shared:
+            atexit.register(_close_shared)
+        checker = _shared[chromium] = SiteChecker(chromium)
+    return checker.check(page)
+
+
+def check_pages(pages: list[str | Path], chromium: str | None = None, *,
+                shots_dir: str | Path | None = None) -> list[PageCheck]:
+    """Check several pages with one browser started for them."""
+    with SiteChecker(chromium, shots_dir=shots_dir) as checker:
+        return [checker.check(p) for p in pages]
+
