@@ -19,11 +19,8 @@ from pathlib import Path
 
 import polars as pl
 
-from hqlab import bench, sweep
-from hqlab.config import DecodeConfig
-from hqlab.engines.hf import HFEngine
-from hqlab.io import write_atomic
-from hqlab.workloads import load_workload
+from hqlab import bench
+from hqlab.replay import sweep
 
 CONFIGS = ["lookup:nmin=6,nmax=12,k=15", "lookup:nmin=6,nmax=12,k=7", "pld:n=3,k=10", "hf-pld:k=10"]
 
@@ -48,21 +45,11 @@ def main() -> None:
         print("standalone lookup chosen by the sweep:", best)
         configs.insert(0, best)
 
-    engine = HFEngine.load(args.model, device=args.device)
-    parts_r, parts_s = [], []
     tokens = {"labd": args.labd_tokens, "chat": args.chat_tokens}
-    for suite in args.suites.split(","):
-        n = tokens[suite]
-        prompts = load_workload(suite, doc_tokens=args.doc_tokens, tokenizer=engine.tokenizer)
-        r, s = bench.run_bench(engine, prompts, configs, DecodeConfig(max_new_tokens=n), repeats=args.repeats,
-                               meta={"suite": suite, "doc_tokens": args.doc_tokens})
-        parts_r.append(r)
-        parts_s.append(s)
-    results = pl.concat(parts_r, how="diagonal_relaxed")
-    steps = pl.concat(parts_s, how="diagonal_relaxed")
-    out = Path("data/results") / f"core_{args.tag}.parquet"
-    write_atomic(out.with_name(out.stem + ".steps.parquet"), lambda t: steps.write_parquet(t))
-    write_atomic(out, lambda t: results.write_parquet(t))
+    results, steps = bench.run_suites("hf", {suite: tokens[suite] for suite in args.suites.split(",")}, configs,
+                                      model=args.model, device=args.device, doc_tokens=args.doc_tokens,
+                                      repeats=args.repeats)
+    bench.write_results(Path("data/results") / f"core_{args.tag}.parquet", results, steps)
     with pl.Config(tbl_rows=100, tbl_cols=20, tbl_width_chars=220):
         print(bench.summarize(results))
     print(results["machine"][0])

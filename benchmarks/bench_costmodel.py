@@ -22,15 +22,16 @@ from pathlib import Path
 
 import polars as pl
 
-from hqlab import bench, sweep
+from hqlab import bench
 from hqlab.config import DecodeConfig
-from hqlab.costmodel import CostModel, measure_step_times
 from hqlab.engines.hf import HFEngine
-from hqlab.io import write_atomic
+from hqlab.io import REPO, write_atomic
 from hqlab.proposers import make_proposer
+from hqlab.provenance import machine_description
+from hqlab.replay import sweep
+from hqlab.replay.costmodel import CostModel, measure_step_times
+from hqlab.replay.traces import record_traces
 from hqlab.workloads import load_workload
-
-REPO = Path(__file__).resolve().parent.parent
 CONFIGS = ["lookup:nmin=6,nmax=12,k=15", "lookup:nmin=1,nmax=32,k=15,policy=earliest", "pld:n=3,k=10"]
 
 
@@ -62,8 +63,8 @@ def main() -> None:
     engine = HFEngine.load(args.model, device=args.device)
     prompts = load_workload(args.suite, doc_tokens=args.doc_tokens, tokenizer=engine.tokenizer)
     decode = DecodeConfig(max_new_tokens=args.max_new_tokens)
-    traces = sweep.record_traces(engine, prompts, decode)
-    machine = bench.machine_description(engine.device)
+    traces = record_traces(engine, prompts, decode)
+    machine = machine_description(engine.device)
     print(machine, "| load", os.getloadavg())
 
     grid = measure_step_times(engine, [int(x) for x in args.contexts.split(",")],

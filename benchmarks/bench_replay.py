@@ -7,10 +7,10 @@ include every prompt token (about 7 per output token here), and the replay sees 
 
 Measured, each as the best of --repeats runs (wall clock; process CPU time alongside, since the machine may be
 shared: the load average is recorded with every row):
-  reference   `hqlab.replay.replay` on one copy of the trace set (the step-by-step path, for comparison)
+  reference   `hqlab.replay.step.step_replay` on one copy of the trace set (the step-by-step path, for comparison)
   cold        one configuration from scratch: index build + match + walk (`replay_table` on raw traces)
   warm        one configuration on an index shared with earlier configurations (how a sweep runs)
-  sweep       `hqlab.sweep.sweep` over 100 lookup configurations, proposal cost timed and every step priced
+  sweep       `hqlab.replay.sweep.sweep` over 100 lookup configurations, proposal cost timed and every step priced
 
 Writes data/results/replay_speed.parquet and figures/replay_speed.svg/png.
 Usage: python benchmarks/bench_replay.py [--tokens 200000] [--repeats 3] [--sweep-points 100]
@@ -20,29 +20,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 from pathlib import Path
 
 import numpy as np
 import polars as pl
 
-from hqlab import fastreplay, plots, sweep
-from hqlab.costmodel import CostModel
+from hqlab import plots
+from hqlab.io import REPO, write_atomic
 from hqlab.proposers import make_proposer
-from hqlab.replay import replay
-
-REPO = Path(__file__).resolve().parent.parent
+from hqlab.provenance import cpu_name
+from hqlab.replay import fast as fastreplay
+from hqlab.replay import sweep
+from hqlab.replay.costmodel import CostModel
+from hqlab.replay.step import step_replay
+from hqlab.replay.traces import Trace, load_traces
 CONFIGS = ["lookup:nmin=6,nmax=12,k=15", "lookup:nmin=1,nmax=32,k=15,policy=earliest", "lookup:nmin=2,nmax=12,k=8",
            "pld:n=3,k=10"]
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return platform.processor()
 
 
 def timed(fn, repeats: int) -> tuple[float, float, object]:
@@ -66,14 +60,14 @@ def main() -> None:
     ap.add_argument("--figure", type=Path, default=REPO / "figures/replay_speed.svg")
     args = ap.parse_args()
 
-    base = sweep.load_traces(args.traces)
+    base = load_traces(args.traces)
     per_copy = sum(len(t.output_ids) for t in base)
     copies = -(-args.tokens // per_copy)
-    traces = [sweep.Trace(f"{t.prompt_id}#{i}", t.category, t.prompt_ids, t.output_ids, t.max_new_tokens)
+    traces = [Trace(f"{t.prompt_id}#{i}", t.category, t.prompt_ids, t.output_ids, t.max_new_tokens)
               for i in range(copies) for t in base]
     # token lists become arrays once, as loading: every configuration then replays the same arrays
     arrays = [(np.asarray(t.prompt_ids, dtype=np.int64), np.asarray(t.output_ids, dtype=np.int64)) for t in base]
-    inputs = [fastreplay.TraceInput(*arrays[j], base[j].max_new_tokens, f"{base[j].prompt_id}#{i}")
+    inputs = [Trace.of(*arrays[j], base[j].max_new_tokens, f"{base[j].prompt_id}#{i}")
               for i in range(copies) for j in range(len(base))]
     target = sum(len(t.output_ids) for t in traces)
     history = sum(len(t.prompt_ids) + len(t.output_ids) for t in traces)
@@ -92,7 +86,7 @@ def main() -> None:
 
     # the step-by-step reference on one copy
     proposer = make_proposer(CONFIGS[0])
-    wall, cpu, _ = timed(lambda: [replay(t.prompt_ids, t.output_ids, proposer, max_new_tokens=t.max_new_tokens)
+    wall, cpu, _ = timed(lambda: [step_replay(t.prompt_ids, t.output_ids, proposer, max_new_tokens=t.max_new_tokens)
                                   for t in base], args.repeats)
     record("reference", CONFIGS[0], wall, cpu, per_copy)
 
@@ -121,8 +115,6 @@ def main() -> None:
           f"({wall / len(specs) * 1e3:.0f} ms per configuration, proposal timing and pricing included)")
 
     result = pl.DataFrame(rows)
-    from hqlab.io import write_atomic
-
     write_atomic(args.out, lambda tmp: result.write_parquet(tmp))
     plots.save(speed_chart(result), args.figure)
     print(f"wrote {args.out} and {args.figure}")

@@ -42,7 +42,7 @@ def main() -> None:
 
     from hqlab.config import DecodeConfig
     from hqlab.engines.hf import HFEngine
-    from hqlab.lossless import NEAR_TIE_TOL, compare
+    from hqlab.bench.lossless import NEAR_TIE_TOL, compare
     from hqlab.proposers import make_proposer
 
     import argparse

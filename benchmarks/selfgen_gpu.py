@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from hqlab import models, selfgen
+    from hqlab import models
+    from hqlab.vocab import selfgen
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -62,10 +63,11 @@ def main(argv: list[str] | None = None) -> int:
           f"tokens in {summary.seconds:.1f}s ({summary.tok_s:.1f} tok/s)", file=sys.stderr)
     if sizes:
         from hqlab import vocab
+        from hqlab.provenance import machine_description
 
         rows = vocab.measure_draft_latency(model, sizes, context=args.latency_context)
         for r in rows:
-            r.update(model=info.name, dtype=info.dtype, device=vocab.device_description(model))
+            r.update(model=info.name, dtype=info.dtype, device=machine_description(next(model.parameters()).device))
         path = args.latency_out or Path("data/results") / f"vocab_latency_gpu_{Path(info.name).name}.json"
         from hqlab.io import write_atomic
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # a bare checkout on the GPU host
+sys.path.insert(0, str(ROOT))  # a bare checkout on the GPU host (hqlab is not importable before this)
 
 DEFAULT_CONFIGS = ["gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest", "lookup:nmin=1,nmax=32,k=15,policy=earliest"]
 
@@ -38,14 +38,12 @@ def log(msg: str) -> None:
 def bench(args: argparse.Namespace) -> int:
     import vllm  # noqa: F401  (first: a wheel missing from the carried set fails here, before the conversion)
 
-    from hqlab import models
+    from hqlab import models, provenance
     from hqlab.config import DecodeConfig
     from hqlab.engines import vllm as hv
     from hqlab.workloads import load_workload
 
-    from hqlab import provenance
-
-    machine = hv.machine_description()  # before any CUDA call: vLLM forks its engine processes then
+    machine = provenance.machine_description(vllm=True)  # before any CUDA call: vLLM forks its engine processes then
     versions = {**provenance.versions(), "device": f"cuda ({machine.split(',')[0]})"}
     log(machine)
     t = time.time()
@@ -116,9 +114,9 @@ def finish(args: argparse.Namespace) -> None:
     import polars as pl
 
     from hqlab import bench as hb
+    from hqlab.bench.vllm import frames_from_raw
     from hqlab.config import DecodeConfig
     from hqlab.engines import vllm as hv
-    from hqlab.io import write_atomic
 
     runs, metas = [], []
     for path in args.raw:
@@ -128,7 +126,7 @@ def finish(args: argparse.Namespace) -> None:
     meta = {k: metas[0][k] for k in keys if k in metas[0]}
     decode = DecodeConfig(max_new_tokens=metas[0]["max_new_tokens"])
     engines = [e for m in metas for e in m["engines"]]
-    results, steps = hv.frames_from_raw(runs, decode, meta, engines)
+    results, steps = frames_from_raw(runs, decode, meta, engines)
     # Provenance: versions and device as the GPU host reported them; the commit is the one whose code ran there
     # (the host gets the working tree without its history).
     from hqlab import provenance
@@ -142,17 +140,17 @@ def finish(args: argparse.Namespace) -> None:
     profile_steps = [{"config": e["config"], "prompt_id": p["prompt_id"], "category": p["category"], **st}
                      for e in engines for p in e.get("profile", []) for st in p["steps"]]
     out = Path(args.out)
-    tagged = {"": results, ".steps": steps, ".phases": pl.DataFrame(phases),
-              ".profile_steps": pl.DataFrame(profile_steps).drop("proposed", "sources", strict=False)}
-    for suffix, frame in tagged.items():
-        path = out.with_name(out.stem + suffix + ".parquet")
+    parts = {"": results, "steps": steps, "phases": pl.DataFrame(phases),
+             "profile_steps": pl.DataFrame(profile_steps).drop("proposed", "sources", strict=False)}
+    for part, frame in parts.items():
+        path = hb.part_path(out, part) if part else out
         if frame.height:
             frame = frame.with_columns(pl.lit(args.run).alias("run"))
         if args.append and path.exists():  # this run's rows replace the same run's, other runs stay
             frame = pl.concat([pl.read_parquet(path).filter(pl.col("run") != args.run), frame],
                               how="diagonal_relaxed")
-        if frame.height:
-            write_atomic(path, lambda t, f=frame: f.write_parquet(t))
+        parts[part] = frame
+    hb.write_results(out, parts.pop(""), **parts)
     with pl.Config(tbl_rows=100, tbl_cols=20, tbl_width_chars=220):
         print(hb.summarize(results.filter(pl.col("concurrency") == 1)))
     print(f"wrote run {args.run!r} into {out} (+ .steps{', .phases, .profile_steps' if phases else ''})")

@@ -116,34 +116,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import polars as pl
 
     from hqlab import plots
-    from hqlab.io import write_atomic
 
-    if args.engine == "vllm":  # one vLLM engine per config (CUDA)
-        from hqlab.engines.vllm import bench_suite
-
-        results, steps = bench_suite(model, args.suite, args.proposer, decode, doc_tokens=args.doc_tokens,
-                                     limit=args.limit, repeats=args.repeats, dtype=args.dtype,
-                                     concurrency=args.concurrency, tensor_parallel_size=args.tensor_parallel_size)
-        results = bench.with_provenance(results, "cuda")
-    else:
-        from hqlab.engines.hf import HFEngine
-        from hqlab.workloads import load_workload
-
-        bench.parse_configs(args.proposer)  # builds the proposers (a drafter loads here) before the target
-        engine = HFEngine.load(model, device=args.device, dtype=args.dtype)
-        prompts = load_workload(args.suite, doc_tokens=args.doc_tokens, tokenizer=engine.tokenizer)
-        if args.limit:
-            prompts = prompts[: args.limit]
-        results, steps = bench.run_bench(engine, prompts, args.proposer, decode, repeats=args.repeats,
-                                         meta={"suite": args.suite, "doc_tokens": args.doc_tokens})
-
-    steps_path = args.out.with_name(args.out.stem + ".steps.parquet")
-    if steps.height:
-        write_atomic(steps_path, lambda tmp: steps.write_parquet(tmp))
-    write_atomic(args.out, lambda tmp: results.write_parquet(tmp))
+    # vllm: one vLLM engine per config (CUDA); hf: the proposers are built (a drafter loads) before the target
+    results, steps = bench.run_suites(args.engine, {args.suite: args.max_new_tokens}, args.proposer, model=model,
+                                      decode=decode, doc_tokens=args.doc_tokens, limit=args.limit,
+                                      repeats=args.repeats, device=args.device, dtype=args.dtype,
+                                      concurrency=args.concurrency, tensor_parallel_size=args.tensor_parallel_size)
+    bench.write_results(args.out, results, steps)
     with pl.Config(tbl_rows=200, tbl_cols=20, tbl_width_chars=200):
         print(bench.summarize(results))
-    print(f"machine: {results['machine'][0]}; commit {results['git_commit'][0]}; wrote {args.out} and {steps_path}")
+    print(f"machine: {results['machine'][0]}; commit {results['git_commit'][0]}; wrote {args.out} and "
+          f"{bench.part_path(args.out)}")
     if args.figure:
         chart = plots.grouped_bars(results.group_by(["category", "config"], maintain_order=True)
                                    .agg(pl.col("speedup_e2e").median()),
@@ -160,7 +143,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_figures(args: argparse.Namespace) -> int:
-    from hqlab.notebooks import plan, run_all
+    from hqlab.site.notebooks import plan, run_all
 
     plan(params_file=args.params, only=args.only, out_dir=args.out_dir)  # every input, before anything runs
     return run_all(params_file=args.params, only=args.only, out_dir=args.out_dir)
@@ -181,7 +164,7 @@ def cmd_site(args: argparse.Namespace) -> int:
     print(f"wrote {args.out / 'index.html'}")
     if not args.check:
         return 0
-    from hqlab.sitecheck import BrowserMissing, check_page, ensure_chromium
+    from hqlab.site.check import BrowserMissing, check_page, ensure_chromium
 
     try:
         chromium = ensure_chromium(install=False)
@@ -209,7 +192,7 @@ def _parse_sizes(text: str) -> list[int]:
 
 def _check_vocab_out(folder: Path) -> None:
     """A vocabulary folder can be published into: new, empty, or published before by hqlab."""
-    from hqlab.publish import INDEX
+    from hqlab.vocab.publish import INDEX
 
     check_writable(folder, "--out", folder=True)
     if folder.is_dir() and any(folder.iterdir()) and not (folder / INDEX).is_file():
@@ -219,7 +202,7 @@ def _check_vocab_out(folder: Path) -> None:
 
 def cmd_vocab(args: argparse.Namespace) -> int:
     """`vocab build` (artifacts of one list) and `vocab coverage` (held-out curves vs reference lists)."""
-    from hqlab.corpus import CorpusError, expand
+    from hqlab.vocab.corpus import CorpusError, expand
 
     try:
         model = check_model(args.model)
@@ -239,7 +222,7 @@ def cmd_vocab(args: argparse.Namespace) -> int:
         raise ConfigError(str(e)) from None
 
     from hqlab import vocab
-    from hqlab.publish import PublishError
+    from hqlab.vocab.publish import PublishError
 
     try:
         if args.vocab_command == "build":
@@ -280,8 +263,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     """`hqlab sweep`: validate everything, get traces (cache first), replay the grid, write parquet."""
     import time
 
-    from hqlab import bench, sweep
-    from hqlab.costmodel import CostModel
+    from hqlab import bench
+    from hqlab.replay import sweep, traces as trace_sets
+    from hqlab.replay.costmodel import CostModel
 
     check_writable(args.out, "--out")
     if args.cost is not None and args.measure_cost:
@@ -296,7 +280,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.cost is not None:
         cost = _read_cost(args.cost)
     if args.traces is not None:
-        traces = sweep.load_traces(args.traces)  # validates the whole file
+        traces = trace_sets.load_traces(args.traces)  # validates the whole file
         traces = traces[: args.limit] if args.limit else traces
         if not traces:
             raise ConfigError(f"--traces {str(args.traces)!r} holds no traces")
@@ -313,14 +297,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
         engine = HFEngine.load(model, device=args.device, dtype=args.dtype)
     if traces is None:
-        found = sweep.cached_traces(model, args.suite, args.max_new_tokens, dtype=args.dtype, device=args.device,
+        found = trace_sets.cached_traces(model, args.suite, args.max_new_tokens, dtype=args.dtype, device=args.device,
                                     doc_tokens=args.doc_tokens, limit=args.limit, engine=engine,
                                     record=not args.cached_only)
         traces = found.traces
         print(f"{len(traces)} traces of {found.origin.describe()}: {len(traces) - found.recorded} from the cache, "
               f"{found.recorded} recorded now")
     if args.measure_cost:
-        from hqlab.costmodel import measure_step_times
+        from hqlab.replay.costmodel import measure_step_times
 
         longest = max(len(t.prompt_ids) + len(t.output_ids) for t in traces)
         contexts = sorted({128, 512, *range(1024, longest + 1024, 1024)})
@@ -334,7 +318,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     from hqlab.io import write_atomic
 
-    prov = sweep.traces_provenance(traces)
+    prov = trace_sets.traces_provenance(traces)
     frame = frame.with_columns(*(pl.lit(v, dtype=pl.String).alias(k) for k, v in prov.items()))
     write_atomic(args.out, lambda tmp: frame.write_parquet(tmp))
     table = sweep.by_category(frame)
@@ -346,19 +330,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _read_cost(path: Path) -> Any:
-    import polars as pl
+    from hqlab.io import read_table
+    from hqlab.replay.costmodel import CostModel
 
-    from hqlab.costmodel import CostModel
-
-    if not path.is_file():
-        raise ConfigError(f"--cost {str(path)!r}: no such file")
-    try:
-        grid = pl.read_parquet(path)
-    except Exception as e:  # polars raises several kinds for a file that is not parquet
-        raise ConfigError(f"--cost {str(path)!r}: not a readable parquet file ({type(e).__name__})") from None
-    need = {"context_len", "verify_len", "step_ms"}
-    if not need <= set(grid.columns):
-        raise ConfigError(f"--cost {str(path)!r}: missing column(s) {', '.join(sorted(need - set(grid.columns)))}")
+    grid = read_table(path, {"context_len", "verify_len", "step_ms"}, f"--cost {str(path)!r}", ConfigError)
     try:
         return CostModel.fit(grid)
     except (ValueError, ArithmeticError) as e:
@@ -372,8 +347,20 @@ def cmd_list(args: argparse.Namespace) -> int:
     from hqlab.workloads import suite_names
 
     print("models (offline registry):", ", ".join(models.offline_names()), f"(default {models.DEFAULT_MODEL})")
+    for name in models.offline_names():
+        entry = models.offline_entry(name)
+        print(f"  {name:22s} {entry.size / 1e6:8.1f} MB  {entry.description}")
     print("proposers:", ", ".join(sorted(REGISTRY)), "| engine baselines:", ", ".join(sorted(EXTERNAL)))
     print("suites:", ", ".join(suite_names()), "| or a JSONL file")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    """Convert a GGUF into a safetensors folder in this process: the child `hqlab.models.gguf.convert` starts (a
+    process that loaded a GGUF decodes slower afterwards, so the parent never does)."""
+    from hqlab.models.gguf import convert_in_this_process
+
+    convert_in_this_process(args.gguf, args.out, args.expect_name)
     return 0
 
 
@@ -400,7 +387,7 @@ def _add_sweep_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="hqlab", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="{bench,figures,site,vocab,sweep,list}")
 
     b = sub.add_parser("bench", help="run proposer configs over a workload and write results parquet")
     b.add_argument("--model", default=None, help="offline short name, local path or hub id (default: the 0.5B)")
@@ -462,6 +449,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("list", help="models, proposers and suites")
     ls.set_defaults(func=cmd_list)
+
+    # internal: the GGUF conversion's child process (hqlab.models.gguf.convert runs it)
+    cv = sub.add_parser("_convert")
+    cv.add_argument("gguf", type=Path)
+    cv.add_argument("out", type=Path)
+    cv.add_argument("--expect-name", default=None)
+    cv.set_defaults(func=cmd_convert)
     return p
 
 

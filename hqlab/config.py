@@ -1,8 +1,9 @@
-"""Validated configuration dataclasses and the `NAME[:key=value,...]` spec syntax.
+"""Validated configuration dataclasses, the `NAME[:key=value,...]` spec syntax, and the one resolver of specs.
 
 Every knob in hqlab is a frozen dataclass that checks itself in `__post_init__`, so a bad value fails at the
-moment it is written, with a message that says what to change. `parse_spec` turns the CLI/notebook string form
-into a name plus typed keyword arguments for such a dataclass.
+moment it is written, with a message that says what to change. `parse_spec` splits the CLI/notebook string form
+into a name and raw values; `resolve_spec` turns a spec into the name and the validated config of what runs it,
+given the table of what can (the proposer registry, the benchmark's engine baselines, vLLM's own methods).
 """
 
 from __future__ import annotations
@@ -10,14 +11,15 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 
 class ConfigError(ValueError):
     """A configuration value or spec string is invalid; the message says what to fix."""
 
 
-def _require(cond: bool, msg: str) -> None:
+def require(cond: bool, msg: str) -> None:
+    """Raise ConfigError(msg) unless `cond`: the validation step of every config dataclass."""
     if not cond:
         raise ConfigError(msg)
 
@@ -43,11 +45,11 @@ class LookupConfig:
     full: bool = False
 
     def __post_init__(self) -> None:
-        _require(self.nmin >= 1, f"nmin must be >= 1 (got {self.nmin})")
-        _require(self.nmax >= self.nmin, f"nmin must be <= nmax (got nmin={self.nmin}, nmax={self.nmax})")
-        _require(self.k >= 1, f"k must be >= 1 (got {self.k})")
-        _require(self.search >= 0, f"search must be >= 0, 0 meaning the whole history (got {self.search})")
-        _require(self.policy in ("recent", "earliest"),
+        require(self.nmin >= 1, f"nmin must be >= 1 (got {self.nmin})")
+        require(self.nmax >= self.nmin, f"nmin must be <= nmax (got nmin={self.nmin}, nmax={self.nmax})")
+        require(self.k >= 1, f"k must be >= 1 (got {self.k})")
+        require(self.search >= 0, f"search must be >= 0, 0 meaning the whole history (got {self.search})")
+        require(self.policy in ("recent", "earliest"),
                  f"policy must be 'recent' or 'earliest' (got {self.policy!r})")
 
 
@@ -62,10 +64,10 @@ class DecodeConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _require(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
-        _require(self.temperature >= 0.0, f"temperature must be >= 0 (got {self.temperature})")
-        _require(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1] (got {self.top_p})")
-        _require(self.top_k >= 0, f"top_k must be >= 0, 0 meaning off (got {self.top_k})")
+        require(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        require(self.temperature >= 0.0, f"temperature must be >= 0 (got {self.temperature})")
+        require(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1] (got {self.top_p})")
+        require(self.top_k >= 0, f"top_k must be >= 0, 0 meaning off (got {self.top_k})")
 
     @property
     def greedy(self) -> bool:
@@ -131,3 +133,22 @@ def build_config(cls: type, values: dict[str, str], *, context: str) -> Any:
         raise ConfigError(f"{context}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(fields))}")
     kwargs = {k: _coerce(v, hints[k], f"{context}: {k}") for k, v in values.items()}
     return cls(**kwargs)
+
+
+UNKNOWN = "unknown proposer {name!r} in {spec!r}; known: {known}"
+
+
+def resolve_spec(spec: str, known: Mapping[str, Any], *, unknown: str = UNKNOWN,
+                 context: str | None = None) -> tuple[str, Any]:
+    """The one resolver from a spec to what runs it: (name, validated config), every error a ConfigError.
+
+    `known` maps names to what runs them: a class with a `Config` dataclass (a proposer) or a config dataclass
+    itself. An unknown name raises `unknown` formatted with the name, the spec and the known names; keys and values
+    are checked by `build_config` (`context` names the spec's owner in its messages, default `proposer 'NAME'`).
+    """
+    name, values = parse_spec(spec)
+    if name not in known:
+        raise ConfigError(unknown.format(name=name, spec=spec, known=", ".join(sorted(known))))
+    entry = known[name]
+    config = build_config(getattr(entry, "Config", entry), values, context=context or f"proposer {name!r}")
+    return name, config

@@ -1,10 +1,22 @@
-"""Crash-safe file writes: a reader sees the old file or the new one, never half of one."""
+"""Files: where the repository is, crash-safe writes (a reader sees the old file or the new one, never half of
+one), sha256 digests, and JSON-lines reading with errors that name the file and line.
+
+A leaf module (imports nothing from hqlab), so every floor may use it.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterator
+
+# The checkout hqlab runs from (the folder that holds hqlab/, data/, notebooks/, docs/). For an installed copy it
+# is the folder hqlab was installed into, which holds none of those.
+REPO = Path(__file__).resolve().parent.parent
+
+_CHUNK = 8 << 20  # streaming block for hashing
 
 
 def fsync_dir(path: Path) -> None:
@@ -30,3 +42,60 @@ def write_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:
             tmp.unlink()
     fsync_dir(path.parent)
     return path
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | Path, progress: str | None = None) -> str:
+    """Hex sha256 of a file, streamed (GGUFs are hundreds of MB); `progress` names a byte progress bar that
+    disappears when done."""
+    h = hashlib.sha256()
+    bar = None
+    if progress is not None:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=Path(path).stat().st_size, desc=progress, unit="B", unit_scale=True, unit_divisor=1024,
+                   leave=False)
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(_CHUNK):
+                h.update(block)
+                if bar is not None:
+                    bar.update(len(block))
+    finally:
+        if bar is not None:
+            bar.close()
+    return h.hexdigest()
+
+
+def json_lines(text: str, path: Path, error: type[Exception]) -> Iterator[tuple[int, str, Any]]:
+    """(line number, "<path>:<line>", parsed value) for every non-blank line of a JSON-lines text; a line that is
+    not JSON raises `error` naming the file, line and column."""
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise error(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+        yield lineno, where, obj
+
+
+def read_table(path: str | Path, need: set[str], where: str, error: type[Exception], kind: str = "file") -> Any:
+    """A parquet file as a polars DataFrame holding at least the columns `need`; a missing file, one that is not
+    parquet or one without those columns raises `error` starting with `where` (the option or file it came from)."""
+    import polars as pl
+
+    path = Path(path)
+    if not path.is_file():
+        raise error(f"{where}: no such file")
+    try:
+        frame = pl.read_parquet(path)
+    except Exception as e:  # polars raises several kinds for a file that is not parquet
+        raise error(f"{where}: not a readable parquet {kind} ({type(e).__name__})") from None
+    if not need <= set(frame.columns):
+        raise error(f"{where}: missing column(s) {', '.join(sorted(need - set(frame.columns)))}")
+    return frame

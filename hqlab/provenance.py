@@ -1,7 +1,7 @@
 """Provenance: what produced a result row or a recorded trace (code commit, library versions, device).
 
 One definition, used by every writer of results (`hqlab.bench` rows, `hqlab sweep` output) and of cached traces
-(`hqlab.sweep`), so they all say the same thing the same way:
+(`hqlab.replay.traces`), so they all say the same thing the same way:
 
 - `git_commit`    the commit of the hqlab checkout the code runs from, with `+dirty` when tracked files differ
                   from it; "unknown" when hqlab does not run from a git checkout (an installed copy, a tarball)
@@ -9,6 +9,8 @@ One definition, used by every writer of results (`hqlab.bench` rows, `hqlab swee
 - `device`        what computed the numbers: `cpu (<processor>)` or `cuda (<GPU name>)`. No thread count or
                   device index: it also keys the trace cache, where it separates numerics (bf16 near-ties differ
                   between CPU and CUDA, and between GPU models), not runs.
+
+`machine_description` is the longer line every results row carries in its `machine` column (threads, versions).
 
 A leaf module (imports nothing from hqlab), so every floor may use it.
 """
@@ -19,11 +21,10 @@ import functools
 import importlib.metadata
 import platform
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from hqlab.io import REPO
 
 COLUMNS = ("git_commit", "torch", "transformers", "triton", "vllm", "python", "device")
 
@@ -88,15 +89,30 @@ def device_name(device: Any) -> str:
     return dev.type
 
 
+def machine_description(device: Any = "cpu", *, vllm: bool = False) -> str:
+    """The machine in one line: `<GPU name>, torch X` or `CPU <processor>, N threads, torch X`.
+
+    `vllm`: the machine of a vLLM run: the GPU named by nvidia-smi (asking CUDA here would make vLLM spawn rather
+    than fork its engine processes) and vLLM's version after torch's."""
+    import torch
+
+    if vllm:
+        import shutil
+
+        smi = shutil.which("nvidia-smi")
+        gpu = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True).stdout.strip().splitlines() if smi else []
+        return f"{gpu[0] if gpu else 'unknown GPU'}, torch {torch.__version__}, vllm {package_version('vllm')}"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}"
+    return f"CPU {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
 def provenance(device: Any) -> dict[str, str | None]:
     """The provenance columns (`COLUMNS`) of results computed on `device` by this process."""
     return {"git_commit": git_commit(), **versions(), "device": device_name(device)}
 
 
-__all__ = ["COLUMNS", "git_commit", "package_version", "versions", "device_name", "provenance", "cpu_name"]
-
-if __name__ == "__main__":  # print this process's provenance
-    import json
-
-    json.dump(provenance(sys.argv[1] if len(sys.argv) > 1 else "cpu"), sys.stdout, indent=1)
-    print()
+__all__ = ["COLUMNS", "git_commit", "package_version", "versions", "device_name", "provenance", "cpu_name",
+           "machine_description"]

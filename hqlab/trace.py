@@ -1,6 +1,8 @@
-"""Step records (one per verify step) and the metrics computed from them, SPEC §3.
+"""The step contract (SPEC §3): who supplied a token (`Source`), how many tokens a step may propose (`budget`),
+the one way a step record is made (`step_record`), and the metrics computed from records.
 
-Engines and the replay simulator emit the same `StepRecord`s, so every metric has one definition:
+Both engines, both replays and the vLLM record builder make their `StepRecord`s with `step_record`, so a record
+means the same thing wherever it comes from and every metric has one definition:
 
 - tokens/step          = mean over verify steps of (accepted + 1): the bonus/correction token included.
 - per-position accept  = for position i, the share of drafts (steps with a non-empty proposal) that accepted
@@ -13,8 +15,26 @@ Engines and the replay simulator emit the same `StepRecord`s, so every metric ha
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from enum import IntEnum
+from typing import Any, Sequence
 
 import numpy as np
+
+
+class Source(IntEnum):
+    """Who supplied a token. TARGET marks tokens the target model chose itself (corrections and bonus tokens)."""
+
+    TARGET = 0
+    LOOKUP = 1
+    DRAFT = 2
+
+
+def budget(max_new_tokens: Any, emitted: Any) -> Any:
+    """Most tokens a verify step may propose after `emitted` output tokens of a request limited to `max_new_tokens`:
+    the step always adds one token of the target's own (the correction or the bonus), so max_new_tokens - emitted
+    - 1, never below 0. Integers or numpy arrays (the vectorised replay asks for every step at once)."""
+    left = max_new_tokens - emitted - 1
+    return np.maximum(left, 0) if isinstance(left, np.ndarray) else max(int(left), 0)
 
 
 @dataclass
@@ -33,6 +53,29 @@ class StepRecord:
     t_end: float  # seconds since the request started, when this step's tokens were known
     block: int = 0  # verify block length the scheduler allowed (k budget)
     batch: int = 1  # requests verified together in this step
+
+
+def step_record(request: str, step: int, *, context_len: int, accepted: int, emitted: int, proposal: Any = None,
+                proposed: Sequence[int] = (), sources: Sequence[int] = (), match_len: int = 0,
+                verify_len: int | None = None, block: int = 0, step_s: float = 0.0, propose_s: float = 0.0,
+                t_end: float = 0.0, batch: int = 1) -> StepRecord:
+    """The one way a `StepRecord` is made.
+
+    `proposal` (a `hqlab.proposers.Proposal`) gives the proposed tokens, their sources, the match length and, when
+    a scheduler chose one (`extra["block"]`), the block length; without it they come from `proposed`, `sources`,
+    `match_len` and `block`. `verify_len` defaults to the positions a step scores: the pending token plus the
+    proposal (an engine whose steps verify a fixed width says so). `accepted` counts proposed tokens kept,
+    `emitted` the tokens the step appended (accepted + 1 unless an EOS or the length limit cut it).
+    """
+    if proposal is not None:
+        proposed, sources, match_len = proposal.tokens, proposal.sources, proposal.match_len
+        block = proposal.extra.get("block", block)
+    proposed = [int(t) for t in proposed]
+    return StepRecord(request=request, step=int(step), context_len=int(context_len),
+                      verify_len=1 + len(proposed) if verify_len is None else int(verify_len), proposed=proposed,
+                      sources=[int(s) for s in sources], match_len=int(match_len), accepted=int(accepted),
+                      emitted=int(emitted), step_s=step_s, propose_s=propose_s, t_end=t_end, block=int(block),
+                      batch=int(batch))
 
 
 @dataclass

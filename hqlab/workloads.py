@@ -6,12 +6,13 @@ Suite names: `labd` (the six document tasks), each task alone (`copy`, `code`, `
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+from hqlab.io import REPO, json_lines
+
+DATA_DIR = REPO / "data"
 DOCUMENT = DATA_DIR / "documents" / "handbook.md"
 CHAT_PROMPTS = DATA_DIR / "workloads" / "chat.jsonl"
 
@@ -43,6 +44,14 @@ class Prompt:
     id: str
     category: str
     messages: tuple[dict[str, str], ...]
+
+
+def encode_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
+    """A chat's token ids, ready for the model to answer: the tokenizer's chat template with the generation prompt,
+    tokenized without adding special tokens again. The one encoding of prompts: every engine, the trace cache
+    (whose keys hold these ids) and self-generation use it."""
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def suite_names() -> list[str]:
@@ -117,19 +126,12 @@ def read_jsonl(path: Path) -> list[Prompt]:
     """
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise WorkloadError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     prompts: list[Prompt] = []
     seen: set[str] = set()
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise WorkloadError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+    for lineno, where, obj in json_lines(text, path, WorkloadError):
         if not isinstance(obj, dict):
             raise WorkloadError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         if ("prompt" in obj) == ("turns" in obj):

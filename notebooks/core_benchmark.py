@@ -19,7 +19,7 @@
 # By default this notebook re-plots the committed benchmark results (`data/results/core_<tag>.parquet`, written
 # by `benchmarks/bench_core.py` on the machine named in every row). With `rerun = True` it first runs the
 # benchmark here, on this machine, with the parameters below. `engine = "vllm"` runs the configs inside vLLM on a
-# CUDA GPU instead (`hqlab.engines.vllm`, docs/vllm.md; hqlab proposers through the custom_class adapter, and
+# CUDA GPU instead (`hqlab.bench.vllm`, docs/vllm.md; hqlab proposers through the custom_class adapter, and
 # vLLM's own `vllm-ngram` / `arctic-suffix`); its results have the same columns, so every cell below applies.
 
 # %% tags=["parameters"]
@@ -45,7 +45,6 @@ import polars as pl
 from IPython.display import SVG, display
 
 from hqlab import bench, plots
-from hqlab.config import DecodeConfig
 
 alt.renderers.enable("svg")
 pl.Config.set_fmt_str_lengths(60)
@@ -54,32 +53,10 @@ pl.Config.set_tbl_rows(60)
 figures, results_path = Path(figures_dir), Path(results_dir)
 
 # %%
-if rerun and engine == "vllm":
-    from hqlab.engines.vllm import bench_suite
-
-    frames, step_frames = [], []
-    for suite, n in suites.items():
-        res, st = bench_suite(model, suite, configs, DecodeConfig(max_new_tokens=n), doc_tokens=doc_tokens,
-                              limit=limit, repeats=repeats)
-        frames.append(res)
-        step_frames.append(st)
-elif rerun:
-    from hqlab.engines.hf import HFEngine
-    from hqlab.workloads import load_workload
-
-    hf_engine = HFEngine.load(model, device=device)
-    frames, step_frames = [], []
-    for suite, n in suites.items():
-        prompts = load_workload(suite, doc_tokens=doc_tokens, tokenizer=hf_engine.tokenizer)
-        prompts = prompts[:limit] if limit else prompts
-        res, st = bench.run_bench(hf_engine, prompts, configs, DecodeConfig(max_new_tokens=n), repeats=repeats,
-                                  meta={"suite": suite, "doc_tokens": doc_tokens})
-        frames.append(res)
-        step_frames.append(st)
-if rerun:
-    results_path.mkdir(parents=True, exist_ok=True)
-    pl.concat(frames, how="diagonal_relaxed").write_parquet(results_path / f"core_{tags[0]}.parquet")
-    pl.concat(step_frames, how="diagonal_relaxed").write_parquet(results_path / f"core_{tags[0]}.steps.parquet")
+if rerun:  # every suite through `engine` ("hf" or "vllm"), then results + steps parquet under the first tag
+    results, steps = bench.run_suites(engine, suites, configs, model=model, device=device, doc_tokens=doc_tokens,
+                                      limit=limit, repeats=repeats)
+    bench.write_results(results_path / f"core_{tags[0]}.parquet", results, steps)
 
 # %%
 for tag in tags:
@@ -103,7 +80,7 @@ for tag in tags:
 # %%
 for tag in tags:
     results = pl.read_parquet(results_path / f"core_{tag}.parquet")
-    steps = pl.read_parquet(results_path / f"core_{tag}.steps.parquet")
+    steps = pl.read_parquet(bench.part_path(results_path / f"core_{tag}.parquet"))
     per_cat = results.group_by(["category", "config"], maintain_order=True).agg(
         pl.col("decode_tok_s").median(), pl.col("e2e_tok_s").median(), pl.col("tokens_per_step").median())
     speed = plots.grouped_bars(per_cat, "category", "decode_tok_s", "config", y_title="decode tok/s (median)")

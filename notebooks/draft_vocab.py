@@ -54,7 +54,6 @@ import json
 from pathlib import Path
 
 import altair as alt
-import numpy as np
 import polars as pl
 
 from hqlab import plots, vocab
@@ -112,11 +111,12 @@ chart
 
 # %%
 from hqlab.proposers.draft import load_drafter
+from hqlab.provenance import machine_description
 
 lat_model = load_drafter(model, device, dtype)  # the same weights the drafter below uses
 latency_rows = vocab.measure_draft_latency(lat_model, latency_sizes, context=latency_context,
                                            repeats=latency_repeats)
-where = vocab.device_description(lat_model)
+where = machine_description(next(lat_model.parameters()).device)
 latency = pl.DataFrame([r | dict(model=model, device=where) for r in latency_rows])
 for f in sorted(Path().glob(gpu_latency)):
     latency = pl.concat([latency, pl.DataFrame(json.loads(Path(f).read_text())).select(latency.columns)],
@@ -138,7 +138,7 @@ latency.select("device", "n", "full", "step_ms", "head_ms", "relative_step").sor
 # %% [markdown]
 # ## 4. Acceptance, tokens per step and speed vs N
 # The drafter (`draft:` proposer) drafts `accept_k` tokens with its head cut to the top-N list; the target
-# verifies greedily. **Replay** (`hqlab.sweep`, exact under greedy decoding) gives tokens per step on every
+# verifies greedily. **Replay** (`hqlab.replay.sweep`, exact under greedy decoding) gives tokens per step on every
 # held-out prompt; a few prompts also run **live** in the engine (tokens/step, tok/s, drafter and verify time, and
 # the lossless check against the engine's own no-speculation output). N = full vocabulary is the drafter without
 # a list. With `accept_rerun = False` this section re-plots the committed results (the run takes long on a CPU).
@@ -146,42 +146,15 @@ latency.select("device", "n", "full", "step_ms", "head_ms", "relative_step").sor
 # %%
 replay_file, live_file = results / "vocab_acceptance_replay.parquet", results / "vocab_acceptance_live.parquet"
 if accept_rerun:
-    import tempfile
-
-    from hqlab import bench, selfgen, sweep
-    from hqlab.config import DecodeConfig
-    from hqlab.engines.hf import HFEngine
+    from hqlab.bench.suites import vocab_acceptance
 
     vocab_corpus = accept_vocab_corpus or targets.get(accept_target, next(iter(targets.values())))[0]
-    list_counts = vocab.count_corpus([vocab_corpus], tokenizer, vocab_size, progress=False)
-    order = vocab.rank(list_counts.counted, vocab.special_token_ids(tokenizer))
-    held_ids = vocab.heldout_prompt_ids(vocab_corpus)[:accept_prompts]
-    prompts = [p for p in selfgen.load_prompts() if p.id in held_ids]
-    lists_dir = Path(tempfile.mkdtemp(prefix="draft-vocab-"))
-    specs = {}
-    for n in accept_sizes:
-        if n:
-            path = vocab.write_id_list(lists_dir / f"ids-{n}.json", vocab.top_n(order, n))
-            specs[f"draft:model={accept_drafter},k={accept_k},vocab={path}"] = n
-        else:
-            specs[f"draft:model={accept_drafter},k={accept_k}"] = vocab_size
-    print(f"lists from {vocab_corpus}; {len(prompts)} held-out prompts: {[p.id for p in prompts]}")
-
-    engine = HFEngine.load(accept_target, device=device, dtype=dtype)
-    decode = DecodeConfig(max_new_tokens=accept_max_new_tokens)
-    print(bench.machine_description(engine.device))
-    live, _ = bench.run_bench(engine, prompts[:live_prompts], list(specs), decode)
-    live = live.with_columns(pl.col("config").replace_strict(specs, default=0).alias("n"))
-    live.drop("config").write_parquet(live_file)
-    traces = sweep.cached_traces(accept_target, prompts, accept_max_new_tokens, dtype=dtype, device=device,
-                                 engine=engine).traces
-    replayed = sweep.sweep(traces, list(specs)).with_columns(pl.col("config").replace_strict(specs).alias("n"))
-    # coverage of each held-out output by each list: the ceiling the list puts on the drafter
-    outputs = {t.prompt_id: np.asarray(t.output_ids) for t in traces}
-    cov_rows = [dict(config=spec, prompt_id=pid, output_coverage=float(np.isin(out, vocab.top_n(order, n)).mean())
-                     if n < vocab_size else 1.0) for spec, n in specs.items() for pid, out in outputs.items()]
-    replayed = replayed.join(pl.DataFrame(cov_rows), on=["config", "prompt_id"])
-    replayed.drop("config").write_parquet(replay_file)
+    replayed, live = vocab_acceptance(accept_target, accept_drafter, vocab_corpus, accept_sizes, k=accept_k,
+                                      prompts=accept_prompts, live_prompts=live_prompts,
+                                      max_new_tokens=accept_max_new_tokens, device=device, dtype=dtype,
+                                      vocab_model=model)
+    replayed.write_parquet(replay_file)
+    live.write_parquet(live_file)
 
 replayed, live = pl.read_parquet(replay_file), pl.read_parquet(live_file)
 assert live.filter(pl.col("divergence") == "mismatch").height == 0, "a speculative output differs from the reference"

@@ -45,15 +45,17 @@ import altair as alt
 import polars as pl
 from IPython.display import HTML, display
 
-from hqlab import explorer, plots, sweep
+from hqlab import plots
 from hqlab.proposers import make_proposer
 from hqlab.replay import replay
+from hqlab.replay.traces import cached_traces
+from hqlab.site import explorer
 from hqlab.trace import records_frame
 
 alt.renderers.enable("svg")
 # the target's greedy outputs from the trace cache (the model loads only if they were never recorded)
-found = sweep.cached_traces(model, suite, max_new_tokens, dtype=dtype, device=device, doc_tokens=doc_tokens,
-                            limit=limit)
+found = cached_traces(model, suite, max_new_tokens, dtype=dtype, device=device, doc_tokens=doc_tokens,
+                      limit=limit)
 traces, tokenizer = found.traces, found.tokenizer
 by_id = {t.prompt_id: t for t in traces}
 trace = by_id.get(request, traces[0])

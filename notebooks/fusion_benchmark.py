@@ -35,25 +35,23 @@ results_dir = "data/results"  # where a rerun writes
 published_dir = "data/results"  # where committed results are read from when not rerunning
 
 # %%
-import subprocess
-import sys
 from pathlib import Path
 
 import altair as alt
 import polars as pl
 
 from hqlab import bench, plots
+from hqlab.bench.suites import fusion_benchmark
 
 alt.renderers.enable("svg")
 pl.Config.set_tbl_width_chars(160)
 pl.Config.set_tbl_rows(60)
 figures = Path(figures_dir)
 results = Path(results_dir) if rerun else Path(published_dir)
-if rerun:
+if rerun:  # what benchmarks/bench_fusion.py runs
     for tag in tags:
-        subprocess.run([sys.executable, "benchmarks/bench_fusion.py", "--tag", tag, "--target", target,
-                        "--drafter", drafter, "--device", device, "--doc-tokens", str(doc_tokens),
-                        "--new-tokens", str(new_tokens), "--out-dir", str(results)], check=True)
+        fusion_benchmark(tag, results, target=target, drafter=drafter, device=device, doc_tokens=doc_tokens,
+                         new_tokens=new_tokens)
 
 
 def short(frame: pl.DataFrame) -> pl.DataFrame:

@@ -23,7 +23,7 @@
 #
 # Anything with a `k` and `propose(histories, budgets, keys=None) -> list[Proposal]` is a proposer
 # (`hqlab/proposers/base.py`). Registering it under a name makes its spec (`bigram:k=8,min_count=2`) work
-# everywhere a spec is taken: the exact replay and sweeps (`hqlab.replay`, `hqlab.sweep`), the live engine
+# everywhere a spec is taken: the exact replay and sweeps (`hqlab.replay`, `hqlab.replay.sweep`), the live engine
 # (`HFEngine.generate`) and the benchmark harness. Replace the class, keep the rest.
 
 # %% tags=["parameters"]
@@ -50,7 +50,7 @@ import altair as alt
 import numpy as np
 import polars as pl
 
-from hqlab import bench, plots, sweep
+from hqlab import bench, plots
 from hqlab.config import ConfigError, DecodeConfig
 from hqlab.proposers import REGISTRY, Proposal, Proposer, Source, make_proposer
 
@@ -106,8 +106,11 @@ assert isinstance(make_proposer("bigram:k=4"), Proposer)
 # ## 1. Reference outputs: one plain decode per prompt (from the trace cache under data/traces)
 
 # %%
-from hqlab.costmodel import CostModel
 from hqlab.engines.hf import HFEngine
+from hqlab.provenance import machine_description
+from hqlab.replay import sweep
+from hqlab.replay.costmodel import CostModel
+from hqlab.replay.traces import cached_traces
 
 alt.renderers.enable("svg")
 pl.Config.set_fmt_str_lengths(60)
@@ -115,11 +118,11 @@ pl.Config.set_tbl_width_chars(160)
 figures, results = Path(figures_dir), Path(results_dir)
 results.mkdir(parents=True, exist_ok=True)
 engine = HFEngine.load(model, device=device, dtype=dtype)  # the live runs below need it anyway
-found = sweep.cached_traces(model, suite, max_new_tokens, dtype=dtype, device=device, doc_tokens=doc_tokens,
-                            limit=limit, engine=engine)
+found = cached_traces(model, suite, max_new_tokens, dtype=dtype, device=device, doc_tokens=doc_tokens,
+                      limit=limit, engine=engine)
 prompts, traces = found.prompts, found.traces
 decode = DecodeConfig(max_new_tokens=max_new_tokens)
-print(bench.machine_description(engine.device), "|", len(prompts), "prompts")
+print(machine_description(engine.device), "|", len(prompts), "prompts")
 
 # %% [markdown]
 # ## 2. Live: the real engine runs the toy (registered above) next to a built-in

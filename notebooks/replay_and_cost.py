@@ -36,7 +36,9 @@ from pathlib import Path
 import altair as alt
 import polars as pl
 
-from hqlab import costmodel, plots, sweep, zoo
+from hqlab import plots
+from hqlab.replay import costmodel, zoo
+from hqlab.replay.traces import load_traces
 
 alt.renderers.enable("svg")
 pl.Config.set_fmt_str_lengths(50)
@@ -163,7 +165,7 @@ chart
 # (Spec-Bench's "mean accepted tokens"); latency = one `propose` call, median over steps and repeats.
 
 # %%
-traces = sweep.load_traces(traces_file)
+traces = load_traces(traces_file)
 ok, missing = zoo.available() if zoo_rerun != "no" else ({}, {})
 rerun = zoo_rerun == "yes" or (zoo_rerun == "auto" and not missing)
 if rerun:

@@ -45,19 +45,20 @@ from pathlib import Path
 import altair as alt
 import polars as pl
 
-from hqlab import plots, sweep
-from hqlab.bench import machine_description
+from hqlab import plots
 from hqlab.proposers.fused import FusedConfig, FusedProposer
+from hqlab.provenance import machine_description
 from hqlab.replay import replay
-from hqlab.teacher import TeacherForcedDrafter, load_drafter, replay_fused_grid
+from hqlab.replay.teacher import TeacherForcedDrafter, load_drafter, replay_fused_grid
+from hqlab.replay.traces import cached_traces
 
 alt.renderers.enable("svg")
 pl.Config.set_tbl_width_chars(160)
 figures, results = Path(figures_dir), Path(results_dir)
 results.mkdir(parents=True, exist_ok=True)
 # the target's greedy outputs from the trace cache (the target loads only if they were never recorded)
-traces = sweep.cached_traces(target, suite, max_new_tokens, dtype=dtype, device=device, doc_tokens=doc_tokens,
-                             limit=limit).traces
+traces = cached_traces(target, suite, max_new_tokens, dtype=dtype, device=device, doc_tokens=doc_tokens,
+                       limit=limit).traces
 draft = load_drafter(drafter, device=device, dtype=dtype)
 print(machine_description(draft.device), "|", target, "drafted by", drafter, "|", len(traces), "traces")
 

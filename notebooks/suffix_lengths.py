@@ -45,21 +45,24 @@ from pathlib import Path
 import altair as alt
 import polars as pl
 
-from hqlab import bench, plots, sweep
+from hqlab import bench, plots
 from hqlab.config import DecodeConfig
-from hqlab.costmodel import CostModel, measure_step_times
 from hqlab.engines.hf import HFEngine
+from hqlab.provenance import machine_description
+from hqlab.replay import sweep
+from hqlab.replay.costmodel import CostModel, measure_step_times
+from hqlab.replay.traces import cached_traces
 
 alt.renderers.enable("svg")
 pl.Config.set_fmt_str_lengths(60)
 pl.Config.set_tbl_width_chars(160)
 figures, results = Path(figures_dir), Path(results_dir)
 engine = HFEngine.load(model, device=device, dtype=dtype)  # the cost model and the live check need it anyway
-found = sweep.cached_traces(model, suite, max_new_tokens, dtype=dtype, device=device, doc_tokens=doc_tokens,
-                            limit=limit, engine=engine)
+found = cached_traces(model, suite, max_new_tokens, dtype=dtype, device=device, doc_tokens=doc_tokens,
+                      limit=limit, engine=engine)
 prompts = found.prompts
 decode = DecodeConfig(max_new_tokens=max_new_tokens)
-print(bench.machine_description(engine.device), "|", len(prompts), "prompts")
+print(machine_description(engine.device), "|", len(prompts), "prompts")
 
 # %% [markdown]
 # ## 1. Reference outputs and exact replay of the grid

@@ -33,7 +33,8 @@ from pathlib import Path
 import altair as alt
 import polars as pl
 
-from hqlab import plots, vllm_report
+from hqlab import plots
+from hqlab.bench import vllm_report
 
 alt.renderers.enable("svg")
 pl.Config.set_tbl_width_chars(200)

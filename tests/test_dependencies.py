@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from hqlab import models
+from hqlab.models import gguf
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = ["hqlab", "kernels", "notebooks", "tests", "benchmarks"]
@@ -102,9 +103,9 @@ def test_main_and_vllm_pins_name_one_version_each():
 
 def test_gguf_conversion_without_accelerate_is_a_clear_error_not_an_install(monkeypatch):
     """accelerate is a declared dependency; where it is missing, converting says so and installs nothing."""
-    assert str(REPO) in models._converter_env()["PYTHONPATH"].split(":")  # here it is installed
-    real = models._package_dir_in_env
-    monkeypatch.setattr(models, "_package_dir_in_env", lambda m: None if m == "accelerate" else real(m))
-    monkeypatch.setattr(models, "_pip_install", lambda *a, **k: pytest.fail("pip install at run time"))
+    assert str(REPO) in gguf._converter_env()["PYTHONPATH"].split(":")  # here it is installed
+    real = gguf._package_dir_in_env
+    monkeypatch.setattr(gguf, "_package_dir_in_env", lambda m: None if m == "accelerate" else real(m))
+    monkeypatch.setattr(gguf, "_pip_install", lambda *a, **k: pytest.fail("pip install at run time"))
     with pytest.raises(models.ModelError, match="needs the `accelerate` package"):
-        models._converter_env()
+        gguf._converter_env()

@@ -1,11 +1,9 @@
-"""Provenance: every bench row says which commit, library versions and device produced it; every cached trace
-carries the same; the trace cache keeps outputs of different devices and dtypes apart, and a second request for
-a trace set is served from the cache without loading the model."""
+"""Provenance: every bench row says which commit, library versions and device produced it (cached traces carry
+the same: tests/replay/test_traces.py), and the machine is described in one way."""
 
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import subprocess
 from pathlib import Path
 
@@ -13,7 +11,7 @@ import polars as pl
 import pytest
 import torch
 
-from hqlab import provenance, sweep
+from hqlab import provenance
 from hqlab.config import DecodeConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,61 +74,6 @@ def test_rows_built_elsewhere_get_the_provenance_columns():
 
 # ----------------------------------------------------------------------------------------------------------------
 # The trace cache key
-
-
-def test_trace_key_separates_devices_dtypes_and_settings():
-    ids = [1, 2, 3, 4]
-    decode = DecodeConfig(max_new_tokens=32)
-    base = sweep.TraceOrigin("qwen2.5-coder-0.5b", "ab" * 32, "bfloat16", "cpu (AMD EPYC 9654 96-Core Processor)")
-    cuda = sweep.TraceOrigin(base.model, base.sha256, "bfloat16", "cuda (NVIDIA H200)")
-    fp32 = sweep.TraceOrigin(base.model, base.sha256, "float32", base.device)
-    other_gpu = sweep.TraceOrigin(base.model, base.sha256, "bfloat16", "cuda (NVIDIA A100-SXM4-80GB)")
-    keys = {o.key(ids, decode) for o in (base, cuda, fp32, other_gpu)}
-    assert len(keys) == 4
-    assert base.key(ids, decode) == sweep.TraceOrigin(*vars(base).values()).key(ids, decode)
-    assert base.key(ids, decode) != base.key(ids, DecodeConfig(max_new_tokens=33))
-    assert base.key(ids, decode) != base.key([1, 2, 3, 5], decode)
-    # resolved without loading anything: dtype and device as the engine would get them
-    a = sweep.TraceOrigin.resolve("qwen2.5-coder-0.5b", dtype="auto", device="cpu")
-    b = sweep.TraceOrigin.resolve("qwen2.5-coder-0.5b", dtype="float32", device="cpu")
-    assert (a.dtype, b.dtype) == ("bfloat16", "float32") and a.device == b.device == provenance.device_name("cpu")
-    assert a.key(ids, decode) != b.key(ids, decode)
-
-
-@pytest.mark.slow
-def test_second_request_hits_the_cache_and_another_dtype_misses(tmp_path, engine_05b):
-    """Recorded once with the engine, then served from the cache to a caller that loads no model; the same
-    prompts in another dtype are not served those outputs."""
-    cache = tmp_path / "traces"
-    first = sweep.cached_traces("qwen2.5-coder-0.5b", "chat", 6, dtype="bfloat16", device="cpu", limit=2,
-                                engine=engine_05b, cache_dir=cache)
-    assert first.recorded == 2 and len(list(cache.glob("*.json"))) == 2
-    record = json.loads(next(cache.glob("*.json")).read_text())
-    assert record["device"] == provenance.device_name("cpu") and record["dtype"] == "bfloat16"
-    assert record["provenance"]["git_commit"] == _expected_commit()
-    assert record["provenance"]["transformers"] == _installed("transformers")
-
-    again = sweep.cached_traces("qwen2.5-coder-0.5b", "chat", 6, dtype="auto", device="cpu", limit=2,
-                                cache_dir=cache)
-    assert again.recorded == 0 and again.engine is None  # no model was loaded
-    assert [t.output_ids for t in again.traces] == [t.output_ids for t in first.traces]
-    assert all(t.provenance["device"] == provenance.device_name("cpu") for t in again.traces)
-    # the engine-side entry point reads the same cache
-    assert sweep.record_traces(engine_05b, first.prompts, DecodeConfig(max_new_tokens=6), cache_dir=cache,
-                               progress=False) == first.traces
-    with pytest.raises(sweep.TracesMissing, match="float32"):
-        sweep.cached_traces("qwen2.5-coder-0.5b", "chat", 6, dtype="float32", device="cpu", limit=2,
-                            cache_dir=cache, record=False)
-    with pytest.raises(sweep.TracesMissing, match="max_new_tokens=7"):
-        sweep.cached_traces("qwen2.5-coder-0.5b", "chat", 7, dtype="bfloat16", device="cpu", limit=2,
-                            cache_dir=cache, record=False)
-    # an engine that is not what was asked for is refused, not silently used
-    with pytest.raises(sweep.ConfigError, match="not the requested"):
-        sweep.cached_traces("qwen2.5-coder-0.5b", "chat", 6, dtype="float32", device="cpu", limit=2,
-                            engine=engine_05b, cache_dir=cache)
-    # saved with the trace set and read back
-    saved = sweep.load_traces(sweep.save_traces(again.traces, tmp_path / "set.parquet"))
-    assert saved == again.traces and saved[0].provenance == again.traces[0].provenance
 
 
 @pytest.mark.slow

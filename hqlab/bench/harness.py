@@ -15,14 +15,14 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import polars as pl
-import torch
 from tqdm.auto import tqdm
 
-from hqlab.config import ConfigError, DecodeConfig, build_config, parse_spec
 from hqlab import provenance
-from hqlab.lossless import NEAR_TIE_TOL, compare
+from hqlab.bench.lossless import NEAR_TIE_TOL, compare
+from hqlab.config import ConfigError, DecodeConfig, resolve_spec
+from hqlab.io import write_atomic
 from hqlab.proposers import REGISTRY, Proposer, make_proposer
-from hqlab.trace import Generation, acceptance_curve, records_frame
+from hqlab.trace import Generation, records_frame
 from hqlab.workloads import Prompt, WorkloadError, load_workload, read_jsonl, suite_names
 
 
@@ -43,6 +43,7 @@ class HFPlainConfig:
 
 
 EXTERNAL: dict[str, type] = {"hf-pld": HFPLDConfig, "hf": HFPlainConfig}
+KNOWN: dict[str, type] = {**REGISTRY, **EXTERNAL}  # what a benchmark spec can name
 
 
 @dataclass(frozen=True)
@@ -56,21 +57,20 @@ class RunConfig:
         return self.label == "none"
 
 
-def parse_configs(specs: Sequence[str]) -> list[RunConfig]:
-    """Validate every spec before anything runs; `none` (the reference) is always first."""
+def parse_configs(specs: Sequence[str | RunConfig]) -> list[RunConfig]:
+    """Resolve every spec (once) and build its proposer before anything runs; `none` (the reference) is always
+    first. Configs already built pass through."""
     configs: list[RunConfig] = [RunConfig("none", make_proposer("none"))]
     for spec in specs:
-        name, values = parse_spec(spec)
-        label = spec.strip()
+        label = spec.label if isinstance(spec, RunConfig) else spec.strip()
         if label == "none" or any(c.label == label for c in configs):
             continue
-        if name in EXTERNAL:
-            configs.append(RunConfig(label, external=build_config(EXTERNAL[name], values, context=name)))
-        elif name in REGISTRY:
-            configs.append(RunConfig(label, proposer=make_proposer(spec)))
-        else:
-            known = sorted([*REGISTRY, *EXTERNAL])
-            raise ConfigError(f"unknown proposer {name!r} in {spec!r}; known: {', '.join(known)}")
+        if isinstance(spec, RunConfig):
+            configs.append(spec)
+            continue
+        name, config = resolve_spec(label, KNOWN)
+        configs.append(RunConfig(label, external=config) if name in EXTERNAL else
+                       RunConfig(label, proposer=REGISTRY[name](config)))
     return configs
 
 
@@ -94,17 +94,11 @@ def check_specs(specs: Sequence[str]) -> None:
     """Validate every proposer spec (its name, keys and values, a drafter's model name, dtype, device and
     vocabulary file) without building any proposer: nothing is loaded."""
     from hqlab import models
-    from hqlab.sweep import spec_config
 
     for spec in specs:
-        name, values = parse_spec(spec)
+        name, config = resolve_spec(spec, KNOWN)
         if name in EXTERNAL:
-            build_config(EXTERNAL[name], values, context=name)
             continue
-        if name not in REGISTRY:
-            known = sorted([*REGISTRY, *EXTERNAL])
-            raise ConfigError(f"unknown proposer {name!r} in {spec!r}; known: {', '.join(known)}")
-        config = spec_config(spec)
         try:
             if getattr(config, "model", ""):
                 models.resolve(config.model)
@@ -115,7 +109,7 @@ def check_specs(specs: Sequence[str]) -> None:
         except models.ModelError as e:
             raise ConfigError(f"{spec!r}: {e}") from None
         if getattr(config, "vocab", ""):
-            from hqlab.vocab import VocabError, load_draft_vocab
+            from hqlab.vocab.runtime import VocabError, load_draft_vocab
 
             try:
                 load_draft_vocab(config.vocab)
@@ -123,18 +117,12 @@ def check_specs(specs: Sequence[str]) -> None:
                 raise ConfigError(f"{spec!r}: {e}") from None
 
 
-def machine_description(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-    return f"CPU {provenance.cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-
-
 def run_meta(engine: Any, decode: DecodeConfig, meta: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
     """The columns every result row of `engine` shares: engine, model, dtype, machine, the provenance columns
     (`hqlab.provenance.COLUMNS`: commit, torch/transformers/triton/vllm versions, device) and `meta`."""
     dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
-    return {"engine": "hf", "model": getattr(engine.info, "name", "custom"), "dtype": dtype, **extra,
-            "machine": machine_description(engine.device), **provenance.provenance(engine.device),
+    return {"engine": engine.name, "model": getattr(engine.info, "name", "custom"), "dtype": dtype, **extra,
+            "machine": provenance.machine_description(engine.device), **provenance.provenance(engine.device),
             "max_new_tokens": decode.max_new_tokens, **(meta or {})}
 
 
@@ -176,7 +164,7 @@ def _warm_up(engine: Any, ids: list[int], configs: Sequence[RunConfig]) -> None:
             engine.generate(ids, config.proposer, DecodeConfig(max_new_tokens=16), request="warmup")
 
 
-def run_bench(engine: Any, prompts: Sequence[Prompt], specs: Sequence[str], decode: DecodeConfig, *,
+def run_bench(engine: Any, prompts: Sequence[Prompt], specs: Sequence[str | RunConfig], decode: DecodeConfig, *,
               repeats: int = 1, warmup: bool = True, progress: bool = True,
               meta: dict[str, Any] | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Run every config on every prompt; returns (results, steps)."""
@@ -244,20 +232,23 @@ def prompt_rows(prompt: Prompt, prompt_tokens: int, runs: dict[str, list[Generat
 
 
 def _lossless_columns(check: Any) -> dict[str, Any]:
-    """The lossless verdict of one output (`hqlab.lossless.compare`), or nulls where none applies (sampling)."""
+    """The lossless verdict of one output (`hqlab.bench.lossless.compare`), or nulls where none applies (sampling)."""
     return {"lossless": None if check is None else check.lossless,
             "divergence": None if check is None else check.status,
             "first_divergence": None if check is None else check.first_divergence,
             "divergence_margin": None if check is None else check.margin}
 
 
-def _append_steps(steps: list, records: list, label: str, category: str) -> None:
+def _append_steps(steps: list, records: list, label: str, category: str, **columns: Any) -> None:
+    """One run's step records as a frame, labelled with its config, category and any other `columns`."""
     frame = records_frame(records)
     if frame.height:
-        steps.append(frame.with_columns(pl.lit(label).alias("config"), pl.lit(category).alias("category")))
+        steps.append(frame.with_columns(pl.lit(label).alias("config"), pl.lit(category).alias("category"),
+                                        *(pl.lit(v).alias(k) for k, v in columns.items())))
 
 
-def run_batch_bench(engine: Any, prompts: Sequence[Prompt], specs: Sequence[str], decode: DecodeConfig, *,
+def run_batch_bench(engine: Any, prompts: Sequence[Prompt], specs: Sequence[str | RunConfig], decode: DecodeConfig,
+                    *,
                     batch: int, repeats: int = 1, references: dict[str, Generation] | None = None,
                     progress: bool = True, meta: dict[str, Any] | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
     """All prompts decoded concurrently (`batch` at a time) per config: one row per (config, prompt).
@@ -304,66 +295,25 @@ def run_batch_bench(engine: Any, prompts: Sequence[Prompt], specs: Sequence[str]
     return results, (pl.concat(steps, how="diagonal_relaxed") if steps else pl.DataFrame())
 
 
-def summarize(results: pl.DataFrame) -> pl.DataFrame:
-    """Per (category, config): medians over prompts of tokens/step, decode tok/s and speedup; lossless count."""
-    return (results.group_by(["category", "config"], maintain_order=True)
-            .agg(pl.len().alias("prompts"),
-                 pl.col("tokens_per_step").median().round(2),
-                 pl.col("decode_tok_s").median().round(2),
-                 pl.col("speedup_e2e").median().round(2),
-                 pl.col("propose_ms_per_step").median().round(3),
-                 pl.col("verify_ms_per_step").median().round(1),
-                 (pl.col("divergence") == "identical").sum().alias("identical"),
-                 (pl.col("divergence") == "near-tie").sum().alias("near_ties"),
-                 (pl.col("divergence") == "mismatch").sum().alias("mismatches")))
+def part_path(out: str | Path, part: str = "steps") -> Path:
+    """Where a results file's companion frame goes: `<stem>.<part>.parquet` beside `<stem>.parquet` (the step
+    records: `<stem>.steps.parquet`)."""
+    out = Path(out)
+    return out.with_name(f"{out.stem}.{part}.parquet")
 
 
-def acceptance_by_position(steps: pl.DataFrame) -> pl.DataFrame:
-    """Per (category, config, position): share of drafts that accepted more than `position` tokens."""
-    out = []
-    for (category, config), group in steps.group_by(["category", "config"], maintain_order=True):
-        drafts = group.filter(pl.col("proposed").list.len() > 0)
-        if drafts.height == 0:
-            continue
-        curve = acceptance_curve(drafts["accepted"].to_numpy(), int(drafts["proposed"].list.len().max()))
-        out.extend({"category": category, "config": config, "position": i + 1, "acceptance": float(a)}
-                   for i, a in enumerate(curve))
-    # typed even when no config drafted (a plot of it then says so instead of failing on unknown columns)
-    return pl.DataFrame(out, schema={"category": pl.String, "config": pl.String, "position": pl.Int64,
-                                     "acceptance": pl.Float64})
+def write_results(out: str | Path, results: pl.DataFrame, steps: pl.DataFrame | None = None,
+                  **parts: pl.DataFrame) -> list[Path]:
+    """Write a benchmark's results to `out`, its step records beside it (`part_path(out)`) and any other frames
+    (`part_path(out, name)`), each atomically; companion frames without rows are not written. The results go
+    last, so whoever finds them finds their steps. Returns the paths written."""
+    written = []
+    for part, frame in ({"steps": steps} | parts).items():
+        if frame is not None and frame.height:
+            written.append(write_atomic(part_path(out, part), lambda tmp, f=frame: f.write_parquet(tmp)))
+    return [write_atomic(out, lambda tmp: results.write_parquet(tmp)), *written]
 
 
-# The core benchmark's figures by kind: `core_figures` writes the first three, the notebook the rest.
-CORE_FIGURE_KINDS = ("speedup", "tokens_per_step", "step_time", "decode_tok_s", "acceptance_by_position",
-                     "acceptance_hist")
-
-
-def core_figure_names(tag: str, kinds: Sequence[str] = CORE_FIGURE_KINDS) -> list[str]:
-    """Figures the core benchmark notebook writes for a results tag (all kinds by default)."""
-    return [f"core_{tag}_{kind}.svg" for kind in kinds]
-
-
-def fusion_figure_names(tag: str) -> dict[str, str]:
-    """Figures the fusion benchmark notebook writes for a results tag, by kind."""
-    return {kind: f"fusion_{tag}_{kind}.svg" for kind in ("tps", "speedup", "time", "batch")}
-
-
-def core_figures(results: pl.DataFrame, tag: str, fig_dir: Path) -> list[Path]:
-    """The core benchmark's three figures: wall-time speedup, tokens/step, and where a step's time goes."""
-    from hqlab import plots
-
-    per_cat = results.group_by(["category", "config"], maintain_order=True).agg(
-        pl.col("speedup_e2e").median(), pl.col("tokens_per_step").median(),
-        pl.col("propose_ms_per_step").median().alias("propose"),
-        pl.col("verify_ms_per_step").median().alias("verify"))
-    paths = [fig_dir / name for name in core_figure_names(tag, ("speedup", "tokens_per_step", "step_time"))]
-    plots.save(plots.grouped_bars(per_cat, "category", "speedup_e2e", "config", rule_at=1.0,
-                                  y_title="wall-time speedup over no speculation"), paths[0])
-    plots.save(plots.grouped_bars(per_cat, "category", "tokens_per_step", "config", rule_at=1.0,
-                                  y_title="tokens per verify step"), paths[1])
-    plots.save(plots.stacked_time(per_cat.select("category", "config", "propose", "verify"), "config",
-                                  ["propose", "verify"], facet="category"), paths[2])
-    return paths
-
-
-__all__ = ["run_bench", "run_batch_bench", "summarize", "parse_configs", "acceptance_by_position", "core_figures"]
+__all__ = ["run_bench", "run_batch_bench", "write_results", "part_path", "parse_configs",
+           "check_specs", "check_workload", "prompt_rows", "run_meta", "with_provenance", "encode_prompts", "EXTERNAL",
+           "KNOWN", "RunConfig", "HFPLDConfig", "HFPlainConfig"]

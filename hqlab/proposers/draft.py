@@ -11,7 +11,8 @@ returns its distribution q per position, which sampled verification needs to sta
 
 `vocab=PATH` restricts drafting to a draft vocabulary (SPEC §2.7): the head scores only those rows, so a token
 outside the list can never be proposed. Row i of that head stands for target token `draft_to_target[i]` (absolute
-ids, `hqlab.vocab.load_mapping`; vLLM's EAGLE-3 `d2t` holds offsets instead, see `hqlab.vocab.eagle3_d2t`).
+ids, `hqlab.vocab.runtime.load_mapping`; vLLM's EAGLE-3 `d2t` holds offsets instead, see
+`hqlab.vocab.runtime.eagle3_d2t`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from hqlab.config import ConfigError
-from hqlab.kv import RaggedCache
+from hqlab.models.kv import RaggedCache
 from hqlab.proposers.base import Proposal, Source
 
 
@@ -85,7 +86,7 @@ class DraftProposer:
         if c.vocab:
             from pathlib import Path
 
-            from hqlab.vocab import VocabError, load_draft_vocab, load_mapping
+            from hqlab.vocab.runtime import VocabError, load_draft_vocab, load_mapping
 
             try:  # a published folder's map (checked against its id list), or a JSON id list
                 ids = load_mapping(c.vocab)[0] if Path(c.vocab).is_dir() else load_draft_vocab(c.vocab)
@@ -151,6 +152,11 @@ class DraftProposer:
             q = torch.stack(qs[row][:n]) if qs[row] and n else None
             out.append(Proposal(toks, np.full(n, Source.DRAFT, dtype=np.int8), 0, q))
         return out
+
+    def exact(self, histories: Sequence[np.ndarray], budgets: Sequence[int],
+              keys: Sequence[str] | None = None) -> list[Proposal]:
+        """The `Drafter` protocol's real drafts: a live drafter's drafts always are."""
+        return self.propose(histories, budgets, keys)
 
     # ------------------------------------------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from hqlab.config import ConfigError, LookupConfig
-from hqlab.proposers.base import Proposal
+from hqlab.proposers.base import Drafter, Proposal
 from hqlab.proposers.draft import DraftConfig, DraftProposer
 from hqlab.proposers.lookup import LookupProposer
 from hqlab.rules.fusion import FusionConfig, fuse
@@ -104,7 +104,7 @@ class FusedProposer:
     name: ClassVar[str] = "fused"
     Config = FusedConfig
 
-    def __init__(self, config: FusedConfig | None = None, drafter: DraftProposer | None = None) -> None:
+    def __init__(self, config: FusedConfig | None = None, drafter: Drafter | None = None) -> None:
         self.config = c = config or FusedConfig()
         self.k = c.k
         self.lookup = LookupProposer(c.lookup_config())
@@ -131,7 +131,7 @@ class FusedProposer:
                 fused.append(None)
                 continue
             f = fuse(drafts[i].tokens, lk.tokens, lk.match_len, lk.valid, c.k, self.fusion)
-            known = drafts[i].extra.get("known")  # a teacher-forced draft (replay) is exact only this far
+            known = drafts[i].known  # a teacher-forced draft (replay) is exact only this far
             if known is not None and min(f.head_len, lk.valid) > known and f.agree_count >= known:
                 # the agreement count ran into positions the trace cannot tell: draft them for real
                 drafts[i] = self.drafter.exact([h], [c.draft_block], [keys[i]])[0]

@@ -46,8 +46,9 @@ def measure_step_times(engine: Any, context_lens: Sequence[int], verify_lens: Se
     `repeats` rounds visit every cell once each, in a new random order per round, after one warm-up round.
     """
     from hqlab.config import DecodeConfig
-    from hqlab.kv import RaggedCache
-    from hqlab.proposers.base import Proposal, Source
+    from hqlab.models.kv import RaggedCache
+    from hqlab.proposers.base import Proposal
+    from hqlab.trace import Source
 
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)

@@ -1,6 +1,6 @@
 """Fast exact replay of the lookup proposers (SPEC §2.1) over many recorded traces at once.
 
-`hqlab.replay.replay` asks the proposer at every step, and the reference rule scans the whole history each
+`hqlab.replay.step.step_replay` asks the proposer at every step, and the reference rule scans the whole history each
 time. Here the same steps come out of a few vectorised passes over a batch of traces (concatenated):
 
 1. **Index**: for a match length L, the positions whose L-gram ends there, grouped by a 64-bit polynomial hash
@@ -20,7 +20,7 @@ time. Here the same steps come out of a few vectorised passes over a batch of tr
    collected by pointer doubling.
 
 `replay_table` returns the steps as columns (what sweeps aggregate); `fast_replay` returns `StepRecord`s equal
-to `hqlab.replay.replay`'s, field for field (tested on real traces and random histories).
+to `step_replay`'s, field for field (tested on real traces and random histories).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from hqlab.config import LookupConfig
-from hqlab.proposers.base import Source
 from hqlab.proposers.lookup import LookupProposer, PLDProposer
+from hqlab.replay.traces import Trace
 from hqlab.rules.lookup import suffix_match
-from hqlab.trace import StepRecord
+from hqlab.trace import Source, StepRecord, budget, step_record
 
 _MIX = np.uint64(0xFF51AFD7ED558CCD)  # spreads small token ids over all 64 bits
 _BASE = np.uint64(0x9E3779B97F4A7C15)  # odd multiplier of the polynomial hash (mod 2^64, hence invertible)
@@ -53,16 +53,6 @@ def supports(proposer: Any) -> bool:
     return lookup_config(proposer) is not None
 
 
-@dataclass(frozen=True)
-class TraceInput:
-    """One recorded request: prompt tokens, the target's greedy output, and the max_new_tokens it ran with."""
-
-    prompt_ids: Sequence[int]
-    output_ids: Sequence[int]
-    max_new_tokens: int
-    request: str = "0"
-
-
 @dataclass
 class _Level:
     """Index of one match length: positions sorted by (hash bits, position), so a group is a contiguous run."""
@@ -77,14 +67,14 @@ class _Level:
 class TraceIndex:
     """A batch of traces concatenated into one array, with the per-length indexes built on demand."""
 
-    def __init__(self, traces: Sequence[TraceInput], *, share: bool = True) -> None:
+    def __init__(self, traces: Sequence[Trace], *, share: bool = True) -> None:
         """share: keep every length's index over all output positions for later configurations (sweeps); when
         False, lengths only one configuration climbs through are indexed over its live positions alone."""
         self.share = share
         self.traces = list(traces)
         for i, tr in enumerate(self.traces):
             if tr.max_new_tokens < len(tr.output_ids):
-                raise ValueError(f"trace {i} ({tr.request!r}): {len(tr.output_ids)} output tokens exceed "
+                raise ValueError(f"trace {i} ({tr.prompt_id!r}): {len(tr.output_ids)} output tokens exceed "
                                  f"max_new_tokens={tr.max_new_tokens}")
         parts = [np.concatenate([np.asarray(tr.prompt_ids, dtype=np.int64), np.asarray(tr.output_ids, dtype=np.int64)])
                  for tr in self.traces]
@@ -252,22 +242,22 @@ class StepTable:
         return int(self.step.size)
 
     def records(self, trace: int) -> list[StepRecord]:
-        """`StepRecord`s of one trace: field for field what `hqlab.replay.replay` returns (proposal times 0)."""
+        """`StepRecord`s of one trace: field for field what `step_replay` returns (proposal times 0)."""
         tr = self.index.traces[trace]
         base = int(self.index.trace_start[trace])
         seq = self.index.seq
         out = []
         for i in np.flatnonzero(self.trace == trace).tolist():
             n, e = int(self.proposed[i]), int(self.end[i])
-            out.append(StepRecord(
-                request=tr.request, step=int(self.step[i]), context_len=int(self.context_len[i]), verify_len=n + 1,
-                proposed=seq[base + e + 1 : base + e + 1 + n].tolist() if n else [],
-                sources=[int(Source.LOOKUP)] * n, match_len=int(self.match_len[i]), accepted=int(self.accepted[i]),
-                emitted=int(self.emitted[i]), step_s=0.0, propose_s=0.0, t_end=0.0, block=self.config.k))
+            out.append(step_record(
+                tr.prompt_id, int(self.step[i]), context_len=int(self.context_len[i]),
+                proposed=seq[base + e + 1 : base + e + 1 + n] if n else [], sources=[Source.LOOKUP] * n,
+                match_len=int(self.match_len[i]), accepted=int(self.accepted[i]), emitted=int(self.emitted[i]),
+                block=self.config.k))
         return out
 
 
-def replay_table(traces: TraceIndex | Sequence[TraceInput], config: LookupConfig | Any) -> StepTable:
+def replay_table(traces: TraceIndex | Sequence[Trace], config: LookupConfig | Any) -> StepTable:
     """Replay one lookup configuration (a `LookupConfig`, or a lookup/PLD proposer) over every trace."""
     ix = traces if isinstance(traces, TraceIndex) else TraceIndex(traces, share=False)
     if not isinstance(config, LookupConfig):
@@ -278,8 +268,7 @@ def replay_table(traces: TraceIndex | Sequence[TraceInput], config: LookupConfig
     done, t = ix.q_done, ix.q_pos
     start = ix.trace_start[ix.q_trace]
     out_len = ix.out_len[ix.q_trace]
-    budget = ix.max_new[ix.q_trace] - done - 1
-    kk = np.minimum(config.k, budget)  # the engine asks for min(k, budget) tokens; nothing when that is <= 0
+    kk = np.minimum(config.k, budget(ix.max_new[ix.q_trace], done))  # the engine asks for min(k, budget) tokens
 
     end, mlen = _match(ix, config, t, start, kk)
     n = np.where(mlen > 0, np.minimum(kk, t - end), 0)  # proposed tokens, clipped at the history's end
@@ -479,5 +468,5 @@ def _rank_in_runs(values: np.ndarray) -> np.ndarray:
 
 def fast_replay(prompt_ids: Sequence[int], output_ids: Sequence[int], proposer: Any, *, max_new_tokens: int,
                 request: str = "0") -> list[StepRecord]:
-    """Drop-in for `hqlab.replay.replay` (without proposal timing) for the lookup and PLD proposers."""
-    return replay_table([TraceInput(prompt_ids, output_ids, max_new_tokens, request)], proposer).records(0)
+    """Drop-in for `step_replay` (without proposal timing) for the lookup and PLD proposers."""
+    return replay_table([Trace.of(prompt_ids, output_ids, max_new_tokens, request)], proposer).records(0)

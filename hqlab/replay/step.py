@@ -1,4 +1,4 @@
-"""Exact offline replay of greedy speculative decoding over a recorded target output.
+"""Exact offline replay of greedy speculative decoding over a recorded target output, step by step.
 
 Under greedy decoding the target's output does not depend on the proposer (that is what lossless means), so a
 proposer's acceptance at every step is fully determined by the output sequence: at each step, propose from the
@@ -16,11 +16,11 @@ import numpy as np
 
 from hqlab.proposers.base import Proposer
 from hqlab.rules.verify import greedy_verify
-from hqlab.trace import StepRecord
+from hqlab.trace import StepRecord, budget, step_record
 
 
-def replay(prompt_ids: Sequence[int], output_ids: Sequence[int], proposer: Proposer, *, max_new_tokens: int,
-           request: str = "0", time_proposals: bool = False) -> list[StepRecord]:
+def step_replay(prompt_ids: Sequence[int], output_ids: Sequence[int], proposer: Proposer, *, max_new_tokens: int,
+                request: str = "0", time_proposals: bool = False) -> list[StepRecord]:
     """Step records that `proposer` would produce live, given the target's greedy `output_ids`.
 
     `max_new_tokens` is the limit the output was generated with: near the end it caps the proposal budget
@@ -34,10 +34,10 @@ def replay(prompt_ids: Sequence[int], output_ids: Sequence[int], proposer: Propo
     done = 1  # the first token comes from prefill, not from a verify step
     records: list[StepRecord] = []
     while done < out.size:
-        budget = max_new_tokens - done - 1
+        allowed = budget(max_new_tokens, done)
         view = history[: prompt_len + done]
         t0 = time.perf_counter() if time_proposals else 0.0
-        proposal = proposer.propose([view], [max(budget, 0)], keys=[request])[0].truncated(max(budget, 0))
+        proposal = proposer.propose([view], [allowed], keys=[request])[0].truncated(allowed)
         propose_s = time.perf_counter() - t0 if time_proposals else 0.0
         tokens = proposal.tokens
         # The recorded output is the target's argmax sequence, so the engine's own greedy rule decides. Past an
@@ -45,10 +45,8 @@ def replay(prompt_ids: Sequence[int], output_ids: Sequence[int], proposer: Propo
         m = min(tokens.size, out.size - done - 1)
         accepted = greedy_verify(tokens[:m], out[done : done + m + 1]).accepted
         emitted = accepted + 1
-        records.append(StepRecord(
-            request=request, step=len(records), context_len=prompt_len + done - 1, verify_len=1 + tokens.size,
-            proposed=tokens.tolist(), sources=proposal.sources.tolist(), match_len=proposal.match_len,
-            accepted=accepted, emitted=emitted, step_s=propose_s, propose_s=propose_s, t_end=0.0,
-            block=int(proposal.extra.get("block", proposer.k))))
+        records.append(step_record(request, len(records), context_len=prompt_len + done - 1, proposal=proposal,
+                                   block=proposer.k, accepted=accepted, emitted=emitted, step_s=propose_s,
+                                   propose_s=propose_s))
         done += emitted
     return records

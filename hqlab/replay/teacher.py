@@ -20,13 +20,16 @@ import numpy as np
 import torch
 
 from hqlab.config import ConfigError
-from hqlab.proposers.base import Proposal, Source
+from hqlab.proposers.base import Proposal
 from hqlab.proposers.draft import DraftProposer
+from hqlab.trace import Source
 
 UNKNOWN = -1
 
 
 class TeacherForcedDrafter:
+    """A `hqlab.proposers.Drafter` over one trace: drafts exact up to `Proposal.known`, `exact` for the rest."""
+
     name: ClassVar[str] = "draft"
 
     def __init__(self, drafter: DraftProposer, prompt_ids: Sequence[int], output_ids: Sequence[int],
@@ -90,22 +93,19 @@ def replay_fused_grid(traces: Sequence, drafter: DraftProposer, specs: Sequence[
 
     Returns one row per (config, prompt): tokens/step, mean verified positions per step (the verify cost proxy),
     share of steps on the long block, share of steps whose head came from the lookup, and how many drafts had
-    to be computed for real. `traces` are `hqlab.sweep.Trace`s of the target's greedy outputs.
+    to be computed for real. `traces` are `hqlab.replay.traces.Trace`s of the target's greedy outputs.
     """
     import polars as pl
     from tqdm.auto import tqdm
 
-    from hqlab.config import build_config, parse_spec
-    from hqlab.proposers.fused import FusedConfig, FusedProposer
+    from hqlab.config import resolve_spec
+    from hqlab.proposers.fused import FusedProposer
     from hqlab.replay import replay
     from hqlab.trace import tokens_per_step
 
-    configs = []
-    for spec in specs:
-        name, values = parse_spec(spec)
-        if name != "fused":
-            raise ConfigError(f"replay_fused_grid takes fused:... specs, got {spec!r}")
-        configs.append((spec, build_config(FusedConfig, values, context="fused")))
+    configs = [(spec, resolve_spec(spec, {"fused": FusedProposer}, context="fused",
+                                   unknown="replay_fused_grid takes fused:... specs, got {spec!r}")[1])
+               for spec in specs]
     rows = []
     bar = tqdm(total=len(traces) * len(configs), desc="fused replay", disable=not progress)
     for trace in traces:

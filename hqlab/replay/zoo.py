@@ -1,7 +1,7 @@
 """The proposer zoo: hqlab's lookup variants, PLD, vLLM's n-gram proposer and Arctic's suffix tree, replayed on
 the same traces, with acceptance and proposal latency per task class.
 
-Every proposer goes through the step-by-step replay (`hqlab.replay`), so each one is timed the same way: one
+Every proposer goes through the step-by-step replay (`hqlab.replay`, timed), so each one is timed the same way: one
 `propose` call per verify step, the call the engine would make, on the history the engine would have. Greedy
 replay makes the acceptance exact; latency is measured on this machine (median of repeated replays per step).
 """
@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from hqlab.proposers import make_proposer
 from hqlab.replay import replay
-from hqlab.sweep import Trace
+from hqlab.replay.traces import Trace
 
 # label -> spec. k = 15 everywhere except PLD (Spec-Bench's k = 10); n-gram ranges as each system ships or as
 # hqlab's suffix-length sweep chose.

@@ -42,8 +42,8 @@ lookup has no probabilities, so the score is an input, and **hqlab's adaptation*
 full head). Under this rule nstrong, nmin, agree and nmin_tail are unused; the kept lookup draft is its `valid`
 tokens, all LOOKUP (head and tail both count as taken); the take flag keeps the formula above.
 
-Source codes: rules sit below the proposers in the house plan and must not import them, so the two codes used
-here are plain ints equal to `hqlab.proposers.base.Source.LOOKUP` / `.DRAFT` (a test pins the equality).
+Source codes: `hqlab.trace.Source` (the step contract, a floor below the rules); `SOURCE_LOOKUP` and
+`SOURCE_DRAFT` are its two codes as plain ints, for the int8 arrays here and the GPU twin's tensors.
 """
 
 from __future__ import annotations
@@ -54,17 +54,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from hqlab.config import ConfigError
+from hqlab.config import require
+from hqlab.trace import Source
 
-SOURCE_LOOKUP = 1  # == Source.LOOKUP
-SOURCE_DRAFT = 2  # == Source.DRAFT
+SOURCE_LOOKUP = int(Source.LOOKUP)
+SOURCE_DRAFT = int(Source.DRAFT)
 
 RULES = ("threshold", "score")
-
-
-def _require(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
 
 
 @dataclass(frozen=True)
@@ -91,13 +87,13 @@ class FusionConfig:
     def __post_init__(self) -> None:
         for name in ("nstrong", "nmin", "agree", "nmin_tail", "longmin"):
             value = getattr(self, name)
-            _require(value >= 0, f"{name} must be >= 0 (got {value}); it is a minimum match or agreement length")
-        _require(self.draft_block >= 1, f"draft_block must be >= 1 (got {self.draft_block}): the drafter's width")
+            require(value >= 0, f"{name} must be >= 0 (got {value}); it is a minimum match or agreement length")
+        require(self.draft_block >= 1, f"draft_block must be >= 1 (got {self.draft_block}): the drafter's width")
         # agree_count never exceeds the head, so a larger agree would silently disable the nmin branch
-        _require(self.agree <= self.draft_block,
+        require(self.agree <= self.draft_block,
                  f"agree must be <= draft_block (got agree={self.agree}, draft_block={self.draft_block}); "
                  f"to disable the nmin branch set nmin above the lookup's nmax instead")
-        _require(self.rule in RULES, f"rule must be 'threshold' or 'score' (got {self.rule!r})")
+        require(self.rule in RULES, f"rule must be 'threshold' or 'score' (got {self.rule!r})")
 
     @classmethod
     def articles(cls, **overrides: Any) -> "FusionConfig":

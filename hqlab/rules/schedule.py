@@ -46,14 +46,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
-from hqlab.config import ConfigError
+from hqlab.config import require
 
 MODES = ("short", "long", "adaptive")
-
-
-def _require(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
 
 
 @dataclass(frozen=True)
@@ -76,12 +71,12 @@ class ScheduleConfig:
     mode: str = "adaptive"
 
     def __post_init__(self) -> None:
-        _require(self.short >= 1, f"short must be >= 1 (got {self.short})")
-        _require(self.long >= self.short, f"long must be >= short (got short={self.short}, long={self.long})")
-        _require(self.sticky >= 0, f"sticky must be >= 0, 0 meaning no hold (got {self.sticky})")
-        _require(self.entry_steps >= 1, f"entry_steps must be >= 1 (got {self.entry_steps})")
-        _require(self.stale in (0, 1), f"stale must be 0 (read the flag now) or 1 (one step late), got {self.stale}")
-        _require(self.mode in MODES, f"mode must be one of {', '.join(MODES)} (got {self.mode!r})")
+        require(self.short >= 1, f"short must be >= 1 (got {self.short})")
+        require(self.long >= self.short, f"long must be >= short (got short={self.short}, long={self.long})")
+        require(self.sticky >= 0, f"sticky must be >= 0, 0 meaning no hold (got {self.sticky})")
+        require(self.entry_steps >= 1, f"entry_steps must be >= 1 (got {self.entry_steps})")
+        require(self.stale in (0, 1), f"stale must be 0 (read the flag now) or 1 (one step late), got {self.stale}")
+        require(self.mode in MODES, f"mode must be one of {', '.join(MODES)} (got {self.mode!r})")
 
 
 @dataclass(frozen=True)

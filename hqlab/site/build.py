@@ -17,7 +17,6 @@ the old site or the new one, never half of one.
 
 from __future__ import annotations
 
-import hashlib
 import html
 import json
 import os
@@ -30,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from hqlab.io import REPO, sha256_file
+
 
 # npm packages vendored into static/: (package, version, sha256 of the tarball npm packs, files to take).
 # The widget manager's major version must match ipywidgets' (8.x ↔ html-manager 1.x).
@@ -58,10 +58,6 @@ def static_cache(cache_dir: str | Path | None = None) -> Path:
     return cache_root(cache_dir) / "site-static"
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def _npm_pack(package: str, version: str, dest: Path) -> Path:
     npm = shutil.which("npm")
     if npm is None:
@@ -87,7 +83,7 @@ def vendor_static(static_dir: Path, cache_dir: str | Path | None = None) -> list
             cache.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=cache) as tmp:  # same file system: the rename is atomic
                 os.replace(_npm_pack(package, version, Path(tmp)), tarball)
-        got = _sha256(tarball)
+        got = sha256_file(tarball)
         if got != sha:
             tarball.unlink()
             raise SiteError(f"{package}@{version}: tarball sha256 {got} differs from the pinned {sha}; "
@@ -242,7 +238,7 @@ def build_site(out_dir: Path = REPO / "site", notebooks_dir: Path = REPO / "note
     """
     from tqdm.auto import tqdm
 
-    from hqlab.notebooks import notebook_paths
+    from hqlab.site.notebooks import notebook_paths
 
     out_dir, notebooks_dir = Path(out_dir).resolve(), Path(notebooks_dir)
     stems = [p.stem for p in (sources if sources is not None else notebook_paths())]

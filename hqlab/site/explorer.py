@@ -16,8 +16,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from hqlab.proposers.base import Source
-from hqlab.trace import StepRecord, tokens_per_step
+from hqlab.trace import Source, StepRecord, tokens_per_step
 
 # Who supplied a token, and how it is drawn. "target" = the target's own token on a step with no proposal.
 KINDS = {
@@ -151,7 +150,7 @@ def spec_of(name: str, values: dict[str, Any]) -> str:
 
 
 class Explorer:
-    """A JupyterLab widget over recorded traces (`hqlab.sweep.Trace`s): pick a request and a proposer, move the
+    """A JupyterLab widget over recorded traces (`hqlab.replay.traces.Trace`s): pick a request and a proposer, move the
     sliders, and the replay re-runs and redraws the coloured stream.
 
     `token_text(id) -> str` renders one token (e.g. `lambda t: tokenizer.decode([t])`). `proposers` limits the
@@ -189,11 +188,11 @@ class Explorer:
     def _build_controls(self, values: dict[str, str]) -> None:
         import ipywidgets as w
 
-        from hqlab.config import build_config
+        from hqlab.config import resolve_spec
         from hqlab.proposers import REGISTRY
 
         config_cls = REGISTRY[self.proposer.value].Config
-        initial = dataclasses.asdict(build_config(config_cls, values, context=self.proposer.value))
+        initial = dataclasses.asdict(resolve_spec(spec_of(self.proposer.value, values), REGISTRY)[1])
         self._fields = {}
         self._defaults = {name: default for name, _, default in config_fields(config_cls)}
         style = {"description_width": "initial"}

@@ -11,7 +11,7 @@ parameters for a batch sweep (another model, workload file, grid, device):
 Everything is checked before the first notebook runs (`plan`): notebook names, the parameters file, every
 parameter's name and type (against the default in the notebook's parameters cell), and the values that name a
 model, device, dtype or workload. Notebooks that record greedy traces share them through the trace cache
-(`hqlab.sweep.cached_traces`), so a trace set is recorded once per run of `hqlab figures`.
+(`hqlab.replay.traces.cached_traces`), so a trace set is recorded once per run of `hqlab figures`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from hqlab.config import ConfigError
+from hqlab.io import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = REPO / "notebooks"
 
 # Parameters whose values name something that can be checked without loading it.
@@ -260,6 +260,3 @@ def run_all(params_file: Path | None = None, only: list[str] | None = None,
         return 1
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(run_all())

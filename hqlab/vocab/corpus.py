@@ -19,10 +19,11 @@ empty or binary files, invalid JSON, fields of the wrong type, records with noth
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
+
+from hqlab.io import json_lines
 
 WHOLE_FILE = (".txt", ".py")
 SUFFIXES = (*WHOLE_FILE, ".jsonl", ".parquet")
@@ -159,14 +160,7 @@ def _jsonl_record(obj: Any, where: str, path: Path, lineno: int, index: int) -> 
 def read_jsonl(path: Path) -> list[CorpusRecord]:
     text = _decode(path, path.read_bytes())
     records: list[CorpusRecord] = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise CorpusError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+    for lineno, where, obj in json_lines(text, path, CorpusError):
         records.append(_jsonl_record(obj, where, path, lineno, len(records)))
     if not records:
         raise CorpusError(f"{path}: no records (only blank lines)")

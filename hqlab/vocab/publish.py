@@ -21,16 +21,14 @@ right after its n-th write point (1-based; `write_points` of a finished run list
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hqlab.io import fsync_dir
+from hqlab.io import fsync_dir, sha256_bytes, sha256_file
 
 INDEX = "index.json"
 PRISTINE = "pristine"
@@ -75,18 +73,6 @@ def call_killed_after(kill_after: int, func: Any, /, *args: Any, **kwargs: Any) 
     return func(*args, **kwargs)
 
 
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
 def content_name(name: str, sha: str) -> str:
     stem, dot, suffix = name.partition(".")
     return f"{stem}-{sha[:12]}{dot}{suffix}"
@@ -116,7 +102,7 @@ def _load_index(folder: Path) -> dict[str, Any] | None:
     try:
         index = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PublishError(f"{path}: unreadable index ({e}); the folder was not written by hqlab.publish") from None
+        raise PublishError(f"{path}: unreadable index ({e}); the folder was not written by hqlab.vocab.publish") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT or not isinstance(index.get("files"), dict):
         raise PublishError(f"{path}: not an index in format {FORMAT}")
     return index

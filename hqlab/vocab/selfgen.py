@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hqlab.config import ConfigError
-from hqlab.io import write_atomic
-from hqlab.workloads import Prompt, read_jsonl
+from hqlab.io import REPO, write_atomic
+from hqlab.workloads import Prompt, encode_chat, read_jsonl
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "prompts" / "selfgen.jsonl"
+DEFAULT_PROMPTS = REPO / "data" / "prompts" / "selfgen.jsonl"
 
 
 class SelfgenError(ValueError):
@@ -172,11 +172,6 @@ def _append(out: Path, records: list[dict[str, Any]]) -> None:
 # Generation
 
 
-def encode(tokenizer: Any, prompt: Prompt) -> list[int]:
-    text = tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True, tokenize=False)
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
 def _batch_seed(seed: int, ids: Sequence[str]) -> int:
     h = hashlib.sha256(f"{seed}:{ids[0]}:{len(ids)}".encode()).digest()
     return int.from_bytes(h[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
@@ -257,7 +252,7 @@ def run(model: Any, tokenizer: Any, prompts: Sequence[Prompt], out: str | Path, 
     bar = tqdm(total=len(todo), desc=f"selfgen {out.name}", unit="rec", disable=not progress)
     for start in range(0, len(todo), batch_size):
         batch = todo[start:start + batch_size]
-        prompt_ids = [encode(tokenizer, j.prompt) for j in batch]
+        prompt_ids = [encode_chat(tokenizer, j.prompt.messages) for j in batch]
         answers = generate_batch(model, prompt_ids, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=max_new_tokens,
                                  sampling=sampling, seed=_batch_seed(seed, [j.id for j in batch]))
         records = [dict(id=j.id, src=j.prompt.category, prompt_ids=p, output_ids=o, finish=f)

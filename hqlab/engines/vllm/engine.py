@@ -23,24 +23,24 @@ step emitted give its accepted count. vLLM's own proposers report only how many 
 run once more with top-2 logprobs: the logit margins that tell a near-tie flip from a real mismatch.
 
 The GPU side needs only vLLM, torch and pyarrow: `run_configs` returns plain `Generation`s and `raw_table` stores
-them; `frames_from_raw` (polars, anywhere) turns them into the rows and step frames `hqlab.bench` writes.
+them; `hqlab.bench.vllm.frames_from_raw` (polars, anywhere) turns them into the rows and step frames the benchmark
+harness writes.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
-from hqlab.config import ConfigError, DecodeConfig, build_config, parse_spec
+from hqlab.config import ConfigError, DecodeConfig, parse_spec, resolve_spec
 from hqlab.engines.vllm import adapter as vllm_proposer
 from hqlab.engines.vllm import gpu_lookup
-from hqlab.proposers import REGISTRY, make_proposer
-from hqlab.proposers.base import Source
-from hqlab.trace import Generation, StepRecord, records_frame
+from hqlab.proposers import REGISTRY
+from hqlab.trace import Generation, Source, StepRecord, step_record
+from hqlab.workloads import encode_chat
 
 NATIVE = {"vllm-ngram": "ngram", "vllm-ngram-gpu": "ngram_gpu", "arctic-suffix": "suffix"}  # -> vLLM's own method
 UNKNOWN_TOKEN = -1  # a drafted position whose token id vLLM does not report
@@ -115,12 +115,10 @@ def setting_for(spec: str) -> EngineSetting:
         return EngineSetting(label, gpu_lookup.speculative_config(label),
                              {gpu_lookup.SPEC_KEY: label, gpu_lookup.RECORD_KEY: True},
                              vllm_proposer.EXTENSION_PATH, k=config.k, fixed_width=True)
-    if name not in REGISTRY and name not in NATIVE:
-        raise ConfigError(f"unknown proposer {name!r} in {label!r}; the vllm engine runs none, {gpu_lookup.NAME} "
-                          f"(hqlab on vLLM's GPU step), {', '.join(sorted(NATIVE))} (vLLM's own) or any of "
-                          f"{', '.join(sorted(REGISTRY))} (through the custom_class adapter)")
-    config = build_config(REGISTRY["vllm-ngram" if name == "vllm-ngram-gpu" else name].Config, values,
-                          context=f"proposer {name!r}")
+    unknown = (f"unknown proposer {{name!r}} in {{spec!r}}; the vllm engine runs none, {gpu_lookup.NAME} "
+               f"(hqlab on vLLM's GPU step), {', '.join(sorted(NATIVE))} (vLLM's own) or any of "
+               f"{', '.join(sorted(REGISTRY))} (through the custom_class adapter)")
+    name, config = resolve_spec(label, {**REGISTRY, "vllm-ngram-gpu": REGISTRY["vllm-ngram"]}, unknown=unknown)
     if name in ("vllm-ngram", "vllm-ngram-gpu"):
         return EngineSetting(label, {"method": NATIVE[name], "num_speculative_tokens": config.k,
                                      "prompt_lookup_min": config.nmin, "prompt_lookup_max": config.nmax}, k=config.k)
@@ -132,7 +130,7 @@ def setting_for(spec: str) -> EngineSetting:
                                      "suffix_decoding_max_spec_factor": config.factor,
                                      "suffix_decoding_min_token_prob": config.min_prob,
                                      "suffix_decoding_max_cached_requests": config.cached}, k=config.k)
-    k = make_proposer(label).k  # builds it once here, so a bad spec fails before vLLM starts
+    k = REGISTRY[name](config).k  # builds it once here, so a bad spec fails before vLLM starts
     if k < 1:
         raise ConfigError(f"{label!r} proposes nothing (k=0); use 'none' for no speculation")
     return EngineSetting(label, vllm_proposer.speculative_config(label, k),
@@ -192,10 +190,10 @@ def step_records(request: str, prompt_len: int, events: Sequence[StepEvent], *, 
             proposed = [UNKNOWN_TOKEN] * drafted
             sources = [int(Source.LOOKUP)] * drafted
             match_len, propose_s, batch = 0, (0.0 if k == 0 else math.nan), 1
-        records.append(StepRecord(
-            request=request, step=j, context_len=history - 1, verify_len=1 + (k if fixed_width else drafted),
-            proposed=proposed, sources=sources, match_len=match_len, accepted=max(accepted, 0), emitted=e.tokens,
-            step_s=e.t - prev, propose_s=propose_s, t_end=e.t, block=k, batch=batch))
+        records.append(step_record(
+            request, j, context_len=history - 1, verify_len=1 + (k if fixed_width else drafted), proposed=proposed,
+            sources=sources, match_len=match_len, accepted=max(accepted, 0), emitted=e.tokens, step_s=e.t - prev,
+            propose_s=propose_s, t_end=e.t, block=k, batch=batch))
         emitted += e.tokens
         prev = e.t
     return events[0].t, records
@@ -238,7 +236,9 @@ def _stat_logger_factory(sink: list) -> Callable[..., Any]:
 
 
 class VLLMEngine:
-    """One vLLM engine (one speculative setting) running requests one at a time."""
+    """One vLLM engine (one speculative setting) running requests one at a time (an `hqlab.engines.Engine`)."""
+
+    name = "vllm"
 
     def __init__(self, options: VLLMOptions, setting: EngineSetting) -> None:
         from vllm import EngineArgs
@@ -275,9 +275,14 @@ class VLLMEngine:
                 "cudagraph_mode": str(getattr(c.compilation_config, "cudagraph_mode", "")),
                 "speculative": None if c.speculative_config is None else str(c.speculative_config)}
 
-    def generate(self, prompt_ids: Sequence[int], decode: DecodeConfig, request: str = "0",
-                 margins: bool = False) -> Generation:
-        """One request alone; `margins` also asks vLLM for top-2 logprobs (the reference's near-tie margins)."""
+    def generate(self, prompt_ids: Sequence[int], proposer: Any = None, decode: DecodeConfig = DecodeConfig(),
+                 request: str = "0", margins: bool = False) -> Generation:
+        """One request alone, with this engine's speculative setting (`proposer`: None or that setting's spec; vLLM
+        builds its speculator with the engine); `margins` also asks vLLM for top-2 logprobs (the reference's
+        near-tie margins)."""
+        if proposer is not None and str(proposer).strip() != self.setting.label:
+            raise ConfigError(f"this vLLM engine runs {self.setting.label!r}, not {proposer!r}: a vLLM engine is "
+                              f"built for one speculative setting")
         from vllm import SamplingParams
         from vllm.inputs.engine import tokens_input  # what vLLM's renderer makes of a token prompt
         from vllm.sampling_params import RequestOutputKind
@@ -380,7 +385,7 @@ class VLLMEngine:
         if not self.engine.collective_rpc("hqlab_profile_start")[0]:
             raise RuntimeError("the worker has no model runner to time")
         try:
-            generation = self.generate(prompt_ids, decode, request)
+            generation = self.generate(prompt_ids, decode=decode, request=request)
         finally:
             phases = self.engine.collective_rpc("hqlab_profile_stop")[0]
         return {"generation": generation, "phases": phases}
@@ -451,14 +456,15 @@ def run_setting(options: VLLMOptions, setting: EngineSetting, prompts: Sequence[
     try:
         description = engine.describe()
         if prompts:  # first requests pay for lazy compilation and allocator growth
-            engine.generate(prompts[0][2], DecodeConfig(max_new_tokens=32), request="warmup")
+            engine.generate(prompts[0][2], decode=DecodeConfig(max_new_tokens=32), request="warmup")
         for pid, category, ids in prompts:
             if setting.label == "none" and decode.greedy:
-                runs.append(Run(setting.label, pid, category, -1, engine.generate(ids, decode, pid, margins=True)))
+                runs.append(Run(setting.label, pid, category, -1, engine.generate(ids, decode=decode, request=pid,
+                                                                                  margins=True)))
             for r in range(repeats):
                 if bar is not None:
                     bar.set_postfix_str(f"{setting.label} · {pid}")
-                runs.append(Run(setting.label, pid, category, r, engine.generate(ids, decode, request=pid)))
+                runs.append(Run(setting.label, pid, category, r, engine.generate(ids, decode=decode, request=pid)))
                 if bar is not None:
                     bar.update()
         group = list(prompts[:concurrency]) if concurrency > 1 else []
@@ -528,7 +534,7 @@ def runs_from_raw(raw: Any) -> list[Run]:
         raise ConfigError(f"not a raw vLLM run table: missing columns {sorted(missing)}")
     runs = []
     for row in rows:
-        records = [StepRecord(**s) for s in json.loads(row["records"])]
+        records = [step_record(**s) for s in json.loads(row["records"])]
         gen = Generation(request=row["prompt_id"], prompt_len=row["prompt_len"], output_ids=list(row["output_ids"]),
                          finish=row["finish"], ttft_s=row["ttft_s"], total_s=row["total_s"], t_last=row["t_last"],
                          records=records, margins=list(row["margins"] or []))
@@ -537,151 +543,12 @@ def runs_from_raw(raw: Any) -> list[Run]:
     return runs
 
 
-def frames_from_raw(runs: Sequence[Run], decode: DecodeConfig, meta: dict[str, Any],
-                    engines: Sequence[dict[str, Any]] = ()):
-    """(results, steps) polars frames with the columns `hqlab.bench.run_bench` writes, one row per (config, prompt)
-    and concurrency level (column `concurrency`: 1 for requests run alone).
-
-    The reference is the `none` config's margins pass when there is one (greedy), else its first timed run; it
-    checks every output, concurrent ones included. `step_efficiency` = decode tok/s / (tokens/step x none's decode
-    tok/s): 1.0 when a speculative step costs what a plain step costs. Concurrent rows add `batch_wall_s` (median
-    over repeats of the whole batch's wall time) and `batch_tok_s` (all its tokens / that time). `engines` (the
-    engines' `describe()`) adds what vLLM chose per config: model runner and async scheduling.
-    """
-    import polars as pl
-
-    from hqlab.bench import prompt_rows
-    from hqlab.lossless import NEAR_TIE_TOL, compare
-    from hqlab.workloads import Prompt
-
-    tol = NEAR_TIE_TOL.get(str(meta.get("dtype", "bfloat16")), 0.01)
-    base_meta = {"engine": "vllm", **meta, "max_new_tokens": decode.max_new_tokens}
-    labels = list(dict.fromkeys(r.config for r in runs))
-    if "none" not in labels:
-        raise ConfigError("the runs hold no 'none' config: there is no reference to compare with")
-    labels.remove("none")
-    labels.insert(0, "none")
-    alone = [r for r in runs if r.concurrency <= 1]
-    rows, steps, references = [], [], {}
-    for pid in dict.fromkeys(r.prompt_id for r in alone):
-        mine = [r for r in alone if r.prompt_id == pid]
-        timed = {label: [r.generation for r in mine if r.config == label and r.repeat >= 0] for label in labels}
-        timed = {label: gens for label, gens in timed.items() if gens}
-        margins_pass = [r.generation for r in mine if r.config == "none" and r.repeat < 0]
-        reference = margins_pass[0] if margins_pass else timed["none"][0]
-        references[pid] = reference
-        prompt = Prompt(pid, mine[0].category, ())
-        repeats = max(len(g) for g in timed.values())
-        r, s = prompt_rows(prompt, reference.prompt_len, timed, reference, decode, tol, base_meta, repeats)
-        rows += [{**row, "concurrency": 1} for row in r]
-        steps += [frame.with_columns(pl.lit(1).alias("concurrency")) for frame in s]
-    for (label, level), group in _groups(r for r in runs if r.concurrency > 1).items():
-        walls = {}
-        for r in group:
-            walls.setdefault(r.repeat, r.batch_wall_s)
-        wall = statistics.median(walls.values())
-        first = [r for r in group if r.repeat == min(walls)]
-        tokens = sum(r.generation.new_tokens for r in first)
-        for r in first:
-            g = r.generation
-            ref = references.get(r.prompt_id)
-            check = compare(ref.output_ids, ref.margins, g.output_ids, tol) if ref is not None and decode.greedy \
-                else None
-            rows.append({**base_meta, "config": label, "category": r.category, "prompt_id": r.prompt_id,
-                         "prompt_tokens": g.prompt_len, "new_tokens": g.new_tokens, "finish": g.finish,
-                         # emitted per step: vLLM's counters cannot be told apart per request in a batch
-                         "steps": g.steps, "tokens_per_step": _emitted_per_step(g), "concurrency": level,
-                         "batch_wall_s": wall, "batch_tok_s": tokens / wall if wall > 0 else math.nan,
-                         "repeats": len(walls),
-                         "lossless": None if check is None else check.lossless,
-                         "divergence": None if check is None else check.status,
-                         "first_divergence": None if check is None else check.first_divergence,
-                         "divergence_margin": None if check is None else check.margin})
-            frame = records_frame(g.records)
-            if frame.height:
-                steps.append(frame.with_columns(pl.lit(label).alias("config"), pl.lit(r.category).alias("category"),
-                                                pl.lit(level).alias("concurrency")))
-    results = pl.DataFrame(rows, infer_schema_length=None)
-    if "speedup_decode" in results.columns:
-        results = results.with_columns((pl.col("speedup_decode") / pl.col("tokens_per_step")).alias("step_efficiency"))
-    if engines:
-        chosen = pl.DataFrame([{"config": e["config"], "vllm_runner": e["model_runner"],
-                                "async_scheduling": e["async_scheduling"]} for e in engines])
-        results = results.join(chosen.unique("config", keep="last"), on="config", how="left", maintain_order="left")
-    return results, (pl.concat(steps, how="diagonal_relaxed") if steps else pl.DataFrame())
-
-
-def _emitted_per_step(g: Generation) -> float:
-    return sum(r.emitted for r in g.records) / len(g.records) if g.records else math.nan
-
-
-def _groups(runs: Any) -> dict[tuple[str, int], list[Run]]:
-    out: dict[tuple[str, int], list[Run]] = {}
-    for r in runs:
-        out.setdefault((r.config, r.concurrency), []).append(r)
-    return out
-
-
 def encode_prompts(tokenizer: Any, prompts: Sequence[Any]) -> list[tuple[str, str, list[int]]]:
-    """(id, category, token ids) per workload prompt, encoded exactly as the transformers engine encodes them."""
-    from hqlab.engines.hf import HFEngine
-
-    holder = type("TokenizerOnly", (), {"tokenizer": tokenizer})()  # encode_chat needs only the tokenizer
-    return [(p.id, p.category, HFEngine.encode_chat(holder, list(p.messages))) for p in prompts]
-
-
-def machine_description() -> str:
-    """GPU name (from nvidia-smi: asking CUDA here would make vLLM spawn rather than fork), torch and vLLM."""
-    import shutil
-    import subprocess
-
-    import torch
-    import vllm
-
-    smi = shutil.which("nvidia-smi")
-    gpu = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                         text=True).stdout.strip().splitlines() if smi else []
-    return f"{gpu[0] if gpu else 'unknown GPU'}, torch {torch.__version__}, vllm {vllm.__version__}"
-
-
-def bench_suite(model: str | None, suite: str, specs: Sequence[str], decode: DecodeConfig, *, doc_tokens: int,
-                limit: int = 0, repeats: int = 1, dtype: str = "auto", progress: bool = True, concurrency: int = 0,
-                tensor_parallel_size: int = 1):
-    """`hqlab bench --engine vllm`: a workload through every config (and, with `concurrency` > 1, its first
-    `concurrency` prompts submitted together); returns bench's (results, steps) frames."""
-    from transformers import AutoTokenizer
-
-    from hqlab import models
-    from hqlab.workloads import load_workload
-
-    import torch
-
-    settings = settings_for(specs)  # every spec checked before the model is prepared
-    if any(s.gpu for s in settings):
-        from hqlab.engines.vllm.plugin import check_vllm_version
-
-        check_vllm_version()
-    if concurrency < 0 or tensor_parallel_size < 1:
-        raise ConfigError(f"concurrency must be >= 0 and tensor_parallel_size >= 1 (got {concurrency}, "
-                          f"{tensor_parallel_size})")
-    if not torch.cuda.is_available():  # (does not initialise CUDA: vLLM may still fork its engine processes)
-        raise ConfigError("the vllm engine needs a CUDA GPU (vLLM's published wheels are CUDA builds); on this "
-                          "machine use --engine hf, or replay vLLM's n-gram rule with the vllm-ngram proposer")
-    name = model or models.DEFAULT_MODEL
-    folder = models.prepare(name)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    prompts = load_workload(suite, doc_tokens=doc_tokens, tokenizer=tokenizer)
-    encoded = encode_prompts(tokenizer, prompts[: limit or None])
-    options = VLLMOptions(model=folder, dtype=models.resolve_dtype(dtype), tensor_parallel_size=tensor_parallel_size,
-                          max_num_seqs=max(8, concurrency))
-    runs, described = run_configs(options, encoded, specs, decode, repeats=repeats, progress=progress,
-                                  concurrency=concurrency)
-    meta = {"machine": machine_description(), "model": str(name), "dtype": options.dtype, "suite": suite,
-            "doc_tokens": doc_tokens, "tensor_parallel_size": tensor_parallel_size}
-    return frames_from_raw(runs, decode, meta, described)
+    """(id, category, token ids) per workload prompt, encoded as every engine encodes them
+    (`hqlab.workloads.encode_chat`)."""
+    return [(p.id, p.category, encode_chat(tokenizer, p.messages)) for p in prompts]
 
 
 __all__ = ["VLLMOptions", "EngineSetting", "setting_for", "settings_for", "StepEvent", "step_records", "VLLMEngine",
-           "Run", "check_prompts", "run_setting", "run_configs", "encode_prompts", "machine_description",
-           "bench_suite", "raw_table", "runs_from_raw", "frames_from_raw", "records_from_workers", "NATIVE",
-           "UNKNOWN_TOKEN"]
+           "Run", "check_prompts", "run_setting", "run_configs", "encode_prompts", "raw_table", "runs_from_raw",
+           "records_from_workers", "NATIVE", "UNKNOWN_TOKEN"]

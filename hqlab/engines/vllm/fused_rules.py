@@ -32,7 +32,7 @@ import torch
 from hqlab.rules.fusion import SOURCE_DRAFT, SOURCE_LOOKUP, FusionConfig
 from hqlab.rules.schedule import ScheduleConfig
 
-SOURCE_NONE = -1  # a position nobody proposed; distinct from every hqlab.proposers.base.Source value
+SOURCE_NONE = -1  # a position nobody proposed; distinct from every hqlab.trace.Source value
 
 
 # Fusion ------------------------------------------------------------------------------------------------------
@@ -287,13 +287,9 @@ def unanimous_block_len_tensors(block_len: torch.Tensor, config: ScheduleConfig,
     return torch.where(everyone, config.long, config.short).to(torch.int32)
 
 
-def step_unanimous_tensors(
-    state: ScheduleTensors,
-    take_flag: torch.Tensor,
-    emitted_last: torch.Tensor,
-    config: ScheduleConfig,
-    active: torch.Tensor | None = None,
-) -> tuple[ScheduleTensors, torch.Tensor]:
+def step_unanimous_tensors(state: ScheduleTensors, take_flag: torch.Tensor, emitted_last: torch.Tensor,
+                           config: ScheduleConfig,
+                           active: torch.Tensor | None = None) -> tuple[ScheduleTensors, torch.Tensor]:
     """`hqlab.rules.schedule.step_unanimous`: HyperQwen's batch mode, one block length for the whole batch.
 
     Each request runs its own machine, with sticky only when the batch is one request (counted on the device from

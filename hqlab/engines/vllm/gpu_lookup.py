@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from hqlab.config import ConfigError, LookupConfig, build_config, parse_spec
-from hqlab.proposers.base import Source
+from hqlab.config import ConfigError, LookupConfig, resolve_spec
+from hqlab.trace import Source
 
 NAME = "gpu-lookup"  # the config name in `hqlab bench --engine vllm`
 CLASS_PATH = "hqlab.engines.vllm.gpu_lookup.GpuLookupSpeculator"
@@ -71,10 +71,8 @@ class GpuLookupConfig(LookupConfig):
 
 def lookup_config(spec: str) -> GpuLookupConfig:
     """The settings of a `gpu-lookup:...` (or `lookup:...`) spec, validated."""
-    name, values = parse_spec(spec)
-    if name not in (NAME, "lookup"):
-        raise ConfigError(f"{spec!r} is not a {NAME} spec (expected '{NAME}:nmin=..,nmax=..,k=..,policy=..')")
-    return build_config(GpuLookupConfig, values, context=f"proposer {NAME!r}")
+    return resolve_spec(spec, {NAME: GpuLookupConfig, "lookup": GpuLookupConfig}, context=f"proposer {NAME!r}",
+                        unknown=f"{{spec!r}} is not a {NAME} spec (expected '{NAME}:nmin=..,nmax=..,k=..,policy=..')")[1]
 
 
 def speculative_config(spec: str) -> dict[str, Any]:

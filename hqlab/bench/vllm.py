@@ -1,0 +1,127 @@
+"""The benchmark harness on vLLM: a workload through one vLLM engine per config (`hqlab.engines.vllm`), and the
+raw runs a GPU host returns (`hqlab.engines.vllm.raw_table`) turned into the results and step frames
+`hqlab.bench` writes for every engine."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any, Sequence
+
+import polars as pl
+
+from hqlab.bench.harness import _append_steps, _lossless_columns, prompt_rows
+from hqlab.bench.lossless import NEAR_TIE_TOL, compare
+from hqlab.config import ConfigError, DecodeConfig
+from hqlab.engines.vllm.engine import Run, VLLMOptions, encode_prompts, run_configs, settings_for
+from hqlab.provenance import machine_description
+from hqlab.trace import Generation
+from hqlab.workloads import Prompt
+
+
+def frames_from_raw(runs: Sequence[Run], decode: DecodeConfig, meta: dict[str, Any],
+                    engines: Sequence[dict[str, Any]] = ()):
+    """(results, steps) polars frames with the columns `hqlab.bench.run_bench` writes, one row per (config, prompt)
+    and concurrency level (column `concurrency`: 1 for requests run alone).
+
+    The reference is the `none` config's margins pass when there is one (greedy), else its first timed run; it
+    checks every output, concurrent ones included. `step_efficiency` = decode tok/s / (tokens/step x none's decode
+    tok/s): 1.0 when a speculative step costs what a plain step costs. Concurrent rows add `batch_wall_s` (median
+    over repeats of the whole batch's wall time) and `batch_tok_s` (all its tokens / that time). `engines` (the
+    engines' `describe()`) adds what vLLM chose per config: model runner and async scheduling.
+    """
+    tol = NEAR_TIE_TOL.get(str(meta.get("dtype", "bfloat16")), 0.01)
+    base_meta = {"engine": "vllm", **meta, "max_new_tokens": decode.max_new_tokens}
+    labels = list(dict.fromkeys(r.config for r in runs))
+    if "none" not in labels:
+        raise ConfigError("the runs hold no 'none' config: there is no reference to compare with")
+    labels.remove("none")
+    labels.insert(0, "none")
+    alone = [r for r in runs if r.concurrency <= 1]
+    rows, steps, references = [], [], {}
+    for pid in dict.fromkeys(r.prompt_id for r in alone):
+        mine = [r for r in alone if r.prompt_id == pid]
+        timed = {label: [r.generation for r in mine if r.config == label and r.repeat >= 0] for label in labels}
+        timed = {label: gens for label, gens in timed.items() if gens}
+        margins_pass = [r.generation for r in mine if r.config == "none" and r.repeat < 0]
+        reference = margins_pass[0] if margins_pass else timed["none"][0]
+        references[pid] = reference
+        prompt = Prompt(pid, mine[0].category, ())
+        repeats = max(len(g) for g in timed.values())
+        r, s = prompt_rows(prompt, reference.prompt_len, timed, reference, decode, tol, base_meta, repeats)
+        rows += [{**row, "concurrency": 1} for row in r]
+        steps += [frame.with_columns(pl.lit(1).alias("concurrency")) for frame in s]
+    for (label, level), group in _groups(r for r in runs if r.concurrency > 1).items():
+        walls = {}
+        for r in group:
+            walls.setdefault(r.repeat, r.batch_wall_s)
+        wall = statistics.median(walls.values())
+        first = [r for r in group if r.repeat == min(walls)]
+        tokens = sum(r.generation.new_tokens for r in first)
+        for r in first:
+            g = r.generation
+            ref = references.get(r.prompt_id)
+            check = compare(ref.output_ids, ref.margins, g.output_ids, tol) if ref is not None and decode.greedy \
+                else None
+            rows.append({**base_meta, "config": label, "category": r.category, "prompt_id": r.prompt_id,
+                         "prompt_tokens": g.prompt_len, "new_tokens": g.new_tokens, "finish": g.finish,
+                         # emitted per step: vLLM's counters cannot be told apart per request in a batch
+                         "steps": g.steps, "tokens_per_step": _emitted_per_step(g), "concurrency": level,
+                         "batch_wall_s": wall, "batch_tok_s": tokens / wall if wall > 0 else math.nan,
+                         "repeats": len(walls), **_lossless_columns(check)})
+            _append_steps(steps, g.records, label, r.category, concurrency=level)
+    results = pl.DataFrame(rows, infer_schema_length=None)
+    if "speedup_decode" in results.columns:
+        results = results.with_columns((pl.col("speedup_decode") / pl.col("tokens_per_step")).alias("step_efficiency"))
+    if engines:
+        chosen = pl.DataFrame([{"config": e["config"], "vllm_runner": e["model_runner"],
+                                "async_scheduling": e["async_scheduling"]} for e in engines])
+        results = results.join(chosen.unique("config", keep="last"), on="config", how="left", maintain_order="left")
+    return results, (pl.concat(steps, how="diagonal_relaxed") if steps else pl.DataFrame())
+
+
+def _emitted_per_step(g: Generation) -> float:
+    return sum(r.emitted for r in g.records) / len(g.records) if g.records else math.nan
+
+
+def _groups(runs: Any) -> dict[tuple[str, int], list[Run]]:
+    out: dict[tuple[str, int], list[Run]] = {}
+    for r in runs:
+        out.setdefault((r.config, r.concurrency), []).append(r)
+    return out
+
+
+def bench_suite(model: str | None, suite: str, specs: Sequence[str], decode: DecodeConfig, *, doc_tokens: int,
+                limit: int = 0, repeats: int = 1, dtype: str = "auto", progress: bool = True, concurrency: int = 0,
+                tensor_parallel_size: int = 1):
+    """`hqlab bench --engine vllm`: a workload through every config (and, with `concurrency` > 1, its first
+    `concurrency` prompts submitted together); returns bench's (results, steps) frames."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from hqlab import models
+    from hqlab.workloads import load_workload
+
+    settings = settings_for(specs)  # every spec checked before the model is prepared
+    if any(s.gpu for s in settings):
+        from hqlab.engines.vllm.plugin import check_vllm_version
+
+        check_vllm_version()
+    if concurrency < 0 or tensor_parallel_size < 1:
+        raise ConfigError(f"concurrency must be >= 0 and tensor_parallel_size >= 1 (got {concurrency}, "
+                          f"{tensor_parallel_size})")
+    if not torch.cuda.is_available():  # (does not initialise CUDA: vLLM may still fork its engine processes)
+        raise ConfigError("the vllm engine needs a CUDA GPU (vLLM's published wheels are CUDA builds); on this "
+                          "machine use --engine hf, or replay vLLM's n-gram rule with the vllm-ngram proposer")
+    name = model or models.DEFAULT_MODEL
+    folder = models.prepare(name)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompts = load_workload(suite, doc_tokens=doc_tokens, tokenizer=tokenizer)
+    encoded = encode_prompts(tokenizer, prompts[: limit or None])
+    options = VLLMOptions(model=folder, dtype=models.resolve_dtype(dtype), tensor_parallel_size=tensor_parallel_size,
+                          max_num_seqs=max(8, concurrency))
+    runs, described = run_configs(options, encoded, specs, decode, repeats=repeats, progress=progress,
+                                  concurrency=concurrency)
+    meta = {"machine": machine_description(vllm=True), "model": str(name), "dtype": options.dtype, "suite": suite,
+            "doc_tokens": doc_tokens, "tensor_parallel_size": tensor_parallel_size}
+    return frames_from_raw(runs, decode, meta, described)

@@ -1,0 +1,84 @@
+"""vLLM's raw runs (as a GPU host returns them) round-trip and become the benchmark's results and step frames
+(`hqlab.bench.vllm.frames_from_raw`), and benchmarks/vllm_gpu.py finish writes them. No vLLM needed."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+UNK = -1
+
+
+def _generation(ids, margins=(), steps=3, total=1.0):
+    from hqlab.trace import Generation, StepRecord
+
+    records = [StepRecord("p", j, 10 + j, 2, [UNK], [1], 0, 1 if j % 2 else 0, 2 if j % 2 else 1, 0.01, math.nan,
+                          0.1 + 0.01 * j, 1, 1) for j in range(steps)]
+    return Generation("p", 10, list(ids), "length", 0.1, total, records[-1].t_end, records, list(margins))
+
+
+def test_raw_runs_round_trip_and_become_bench_rows():
+    import polars as pl
+
+    from hqlab.config import DecodeConfig
+    from hqlab.bench.vllm import frames_from_raw
+    from hqlab.engines.vllm import Run, raw_table, runs_from_raw
+
+    ref = [5, 6, 7, 8, 9, 10]
+    runs = [Run("none", "copy", "copy", -1, _generation(ref, margins=[3.0, 0.2, 4.0, 4.0, 4.0, 4.0], total=9.0)),
+            Run("none", "copy", "copy", 0, _generation(ref, total=2.0)),
+            Run("none", "copy", "copy", 1, _generation(ref, total=2.2)),
+            Run("lookup:k=7", "copy", "copy", 0, _generation(ref, total=1.0)),
+            Run("vllm-ngram:k=7", "copy", "copy", 0, _generation([5, 99, 7, 8, 9, 10], total=1.5)),
+            Run("pld:k=3", "copy", "copy", 0, _generation([5, 6, 7, 99, 9, 10], total=1.5))]
+    table = raw_table(runs)
+    back = runs_from_raw(pl.from_arrow(table))
+    assert [(r.config, r.repeat, r.generation.output_ids) for r in back] == \
+           [(r.config, r.repeat, r.generation.output_ids) for r in runs]
+    assert back[3].generation.records[1].emitted == 2 and math.isnan(back[3].generation.records[0].propose_s)
+    results, steps = frames_from_raw(back, DecodeConfig(max_new_tokens=6), {"dtype": "bfloat16", "model": "m"})
+    by = {r["config"]: r for r in results.to_dicts()}
+    assert list(by) == ["none", "lookup:k=7", "vllm-ngram:k=7", "pld:k=3"] and results["engine"][0] == "vllm"
+    assert by["none"]["total_s"] == pytest.approx(2.1)  # timed runs only: the margins pass is not timed
+    assert by["lookup:k=7"]["speedup_e2e"] == pytest.approx(2.1) and by["lookup:k=7"]["divergence"] == "identical"
+    assert by["vllm-ngram:k=7"]["divergence"] == "near-tie" and by["vllm-ngram:k=7"]["first_divergence"] == 1
+    assert by["pld:k=3"]["divergence"] == "mismatch" and by["pld:k=3"]["divergence_margin"] == 4.0
+    assert steps.height == 4 * 3 and set(steps["config"]) == set(by)
+
+
+def test_gpu_finish_turns_returned_raw_runs_into_bench_results(tmp_path):
+    """benchmarks/vllm_gpu.py finish: the GPU host's raw runs (+ engine descriptions) -> results parquet."""
+    import importlib.util
+    import json
+
+    import polars as pl
+    import pyarrow.parquet as pq
+
+    from hqlab.engines.vllm import Run, raw_table
+
+    spec = importlib.util.spec_from_file_location("vllm_gpu", ROOT / "benchmarks" / "vllm_gpu.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    ref = [5, 6, 7, 8, 9, 10]
+    parts = {"a": [Run("none", "copy", "copy", -1, _generation(ref, margins=[1.0] * 6)),
+                   Run("none", "copy", "copy", 0, _generation(ref, total=2.0))],
+             "b": [Run("lookup:k=7", "copy", "copy", 0, _generation(ref, total=1.0))]}
+    raw = []
+    for tag, runs in parts.items():
+        raw.append(tmp_path / f"vllm_gpu_{tag}.parquet")
+        pq.write_table(raw_table(runs), raw[-1])
+        engines = [{"config": r.config, "model_runner": "v2" if r.config == "none" else "v1",
+                    "async_scheduling": r.config == "none"} for r in runs[-1:]]
+        raw[-1].with_suffix(".json").write_text(json.dumps(
+            {"machine": "NVIDIA H200, torch 2.11.0+cu130, vllm 0.26.0", "model": "qwen2.5-coder-0.5b",
+             "dtype": "bfloat16", "doc_tokens": 2000, "suite": "labd", "max_new_tokens": 6, "engines": engines}))
+    out = tmp_path / "core_vllm-h200.parquet"
+    script.main(["finish", *map(str, raw), "--out", str(out)])
+    results = pl.read_parquet(out)
+    assert results["config"].to_list() == ["none", "lookup:k=7"]
+    assert results["vllm_runner"].to_list() == ["v2", "v1"] and results["speedup_e2e"][1] == pytest.approx(2.0)
+    assert results["machine"][0].startswith("NVIDIA H200") and results["engine"][0] == "vllm"
+    assert pl.read_parquet(tmp_path / "core_vllm-h200.steps.parquet").height == 6

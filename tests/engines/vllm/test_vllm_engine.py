@@ -1,0 +1,124 @@
+"""The vLLM engine's configs and bookkeeping (hqlab.engines.vllm), everything but the GPU run itself: specs to
+vLLM's speculative configs, step records from vLLM's counters and the adapter's records, vLLM's stat-logger
+plumbing, the engine protocol, and the command's checks before anything loads. Skipped where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vllm extra is not installed (make setup-vllm installs requirements-vllm.txt)")
+
+from vllm.config import DeviceConfig, SchedulerConfig, SpeculativeConfig, VllmConfig  # noqa: E402
+
+from hqlab.config import ConfigError  # noqa: E402
+from hqlab.engines.vllm import adapter as vllm_proposer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[3]
+MAX_MODEL_LEN = 8192
+MAX_SEQS = 8
+
+
+def vllm_config(speculative: dict, additional: dict | None = None) -> VllmConfig:
+    """A real VllmConfig as the engine builds it, on the CPU.
+
+    vLLM's ModelConfig needs a GPU platform to resolve, and the proposers read only `max_model_len` from it, so
+    that one field stands in for it.
+    """
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"),
+                        speculative_config=SpeculativeConfig(**speculative),
+                        scheduler_config=SchedulerConfig(max_num_seqs=MAX_SEQS, max_model_len=MAX_MODEL_LEN,
+                                                         is_encoder_decoder=False),
+                        additional_config=additional or {})
+    object.__setattr__(config, "model_config", SimpleNamespace(max_model_len=MAX_MODEL_LEN))
+    return config
+
+
+def test_engine_settings_map_specs_to_vllms_own_speculative_configs():
+    from hqlab.engines.vllm import setting_for, settings_for
+
+    assert settings_for(["lookup:k=7", "none", "lookup:k=7"])[0].label == "none"
+    assert [s.label for s in settings_for(["lookup:k=7", "lookup:k=7"])] == ["none", "lookup:k=7"]
+    lookup = setting_for("lookup:nmin=6,nmax=12,k=15")
+    assert lookup.speculative_config == {"method": "custom_class", "model": vllm_proposer.CLASS_PATH,
+                                         "num_speculative_tokens": 15}
+    assert lookup.additional_config[vllm_proposer.SPEC_KEY] == "lookup:nmin=6,nmax=12,k=15" and lookup.uses_adapter
+    ngram_setting = setting_for("vllm-ngram:nmin=2,nmax=5,k=7")
+    assert ngram_setting.speculative_config == {"method": "ngram", "num_speculative_tokens": 7,
+                                                "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    assert not ngram_setting.uses_adapter
+    suffix = setting_for("arctic-suffix:k=16,depth=24,min_prob=0.2")
+    assert suffix.speculative_config["method"] == "suffix"
+    assert suffix.speculative_config["suffix_decoding_min_token_prob"] == 0.2
+    assert suffix.speculative_config["suffix_decoding_max_cached_requests"] == 0  # each request on its own context
+    for spec in (lookup, ngram_setting):  # vLLM's own config class accepts what the engine will pass
+        built = SpeculativeConfig(**spec.speculative_config)
+        assert built.num_speculative_tokens == spec.k
+    for bad, message in (("none:k=3", "takes no keys"), ("eagle:k=3", "unknown proposer"),
+                         ("arctic-suffix:offset=1", "no offset"), ("lookup:k=0", "k must be >= 1")):
+        with pytest.raises(ConfigError, match=message):
+            setting_for(bad)
+
+
+def test_step_records_from_vllm_counters_and_adapter_records():
+    from hqlab.engines.vllm import UNKNOWN_TOKEN, StepEvent, step_records
+    from hqlab.trace import tokens_per_step
+
+    prompt_len = 100
+    events = [StepEvent(0.050, 1, 0, 0),  # prefill: the first token
+              StepEvent(0.060, 4, 5, 3),  # 5 drafted, 3 accepted + 1
+              StepEvent(0.070, 1, 5, 0),
+              StepEvent(0.081, 2, 5, 4)]  # 4 accepted but EOS after 2 tokens: accepted is clipped to 1
+    adapter = [{"context_len": 101, "tokens": [1, 2, 3, 4, 5], "sources": [1] * 5, "match_len": 7, "propose_s": 1e-4},
+               {"context_len": 105, "tokens": [6, 7, 8, 9, 10], "sources": [1] * 5, "match_len": 6,
+                "propose_s": 2e-4}]
+    ttft, records = step_records("copy", prompt_len, events, k=5, adapter=adapter)
+    assert ttft == 0.050 and len(records) == 3
+    assert [r.context_len for r in records] == [100, 104, 105]  # KV content before each step
+    assert records[0].proposed == [1, 2, 3, 4, 5] and records[0].match_len == 7 and records[0].accepted == 3
+    assert records[1].proposed == [6, 7, 8, 9, 10] and records[1].propose_s == 2e-4
+    assert records[2].proposed == [UNKNOWN_TOKEN] * 5 and math.isnan(records[2].propose_s)  # no adapter record
+    assert records[2].accepted == 1 and records[2].emitted == 2
+    assert [round(r.step_s, 3) for r in records] == [0.010, 0.010, 0.011] and records[-1].t_end == 0.081
+    assert sum(r.emitted for r in records) + events[0].tokens == 8
+    assert tokens_per_step(records) == pytest.approx((4 + 1 + 2) / 3)
+    _, plain = step_records("copy", prompt_len, [StepEvent(0.05, 1, 0, 0), StepEvent(0.06, 1, 0, 0)], k=0)
+    assert plain[0].proposed == [] and plain[0].propose_s == 0.0 and plain[0].verify_len == 1
+
+
+def test_step_stat_logger_plugs_into_vllms_stat_logging():
+    """The engine reads each step's spec-decode counters through vLLM's own per-engine stat-logger plumbing."""
+    from vllm.v1.metrics.loggers import PerEngineStatLoggerAdapter
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+    from hqlab.engines.vllm.engine import _stat_logger_factory
+
+    sink: list = []
+    config = vllm_config({"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_min": 2,
+                          "prompt_lookup_max": 5})
+    adapter = PerEngineStatLoggerAdapter(config, [0], _stat_logger_factory(sink))
+    spec = SpecDecodingStats.new(7)
+    spec.observe_draft(num_draft_tokens=7, num_accepted_tokens=3)
+    adapter.record(SchedulerStats(spec_decoding_stats=spec), None)
+    adapter.record(SchedulerStats(), None)  # a step without drafts (e.g. the prefill)
+    assert sink == [(1, 7, 3), None]
+
+
+def test_cli_vllm_engine_checks_specs_and_gpu_before_loading_anything(capsys):
+    import torch
+
+    from hqlab.cli import main
+
+    out = ROOT / "never-written.parquet"
+    assert main(["bench", "--engine", "vllm", "--proposer", "eagle:k=3", "--out", str(out)]) == 2
+    assert "unknown proposer 'eagle'" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["bench", "--engine", "vllm", "--proposer", "lookup:k=7", "--out", str(out)]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert main(["bench", "--engine", "tgi", "--out", str(out)]) == 2
+    assert not out.exists()

@@ -1,0 +1,90 @@
+"""The trace cache keeps outputs of different devices and dtypes apart, a second request for a trace set is served
+from the cache without loading the model, and every cached trace carries its provenance."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hqlab import provenance
+from hqlab.config import ConfigError, DecodeConfig
+from hqlab.replay import traces
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _git(*args: str, cwd: Path = REPO) -> str:
+    return subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _expected_commit() -> str:
+    if not (REPO / ".git").exists():
+        return "unknown"
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
+    return _git("rev-parse", "HEAD") + ("+dirty" if dirty else "")
+
+
+def _installed(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def test_trace_key_separates_devices_dtypes_and_settings():
+    ids = [1, 2, 3, 4]
+    decode = DecodeConfig(max_new_tokens=32)
+    base = traces.TraceOrigin("qwen2.5-coder-0.5b", "ab" * 32, "bfloat16", "cpu (AMD EPYC 9654 96-Core Processor)")
+    cuda = traces.TraceOrigin(base.model, base.sha256, "bfloat16", "cuda (NVIDIA H200)")
+    fp32 = traces.TraceOrigin(base.model, base.sha256, "float32", base.device)
+    other_gpu = traces.TraceOrigin(base.model, base.sha256, "bfloat16", "cuda (NVIDIA A100-SXM4-80GB)")
+    keys = {o.key(ids, decode) for o in (base, cuda, fp32, other_gpu)}
+    assert len(keys) == 4
+    assert base.key(ids, decode) == traces.TraceOrigin(*vars(base).values()).key(ids, decode)
+    assert base.key(ids, decode) != base.key(ids, DecodeConfig(max_new_tokens=33))
+    assert base.key(ids, decode) != base.key([1, 2, 3, 5], decode)
+    # resolved without loading anything: dtype and device as the engine would get them
+    a = traces.TraceOrigin.resolve("qwen2.5-coder-0.5b", dtype="auto", device="cpu")
+    b = traces.TraceOrigin.resolve("qwen2.5-coder-0.5b", dtype="float32", device="cpu")
+    assert (a.dtype, b.dtype) == ("bfloat16", "float32") and a.device == b.device == provenance.device_name("cpu")
+    assert a.key(ids, decode) != b.key(ids, decode)
+
+
+@pytest.mark.slow
+def test_second_request_hits_the_cache_and_another_dtype_misses(tmp_path, engine_05b):
+    """Recorded once with the engine, then served from the cache to a caller that loads no model; the same
+    prompts in another dtype are not served those outputs."""
+    cache = tmp_path / "traces"
+    first = traces.cached_traces("qwen2.5-coder-0.5b", "chat", 6, dtype="bfloat16", device="cpu", limit=2,
+                                engine=engine_05b, cache_dir=cache)
+    assert first.recorded == 2 and len(list(cache.glob("*.json"))) == 2
+    record = json.loads(next(cache.glob("*.json")).read_text())
+    assert record["device"] == provenance.device_name("cpu") and record["dtype"] == "bfloat16"
+    assert record["provenance"]["git_commit"] == _expected_commit()
+    assert record["provenance"]["transformers"] == _installed("transformers")
+
+    again = traces.cached_traces("qwen2.5-coder-0.5b", "chat", 6, dtype="auto", device="cpu", limit=2,
+                                cache_dir=cache)
+    assert again.recorded == 0 and again.engine is None  # no model was loaded
+    assert [t.output_ids for t in again.traces] == [t.output_ids for t in first.traces]
+    assert all(t.provenance["device"] == provenance.device_name("cpu") for t in again.traces)
+    # the engine-side entry point reads the same cache
+    assert traces.record_traces(engine_05b, first.prompts, DecodeConfig(max_new_tokens=6), cache_dir=cache,
+                               progress=False) == first.traces
+    with pytest.raises(traces.TracesMissing, match="float32"):
+        traces.cached_traces("qwen2.5-coder-0.5b", "chat", 6, dtype="float32", device="cpu", limit=2,
+                            cache_dir=cache, record=False)
+    with pytest.raises(traces.TracesMissing, match="max_new_tokens=7"):
+        traces.cached_traces("qwen2.5-coder-0.5b", "chat", 7, dtype="bfloat16", device="cpu", limit=2,
+                            cache_dir=cache, record=False)
+    # an engine that is not what was asked for is refused, not silently used
+    with pytest.raises(ConfigError, match="not the requested"):
+        traces.cached_traces("qwen2.5-coder-0.5b", "chat", 6, dtype="float32", device="cpu", limit=2,
+                            engine=engine_05b, cache_dir=cache)
+    # saved with the trace set and read back
+    saved = traces.load_traces(traces.save_traces(again.traces, tmp_path / "set.parquet"))
+    assert saved == again.traces and saved[0].provenance == again.traces[0].provenance

@@ -1,0 +1,108 @@
+"""Every notebook runs under papermill with small, non-default parameters, and every figure the docs reference
+is written by some notebook (so `make figures` regenerates all of them)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from hqlab.site.notebooks import NOTEBOOKS, REPO, declared_parameters, notebook_paths, run_notebook
+
+DOCS = REPO / "docs"
+
+# Small parameter sets for CI: few prompts, few tokens, tiny grids. Output locations go to a temp dir.
+SMALL = {
+    # the 0.5B drafting for itself keeps these cheap; the defaults use the 1.5B target
+    "fusion": dict(target="qwen2.5-coder-0.5b", limit=2, doc_tokens=300, max_new_tokens=16,
+                   fusion_grid=["nstrong=6,agree=0", "nstrong=8,agree=2"]),
+    "sticky_exit": dict(target="qwen2.5-coder-0.5b", limit=1, doc_tokens=300, max_new_tokens=16, sticky_grid=[0, 3],
+                        entry_grid=[2], stale_grid=[0, 1]),
+    "fusion_benchmark": dict(published_dir=str(REPO / "data" / "results")),  # re-plot the committed runs
+    "suffix_lengths": dict(limit=3, suite="all", max_new_tokens=24, doc_tokens=300, nmin_grid=[2, 6],
+                           nmax_grid=[6, 12], k_grid=[4, 15], cost_contexts=[128, 512], cost_verify_lens=[1, 4, 16],
+                           live_configs=["lookup:nmin=2,nmax=6,k=8"]),
+    "kernels": dict(),
+    "vllm_gpu": dict(),  # re-plots the committed vLLM runs
+    # runs the benchmark itself (not only the re-plot), on two prompts
+    "core_benchmark": dict(rerun=True, tags=["ci"], configs=["lookup:nmin=6,k=15", "hf-pld:k=10"],
+                           suites={"edit": 32, "chat": 16}, doc_tokens=300, limit=1),
+    "explorer": dict(suite="copy", doc_tokens=300, max_new_tokens=24, compare=["lookup:nmin=2,nmax=6,k=8"],
+                     start="pld:n=2,k=4"),
+    "replay_and_cost": dict(zoo_rerun="no"),  # re-plots committed results (the zoo needs optional extras)
+    "new_proposer": dict(suite="copy", doc_tokens=300, max_new_tokens=24, toy_grid={"k": [4]},
+                         builtins=["pld:n=2,k=4"], live_configs=["bigram:k=4", "pld:n=2,k=4"], live_limit=1),
+    "draft_vocab": dict(corpora={"qwen2.5-coder-0.5b": "data/selfgen/qwen2.5-coder-0.5b.jsonl"},
+                        sizes=[1024, 16384], latency_sizes=[1024], latency_repeats=2, latency_context=64,
+                        accept_target="qwen2.5-coder-0.5b", accept_sizes=[1024, 0], accept_prompts=1,
+                        accept_max_new_tokens=12, live_prompts=1, accept_rerun=True),
+}
+
+
+# Figures that show the small run did the work (e.g. the lookup drafted, so acceptance curves exist).
+EXPECTED_FIGURES = {"core_benchmark": ["core_ci_acceptance_by_position.svg", "core_ci_acceptance_hist.svg"]}
+
+
+def referenced_figures() -> set[str]:
+    names = set()
+    for page in DOCS.glob("*.md"):
+        names |= set(re.findall(r"\]\((?:\.\./)?figures/([\w.\-]+\.(?:svg|png))\)", page.read_text()))
+    return names
+
+
+def written_by_notebooks() -> set[str]:
+    """Figure names the notebooks write with their default parameters: literal names in their sources, plus the
+    core and fusion benchmarks' figures for each default tag (named by `bench.core_figure_names` and
+    `bench.fusion_figure_names`)."""
+    import ast
+
+    import jupytext
+
+    from hqlab.bench import core_figure_names
+
+    names: set[str] = set()
+    for path in notebook_paths():
+        names |= set(re.findall(r"[\w\-]+\.svg", path.read_text()))
+    from hqlab.bench import fusion_figure_names
+
+    for stem, names_for in (("core_benchmark", core_figure_names),
+                            ("fusion_benchmark", lambda tag: list(fusion_figure_names(tag).values()))):
+        nb = jupytext.read(NOTEBOOKS / f"{stem}.py")
+        params = next(c.source for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", []))
+        tags = next(ast.literal_eval(n.value) for n in ast.parse(params).body
+                    if isinstance(n, ast.Assign) and n.targets[0].id == "tags")
+        for tag in tags:
+            names |= set(names_for(tag))
+    return names
+
+
+def test_every_docs_figure_is_written_by_a_notebook():
+    written = written_by_notebooks()
+    figures = referenced_figures()
+    assert figures, "docs reference no figures"
+    missing = sorted(f for f in figures if Path(f).with_suffix(".svg").name not in written)
+    assert not missing, f"figures referenced in docs but written by no notebook: {missing}"
+    absent = sorted(f for f in figures if not (REPO / "figures" / f).exists())
+    assert not absent, f"figures referenced in docs but not committed: {absent}"
+
+
+def test_every_notebook_has_a_small_parameter_set():
+    assert {p.stem for p in notebook_paths()} == set(SMALL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stem", sorted(SMALL))
+def test_notebook_runs_with_small_parameters(tmp_path, stem):
+    import jupytext
+
+    path = NOTEBOOKS / f"{stem}.py"
+    params = dict(SMALL[stem])
+    declared = declared_parameters(jupytext.read(path))
+    params.update({k: str(tmp_path / k) for k in ("figures_dir", "results_dir") if k in declared})
+    run_notebook(path, params, tmp_path / "out")
+    assert (tmp_path / "out" / f"{stem}.ipynb").exists()
+    written = sorted(p.name for p in (tmp_path / "figures_dir").glob("*.svg"))
+    assert written, "the notebook wrote no figures"
+    missing = [name for name in EXPECTED_FIGURES.get(stem, []) if name not in written]
+    assert not missing, f"{stem} did not write {missing}"

@@ -1,0 +1,38 @@
+"""tools/gpu_host: files split over checksummed parts come back byte-identical, and a damaged part is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_parts_round_trip_and_refuse_damage(tmp_path):
+    """tools/gpu_host/pack_parts.py: files split over parts come back byte-identical; a damaged part is refused."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pack_parts", ROOT / "tools" / "gpu_host" / "pack_parts.py")
+    pack_parts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pack_parts)
+    rng = np.random.default_rng(1)
+    files = []
+    for name, size in (("a.whl", 1_500_000), ("b.whl", 10), ("model.gguf", 2_700_000)):
+        files.append(tmp_path / name)
+        files[-1].write_bytes(rng.integers(0, 256, size, dtype=np.uint8).tobytes())
+    manifest = pack_parts.pack(files, tmp_path / "parts", 1 << 20)
+    assert [p["size"] for p in manifest["parts"]] == [1 << 20] * 4 + [4_200_010 - 4 * (1 << 20)]
+    arrived = tmp_path / "arrived"
+    pack_parts.stash(tmp_path / "parts" / "manifest.json", sorted((tmp_path / "parts").glob("part-*.bin")), arrived)
+    out = pack_parts.unpack(arrived, tmp_path / "out")
+    assert [p.read_bytes() for p in out] == [f.read_bytes() for f in files]
+    damaged = bytearray((arrived / "part-002.bin").read_bytes())
+    damaged[7] ^= 1
+    (arrived / "part-002.bin").write_bytes(bytes(damaged))
+    with pytest.raises(pack_parts.PartsError, match="part-002.bin: sha256"):
+        pack_parts.unpack(arrived, tmp_path / "again")
+    assert not (tmp_path / "again").exists() or not any((tmp_path / "again").iterdir())
+    with pytest.raises(pack_parts.PartsError, match="sha256"):
+        pack_parts.stash(arrived / "manifest.json", [arrived / "part-002.bin"], tmp_path / "elsewhere")
