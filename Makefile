@@ -16,10 +16,10 @@ VLLM_BIN   := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.hqlab-installed
 
 # Tests that import vLLM, or Arctic Inference (which pins vLLM 0.26.0), run in the vLLM environment: every
-# tests/test_vllm_*.py and the vllm/arctic tests of tests/test_zoo.py. The main run leaves the test_vllm_* files out
-# (in it, test_zoo's vllm/arctic tests skip: the extras are not installed there).
-VLLM_TESTS := tests/test_vllm_*.py tests/test_zoo.py -k "vllm or arctic"
-MAIN_TESTS := --ignore-glob="tests/test_vllm_*.py"
+# tests/engines/vllm/test_vllm_*.py and the vllm/arctic tests of tests/replay/test_zoo.py. The main run leaves
+# tests/engines/vllm out (in it, test_zoo's vllm/arctic tests skip: the extras are not installed there).
+VLLM_TESTS := tests/engines/vllm tests/replay/test_zoo.py -k "vllm or arctic"
+MAIN_TESTS := --ignore=tests/engines/vllm
 
 # make notebooks / make lab: the jupytext notebooks to pair with .ipynb files
 NOTEBOOK_DIR ?= notebooks

@@ -3,7 +3,6 @@ the same: tests/replay/test_traces.py), and the machine is described in one way.
 
 from __future__ import annotations
 
-import importlib.metadata
 import subprocess
 from pathlib import Path
 
@@ -21,22 +20,8 @@ def _git(*args: str, cwd: Path = REPO) -> str:
     return subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True, check=True).stdout.strip()
 
 
-def _expected_commit() -> str:
-    if not (REPO / ".git").exists():
-        return "unknown"
-    dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
-    return _git("rev-parse", "HEAD") + ("+dirty" if dirty else "")
-
-
-def _installed(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def test_git_commit_of_a_checkout_and_outside_one(tmp_path):
-    assert provenance.git_commit() == _expected_commit()
+def test_git_commit_of_a_checkout_and_outside_one(tmp_path, expected_commit):
+    assert provenance.git_commit() == expected_commit
     assert provenance.git_commit(tmp_path) == "unknown"  # not a checkout: no crash
     repo = tmp_path / "repo"
     (repo / "pkg").mkdir(parents=True)
@@ -53,22 +38,22 @@ def test_git_commit_of_a_checkout_and_outside_one(tmp_path):
     assert provenance.git_commit(repo) == head + "+dirty"
 
 
-def test_device_names_and_columns():
+def test_device_names_and_columns(installed):
     cpu = provenance.device_name("cpu")
     assert cpu.startswith("cpu (") and cpu == provenance.device_name(torch.device("cpu"))
     prov = provenance.provenance("cpu")
     assert tuple(prov) == provenance.COLUMNS
-    assert prov["torch"] == torch.__version__ and prov["transformers"] == _installed("transformers")
-    assert prov["triton"] == _installed("triton") and prov["vllm"] == _installed("vllm")
+    assert prov["torch"] == torch.__version__ and prov["transformers"] == installed("transformers")
+    assert prov["triton"] == installed("triton") and prov["vllm"] == installed("vllm")
 
 
-def test_rows_built_elsewhere_get_the_provenance_columns():
+def test_rows_built_elsewhere_get_the_provenance_columns(expected_commit):
     from hqlab.bench import with_provenance
 
     rows = pl.DataFrame({"config": ["none"], "machine": ["GPU"], "vllm": [None]})
     out = with_provenance(rows, "cpu")
     assert set(provenance.COLUMNS) <= set(out.columns)
-    assert out["device"][0] == provenance.device_name("cpu") and out["git_commit"][0] == _expected_commit()
+    assert out["device"][0] == provenance.device_name("cpu") and out["git_commit"][0] == expected_commit
     assert out.schema["vllm"] == pl.String  # typed even when every value is null
 
 
@@ -77,7 +62,7 @@ def test_rows_built_elsewhere_get_the_provenance_columns():
 
 
 @pytest.mark.slow
-def test_bench_rows_carry_provenance(tmp_path, engine_05b):
+def test_bench_rows_carry_provenance(tmp_path, engine_05b, expected_commit, installed):
     """The bench harness on the real 0.5B (CPU, one short prompt, 8 tokens), single and batched, as written to
     parquet."""
     from hqlab import bench
@@ -96,7 +81,7 @@ def test_bench_rows_carry_provenance(tmp_path, engine_05b):
         for column in provenance.COLUMNS:
             assert rows[column].n_unique() == 1 and rows.schema[column] == pl.String, column
         row = rows.row(0, named=True)
-        assert row["git_commit"] == _expected_commit()
-        assert row["torch"] == torch.__version__ and row["transformers"] == _installed("transformers")
-        assert row["triton"] == _installed("triton") and row["vllm"] == _installed("vllm")
+        assert row["git_commit"] == expected_commit
+        assert row["torch"] == torch.__version__ and row["transformers"] == installed("transformers")
+        assert row["triton"] == installed("triton") and row["vllm"] == installed("vllm")
         assert row["device"] == provenance.device_name("cpu") and row["machine"].startswith("CPU ")

@@ -55,20 +55,20 @@ MODES = ("short", "long", "adaptive")
 class ScheduleConfig:
     """Block-length scheduling, SPEC §2.5.
 
+    mode:        "adaptive" (the state machine), or "short" / "long" for a fixed block.
     short:       block length when not copying (= the drafter's draft_block).
     long:        block length while a copy is in progress (= the lookup's k).
     sticky:      non-qualifying steps the long block survives before it is left (0 = leave at once).
     entry_steps: consecutive qualifying steps needed to enter the long block.
     stale:       0 = read the qualify flag of this step, 1 = read the previous step's (HyperQwen).
-    mode:        "adaptive" (the state machine), or "short" / "long" for a fixed block.
     """
 
+    mode: str = "adaptive"
     short: int = 7
     long: int = 15
     sticky: int = 3
     entry_steps: int = 2
     stale: int = 0
-    mode: str = "adaptive"
 
     def __post_init__(self) -> None:
         require(self.short >= 1, f"short must be >= 1 (got {self.short})")

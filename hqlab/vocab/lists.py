@@ -1,24 +1,17 @@
-"""Draft vocabulary (SPEC §2.7): the N token ids a drafter may propose, counted from the model's own outputs.
+"""Draft vocabulary lists (SPEC §2.7): the N token ids a drafter may propose, counted from the model's own outputs.
 
-Pipeline: read a corpus (`hqlab.vocab.corpus`) → hold out every 10th record per file (`j % 10 == 0`) → count token ids
-of the rest (self-generated records by their output ids, text tokenized without special tokens) → rank the ids
-(the tokenizer's added tokens first: chat markers and tool tags are always in; then by count; ties, including
-ids never seen, by ascending id, which for a BPE vocabulary is merge order, roughly how frequent a token was in
-the tokenizer's own training text) → keep the top N, sorted. Coverage is the share of the held-out records'
+Pipeline: read a corpus (`hqlab.vocab.corpus`) → hold out every 10th record per file (`j % 10 == 0`) → count
+token ids of the rest (self-generated records by their output ids, text tokenized without special tokens) → rank
+the ids (the tokenizer's added tokens first: chat markers and tool tags are always in; then by count; ties,
+including ids never seen, by ascending id, which for a BPE vocabulary is merge order, roughly how frequent a token
+was in the tokenizer's own training text) → keep the top N, sorted. Coverage is the share of the held-out records'
 output tokens that the list contains; `coverage_curve` reports it over N, overall and per kind of record.
 
-Artifacts (published crash-safely by `hqlab.vocab.publish` into one folder):
+Artifacts (published crash-safely by `hqlab.vocab.publish` into one folder; `hqlab.vocab.runtime` reads them):
 - `ids.json`             `{"ids": [sorted ids], "vocab_size": V, "special": [...]}`
 - `lm_head.safetensors`  `weight` [N, hidden]: the lm_head rows of those ids (the checkpoint's dtype)
 - `mapping.safetensors`  `draft_to_target` [N] (draft row -> target token id, absolute: the sorted ids) and
                          `target_to_draft` [V] (target token id -> draft row, -1 if absent)
-`load_draft_vocab(path)` returns the sorted ids as a 1-D int64 tensor; `load_mapping(folder)` the two maps;
-`sliced_lm_head(model, ids)` builds the truncated head from a loaded model. A drafter scoring only these rows can
-never propose a token outside the list.
-
-The maps hold absolute ids, not offsets. vLLM's EAGLE-3 `d2t` holds offsets (`target_id = draft_id +
-d2t[draft_id]`); `eagle3_d2t(draft_to_target)` converts. Folders published before the maps were renamed call them
-`d2t`/`t2d` with the same absolute contents; `load_mapping` reads them too.
 """
 
 from __future__ import annotations

@@ -102,7 +102,8 @@ def _load_index(folder: Path) -> dict[str, Any] | None:
     try:
         index = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PublishError(f"{path}: unreadable index ({e}); the folder was not written by hqlab.vocab.publish") from None
+        raise PublishError(f"{path}: unreadable index ({e}); the folder was not written by "
+                           f"hqlab.vocab.publish") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT or not isinstance(index.get("files"), dict):
         raise PublishError(f"{path}: not an index in format {FORMAT}")
     return index

@@ -3,36 +3,13 @@ from the cache without loading the model, and every cached trace carries its pro
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
-import subprocess
-from pathlib import Path
 
 import pytest
 
 from hqlab import provenance
 from hqlab.config import ConfigError, DecodeConfig
 from hqlab.replay import traces
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _git(*args: str, cwd: Path = REPO) -> str:
-    return subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True, check=True).stdout.strip()
-
-
-def _expected_commit() -> str:
-    if not (REPO / ".git").exists():
-        return "unknown"
-    dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
-    return _git("rev-parse", "HEAD") + ("+dirty" if dirty else "")
-
-
-def _installed(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def test_trace_key_separates_devices_dtypes_and_settings():
@@ -55,7 +32,8 @@ def test_trace_key_separates_devices_dtypes_and_settings():
 
 
 @pytest.mark.slow
-def test_second_request_hits_the_cache_and_another_dtype_misses(tmp_path, engine_05b):
+def test_second_request_hits_the_cache_and_another_dtype_misses(tmp_path, engine_05b, expected_commit,
+                                                                installed):
     """Recorded once with the engine, then served from the cache to a caller that loads no model; the same
     prompts in another dtype are not served those outputs."""
     cache = tmp_path / "traces"
@@ -64,8 +42,8 @@ def test_second_request_hits_the_cache_and_another_dtype_misses(tmp_path, engine
     assert first.recorded == 2 and len(list(cache.glob("*.json"))) == 2
     record = json.loads(next(cache.glob("*.json")).read_text())
     assert record["device"] == provenance.device_name("cpu") and record["dtype"] == "bfloat16"
-    assert record["provenance"]["git_commit"] == _expected_commit()
-    assert record["provenance"]["transformers"] == _installed("transformers")
+    assert record["provenance"]["git_commit"] == expected_commit
+    assert record["provenance"]["transformers"] == installed("transformers")
 
     again = traces.cached_traces("qwen2.5-coder-0.5b", "chat", 6, dtype="auto", device="cpu", limit=2,
                                 cache_dir=cache)

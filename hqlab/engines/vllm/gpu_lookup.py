@@ -71,8 +71,9 @@ class GpuLookupConfig(LookupConfig):
 
 def lookup_config(spec: str) -> GpuLookupConfig:
     """The settings of a `gpu-lookup:...` (or `lookup:...`) spec, validated."""
-    return resolve_spec(spec, {NAME: GpuLookupConfig, "lookup": GpuLookupConfig}, context=f"proposer {NAME!r}",
-                        unknown=f"{{spec!r}} is not a {NAME} spec (expected '{NAME}:nmin=..,nmax=..,k=..,policy=..')")[1]
+    unknown = f"{{spec!r}} is not a {NAME} spec (expected '{NAME}:nmin=..,nmax=..,k=..,policy=..')"
+    return resolve_spec(spec, {NAME: GpuLookupConfig, "lookup": GpuLookupConfig}, unknown=unknown,
+                        context=f"proposer {NAME!r}")[1]
 
 
 def speculative_config(spec: str) -> dict[str, Any]:

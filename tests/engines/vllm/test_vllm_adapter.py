@@ -1,4 +1,5 @@
-"""The vLLM custom_class adapter, driven the way vLLM's model runner drives it, against vLLM's own NgramProposer.
+"""The vLLM custom_class adapter, driven the way vLLM's model runner drives it, against vLLM's own NgramProposer;
+and the engine's stat logger in vLLM's own stat-logging plumbing.
 
 vLLM is imported without its dependencies (requirements-vllm.txt, installed by `make setup`): its CUDA kernels
 cannot load on a CPU machine, but its configs, its custom-class loader and its n-gram proposer are plain Python and
@@ -183,3 +184,20 @@ def test_step_records_reach_the_engine_through_the_worker_extension():
 # The engine's configs and bookkeeping (hqlab.engines.vllm): everything but the GPU run itself
 
 
+def test_step_stat_logger_plugs_into_vllms_stat_logging():
+    """The engine reads each step's spec-decode counters through vLLM's own per-engine stat-logger plumbing."""
+    from vllm.v1.metrics.loggers import PerEngineStatLoggerAdapter
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+    from hqlab.engines.vllm.engine import _stat_logger_factory
+
+    sink: list = []
+    config = vllm_config({"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_min": 2,
+                          "prompt_lookup_max": 5})
+    adapter = PerEngineStatLoggerAdapter(config, [0], _stat_logger_factory(sink))
+    spec = SpecDecodingStats.new(7)
+    spec.observe_draft(num_draft_tokens=7, num_accepted_tokens=3)
+    adapter.record(SchedulerStats(spec_decoding_stats=spec), None)
+    adapter.record(SchedulerStats(), None)  # a step without drafts (e.g. the prefill)
+    assert sink == [(1, 7, 3), None]

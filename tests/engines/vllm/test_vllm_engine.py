@@ -1,41 +1,22 @@
 """The vLLM engine's configs and bookkeeping (hqlab.engines.vllm), everything but the GPU run itself: specs to
-vLLM's speculative configs, step records from vLLM's counters and the adapter's records, vLLM's stat-logger
-plumbing, the engine protocol, and the command's checks before anything loads. Skipped where vLLM is not installed.
-"""
+vLLM's speculative configs, step records from vLLM's counters and the adapter's records, and the command's checks
+before anything loads. Skipped where vLLM is not installed."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed (make setup-vllm installs requirements-vllm.txt)")
 
-from vllm.config import DeviceConfig, SchedulerConfig, SpeculativeConfig, VllmConfig  # noqa: E402
+from vllm.config import SpeculativeConfig  # noqa: E402
 
 from hqlab.config import ConfigError  # noqa: E402
 from hqlab.engines.vllm import adapter as vllm_proposer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
-MAX_MODEL_LEN = 8192
-MAX_SEQS = 8
-
-
-def vllm_config(speculative: dict, additional: dict | None = None) -> VllmConfig:
-    """A real VllmConfig as the engine builds it, on the CPU.
-
-    vLLM's ModelConfig needs a GPU platform to resolve, and the proposers read only `max_model_len` from it, so
-    that one field stands in for it.
-    """
-    config = VllmConfig(device_config=DeviceConfig(device="cpu"),
-                        speculative_config=SpeculativeConfig(**speculative),
-                        scheduler_config=SchedulerConfig(max_num_seqs=MAX_SEQS, max_model_len=MAX_MODEL_LEN,
-                                                         is_encoder_decoder=False),
-                        additional_config=additional or {})
-    object.__setattr__(config, "model_config", SimpleNamespace(max_model_len=MAX_MODEL_LEN))
-    return config
 
 
 def test_engine_settings_map_specs_to_vllms_own_speculative_configs():
@@ -88,25 +69,6 @@ def test_step_records_from_vllm_counters_and_adapter_records():
     assert tokens_per_step(records) == pytest.approx((4 + 1 + 2) / 3)
     _, plain = step_records("copy", prompt_len, [StepEvent(0.05, 1, 0, 0), StepEvent(0.06, 1, 0, 0)], k=0)
     assert plain[0].proposed == [] and plain[0].propose_s == 0.0 and plain[0].verify_len == 1
-
-
-def test_step_stat_logger_plugs_into_vllms_stat_logging():
-    """The engine reads each step's spec-decode counters through vLLM's own per-engine stat-logger plumbing."""
-    from vllm.v1.metrics.loggers import PerEngineStatLoggerAdapter
-    from vllm.v1.metrics.stats import SchedulerStats
-    from vllm.v1.spec_decode.metrics import SpecDecodingStats
-
-    from hqlab.engines.vllm.engine import _stat_logger_factory
-
-    sink: list = []
-    config = vllm_config({"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_min": 2,
-                          "prompt_lookup_max": 5})
-    adapter = PerEngineStatLoggerAdapter(config, [0], _stat_logger_factory(sink))
-    spec = SpecDecodingStats.new(7)
-    spec.observe_draft(num_draft_tokens=7, num_accepted_tokens=3)
-    adapter.record(SchedulerStats(spec_decoding_stats=spec), None)
-    adapter.record(SchedulerStats(), None)  # a step without drafts (e.g. the prefill)
-    assert sink == [(1, 7, 3), None]
 
 
 def test_cli_vllm_engine_checks_specs_and_gpu_before_loading_anything(capsys):
