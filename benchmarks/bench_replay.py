@@ -27,6 +27,7 @@ import numpy as np
 import polars as pl
 
 from hqlab import plots
+from hqlab.bench import part_path
 from hqlab.io import REPO, write_atomic
 from hqlab.proposers import make_proposer
 from hqlab.provenance import cpu_name
@@ -106,7 +107,7 @@ def main() -> None:
 
     specs = sweep.parse_grid("lookup:nmin=1|2|3|4|6|8,nmax=4|8|12|16|32,k=8|15,policy=recent|earliest")
     specs = specs[: args.sweep_points]
-    core = REPO / "data/results/core_cpu.steps.parquet"
+    core = part_path(REPO / "data/results/core_cpu.parquet")
     cost = CostModel.fit_steps(pl.read_parquet(core).filter(pl.col("config") != "hf-pld:k=10"))
     wall, cpu, frame = timed(lambda: sweep.sweep(traces, specs, cost=cost, progress=False), 1)
     record("sweep", f"{len(specs)} lookup configurations", wall, cpu, target * len(specs),

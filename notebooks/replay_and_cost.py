@@ -37,6 +37,7 @@ import altair as alt
 import polars as pl
 
 from hqlab import plots
+from hqlab.bench import part_path
 from hqlab.replay import costmodel, zoo
 from hqlab.replay.traces import load_traces
 
@@ -72,7 +73,7 @@ chart
 # Pooled per suite: measured vs predicted decode tok/s.
 
 # %%
-steps = pl.read_parquet(data / "core_cpu.steps.parquet").filter(pl.col("config") != "hf-pld:k=10")
+steps = pl.read_parquet(part_path(data / "core_cpu.parquet")).filter(pl.col("config") != "hf-pld:k=10")
 print(costmodel.CostModel.fit_steps(steps).describe())
 held_out = costmodel.holdout_predictions(steps)
 suites = costmodel.suite_errors(held_out)

@@ -1,6 +1,6 @@
-"""The house plan (docs/architecture.md) holds in the import graph: every module of hqlab sits on a floor, imports only
-its own floor or lower ones (lazy imports inside functions included), and no modules import each other in a circle
-when they load. The Triton kernels import nothing from hqlab; at most 8 modules lie loose in hqlab/, every package
+"""The house plan (docs/architecture.md) holds in the import graph: every module of hqlab sits on a floor, imports
+only its own floor or lower ones (lazy imports inside functions included), and no modules import each other in a
+circle when they load. The Triton kernels import nothing from hqlab; at most 8 modules lie loose in hqlab/, every package
 is installed (pyproject.toml), and the notebooks call the library instead of running other programs."""
 
 from __future__ import annotations
