@@ -37,9 +37,9 @@ def engine_05b_fp32():
     return HFEngine.load("qwen2.5-coder-0.5b", device="cpu", dtype="float32")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def expected_commit() -> str:
-    """This checkout's HEAD as git reports it (+dirty where tracked files differ), "unknown" outside a checkout."""
+    """This checkout's HEAD as git reports it now (+dirty where tracked files differ), "unknown" outside one."""
     if not (REPO / ".git").exists():
         return "unknown"
 

@@ -10,14 +10,14 @@ records, written together (`write_results`: `<out>.parquet` and `<out>.steps.par
 - `lossless`: is an output identical to the reference, or a near-tie flip; chi-square checks for sampling.
 """
 
-from hqlab.bench.harness import (EXTERNAL, KNOWN, HFPLDConfig, HFPlainConfig, RunConfig, check_specs, check_workload,
-                                 encode_prompts, parse_configs, part_path, prompt_rows, run_batch_bench, run_bench,
-                                 run_meta, with_provenance, write_results)
-from hqlab.bench.suites import run_suites
+from hqlab.bench.harness import (EXTERNAL, HFPLDConfig, HFPlainConfig, RunConfig, check_specs, check_workload,
+                                 encode_prompts, known, parse_configs, part_path, prompt_rows, run_batch_bench,
+                                 run_bench, run_meta, with_provenance, write_results)
 from hqlab.bench.report import (CORE_FIGURE_KINDS, acceptance_by_position, core_figure_names, core_figures,
                                 fusion_figure_names, summarize)
+from hqlab.bench.suites import run_suites
 
-__all__ = ["EXTERNAL", "KNOWN", "HFPLDConfig", "HFPlainConfig", "RunConfig", "check_specs", "check_workload",
+__all__ = ["EXTERNAL", "known", "HFPLDConfig", "HFPlainConfig", "RunConfig", "check_specs", "check_workload",
            "encode_prompts", "parse_configs", "part_path", "prompt_rows", "run_batch_bench", "run_bench", "run_meta",
            "run_suites", "with_provenance", "write_results", "CORE_FIGURE_KINDS", "acceptance_by_position",
            "core_figure_names", "core_figures", "fusion_figure_names", "summarize"]

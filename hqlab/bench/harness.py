@@ -43,7 +43,12 @@ class HFPlainConfig:
 
 
 EXTERNAL: dict[str, type] = {"hf-pld": HFPLDConfig, "hf": HFPlainConfig}
-KNOWN: dict[str, type] = {**REGISTRY, **EXTERNAL}  # what a benchmark spec can name
+
+
+def known() -> dict[str, type]:
+    """What a benchmark spec can name: every registered proposer (also those registered after import, e.g. in a
+    notebook) and transformers' own baselines."""
+    return {**REGISTRY, **EXTERNAL}
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,7 @@ def parse_configs(specs: Sequence[str | RunConfig]) -> list[RunConfig]:
         if isinstance(spec, RunConfig):
             configs.append(spec)
             continue
-        name, config = resolve_spec(label, KNOWN)
+        name, config = resolve_spec(label, known())
         configs.append(RunConfig(label, external=config) if name in EXTERNAL else
                        RunConfig(label, proposer=REGISTRY[name](config)))
     return configs
@@ -96,7 +101,7 @@ def check_specs(specs: Sequence[str]) -> None:
     from hqlab import models
 
     for spec in specs:
-        name, config = resolve_spec(spec, KNOWN)
+        name, config = resolve_spec(spec, known())
         if name in EXTERNAL:
             continue
         try:
@@ -316,4 +321,4 @@ def write_results(out: str | Path, results: pl.DataFrame, steps: pl.DataFrame | 
 
 __all__ = ["run_bench", "run_batch_bench", "write_results", "part_path", "parse_configs",
            "check_specs", "check_workload", "prompt_rows", "run_meta", "with_provenance", "encode_prompts", "EXTERNAL",
-           "KNOWN", "RunConfig", "HFPLDConfig", "HFPlainConfig"]
+           "known", "RunConfig", "HFPLDConfig", "HFPlainConfig"]
