@@ -62,14 +62,16 @@ class VLLMOptions:
     enable_prefix_caching: bool = False  # off: every repeat pays its prefill, as in hqlab's own engine
     seed: int = 0
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.max_model_len < 64:
             raise ConfigError(f"max_model_len must be >= 64 (got {self.max_model_len})")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1 (got {self.max_num_seqs})")
-        if self.tensor_parallel_size < 1:
-            raise ConfigError(f"tensor_parallel_size must be >= 1 (got {self.tensor_parallel_size})")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size and pipeline_parallel_size must be >= 1 (got "
+                              f"{self.tensor_parallel_size}, {self.pipeline_parallel_size})")
         if self.max_cudagraph_capture_size < 0:
             raise ConfigError(f"max_cudagraph_capture_size must be >= 0, 0 meaning automatic "
                               f"(got {self.max_cudagraph_capture_size})")
@@ -247,6 +249,10 @@ class VLLMEngine:
         if setting.gpu:
             from hqlab.engines.vllm import plugin
 
+            if options.pipeline_parallel_size > 1:
+                raise ConfigError(f"{setting.label!r}: hqlab's GPU speculators do not support pipeline parallelism "
+                                  "yet (pipeline_parallel_size must be 1; tensor parallelism is fine)")
+
             plugin.check_vllm_version()
             plugin.register()  # this process; vLLM's own processes load it through the entry point (or fork)
         self.options, self.setting = options, setting
@@ -256,6 +262,7 @@ class VLLMEngine:
                           enforce_eager=options.enforce_eager, enable_prefix_caching=options.enable_prefix_caching,
                           seed=options.seed, speculative_config=setting.speculative_config,
                           tensor_parallel_size=options.tensor_parallel_size,
+                          pipeline_parallel_size=options.pipeline_parallel_size,
                           compilation_config={"max_cudagraph_capture_size": options.capture_size(setting.k)},
                           additional_config=dict(setting.additional_config),
                           # every engine gets hqlab's worker extension: step records and the phase timer
@@ -646,7 +653,7 @@ def machine_description() -> str:
 
 def bench_suite(model: str | None, suite: str, specs: Sequence[str], decode: DecodeConfig, *, doc_tokens: int,
                 limit: int = 0, repeats: int = 1, dtype: str = "auto", progress: bool = True, concurrency: int = 0,
-                tensor_parallel_size: int = 1):
+                tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
     """`hqlab bench --engine vllm`: a workload through every config (and, with `concurrency` > 1, its first
     `concurrency` prompts submitted together); returns bench's (results, steps) frames."""
     from transformers import AutoTokenizer
@@ -661,9 +668,12 @@ def bench_suite(model: str | None, suite: str, specs: Sequence[str], decode: Dec
         from hqlab.engines.vllm.plugin import check_vllm_version
 
         check_vllm_version()
-    if concurrency < 0 or tensor_parallel_size < 1:
-        raise ConfigError(f"concurrency must be >= 0 and tensor_parallel_size >= 1 (got {concurrency}, "
-                          f"{tensor_parallel_size})")
+    VLLMOptions(model="checked", tensor_parallel_size=tensor_parallel_size,
+                pipeline_parallel_size=pipeline_parallel_size)  # raises on bad sizes before the model is prepared
+    if concurrency < 0:
+        raise ConfigError(f"concurrency must be >= 0 (got {concurrency})")
+    if pipeline_parallel_size > 1 and any(s.gpu for s in settings):
+        raise ConfigError("hqlab's GPU speculators (gpu-lookup) do not support pipeline parallelism yet")
     if not torch.cuda.is_available():  # (does not initialise CUDA: vLLM may still fork its engine processes)
         raise ConfigError("the vllm engine needs a CUDA GPU (vLLM's published wheels are CUDA builds); on this "
                           "machine use --engine hf, or replay vLLM's n-gram rule with the vllm-ngram proposer")
@@ -673,11 +683,12 @@ def bench_suite(model: str | None, suite: str, specs: Sequence[str], decode: Dec
     prompts = load_workload(suite, doc_tokens=doc_tokens, tokenizer=tokenizer)
     encoded = encode_prompts(tokenizer, prompts[: limit or None])
     options = VLLMOptions(model=folder, dtype=models.resolve_dtype(dtype), tensor_parallel_size=tensor_parallel_size,
-                          max_num_seqs=max(8, concurrency))
+                          pipeline_parallel_size=pipeline_parallel_size, max_num_seqs=max(8, concurrency))
     runs, described = run_configs(options, encoded, specs, decode, repeats=repeats, progress=progress,
                                   concurrency=concurrency)
     meta = {"machine": machine_description(), "model": str(name), "dtype": options.dtype, "suite": suite,
-            "doc_tokens": doc_tokens, "tensor_parallel_size": tensor_parallel_size}
+            "doc_tokens": doc_tokens, "tensor_parallel_size": tensor_parallel_size,
+            "pipeline_parallel_size": pipeline_parallel_size}
     return frames_from_raw(runs, decode, meta, described)
 
 
