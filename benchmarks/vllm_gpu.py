@@ -56,7 +56,8 @@ def bench(args: argparse.Namespace) -> int:
     encoded = hv.encode_prompts(tokenizer, prompts)[: args.limit or None]
     log("prompt tokens: " + ", ".join(f"{pid} {len(ids)}" for pid, _, ids in encoded))
     options = hv.VLLMOptions(model=folder, max_num_seqs=max(8, args.concurrency),
-                             tensor_parallel_size=args.tensor_parallel_size)
+                             tensor_parallel_size=args.tensor_parallel_size,
+                             pipeline_parallel_size=args.pipeline_parallel_size)
     decode = DecodeConfig(max_new_tokens=args.max_new_tokens)
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
@@ -78,6 +79,7 @@ def bench(args: argparse.Namespace) -> int:
                 "doc_tokens": args.doc_tokens,
                 "suite": args.suite, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
                 "concurrency": args.concurrency, "tensor_parallel_size": args.tensor_parallel_size,
+                "pipeline_parallel_size": args.pipeline_parallel_size,
                 "engines": described}
         tmp = meta_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(meta) + "\n")
@@ -122,7 +124,7 @@ def finish(args: argparse.Namespace) -> None:
     for path in args.raw:
         runs += hv.runs_from_raw(pl.read_parquet(path))
         metas.append(json.loads(Path(path).with_suffix(".json").read_text()))
-    keys = ("machine", "model", "dtype", "doc_tokens", "suite", "tensor_parallel_size")
+    keys = ("machine", "model", "dtype", "doc_tokens", "suite", "tensor_parallel_size", "pipeline_parallel_size")
     meta = {k: metas[0][k] for k in keys if k in metas[0]}
     decode = DecodeConfig(max_new_tokens=metas[0]["max_new_tokens"])
     engines = [e for m in metas for e in m["engines"]]
@@ -170,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--limit", type=int, default=0, help="only the first N prompts")
     b.add_argument("--concurrency", type=int, default=8, help="then the first N prompts at once (0: skip)")
     b.add_argument("--tensor-parallel-size", type=int, default=1)
+    b.add_argument("--pipeline-parallel-size", type=int, default=1)
     b.add_argument("--profile", action="store_true", help="time the worker's phases on one more pass")
     b.add_argument("--skip-reference", action="store_true", help="leave out `none` (an earlier call ran it)")
     b.add_argument("--fail-fast", action="store_true", help="stop at the first failing config")

@@ -121,7 +121,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results, steps = bench.run_suites(args.engine, {args.suite: args.max_new_tokens}, args.proposer, model=model,
                                       decode=decode, doc_tokens=args.doc_tokens, limit=args.limit,
                                       repeats=args.repeats, device=args.device, dtype=args.dtype,
-                                      concurrency=args.concurrency, tensor_parallel_size=args.tensor_parallel_size)
+                                      concurrency=args.concurrency, tensor_parallel_size=args.tensor_parallel_size,
+                                      pipeline_parallel_size=args.pipeline_parallel_size)
     bench.write_results(args.out, results, steps)
     with pl.Config(tbl_rows=200, tbl_cols=20, tbl_width_chars=200):
         print(bench.summarize(results))
@@ -401,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=int, default=0, help="only the first N prompts")
     b.add_argument("--concurrency", type=int, default=0,
                    help="vllm engine: also run the first N prompts submitted together (total throughput)")
-    b.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm engine: GPUs per model")
+    b.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm engine: GPUs per model (tensor)")
+    b.add_argument("--pipeline-parallel-size", type=int, default=1, help="vllm engine: pipeline stages")
     b.add_argument("--device", default="auto")
     b.add_argument("--dtype", default="auto")
     b.add_argument("--temperature", type=float, default=0.0)

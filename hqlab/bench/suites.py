@@ -17,13 +17,14 @@ from hqlab.workloads import load_workload
 def run_suites(engine: Any, suites: Mapping[str, int], specs: Sequence[str], *, model: str | None = None,
                decode: DecodeConfig = DecodeConfig(), doc_tokens: int = 1500, limit: int = 0, repeats: int = 1,
                device: str = "auto", dtype: str = "auto", concurrency: int = 0, tensor_parallel_size: int = 1,
-               progress: bool = True) -> tuple[pl.DataFrame, pl.DataFrame]:
+               pipeline_parallel_size: int = 1, progress: bool = True) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Every config on every suite (`suites`: suite name -> max_new_tokens, the other decoding settings from
     `decode`), the first `limit` prompts of each (0: all); returns the results and steps of all suites together.
 
     `engine`: "hf" (the transformers engine, loaded here from `model`, `device` and `dtype` after the proposers,
     so a drafter loads first), an engine already loaded, or "vllm" (one vLLM engine per config on a CUDA GPU,
-    `hqlab.bench.vllm.bench_suite`; `concurrency` and `tensor_parallel_size` apply there).
+    `hqlab.bench.vllm.bench_suite`; `concurrency`, `tensor_parallel_size` and `pipeline_parallel_size` apply
+    there).
     """
     frames, step_frames = [], []
     for_suite = {suite: dataclasses.replace(decode, max_new_tokens=n) for suite, n in suites.items()}
@@ -33,7 +34,8 @@ def run_suites(engine: Any, suites: Mapping[str, int], specs: Sequence[str], *, 
         for suite, suite_decode in for_suite.items():
             results, steps = bench_suite(model, suite, specs, suite_decode, doc_tokens=doc_tokens, limit=limit,
                                          repeats=repeats, dtype=dtype, progress=progress, concurrency=concurrency,
-                                         tensor_parallel_size=tensor_parallel_size)
+                                         tensor_parallel_size=tensor_parallel_size,
+                                         pipeline_parallel_size=pipeline_parallel_size)
             frames.append(with_provenance(results, "cuda"))
             step_frames.append(steps)
     else:

@@ -93,7 +93,7 @@ def _groups(runs: Any) -> dict[tuple[str, int], list[Run]]:
 
 def bench_suite(model: str | None, suite: str, specs: Sequence[str], decode: DecodeConfig, *, doc_tokens: int,
                 limit: int = 0, repeats: int = 1, dtype: str = "auto", progress: bool = True, concurrency: int = 0,
-                tensor_parallel_size: int = 1):
+                tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
     """`hqlab bench --engine vllm`: a workload through every config (and, with `concurrency` > 1, its first
     `concurrency` prompts submitted together); returns bench's (results, steps) frames."""
     import torch
@@ -107,9 +107,12 @@ def bench_suite(model: str | None, suite: str, specs: Sequence[str], decode: Dec
         from hqlab.engines.vllm.plugin import check_vllm_version
 
         check_vllm_version()
-    if concurrency < 0 or tensor_parallel_size < 1:
-        raise ConfigError(f"concurrency must be >= 0 and tensor_parallel_size >= 1 (got {concurrency}, "
-                          f"{tensor_parallel_size})")
+    VLLMOptions(model="checked", tensor_parallel_size=tensor_parallel_size,
+                pipeline_parallel_size=pipeline_parallel_size)  # raises on bad sizes before the model is prepared
+    if concurrency < 0:
+        raise ConfigError(f"concurrency must be >= 0 (got {concurrency})")
+    if pipeline_parallel_size > 1 and any(s.gpu for s in settings):
+        raise ConfigError("hqlab's GPU speculators (gpu-lookup) do not support pipeline parallelism yet")
     if not torch.cuda.is_available():  # (does not initialise CUDA: vLLM may still fork its engine processes)
         raise ConfigError("the vllm engine needs a CUDA GPU (vLLM's published wheels are CUDA builds); on this "
                           "machine use --engine hf, or replay vLLM's n-gram rule with the vllm-ngram proposer")
@@ -119,9 +122,10 @@ def bench_suite(model: str | None, suite: str, specs: Sequence[str], decode: Dec
     prompts = load_workload(suite, doc_tokens=doc_tokens, tokenizer=tokenizer)
     encoded = encode_prompts(tokenizer, prompts[: limit or None])
     options = VLLMOptions(model=folder, dtype=models.resolve_dtype(dtype), tensor_parallel_size=tensor_parallel_size,
-                          max_num_seqs=max(8, concurrency))
+                          pipeline_parallel_size=pipeline_parallel_size, max_num_seqs=max(8, concurrency))
     runs, described = run_configs(options, encoded, specs, decode, repeats=repeats, progress=progress,
                                   concurrency=concurrency)
     meta = {"machine": machine_description(vllm=True), "model": str(name), "dtype": options.dtype, "suite": suite,
-            "doc_tokens": doc_tokens, "tensor_parallel_size": tensor_parallel_size}
+            "doc_tokens": doc_tokens, "tensor_parallel_size": tensor_parallel_size,
+            "pipeline_parallel_size": pipeline_parallel_size}
     return frames_from_raw(runs, decode, meta, described)

@@ -62,14 +62,16 @@ class VLLMOptions:
     enable_prefix_caching: bool = False  # off: every repeat pays its prefill, as in hqlab's own engine
     seed: int = 0
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.max_model_len < 64:
             raise ConfigError(f"max_model_len must be >= 64 (got {self.max_model_len})")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1 (got {self.max_num_seqs})")
-        if self.tensor_parallel_size < 1:
-            raise ConfigError(f"tensor_parallel_size must be >= 1 (got {self.tensor_parallel_size})")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size and pipeline_parallel_size must be >= 1 (got "
+                              f"{self.tensor_parallel_size}, {self.pipeline_parallel_size})")
         if self.max_cudagraph_capture_size < 0:
             raise ConfigError(f"max_cudagraph_capture_size must be >= 0, 0 meaning automatic "
                               f"(got {self.max_cudagraph_capture_size})")
@@ -247,6 +249,10 @@ class VLLMEngine:
         if setting.gpu:
             from hqlab.engines.vllm import plugin
 
+            if options.pipeline_parallel_size > 1:
+                raise ConfigError(f"{setting.label!r}: hqlab's GPU speculators do not support pipeline parallelism "
+                                  "yet (pipeline_parallel_size must be 1; tensor parallelism is fine)")
+
             plugin.check_vllm_version()
             plugin.register()  # this process; vLLM's own processes load it through the entry point (or fork)
         self.options, self.setting = options, setting
@@ -256,6 +262,7 @@ class VLLMEngine:
                           enforce_eager=options.enforce_eager, enable_prefix_caching=options.enable_prefix_caching,
                           seed=options.seed, speculative_config=setting.speculative_config,
                           tensor_parallel_size=options.tensor_parallel_size,
+                          pipeline_parallel_size=options.pipeline_parallel_size,
                           compilation_config={"max_cudagraph_capture_size": options.capture_size(setting.k)},
                           additional_config=dict(setting.additional_config),
                           # every engine gets hqlab's worker extension: step records and the phase timer

@@ -28,6 +28,7 @@ on any torch device, the Triton interpreter included.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,10 +57,13 @@ class GpuLookupConfig(LookupConfig):
                `min_valid` tokens to propose one step earlier, else none (a plain step); the scheduler learns it a
                step late, as HyperQwen read its qualify flag.
     min_valid: the fewest proposable tokens that keep a request's next-but-one step wide (width "stale").
+    graphs:    capture the drafting step in CUDA graphs when vLLM captures its own (false: launch it eagerly every
+               step, to measure what the graphs save).
     """
 
     width: str = "fixed"
     min_valid: int = 1
+    graphs: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -243,20 +247,25 @@ class GpuLookupSpeculator:
     def capture(self) -> None:
         """One CUDA graph per batch size up to max_num_seqs: a step then costs one copy and one graph launch
         instead of about ten kernel launches from Python. Called by vLLM after it captured the target."""
-        if not (self.use_graphs and self.state is not None and self.device.type == "cuda"):
+        if not (self.use_graphs and self.config.graphs and self.state is not None and self.device.type == "cuda"):
             return
         pool = torch.cuda.graph_pool_handle()
-        for m in range(1, self.max_num_reqs + 1):
-            self.rows.fill_(-1)
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):  # warm up off the capture (Triton compiles, allocator settles)
-                self._draft(m)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._draft(m)
-            self.graphs[m] = graph
+        try:
+            for m in range(1, self.max_num_reqs + 1):
+                self.rows.fill_(-1)
+                stream = torch.cuda.Stream(self.device)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):  # warm up off the capture (Triton compiles, allocator settles)
+                    self._draft(m)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._draft(m)
+                self.graphs[m] = graph
+        except RuntimeError as e:  # a capture this torch/driver refuses: same drafts, launched eagerly
+            self.graphs.clear()
+            warnings.warn(f"gpu-lookup: capturing the drafting step in a CUDA graph failed ({e}); drafting runs "
+                          "eagerly (same drafts, more launches per step)", RuntimeWarning, stacklevel=2)
         if self.recorder is not None:
             self.recorder.restart()
 

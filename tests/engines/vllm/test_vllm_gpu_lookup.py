@@ -314,8 +314,13 @@ def test_several_workers_tensor_parallel_options_and_one_ranks_records():
     from hqlab.engines.vllm.engine import VLLMOptions, records_from_workers
 
     assert VLLMOptions(model="m", tensor_parallel_size=2).tensor_parallel_size == 2
-    with pytest.raises(ConfigError, match="tensor_parallel_size must be >= 1"):
+    with pytest.raises(ConfigError, match="tensor_parallel_size and pipeline_parallel_size must be >= 1"):
         VLLMOptions(model="m", tensor_parallel_size=0)
+    from hqlab.bench.vllm import bench_suite
+
+    with pytest.raises(ConfigError, match="do not support pipeline parallelism"):  # refused before any model
+        bench_suite("qwen2.5-coder-0.5b", "copy", ["gpu-lookup:k=4"], DecodeConfig(), doc_tokens=100,
+                    pipeline_parallel_size=2)
     # two tensor-parallel ranks run the same speculator on the same histories: identical records, kept once
     speculators = []
     for _ in range(2):
