@@ -104,7 +104,7 @@ lab: notebooks
 site: setup
 	$(BIN)/hqlab site
 
-# The site check (hqlab site --check, tests/test_site.py) drives the system's Chromium through playwright, which
+# The site check (hqlab site --check, tests/site/test_site.py) drives the system's Chromium through playwright, which
 # never downloads a browser of its own here. Installed from the system's packages when missing (apt-get, as root).
 CHROMIUM_FOUND = $(or $(wildcard $(HQLAB_CHROMIUM)),$(shell command -v chromium || command -v chromium-browser || command -v google-chrome || command -v google-chrome-stable))
 chromium:

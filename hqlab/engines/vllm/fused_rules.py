@@ -15,7 +15,8 @@ is); this module makes the same decisions for every request of a batch with torc
 Reading nothing back also means inputs cannot be validated the way the references validate them (they raise on
 `valid` outside [0, k], a negative match length or emitted count, a score outside [0, valid], an empty unanimous
 batch). Those are the caller's contract here. Inside it, every decision equals the reference's, position for
-position and step for step: tests/test_vllm_fused_rules.py checks this on random inputs and on recorded traces.
+position and step for step: tests/engines/vllm/test_vllm_fused_rules.py checks this on random inputs and on
+recorded traces.
 
 Layout of a fused block: `tokens` and `sources` are [B, k]. The first `n_proposed` positions of a row hold exactly
 the reference's `Fused.tokens` and `Fused.sources`; the positions after them were proposed by nobody and hold

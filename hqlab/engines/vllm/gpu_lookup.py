@@ -7,7 +7,7 @@ where vLLM's own EAGLE/MTP speculators run instead: after sampling, inside the w
 - The histories are vLLM's: `req_states.all_token_ids` (one row of prompt + output per request slot) and
   `req_states.total_len`, already updated with this step's tokens when `propose` is called.
 - The match is the Triton suffix-match kernel (`hqlab_kernels.suffix_match.SuffixMatcher`), bit-identical to
-  `hqlab.rules.lookup.suffix_match` (tests/test_kernels.py), one launch for the batch, no allocation.
+  `hqlab.rules.lookup.suffix_match` (tests/kernels/test_suffix_match.py), one launch for the batch, no allocation.
 - The drafts stay on the GPU: vLLM's runner copies them into its draft buffer and verifies them next step. Nothing
   here reads a device value on the host, so the step adds no synchronisation.
 - The drafting step (gathers, the kernel, the pad fill, the record ring) is captured in one CUDA graph per batch
