@@ -25,7 +25,8 @@
 results_file = "data/results/vllm_gpu_h200.parquet"
 figures_dir = "figures"
 results_dir = "data/results"
-focus_run = "a"  # the run whose per-class bars are drawn (it ran every config)
+focus_run = "f"  # the run whose per-class bars are drawn (the current code, k = 7/15/31 and the adapter)
+current_runs = ["e", "f", "g", "h"]  # runs of hqlab's current code (step efficiency); vLLM's own methods: every run
 
 # %%
 from pathlib import Path
@@ -48,7 +49,8 @@ print(data["results"]["machine"][0], "|", data["results"]["model"][0], data["res
 # ## Decode speed over no speculation, per task class (batch 1)
 
 # %%
-one = ratios.filter((pl.col("run") == focus_run) & (pl.col("config") != "none"))
+one = ratios.filter((pl.col("run") == focus_run) & (pl.col("config") != "none")).with_columns(
+    pl.col("config").map_elements(vllm_report.short_label, return_dtype=pl.String))
 chart = plots.grouped_bars(one, "category", "vs_none", "config", y_title="decode tok/s ÷ none", rule_at=1.0)
 plots.save(chart, Path(figures_dir) / "vllm_gpu_speedup.svg")
 chart
@@ -63,8 +65,11 @@ vllm_report.summary(ratios).select("category", "config", "runs", "vs_none", "vs_
 # decode tok/s ÷ (tokens/step × none's decode tok/s): 1.0 when a verify step costs what a plain step costs.
 
 # %%
-eff = ratios.filter(pl.col("config") != "none").group_by(["config", "family"], maintain_order=True).agg(
-    pl.col("step_efficiency").median(), pl.col("tokens_per_step").median())
+ours = pl.col("family").str.starts_with("hqlab")
+eff = (ratios.filter((pl.col("config") != "none") & (~ours | pl.col("run").is_in(current_runs)))
+       .group_by(["config", "family"], maintain_order=True)
+       .agg(pl.col("step_efficiency").median(), pl.col("tokens_per_step").median())
+       .with_columns(pl.col("config").map_elements(vllm_report.short_label, return_dtype=pl.String)))
 chart = plots.grouped_bars(eff, "config", "step_efficiency", "family", y_title="step efficiency (median)",
                            rule_at=1.0, width=420)
 plots.save(chart, Path(figures_dir) / "vllm_gpu_step_efficiency.svg")
@@ -76,7 +81,9 @@ chart
 # %%
 if data["phases"].height:
     parts = vllm_report.step_breakdown(data["phases"], data["profile_steps"])
-    chart = plots.stacked_time(parts.select("config", *vllm_report.PARTS), "config", vllm_report.PARTS,
+    labelled = parts.with_columns(pl.format("{} · run {}", pl.col("config").map_elements(
+        vllm_report.short_label, return_dtype=pl.String), "run").alias("config"))
+    chart = plots.stacked_time(labelled.select("config", *vllm_report.PARTS), "config", vllm_report.PARTS,
                                y_title="ms per decode step")
     plots.save(chart, Path(figures_dir) / "vllm_gpu_step_breakdown.svg")
     display(parts)  # noqa: F821
@@ -88,7 +95,9 @@ if data["phases"].height:
 # %%
 together = vllm_report.concurrency(data["results"])
 if together.height:
-    chart = plots.grouped_bars(together.filter(pl.col("config") != "none"), "run", "vs_none", "config",
+    shown = together.filter(pl.col("config") != "none").with_columns(
+        pl.col("config").map_elements(vllm_report.short_label, return_dtype=pl.String))
+    chart = plots.grouped_bars(shown, "run", "vs_none", "config",
                                y_title="total tok/s ÷ none (8 requests)", rule_at=1.0)
     plots.save(chart, Path(figures_dir) / "vllm_gpu_concurrency.svg")
     display(together.select("run", "config", "batch_tok_s", "vs_none", "tokens_per_step", "mismatches"))  # noqa: F821

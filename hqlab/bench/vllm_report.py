@@ -12,6 +12,8 @@ from pathlib import Path
 
 import polars as pl
 
+from hqlab.config import parse_spec
+
 CUSTOM_CLASS = "lookup:"  # configs run through the host-side custom_class adapter start with this
 
 
@@ -26,6 +28,25 @@ def family(config: str) -> str:
     if config.startswith("vllm-ngram"):
         return "vLLM ngram (V1, sync)"
     return "hqlab custom_class (V1, sync)"
+
+
+SHORT_NAMES = {"gpu-lookup": "gpu-lookup", "lookup": "custom_class", "vllm-ngram": "vLLM ngram",
+               "vllm-ngram-gpu": "vLLM ngram_gpu"}
+
+
+def short_label(config: str) -> str:
+    """A config as a chart label: `gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,graphs=false` ->
+    `gpu-lookup 1/32 k=15 earliest graphs=false` (match lengths nmin/nmax, k, the policy, then the other settings)."""
+    name, values = parse_spec(config)
+    parts = [SHORT_NAMES.get(name, name)]
+    if "nmin" in values or "nmax" in values:
+        parts.append(f"{values.pop('nmin', '?')}/{values.pop('nmax', '?')}")
+    if "k" in values:
+        parts.append(f"k={values.pop('k')}")
+    if "policy" in values:
+        parts.append(values.pop("policy"))
+    parts += [f"{key}={value}" for key, value in values.items()]
+    return " ".join(parts)
 
 
 def run_ratios(results: pl.DataFrame) -> pl.DataFrame:
@@ -74,27 +95,31 @@ PARTS = ["execute_model (host)", "sample + verify (host)", "propose (host)", "sc
 
 
 def step_breakdown(phases: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
-    """Milliseconds per decode step, by part, per config (profiled pass: `adapter.StepTimer`).
+    """Milliseconds per decode step, by part, per (run, config) of the profiled runs (`adapter.StepTimer`).
 
     The worker's host time in the model runner's `execute_model` (inputs and the forward's launches), in
     `sample_tokens` less the proposer (sampling, verification, bookkeeping), in the proposer's `propose`, and the
     rest of the step interval the front end saw (engine-core scheduling, inter-process messages, output
-    processing, and any wait for the GPU). `gpu_forward_ms` is the forward's GPU span, for comparison."""
-    per_call = phases.group_by(["config", "phase"]).agg(pl.col("host_ms").sum(), pl.col("gpu_ms").sum())
-    counts = steps.group_by("config").agg(pl.len().alias("steps"), (pl.col("step_s").mean() * 1e3).alias("step_ms"))
-    wide = per_call.pivot(on="phase", index="config", values="host_ms", aggregate_function="first").fill_null(0.0)
-    gpu = per_call.filter(pl.col("phase") == "execute_model").select("config", pl.col("gpu_ms").alias("gpu_total"))
+    processing, and any wait for the GPU). `gpu_forward_ms` is the forward's GPU span, for comparison. Runs are
+    kept apart: the same config name runs different code in different runs (the `git_commit` of the results)."""
+    if "run" not in phases.columns:
+        phases, steps = phases.with_columns(pl.lit("").alias("run")), steps.with_columns(pl.lit("").alias("run"))
+    key = ["run", "config"]
+    per_call = phases.group_by([*key, "phase"]).agg(pl.col("host_ms").sum(), pl.col("gpu_ms").sum())
+    counts = steps.group_by(key).agg(pl.len().alias("steps"), (pl.col("step_s").mean() * 1e3).alias("step_ms"))
+    wide = per_call.pivot(on="phase", index=key, values="host_ms", aggregate_function="first").fill_null(0.0)
+    gpu = per_call.filter(pl.col("phase") == "execute_model").select(*key, pl.col("gpu_ms").alias("gpu_total"))
     propose = [c for c in wide.columns if c.startswith("propose")]
-    out = (wide.join(counts, on="config").join(gpu, on="config")
+    out = (wide.join(counts, on=key).join(gpu, on=key)
            .with_columns(pl.sum_horizontal(propose).alias("_propose") if propose else pl.lit(0.0).alias("_propose"))
            .with_columns((pl.col("execute_model") / pl.col("steps")).alias(PARTS[0]),
                          ((pl.col("sample_tokens") - pl.col("_propose")) / pl.col("steps")).alias(PARTS[1]),
                          (pl.col("_propose") / pl.col("steps")).alias(PARTS[2]),
                          (pl.col("gpu_total") / pl.col("steps")).alias("gpu_forward_ms")))
     out = out.with_columns((pl.col("step_ms") - pl.sum_horizontal(PARTS[:3])).clip(lower_bound=0).alias(PARTS[3]))
-    return (out.select("config", pl.col("config").map_elements(family, return_dtype=pl.String).alias("family"),
+    return (out.select(*key, pl.col("config").map_elements(family, return_dtype=pl.String).alias("family"),
                        "step_ms", *PARTS, "gpu_forward_ms", "steps")
-            .sort("step_ms"))
+            .sort("run", "step_ms"))
 
 
 def load(results_path: str | Path) -> dict[str, pl.DataFrame]:
@@ -107,4 +132,4 @@ def load(results_path: str | Path) -> dict[str, pl.DataFrame]:
     return out
 
 
-__all__ = ["run_ratios", "summary", "concurrency", "step_breakdown", "load", "family", "PARTS"]
+__all__ = ["short_label", "run_ratios", "summary", "concurrency", "step_breakdown", "load", "family", "PARTS"]
