@@ -12,7 +12,9 @@
     async_scheduling, run) and `<out>.steps.parquet`, and the phase timings to `<out>.phases.parquet`;
     `--run NAME --append` adds another run (its own reference) to the same files.
 
-`none` always runs first in a call unless --skip-reference; a failing config is logged and the others still run
+--interleave starts every config's engine at once and runs each prompt on all of them in turn, so the ratios
+compare runs seconds apart (a host-bound step drifts by tens of percent over minutes); --sustained adds the whole
+suite with --concurrency requests kept in flight. `none` always runs first in a call unless --skip-reference; a failing config is logged and the others still run
 (--fail-fast stops at the first failure instead, to save device time while a new path is brought up).
 """
 
@@ -85,6 +87,23 @@ def bench(args: argparse.Namespace) -> int:
         tmp.write_text(json.dumps(meta) + "\n")
         os.replace(tmp, meta_path)
 
+    if args.interleave:  # every engine alive at once, runs interleaved request by request
+        import dataclasses
+
+        def saved(got: list, engines: list, what: str) -> None:
+            runs[:] = got
+            described[:] = engines
+            save()
+            log(f"saved {len(got)} runs: {what}")
+
+        hv.run_interleaved(dataclasses.replace(options, gpu_memory_utilization=args.gpu_memory), settings, encoded,
+                           decode, repeats=args.repeats, concurrency=args.concurrency, sustained=args.sustained,
+                           profile=args.profile, saved=saved)
+        for setting in settings:
+            alone = [r for r in runs if r.config == setting.label and r.concurrency <= 1 and r.repeat >= 0]
+            rate = sorted(r.generation.decode_tok_s() for r in alone)
+            log(f"{setting.label}: median decode {rate[len(rate) // 2]:.0f} tok/s")
+        return 0
     failed = 0
     for setting in settings:
         t = time.time()
@@ -174,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--tensor-parallel-size", type=int, default=1)
     b.add_argument("--pipeline-parallel-size", type=int, default=1)
     b.add_argument("--profile", action="store_true", help="time the worker's phases on one more pass")
+    b.add_argument("--interleave", action="store_true",
+                   help="all engines alive at once, each prompt run on every engine in turn (ratios robust to drift)")
+    b.add_argument("--sustained", action="store_true",
+                   help="also the whole suite with --concurrency requests kept in flight (needs --interleave)")
+    b.add_argument("--gpu-memory", type=float, default=0.85,
+                   help="with --interleave: GPU memory fraction shared by all engines")
     b.add_argument("--skip-reference", action="store_true", help="leave out `none` (an earlier call ran it)")
     b.add_argument("--fail-fast", action="store_true", help="stop at the first failing config")
     f = sub.add_parser("finish", help="CPU: raw runs -> results parquet (+ steps, phases)")
@@ -183,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--append", action="store_true", help="keep the other runs already in --out")
     f.add_argument("--commit", default=None, help="the commit whose code ran on the host (default: this checkout's)")
     args = ap.parse_args(argv)
+    if args.cmd == "bench" and args.sustained and not args.interleave:
+        ap.error("--sustained needs --interleave")
     if args.cmd == "bench":
         return bench(args)
     finish(args)

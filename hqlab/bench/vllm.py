@@ -26,8 +26,9 @@ def frames_from_raw(runs: Sequence[Run], decode: DecodeConfig, meta: dict[str, A
 
     The reference is the `none` config's margins pass when there is one (greedy), else its first timed run; it
     checks every output, concurrent ones included. `step_efficiency` = decode tok/s / (tokens/step x none's decode
-    tok/s): 1.0 when a speculative step costs what a plain step costs. Concurrent rows add `batch_wall_s` (median
-    over repeats of the whole batch's wall time) and `batch_tok_s` (all its tokens / that time). `engines` (the
+    tok/s): 1.0 when a speculative step costs what a plain step costs. Concurrent rows add `load` ("burst": all
+    submitted at once; "sustained": `concurrency` requests kept in flight over the whole suite), `batch_wall_s`
+    (median over repeats of the whole batch's wall time) and `batch_tok_s` (all its tokens / that time). `engines` (the
     engines' `describe()`) adds what vLLM chose per config: model runner and async scheduling.
     """
     tol = NEAR_TIE_TOL.get(str(meta.get("dtype", "bfloat16")), 0.01)
@@ -49,9 +50,9 @@ def frames_from_raw(runs: Sequence[Run], decode: DecodeConfig, meta: dict[str, A
         prompt = Prompt(pid, mine[0].category, ())
         repeats = max(len(g) for g in timed.values())
         r, s = prompt_rows(prompt, reference.prompt_len, timed, reference, decode, tol, base_meta, repeats)
-        rows += [{**row, "concurrency": 1} for row in r]
+        rows += [{**row, "concurrency": 1, "load": "alone"} for row in r]
         steps += [frame.with_columns(pl.lit(1).alias("concurrency")) for frame in s]
-    for (label, level), group in _groups(r for r in runs if r.concurrency > 1).items():
+    for (label, level, load), group in _groups(r for r in runs if r.concurrency > 1).items():
         walls = {}
         for r in group:
             walls.setdefault(r.repeat, r.batch_wall_s)
@@ -67,7 +68,7 @@ def frames_from_raw(runs: Sequence[Run], decode: DecodeConfig, meta: dict[str, A
                          "prompt_tokens": g.prompt_len, "new_tokens": g.new_tokens, "finish": g.finish,
                          # emitted per step: vLLM's counters cannot be told apart per request in a batch
                          "steps": g.steps, "tokens_per_step": _emitted_per_step(g), "concurrency": level,
-                         "batch_wall_s": wall, "batch_tok_s": tokens / wall if wall > 0 else math.nan,
+                         "load": load, "batch_wall_s": wall, "batch_tok_s": tokens / wall if wall > 0 else math.nan,
                          "repeats": len(walls), **_lossless_columns(check)})
             _append_steps(steps, g.records, label, r.category, concurrency=level)
     results = pl.DataFrame(rows, infer_schema_length=None)
@@ -84,10 +85,10 @@ def _emitted_per_step(g: Generation) -> float:
     return sum(r.emitted for r in g.records) / len(g.records) if g.records else math.nan
 
 
-def _groups(runs: Any) -> dict[tuple[str, int], list[Run]]:
-    out: dict[tuple[str, int], list[Run]] = {}
+def _groups(runs: Any) -> dict[tuple[str, int, str], list[Run]]:
+    out: dict[tuple[str, int, str], list[Run]] = {}
     for r in runs:
-        out.setdefault((r.config, r.concurrency), []).append(r)
+        out.setdefault((r.config, r.concurrency, r.load), []).append(r)
     return out
 
 

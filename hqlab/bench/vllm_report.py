@@ -80,13 +80,17 @@ def summary(ratios: pl.DataFrame) -> pl.DataFrame:
 
 
 def concurrency(results: pl.DataFrame) -> pl.DataFrame:
-    """Per (run, config): total throughput of the requests submitted together, and its ratio to `none`."""
+    """Per (run, load, config): total throughput of the requests run together, and its ratio to `none` under the
+    same load. `load` is "burst" (all submitted at once; results written before it existed) or "sustained"."""
     together = results.filter(pl.col("concurrency") > 1)
-    per = together.group_by(["run", "config", "concurrency"], maintain_order=True).agg(
+    if "load" not in together.columns:
+        together = together.with_columns(pl.lit("burst").alias("load"))
+    together = together.with_columns(pl.col("load").fill_null("burst"))
+    per = together.group_by(["run", "load", "config", "concurrency"], maintain_order=True).agg(
         pl.col("batch_tok_s").first(), pl.col("tokens_per_step").median(),
         (pl.col("divergence") == "mismatch").sum().alias("mismatches"))
-    none = per.filter(pl.col("config") == "none").select("run", pl.col("batch_tok_s").alias("none"))
-    return per.join(none, on="run", how="left").with_columns(
+    none = per.filter(pl.col("config") == "none").select("run", "load", pl.col("batch_tok_s").alias("none"))
+    return per.join(none, on=["run", "load"], how="left").with_columns(
         (pl.col("batch_tok_s") / pl.col("none")).alias("vs_none"),
         pl.col("config").map_elements(family, return_dtype=pl.String).alias("family"))
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from hqlab.config import ConfigError, DecodeConfig, parse_spec, resolve_spec
@@ -75,12 +75,12 @@ class VLLMOptions:
         if self.max_cudagraph_capture_size < 0:
             raise ConfigError(f"max_cudagraph_capture_size must be >= 0, 0 meaning automatic "
                               f"(got {self.max_cudagraph_capture_size})")
+        if not 0.05 <= self.gpu_memory_utilization <= 0.95:
+            raise ConfigError(f"gpu_memory_utilization must be in [0.05, 0.95] (got {self.gpu_memory_utilization})")
 
     def capture_size(self, k: int) -> int:
         """Largest step (in tokens) captured in a CUDA graph for a config drafting up to k tokens."""
         return self.max_cudagraph_capture_size or max(32, self.max_num_seqs * (k + 1))
-        if not 0.05 <= self.gpu_memory_utilization <= 0.95:
-            raise ConfigError(f"gpu_memory_utilization must be in [0.05, 0.95] (got {self.gpu_memory_utilization})")
 
 
 @dataclass(frozen=True)
@@ -333,15 +333,20 @@ class VLLMEngine:
                           ttft_s=ttft, total_s=total, t_last=t_last, records=records, margins=margin_values)
 
     def generate_concurrent(self, prompts: Sequence[Sequence[int]], decode: DecodeConfig,
-                            requests: Sequence[str]) -> tuple[list[Generation], float]:
-        """All prompts submitted at once (vLLM batches them as its scheduler sees fit); (generations, wall s).
+                            requests: Sequence[str], in_flight: int = 0) -> tuple[list[Generation], float]:
+        """Many requests; (generations in the order given, wall s from the first submission to the last token).
 
-        Each request's steps are timed from the batch's start; a record's `batch` is how many requests drafted in
-        that step (GPU speculator and adapter) or emitted in it (vLLM's own methods)."""
+        `in_flight` 0 submits every prompt at once (a burst: vLLM batches them as its scheduler sees fit, and the
+        slowest request sets the wall time). `in_flight` n keeps n requests running: the first n are submitted
+        together and each time one finishes the next prompt is submitted in the same engine step (a closed loop,
+        as a server with n clients sees it). Each request's steps are timed from its own submission; a record's
+        `batch` is how many requests drafted in that step (GPU speculator and adapter)."""
         from vllm import SamplingParams
         from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
+        if in_flight < 0:
+            raise ConfigError(f"in_flight must be >= 0, 0 meaning all at once (got {in_flight})")
         params = SamplingParams(
             temperature=decode.temperature, top_p=decode.top_p, top_k=decode.top_k if decode.top_k > 0 else 0,
             seed=None if decode.greedy else decode.seed, max_tokens=decode.max_new_tokens,
@@ -349,29 +354,40 @@ class VLLMEngine:
         if self.setting.uses_adapter:
             self.take_adapter_records()
         self._counter += 1
-        rids = {f"{name}-{self._counter}": name for name in requests}
+        rids = {f"{name}-{self._counter}-{i}": name for i, name in enumerate(requests)}
+        queue = list(zip(rids, prompts))
         events: dict[str, list[StepEvent]] = {rid: [] for rid in rids}
         outputs: dict[str, list[int]] = {rid: [] for rid in rids}
         finish = {rid: "length" for rid in rids}
+        added: dict[str, float] = {}
         t0 = time.perf_counter()
-        for rid, ids in zip(rids, prompts):
-            self.engine.add_request(rid, tokens_input([int(t) for t in ids]), params)
-        while self.engine.has_unfinished_requests():
+
+        def submit(count: int) -> None:
+            for _ in range(min(count, len(queue))):
+                rid, ids = queue.pop(0)
+                added[rid] = time.perf_counter()
+                self.engine.add_request(rid, tokens_input([int(t) for t in ids]), params)
+
+        submit(in_flight or len(queue))
+        while self.engine.has_unfinished_requests() or queue:
             before = len(self._stats)
             outs = self.engine.step()
-            t = time.perf_counter() - t0
+            now = time.perf_counter()
             new = [s for s in self._stats[before:] if s is not None]
             emitting = [o for o in outs if o.outputs and len(o.outputs[0].token_ids)]
+            done = 0
             for out in outs:
                 completion = out.outputs[0]
                 if completion.token_ids:
                     # vLLM's counters are per step, not per request: share them out only when one request ran
                     share = new if len(emitting) == 1 else []
-                    events[out.request_id].append(StepEvent(t, len(completion.token_ids),
+                    events[out.request_id].append(StepEvent(now - added[out.request_id], len(completion.token_ids),
                                                             sum(s[1] for s in share), sum(s[2] for s in share)))
                     outputs[out.request_id] += list(completion.token_ids)
                 if out.finished:
+                    done += 1
                     finish[out.request_id] = "eos" if completion.finish_reason == "stop" else "length"
+            submit(done if in_flight else 0)
         wall = time.perf_counter() - t0
         adapter = self.take_adapter_records() if self.setting.uses_adapter else []
         gens = []
@@ -438,6 +454,7 @@ class Run:
     generation: Generation
     concurrency: int = 1  # requests submitted together (1: one at a time)
     batch_wall_s: float = math.nan  # wall time of the whole concurrent batch this run was part of
+    load: str = "alone"  # "alone", "burst" (all submitted at once) or "sustained" (`concurrency` kept in flight)
 
 
 def check_prompts(options: VLLMOptions, prompts: Sequence[tuple[str, str, list[int]]], decode: DecodeConfig) -> None:
@@ -477,7 +494,7 @@ def run_setting(options: VLLMOptions, setting: EngineSetting, prompts: Sequence[
         group = list(prompts[:concurrency]) if concurrency > 1 else []
         for r in range(repeats if group else 0):
             gens, wall = engine.generate_concurrent([ids for _, _, ids in group], decode, [pid for pid, _, _ in group])
-            runs += [Run(setting.label, pid, category, r, g, len(group), wall)
+            runs += [Run(setting.label, pid, category, r, g, len(group), wall, "burst")
                      for (pid, category, _), g in zip(group, gens)]
         if profile:
             description["profile"] = []
@@ -488,6 +505,89 @@ def run_setting(options: VLLMOptions, setting: EngineSetting, prompts: Sequence[
     finally:
         engine.close()
     return runs, description
+
+
+def interleaved_order(n_engines: int, n_items: int) -> list[tuple[int, int]]:
+    """(item, engine) pairs of one interleaved round: every engine runs item 0, then every engine item 1, ...; the
+    engine that goes first rotates from item to item, so no config always runs right after the same other one."""
+    return [(i, (i + j) % n_engines) for i in range(n_items) for j in range(n_engines)]
+
+
+def run_interleaved(options: VLLMOptions, settings: Sequence[EngineSetting],
+                    prompts: Sequence[tuple[str, str, list[int]]], decode: DecodeConfig, *, repeats: int = 1,
+                    concurrency: int = 0, sustained: bool = False, profile: bool = False,
+                    saved: Callable[[list[Run], list[dict[str, Any]], str], None] | None = None
+                    ) -> tuple[list[Run], list[dict[str, Any]]]:
+    """Every config on its own engine, all engines alive at once, the measurements interleaved request by request.
+
+    Why: a decode step on a 0.5B model is host-bound, and the same engine's speed drifts by tens of percent over a
+    few minutes on a shared host; one engine after another turns that drift into differences between configs.
+    Here each round runs prompt 1 on every engine, then prompt 2 on every engine, ..., so the runs that a ratio
+    compares are seconds apart. GPU memory is split between the engines (`options.gpu_memory_utilization` is the
+    total). Then, with `concurrency` > 1, the first `concurrency` prompts as a burst on each engine in turn, and
+    with `sustained` the whole suite with `concurrency` requests kept in flight; each `repeats` rounds. `profile`:
+    then every prompt once more per engine with the worker's phases timed (kept under "profile"). `saved(runs,
+    descriptions, what)` is called after every round, so a call cut short keeps what it measured."""
+    if repeats < 1:
+        raise ConfigError(f"repeats must be >= 1 (got {repeats})")
+    if concurrency < 0 or concurrency > options.max_num_seqs:
+        raise ConfigError(f"concurrency must be in [0, max_num_seqs={options.max_num_seqs}] (got {concurrency})")
+    if sustained and concurrency < 2:
+        raise ConfigError("sustained load needs concurrency >= 2 (requests kept in flight)")
+    share = round(options.gpu_memory_utilization / max(1, len(settings)), 3)
+    if share < 0.05:
+        raise ConfigError(f"{len(settings)} engines at once leave each {share:.3f} of the GPU's memory; raise "
+                          f"gpu_memory_utilization or run fewer configs per call (each engine needs >= 0.05)")
+    each = replace(options, gpu_memory_utilization=share)
+    engines: list[VLLMEngine] = []
+    runs: list[Run] = []
+    described: list[dict[str, Any]] = []
+
+    def save(what: str) -> None:
+        if saved is not None:
+            saved(runs, described, what)
+
+    try:
+        for setting in settings:
+            engine = VLLMEngine(each, setting)
+            engines.append(engine)
+            described.append(engine.describe())
+            if prompts:  # first requests pay for lazy compilation and allocator growth
+                engine.generate(prompts[0][2], decode=DecodeConfig(max_new_tokens=32), request="warmup")
+        for engine in engines:
+            if engine.setting.label == "none" and decode.greedy:
+                runs += [Run("none", pid, category, -1, engine.generate(ids, decode=decode, request=pid, margins=True))
+                         for pid, category, ids in prompts]
+        save("engines started")
+        for r in range(repeats):
+            for i, e in interleaved_order(len(engines), len(prompts)):
+                pid, category, ids = prompts[i]
+                runs.append(Run(engines[e].setting.label, pid, category, r,
+                                engines[e].generate(ids, decode=decode, request=pid)))
+            save(f"round {r + 1} of {repeats} alone")
+        loads = [("burst", list(prompts[:concurrency]), 0)] if concurrency > 1 else []
+        if sustained:
+            loads.append(("sustained", list(prompts), concurrency))
+        for load, group, in_flight in loads:
+            for r in range(repeats):
+                for e in ((r + j) % len(engines) for j in range(len(engines))):  # who goes first rotates
+                    gens, wall = engines[e].generate_concurrent([ids for _, _, ids in group], decode,
+                                                                [pid for pid, _, _ in group], in_flight=in_flight)
+                    runs += [Run(engines[e].setting.label, pid, category, r, g, concurrency, wall, load)
+                             for (pid, category, _), g in zip(group, gens)]
+                save(f"round {r + 1} of {repeats} {load}")
+        if profile:
+            for engine, description in zip(engines, described):
+                description["profile"] = []
+                for pid, category, ids in prompts:
+                    timed = engine.profile(ids, decode, request=pid)
+                    description["profile"].append({"prompt_id": pid, "category": category, "phases": timed["phases"],
+                                                   "steps": [asdict(x) for x in timed["generation"].records]})
+            save("profiled")
+    finally:
+        for engine in engines:
+            engine.close()
+    return runs, described
 
 
 def run_configs(options: VLLMOptions, prompts: Sequence[tuple[str, str, list[int]]], specs: Sequence[str],
@@ -512,7 +612,8 @@ def run_configs(options: VLLMOptions, prompts: Sequence[tuple[str, str, list[int
 
 
 RAW_COLUMNS = ("config", "prompt_id", "category", "repeat", "prompt_len", "output_ids", "margins", "finish",
-               "ttft_s", "total_s", "t_last", "records")  # + concurrency, batch_wall_s (absent in older tables: 1, NaN)
+               "ttft_s", "total_s", "t_last", "records")
+# + concurrency, batch_wall_s, load (absent in older tables: 1, NaN, "alone"/"burst")
 
 
 def raw_table(runs: Sequence[Run]):
@@ -524,12 +625,12 @@ def raw_table(runs: Sequence[Run]):
              "margins": [float(m) for m in r.generation.margins], "finish": r.generation.finish,
              "ttft_s": r.generation.ttft_s, "total_s": r.generation.total_s, "t_last": r.generation.t_last,
              "records": json.dumps([asdict(s) for s in r.generation.records]), "concurrency": r.concurrency,
-             "batch_wall_s": r.batch_wall_s} for r in runs]
+             "batch_wall_s": r.batch_wall_s, "load": r.load} for r in runs]
     schema = pa.schema([("config", pa.string()), ("prompt_id", pa.string()), ("category", pa.string()),
                         ("repeat", pa.int32()), ("prompt_len", pa.int32()), ("output_ids", pa.list_(pa.int64())),
                         ("margins", pa.list_(pa.float64())), ("finish", pa.string()), ("ttft_s", pa.float64()),
                         ("total_s", pa.float64()), ("t_last", pa.float64()), ("records", pa.string()),
-                        ("concurrency", pa.int32()), ("batch_wall_s", pa.float64())])
+                        ("concurrency", pa.int32()), ("batch_wall_s", pa.float64()), ("load", pa.string())])
     return pa.Table.from_pylist(rows, schema=schema)
 
 
@@ -545,8 +646,10 @@ def runs_from_raw(raw: Any) -> list[Run]:
         gen = Generation(request=row["prompt_id"], prompt_len=row["prompt_len"], output_ids=list(row["output_ids"]),
                          finish=row["finish"], ttft_s=row["ttft_s"], total_s=row["total_s"], t_last=row["t_last"],
                          records=records, margins=list(row["margins"] or []))
-        runs.append(Run(row["config"], row["prompt_id"], row["category"], int(row["repeat"]), gen,
-                        int(row.get("concurrency") or 1), float(row.get("batch_wall_s") or math.nan)))
+        level = int(row.get("concurrency") or 1)
+        runs.append(Run(row["config"], row["prompt_id"], row["category"], int(row["repeat"]), gen, level,
+                        float(row.get("batch_wall_s") or math.nan),
+                        row.get("load") or ("alone" if level <= 1 else "burst")))  # older tables: no load column
     return runs
 
 
@@ -557,5 +660,6 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[Any]) -> list[tuple[str, st
 
 
 __all__ = ["VLLMOptions", "EngineSetting", "setting_for", "settings_for", "StepEvent", "step_records", "VLLMEngine",
-           "Run", "check_prompts", "run_setting", "run_configs", "encode_prompts", "raw_table", "runs_from_raw",
+           "Run", "check_prompts", "run_setting", "run_configs", "run_interleaved", "interleaved_order",
+           "encode_prompts", "raw_table", "runs_from_raw",
            "records_from_workers", "NATIVE", "UNKNOWN_TOKEN"]
