@@ -89,6 +89,12 @@ def bench(args: argparse.Namespace) -> int:
 
     if args.interleave:  # every engine alive at once, runs interleaved request by request
         import dataclasses
+        import faulthandler
+
+        # Engine processes started by fork inherit the threads and sockets of the engines already running; spawn
+        # starts them clean (they load hqlab's plugin through its entry point). A stall shows as stack dumps.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        faulthandler.dump_traceback_later(150, repeat=True)
 
         def saved(got: list, engines: list, what: str) -> None:
             runs[:] = got
