@@ -466,11 +466,13 @@ def check_prompts(options: VLLMOptions, prompts: Sequence[tuple[str, str, list[i
 
 def run_setting(options: VLLMOptions, setting: EngineSetting, prompts: Sequence[tuple[str, str, list[int]]],
                 decode: DecodeConfig, *, repeats: int = 1, bar: Any = None,
-                concurrency: int = 0, profile: bool = False) -> tuple[list[Run], dict[str, Any]]:
+                concurrency: int = 0, sustained: bool = False, profile: bool = False
+                ) -> tuple[list[Run], dict[str, Any]]:
     """One engine: a warm-up request, then every (prompt id, category, token ids) `repeats` times; for the `none`
     reference under greedy decoding also the margins pass. With `concurrency` > 1, then the first `concurrency`
-    prompts submitted together, `repeats` times. `profile`: then every prompt once more with the worker's phases
-    timed, kept in the description under "profile". Returns the runs and the engine's description."""
+    prompts submitted together, `repeats` times, and with `sustained` every prompt with `concurrency` requests kept
+    in flight. `profile`: then every prompt once more with the worker's phases timed, kept in the description under
+    "profile". Returns the runs and the engine's description."""
     if repeats < 1:
         raise ConfigError(f"repeats must be >= 1 (got {repeats})")
     if concurrency < 0 or concurrency > options.max_num_seqs:
@@ -496,6 +498,11 @@ def run_setting(options: VLLMOptions, setting: EngineSetting, prompts: Sequence[
             gens, wall = engine.generate_concurrent([ids for _, _, ids in group], decode, [pid for pid, _, _ in group])
             runs += [Run(setting.label, pid, category, r, g, len(group), wall, "burst")
                      for (pid, category, _), g in zip(group, gens)]
+        for r in range(repeats if group and sustained else 0):
+            gens, wall = engine.generate_concurrent([ids for _, _, ids in prompts], decode,
+                                                    [pid for pid, _, _ in prompts], in_flight=concurrency)
+            runs += [Run(setting.label, pid, category, r, g, concurrency, wall, "sustained")
+                     for (pid, category, _), g in zip(prompts, gens)]
         if profile:
             description["profile"] = []
             for pid, category, ids in prompts:
