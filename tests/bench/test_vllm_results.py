@@ -82,3 +82,35 @@ def test_gpu_finish_turns_returned_raw_runs_into_bench_results(tmp_path):
     assert results["vllm_runner"].to_list() == ["v2", "v1"] and results["speedup_e2e"][1] == pytest.approx(2.0)
     assert results["machine"][0].startswith("NVIDIA H200") and results["engine"][0] == "vllm"
     assert pl.read_parquet(tmp_path / "core_vllm-h200.steps.parquet").height == 6
+
+
+def test_burst_and_sustained_loads_are_kept_apart_and_old_tables_read_as_burst():
+    """Concurrent runs under the two loads become separate rows (`load` column) with their own batch throughput;
+    a raw table written before the `load` column existed reads its concurrent runs as bursts."""
+    import polars as pl
+
+    from hqlab.bench import vllm_report
+    from hqlab.bench.vllm import frames_from_raw
+    from hqlab.config import DecodeConfig
+    from hqlab.engines.vllm import Run, raw_table, runs_from_raw
+
+    ref = [5, 6, 7, 8, 9, 10]
+    runs = [Run("none", "copy", "copy", 0, _generation(ref, total=2.0))]
+    for config, burst_wall, sustained_wall in (("none", 4.0, 8.0), ("gpu-lookup:k=15", 5.0, 4.0)):
+        runs += [Run(config, pid, "copy", 0, _generation(ref), 2, burst_wall, "burst") for pid in ("copy", "qa")]
+        runs += [Run(config, pid, "copy", 0, _generation(ref), 2, sustained_wall, "sustained")
+                 for pid in ("copy", "qa", "edit")]
+    back = runs_from_raw(pl.from_arrow(raw_table(runs)))
+    assert [r.load for r in back] == [r.load for r in runs]
+    results, _ = frames_from_raw(back, DecodeConfig(max_new_tokens=6), {"dtype": "bfloat16"})
+    together = results.filter(pl.col("concurrency") > 1)
+    assert together.group_by("config", "load").len().sort("config", "load").to_dicts() == [
+        {"config": "gpu-lookup:k=15", "load": "burst", "len": 2},
+        {"config": "gpu-lookup:k=15", "load": "sustained", "len": 3},
+        {"config": "none", "load": "burst", "len": 2}, {"config": "none", "load": "sustained", "len": 3}]
+    ratio = {(r["load"], r["config"]): r["vs_none"]
+             for r in vllm_report.concurrency(results.with_columns(pl.lit("x").alias("run"))).to_dicts()}
+    assert ratio[("burst", "gpu-lookup:k=15")] == pytest.approx(4.0 / 5.0)  # 12 tokens in 5 s vs in 4 s
+    assert ratio[("sustained", "gpu-lookup:k=15")] == pytest.approx(8.0 / 4.0)
+    old = pl.from_arrow(raw_table(runs)).drop("load")
+    assert {r.load for r in runs_from_raw(old)} == {"alone", "burst"}
