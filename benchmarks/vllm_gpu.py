@@ -12,10 +12,13 @@
     async_scheduling, run) and `<out>.steps.parquet`, and the phase timings to `<out>.phases.parquet`;
     `--run NAME --append` adds another run (its own reference) to the same files.
 
+--sustained adds the whole suite with --concurrency requests kept in flight (a closed loop, as a server sees it).
 --interleave starts every config's engine at once and runs each prompt on all of them in turn, so the ratios
-compare runs seconds apart (a host-bound step drifts by tens of percent over minutes); --sustained adds the whole
-suite with --concurrency requests kept in flight. `none` always runs first in a call unless --skip-reference; a failing config is logged and the others still run
-(--fail-fast stops at the first failure instead, to save device time while a new path is brought up).
+compare runs seconds apart (a host-bound step drifts by tens of percent over minutes); its first try on the H200
+stalled after the first prompt (data/results/vllm_gpu_h200_i.log) and it now starts engine processes with spawn,
+not yet measured. `none` always runs first in a call unless --skip-reference; a failing config is logged and the
+others still run (--fail-fast stops at the first failure instead, to save device time while a new path is brought
+up).
 """
 
 from __future__ import annotations

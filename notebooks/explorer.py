@@ -33,6 +33,7 @@ suite = "labd"
 doc_tokens = 1500
 max_new_tokens = 128
 limit = 0
+shipped_traces = ["data/results/traces_0.5b_all_128.parquet"]  # committed traces; [] records them
 request = "code"
 compare = ["lookup:nmin=6,nmax=12,k=15", "lookup:nmin=1,nmax=32,k=15,policy=earliest", "pld:n=3,k=10"]
 start = "lookup:nmin=6,nmax=12,k=15"
@@ -53,9 +54,9 @@ from hqlab.site import explorer
 from hqlab.trace import records_frame
 
 alt.renderers.enable("svg")
-# the target's greedy outputs from the trace cache (the model loads only if they were never recorded)
+# the greedy outputs: trace cache, else the shipped set, else recorded here (only then does the model load)
 found = cached_traces(model, suite, max_new_tokens, dtype=dtype, device=device, doc_tokens=doc_tokens,
-                      limit=limit)
+                      limit=limit, shipped=shipped_traces)
 traces, tokenizer = found.traces, found.tokenizer
 by_id = {t.prompt_id: t for t in traces}
 trace = by_id.get(request, traces[0])

@@ -33,6 +33,7 @@ suite = "labd"
 doc_tokens = 1500
 max_new_tokens = 160
 limit = 0
+shipped_traces = ["data/results/traces_1.5b_labd_160.parquet"]  # committed traces; [] records them
 k = 15
 fusion_grid = ["nstrong=6,agree=0", "nstrong=8,agree=2", "nstrong=8,agree=0", "nstrong=12,agree=0",
                "nstrong=6,agree=0,nmin_tail=2", "nstrong=6,agree=0,nmin_tail=6", "rule=score"]
@@ -55,9 +56,9 @@ alt.renderers.enable("svg")
 pl.Config.set_tbl_width_chars(160)
 figures, results = Path(figures_dir), Path(results_dir)
 results.mkdir(parents=True, exist_ok=True)
-# the target's greedy outputs from the trace cache (the target loads only if they were never recorded)
+# the greedy outputs: trace cache, else the shipped set, else recorded here (only then does the model load)
 traces = cached_traces(target, suite, max_new_tokens, dtype=dtype, device=device, doc_tokens=doc_tokens,
-                       limit=limit).traces
+                       limit=limit, shipped=shipped_traces).traces
 draft = load_drafter(drafter, device=device, dtype=dtype)
 print(machine_description(draft.device), "|", target, "drafted by", drafter, "|", len(traces), "prompts")
 

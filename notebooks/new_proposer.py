@@ -34,6 +34,7 @@ suite = "all"
 doc_tokens = 1500
 max_new_tokens = 128
 limit = 0
+shipped_traces = ["data/results/traces_0.5b_all_128.parquet"]  # committed traces; [] records them
 toy_grid = {"k": [4, 8, 15], "min_count": [1, 2]}
 builtins = ["lookup:nmin=6,nmax=12,k=15", "lookup:nmin=1,nmax=32,k=15,policy=earliest", "pld:n=3,k=10"]
 live_configs = ["bigram:k=8,min_count=1", "lookup:nmin=6,nmax=12,k=15"]
@@ -119,7 +120,7 @@ figures, results = Path(figures_dir), Path(results_dir)
 results.mkdir(parents=True, exist_ok=True)
 engine = HFEngine.load(model, device=device, dtype=dtype)  # the live runs below need it anyway
 found = cached_traces(model, suite, max_new_tokens, dtype=dtype, device=device, doc_tokens=doc_tokens,
-                      limit=limit, engine=engine)
+                      limit=limit, engine=engine, shipped=shipped_traces)
 prompts, traces = found.prompts, found.traces
 decode = DecodeConfig(max_new_tokens=max_new_tokens)
 print(machine_description(engine.device), "|", len(prompts), "prompts")

@@ -29,6 +29,7 @@ suite = "all"
 doc_tokens = 1500
 max_new_tokens = 128
 limit = 0
+shipped_traces = ["data/results/traces_0.5b_all_128.parquet"]  # committed traces; [] records them
 nmin_grid = [1, 2, 3, 4, 6, 8]
 nmax_grid = [3, 4, 8, 12, 16, 32]
 k_grid = [4, 8, 15]
@@ -59,7 +60,7 @@ pl.Config.set_tbl_width_chars(160)
 figures, results = Path(figures_dir), Path(results_dir)
 engine = HFEngine.load(model, device=device, dtype=dtype)  # the cost model and the live check need it anyway
 found = cached_traces(model, suite, max_new_tokens, dtype=dtype, device=device, doc_tokens=doc_tokens,
-                      limit=limit, engine=engine)
+                      limit=limit, engine=engine, shipped=shipped_traces)
 prompts = found.prompts
 decode = DecodeConfig(max_new_tokens=max_new_tokens)
 print(machine_description(engine.device), "|", len(prompts), "prompts")

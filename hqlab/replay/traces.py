@@ -7,6 +7,12 @@ them. `cached_traces(model, suite, max_new_tokens, dtype=..., device=...)` is th
 commands: it loads only the tokenizer when everything is cached and the model only to record what is missing;
 `record_traces(engine, prompts, decode)` does the same with an engine already loaded. `save_traces` and
 `load_traces` keep a trace set in one parquet file, to ship with results computed from it.
+
+Shipped trace sets (`cached_traces(..., shipped=[file])`): the repository carries the traces its notebooks replay
+(data/results/traces_*.parquet, recorded once on CPU), so a first `make figures` replays them instead of spending
+most of its time decoding the 1.5B target on a CPU. A shipped trace stands in for a missing cached one only when
+model, checkpoint, dtype, prompt tokens and max_new_tokens are all the same; it keeps the provenance (device,
+versions) of the machine that recorded it. Pass no shipped files to record everything on your own device.
 """
 
 from __future__ import annotations
@@ -150,7 +156,8 @@ class TracesMissing(ConfigError):
 @dataclass
 class TraceSet:
     """Traces of a workload (`cached_traces`): the traces, their prompts, the tokenizer that encoded them, where
-    they come from, how many this call recorded (0: all from the cache) and the engine, if one was loaded."""
+    they come from, how many this call recorded (0: none), the engine, if one was loaded, and how many came from
+    a shipped trace set."""
 
     traces: list[Trace]
     prompts: list[Prompt]
@@ -158,18 +165,22 @@ class TraceSet:
     origin: TraceOrigin
     recorded: int
     engine: Any = None
+    shipped: int = 0  # how many came from a shipped trace set (recorded elsewhere; each trace says where)
 
 
 def cached_traces(model: str | None, suite: str | Sequence[Prompt], max_new_tokens: int, *, dtype: str = "auto",
                   device: str = "auto", doc_tokens: int | None = 1500, limit: int = 0, engine: Any = None,
-                  record: bool = True, cache_dir: Path = TRACE_DIR, progress: bool = True) -> TraceSet:
+                  record: bool = True, cache_dir: Path = TRACE_DIR, progress: bool = True,
+                  shipped: str | Path | Sequence[str | Path] = ()) -> TraceSet:
     """The greedy no-speculation traces of `model` on `suite` (a suite name, a JSONL file or a list of prompts;
     the first `limit` if > 0), one per prompt, through the on-disk trace cache shared by every notebook and
     command: a trace set is recorded once per model, prompt, length, dtype and device.
 
     Only the tokenizer is loaded when every trace is cached. Missing traces are recorded with `engine` when one
     is given (it must be `model` on `device` in `dtype`), else by loading the model; with `record=False` they
-    raise `TracesMissing` naming the prompts."""
+    raise `TracesMissing` naming the prompts. `shipped`: trace set files (`save_traces`) consulted before
+    recording: a trace of the same model, checkpoint, dtype, prompt tokens and max_new_tokens is taken from
+    there (a file that does not exist is an error; one without a matching trace adds nothing)."""
     from hqlab import models
     from hqlab.workloads import load_workload
 
@@ -201,6 +212,17 @@ def cached_traces(model: str | None, suite: str | Sequence[Prompt], max_new_toke
             found[i] = Trace(prompt.id, prompt.category, ids, rec["output_ids"], max_new_tokens,
                              rec.get("provenance"))
     missing = [i for i in range(len(prompts)) if i not in found]
+    from_files = shipped_traces(shipped, origin, max_new_tokens) if missing and shipped else {}
+    taken = [i for i in missing if tuple(encoded[i]) in from_files]
+    for i in taken:
+        trace = from_files[tuple(encoded[i])]
+        found[i] = Trace(prompts[i].id, prompts[i].category, encoded[i], trace.output_ids, max_new_tokens,
+                         trace.provenance)
+    missing = [i for i in missing if i not in found]
+    if taken:
+        devices = sorted({str((found[i].provenance or {}).get("device") or "an unrecorded device") for i in taken})
+        print(f"{len(taken)} of {len(prompts)} traces of {origin.describe()} from shipped trace sets (recorded on "
+              f"{', '.join(devices)}); pass no shipped files to record them on this machine", flush=True)
     if missing and not record:
         raise TracesMissing(f"no cached trace of {origin.describe()}, max_new_tokens={max_new_tokens} for "
                             f"prompt(s) {', '.join(prompts[i].id for i in missing)}; record them first "
@@ -216,7 +238,35 @@ def cached_traces(model: str | None, suite: str | Sequence[Prompt], max_new_toke
         for i in tqdm(missing, desc="traces", disable=not progress):
             found[i] = _record(engine, origin, prompts[i], encoded[i], decode,
                                cache_dir / f"{origin.key(encoded[i], decode)}.json")
-    return TraceSet([found[i] for i in range(len(prompts))], prompts, tokenizer, origin, len(missing), engine)
+    return TraceSet([found[i] for i in range(len(prompts))], prompts, tokenizer, origin, len(missing), engine,
+                    len(taken))
+
+
+def shipped_model(origin: TraceOrigin) -> str:
+    """The `model` column `save_traces` is given for a shipped set: name, checkpoint hash and dtype."""
+    return f"{origin.model}:{origin.sha256}:{origin.dtype}"
+
+
+def shipped_traces(paths: str | Path | Sequence[str | Path], origin: TraceOrigin,
+                   max_new_tokens: int) -> dict[tuple[int, ...], Trace]:
+    """The traces of shipped trace set files that `origin` with `max_new_tokens` would have recorded, by prompt
+    tokens: rows of the same model, checkpoint and dtype (the file's `model` column, `shipped_model`) and the same
+    max_new_tokens. A missing file is an error naming it; rows of other models are skipped."""
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    want = shipped_model(origin)
+    out: dict[tuple[int, ...], Trace] = {}
+    for path in paths:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"shipped trace set {str(path)!r} does not exist (pass no shipped files to record "
+                              f"the traces instead)")
+        traces = load_traces(path)  # validates the file
+        names = pl.read_parquet(path, columns=["model"])["model"].to_list() \
+            if "model" in pl.read_parquet_schema(path) else [""] * len(traces)  # no model column: matches nothing
+        for trace, model in zip(traces, names):
+            if model == want and trace.max_new_tokens == max_new_tokens:
+                out.setdefault(tuple(int(t) for t in trace.prompt_ids), trace)
+    return out
 
 
 def save_traces(traces: Sequence[Trace], path: str | Path, *, model: str = "") -> Path:

@@ -66,3 +66,31 @@ def test_second_request_hits_the_cache_and_another_dtype_misses(tmp_path, engine
     # saved with the trace set and read back
     saved = traces.load_traces(traces.save_traces(again.traces, tmp_path / "set.parquet"))
     assert saved == again.traces and saved[0].provenance == again.traces[0].provenance
+
+
+def test_shipped_trace_set_stands_in_for_missing_traces_of_the_same_model_and_settings(tmp_path):
+    """The committed 0.5B trace set serves the labd workload as the notebooks encode it today (a stale file would
+    fail here: its prompt tokens would no longer match), without loading the model; other settings take nothing
+    from it, and a missing file is an error."""
+    import polars as pl
+
+    from hqlab.io import REPO
+
+    shipped = REPO / "data" / "results" / "traces_0.5b_all_128.parquet"
+    found = traces.cached_traces("qwen2.5-coder-0.5b", "labd", 128, device="cpu", doc_tokens=1500, record=False,
+                                 cache_dir=tmp_path, shipped=[shipped], progress=False)
+    assert (found.recorded, found.shipped, found.engine) == (0, 6, None)
+    assert [t.prompt_id for t in found.traces] == ["copy", "code", "edit", "quote", "summary", "qa"]
+    rows = {r["prompt_id"]: r for r in pl.read_parquet(shipped).to_dicts()}
+    assert all(t.output_ids == rows[t.prompt_id]["output_ids"] and t.prompt_ids == rows[t.prompt_id]["prompt_ids"]
+               for t in found.traces)
+    assert not list(tmp_path.iterdir())  # nothing written into the cache: shipped traces keep their own origin
+    with pytest.raises(traces.TracesMissing, match="copy, code, edit"):  # another length: not in the file
+        traces.cached_traces("qwen2.5-coder-0.5b", "labd", 64, device="cpu", doc_tokens=1500, record=False,
+                             cache_dir=tmp_path, shipped=[shipped], progress=False)
+    with pytest.raises(traces.TracesMissing):  # another dtype: not in the file
+        traces.cached_traces("qwen2.5-coder-0.5b", "labd", 128, device="cpu", dtype="float32", doc_tokens=1500,
+                             record=False, cache_dir=tmp_path, shipped=[shipped], progress=False)
+    with pytest.raises(ConfigError, match="does not exist"):
+        traces.cached_traces("qwen2.5-coder-0.5b", "labd", 128, device="cpu", doc_tokens=1500, record=False,
+                             cache_dir=tmp_path, shipped=[tmp_path / "nope.parquet"], progress=False)
