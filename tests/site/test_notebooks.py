@@ -15,10 +15,11 @@ DOCS = REPO / "docs"
 # Small parameter sets for CI: few prompts, few tokens, tiny grids. Output locations go to a temp dir.
 SMALL = {
     # the 0.5B drafting for itself keeps these cheap; the defaults use the 1.5B target
-    "fusion": dict(target="qwen2.5-coder-0.5b", limit=2, doc_tokens=300, max_new_tokens=16,
+    # rerun: replay here (their default re-plots the committed replay); the shipped 1.5B traces do not match
+    "fusion": dict(target="qwen2.5-coder-0.5b", limit=2, doc_tokens=300, max_new_tokens=16, rerun=True,
                    fusion_grid=["nstrong=6,agree=0", "nstrong=8,agree=2"]),
     "sticky_exit": dict(target="qwen2.5-coder-0.5b", limit=1, doc_tokens=300, max_new_tokens=16, sticky_grid=[0, 3],
-                        entry_grid=[2], stale_grid=[0, 1]),
+                        entry_grid=[2], stale_grid=[0, 1], rerun=True),
     "fusion_benchmark": dict(published_dir=str(REPO / "data" / "results")),  # re-plot the committed runs
     "suffix_lengths": dict(limit=3, suite="all", max_new_tokens=24, doc_tokens=300, nmin_grid=[2, 6],
                            nmax_grid=[6, 12], k_grid=[4, 15], cost_contexts=[128, 512], cost_verify_lens=[1, 4, 16],
