@@ -91,14 +91,20 @@ if data["phases"].height:
 
 # %% [markdown]
 # ## Eight requests at once: total throughput
+#
+# A burst submits eight prompts together (the slowest sets the wall time); a sustained load keeps eight in flight
+# over the whole suite. Each is compared with `none` under the same load in the same run.
 
 # %%
 together = vllm_report.concurrency(data["results"])
 if together.height:
     shown = together.filter(pl.col("config") != "none").with_columns(
-        pl.col("config").map_elements(vllm_report.short_label, return_dtype=pl.String))
+        pl.col("config").map_elements(vllm_report.short_label, return_dtype=pl.String),
+        (pl.col("run") + pl.when(pl.col("load") == "burst").then(pl.lit("")).otherwise(" · " + pl.col("load")))
+        .alias("run"))
     chart = plots.grouped_bars(shown, "run", "vs_none", "config",
                                y_title="total tok/s ÷ none (8 requests)", rule_at=1.0)
     plots.save(chart, Path(figures_dir) / "vllm_gpu_concurrency.svg")
-    display(together.select("run", "config", "batch_tok_s", "vs_none", "tokens_per_step", "mismatches"))  # noqa: F821
+    display(together.select("run", "load", "config", "batch_tok_s", "vs_none", "tokens_per_step",  # noqa: F821
+                            "mismatches"))
     display(chart)  # noqa: F821
