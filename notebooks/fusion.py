@@ -25,8 +25,8 @@
 # 2. (speed, batches: see `fusion_benchmark.py`, which re-plots the live benchmark).
 #
 # With `rerun = False` (the default of `make figures`) it re-plots the committed replay
-# (`data/results/fusion_replay.parquet`); `rerun = True` replays here: the drafter's forward passes over the six
-# 1,700-token traces take about 12 minutes on two CPU cores in bf16 (seconds on a GPU).
+# (`data/results/fusion_replay.parquet`); `rerun = True` replays here: the drafter's forward pass over each of the six
+# 1,700-token traces is most of the time on a CPU (bf16 without native CPU support is slow; seconds on a GPU).
 
 # %% tags=["parameters"]
 target = "qwen2.5-coder-1.5b"
@@ -42,7 +42,7 @@ k = 15
 fusion_grid = ["nstrong=6,agree=0", "nstrong=8,agree=2", "nstrong=8,agree=0", "nstrong=12,agree=0",
                "nstrong=6,agree=0,nmin_tail=2", "nstrong=6,agree=0,nmin_tail=6", "rule=score"]
 schedule = "sticky=3"
-rerun = False  # False: re-plot the committed replay (published_dir); True: replay here (teacher-forces the drafter)
+rerun = False  # False: re-plot the committed replay (published_dir); True: replay here (runs the drafter)
 figures_dir = "figures"
 results_dir = "data/results"  # where a rerun writes
 published_dir = "data/results"  # where the committed replay is read from when not rerunning

@@ -24,7 +24,7 @@
 #
 # With `rerun = False` (the default of `make figures`) the grid re-plots the committed replay
 # (`data/results/sticky_replay.parquet`) and only the one-request timeline is replayed here; `rerun = True` replays
-# the whole grid (the drafter's forward passes over six 1,700-token traces: about 12 minutes on two CPU cores).
+# the whole grid (one drafter forward pass over each of the six 1,700-token traces: slow in bf16 on a CPU).
 
 # %% tags=["parameters"]
 target = "qwen2.5-coder-1.5b"
