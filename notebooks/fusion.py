@@ -37,7 +37,7 @@ suite = "labd"
 doc_tokens = 1500
 max_new_tokens = 160
 limit = 0
-shipped_traces = ["data/results/traces_1.5b_labd_160.parquet"]  # committed traces; [] records them
+shipped_traces = ["data/results/traces_1.5b_labd_160.parquet"]  # if recorded like here; []: record
 k = 15
 fusion_grid = ["nstrong=6,agree=0", "nstrong=8,agree=2", "nstrong=8,agree=0", "nstrong=12,agree=0",
                "nstrong=6,agree=0,nmin_tail=2", "nstrong=6,agree=0,nmin_tail=6", "rule=score"]

@@ -8,11 +8,12 @@ commands: it loads only the tokenizer when everything is cached and the model on
 `record_traces(engine, prompts, decode)` does the same with an engine already loaded. `save_traces` and
 `load_traces` keep a trace set in one parquet file, to ship with results computed from it.
 
-Shipped trace sets (`cached_traces(..., shipped=[file])`): the repository carries the traces its notebooks replay
-(data/results/traces_*.parquet, recorded once on CPU), so a first `make figures` replays them instead of spending
-most of its time decoding the 1.5B target on a CPU. A shipped trace stands in for a missing cached one only when
-model, checkpoint, dtype, prompt tokens and max_new_tokens are all the same; it keeps the provenance (device,
-versions) of the machine that recorded it. Pass no shipped files to record everything on your own device.
+Shipped trace sets (`cached_traces(..., shipped=[file])`): the repository carries traces its notebooks replay
+(data/results/traces_*.parquet), so a first `make figures` need not spend most of an hour decoding the 1.5B target
+on a CPU. A shipped trace stands in for a missing cached one only where it is what this machine would record:
+same model, checkpoint, dtype, prompt tokens and max_new_tokens, recorded on the same device (`device_name`) with
+the same torch and transformers versions (greedy near-ties break differently elsewhere, and a notebook that checks
+replay against live runs would fail). A trace without that provenance is never taken.
 """
 
 from __future__ import annotations
@@ -249,11 +250,14 @@ def shipped_model(origin: TraceOrigin) -> str:
 
 def shipped_traces(paths: str | Path | Sequence[str | Path], origin: TraceOrigin,
                    max_new_tokens: int) -> dict[tuple[int, ...], Trace]:
-    """The traces of shipped trace set files that `origin` with `max_new_tokens` would have recorded, by prompt
-    tokens: rows of the same model, checkpoint and dtype (the file's `model` column, `shipped_model`) and the same
-    max_new_tokens. A missing file is an error naming it; rows of other models are skipped."""
+    """The traces of shipped trace set files that `origin` with `max_new_tokens` would record on this machine, by
+    prompt tokens: rows of the same model, checkpoint and dtype (the file's `model` column, `shipped_model`), the
+    same max_new_tokens, and recorded on `origin.device` with this process's torch and transformers. A missing
+    file is an error naming it; other rows are skipped."""
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
     want = shipped_model(origin)
+    here = provenance.versions()
+    same_machine = {"device": origin.device, "torch": here.get("torch"), "transformers": here.get("transformers")}
     out: dict[tuple[int, ...], Trace] = {}
     for path in paths:
         path = Path(path)
@@ -264,7 +268,9 @@ def shipped_traces(paths: str | Path | Sequence[str | Path], origin: TraceOrigin
         names = pl.read_parquet(path, columns=["model"])["model"].to_list() \
             if "model" in pl.read_parquet_schema(path) else [""] * len(traces)  # no model column: matches nothing
         for trace, model in zip(traces, names):
-            if model == want and trace.max_new_tokens == max_new_tokens:
+            recorded = trace.provenance or {}
+            if model == want and trace.max_new_tokens == max_new_tokens and \
+                    all(recorded.get(key) == value for key, value in same_machine.items()):
                 out.setdefault(tuple(int(t) for t in trace.prompt_ids), trace)
     return out
 

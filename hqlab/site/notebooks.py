@@ -11,9 +11,9 @@ parameters for a batch sweep (another model, workload file, grid, device):
 Everything is checked before the first notebook runs (`plan`): notebook names, the parameters file, every
 parameter's name and type (against the default in the notebook's parameters cell), and the values that name a
 model, device, dtype or workload. Notebooks that record greedy traces share them through the trace cache
-(`hqlab.replay.traces.cached_traces`), so a trace set is recorded once per run of `hqlab figures`; with their
-default parameters they find the traces in the trace sets the repository ships (parameter `shipped_traces`, []
-to record them on this machine), so a first run decodes no trace at all.
+(`hqlab.replay.traces.cached_traces`), so a trace set is recorded once per run of `hqlab figures`, and can take
+them from trace sets the repository ships where those are what this machine would record (parameter
+`shipped_traces`; docs/notebooks.md).
 """
 
 from __future__ import annotations

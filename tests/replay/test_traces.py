@@ -68,29 +68,40 @@ def test_second_request_hits_the_cache_and_another_dtype_misses(tmp_path, engine
     assert saved == again.traces and saved[0].provenance == again.traces[0].provenance
 
 
-def test_shipped_trace_set_stands_in_for_missing_traces_of_the_same_model_and_settings(tmp_path):
-    """The committed 0.5B trace set serves the labd workload as the notebooks encode it today (a stale file would
-    fail here: its prompt tokens would no longer match), without loading the model; other settings take nothing
-    from it, and a missing file is an error."""
+def test_shipped_trace_set_stands_in_only_for_what_this_machine_would_record(tmp_path):
+    """A shipped trace set serves a workload's missing traces without loading the model when model, checkpoint,
+    dtype, prompt tokens, length, device and torch/transformers versions all match. The committed 0.5B set (its
+    prompt tokens are the labd workload as encoded today: a stale file would fail here) is re-labelled as recorded
+    on this machine, and on another one; the committed file itself says nothing of its machine and is never taken.
+    """
     import polars as pl
 
     from hqlab.io import REPO
 
-    shipped = REPO / "data" / "results" / "traces_0.5b_all_128.parquet"
-    found = traces.cached_traces("qwen2.5-coder-0.5b", "labd", 128, device="cpu", doc_tokens=1500, record=False,
-                                 cache_dir=tmp_path, shipped=[shipped], progress=False)
+    committed = REPO / "data" / "results" / "traces_0.5b_all_128.parquet"
+    origin = traces.TraceOrigin.resolve("qwen2.5-coder-0.5b", device="cpu")
+    sets = {}
+    for name, device in (("here", origin.device), ("elsewhere", "cuda (NVIDIA H200)")):
+        rows = traces.load_traces(committed)
+        relabelled = [traces.Trace(t.prompt_id, t.category, t.prompt_ids, t.output_ids, t.max_new_tokens,
+                                   {**provenance.provenance("cpu"), "device": device}) for t in rows]
+        sets[name] = traces.save_traces(relabelled, tmp_path / f"{name}.parquet", model=traces.shipped_model(origin))
+    cache = tmp_path / "cache"
+
+    def ask(shipped, max_new_tokens=128, dtype="auto"):
+        return traces.cached_traces("qwen2.5-coder-0.5b", "labd", max_new_tokens, device="cpu", dtype=dtype,
+                                    doc_tokens=1500, record=False, cache_dir=cache, shipped=shipped, progress=False)
+
+    found = ask([sets["elsewhere"], sets["here"]])
     assert (found.recorded, found.shipped, found.engine) == (0, 6, None)
     assert [t.prompt_id for t in found.traces] == ["copy", "code", "edit", "quote", "summary", "qa"]
-    rows = {r["prompt_id"]: r for r in pl.read_parquet(shipped).to_dicts()}
+    rows = {r["prompt_id"]: r for r in pl.read_parquet(committed).to_dicts()}
     assert all(t.output_ids == rows[t.prompt_id]["output_ids"] and t.prompt_ids == rows[t.prompt_id]["prompt_ids"]
-               for t in found.traces)
-    assert not list(tmp_path.iterdir())  # nothing written into the cache: shipped traces keep their own origin
-    with pytest.raises(traces.TracesMissing, match="copy, code, edit"):  # another length: not in the file
-        traces.cached_traces("qwen2.5-coder-0.5b", "labd", 64, device="cpu", doc_tokens=1500, record=False,
-                             cache_dir=tmp_path, shipped=[shipped], progress=False)
-    with pytest.raises(traces.TracesMissing):  # another dtype: not in the file
-        traces.cached_traces("qwen2.5-coder-0.5b", "labd", 128, device="cpu", dtype="float32", doc_tokens=1500,
-                             record=False, cache_dir=tmp_path, shipped=[shipped], progress=False)
+               and t.provenance["device"] == origin.device for t in found.traces)
+    assert not cache.exists()  # nothing written into the cache: shipped traces keep their own origin
+    for shipped, kw in (([sets["elsewhere"]], {}), ([committed], {}), ([sets["here"]], {"max_new_tokens": 64}),
+                        ([sets["here"]], {"dtype": "float32"})):
+        with pytest.raises(traces.TracesMissing, match="copy, code, edit"):
+            ask(shipped, **kw)
     with pytest.raises(ConfigError, match="does not exist"):
-        traces.cached_traces("qwen2.5-coder-0.5b", "labd", 128, device="cpu", doc_tokens=1500, record=False,
-                             cache_dir=tmp_path, shipped=[tmp_path / "nope.parquet"], progress=False)
+        ask([tmp_path / "nope.parquet"])
