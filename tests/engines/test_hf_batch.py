@@ -28,7 +28,7 @@ from hqlab.workloads import load_workload
 
 pytestmark = pytest.mark.slow
 
-DECODE = DecodeConfig(max_new_tokens=40)
+DECODE = DecodeConfig(max_new_tokens=48)
 TASKS = ["copy", "summary", "code", "qa"]
 
 
@@ -41,7 +41,7 @@ def drafter_model():
 
 @pytest.fixture(scope="module")
 def prompts(engine_05b_fp32):
-    by_id = {p.id: p for p in load_workload("labd", doc_tokens=300, tokenizer=engine_05b_fp32.tokenizer)}
+    by_id = {p.id: p for p in load_workload("labd", doc_tokens=500, tokenizer=engine_05b_fp32.tokenizer)}
     return [engine_05b_fp32.encode_chat(list(by_id[t].messages)) for t in TASKS]
 
 
