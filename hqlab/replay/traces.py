@@ -166,7 +166,7 @@ class TraceSet:
     origin: TraceOrigin
     recorded: int
     engine: Any = None
-    shipped: int = 0  # how many came from a shipped trace set (recorded elsewhere; each trace says where)
+    shipped: int = 0  # how many came from a shipped trace set (each keeps the provenance of its recording)
 
 
 def cached_traces(model: str | None, suite: str | Sequence[Prompt], max_new_tokens: int, *, dtype: str = "auto",
@@ -180,8 +180,9 @@ def cached_traces(model: str | None, suite: str | Sequence[Prompt], max_new_toke
     Only the tokenizer is loaded when every trace is cached. Missing traces are recorded with `engine` when one
     is given (it must be `model` on `device` in `dtype`), else by loading the model; with `record=False` they
     raise `TracesMissing` naming the prompts. `shipped`: trace set files (`save_traces`) consulted before
-    recording: a trace of the same model, checkpoint, dtype, prompt tokens and max_new_tokens is taken from
-    there (a file that does not exist is an error; one without a matching trace adds nothing)."""
+    recording, for traces this machine would record (`shipped_traces`: same model, checkpoint, dtype, prompt
+    tokens, max_new_tokens, device and torch/transformers); a file that does not exist is an error, one without
+    a matching trace adds nothing."""
     from hqlab import models
     from hqlab.workloads import load_workload
 
@@ -220,10 +221,9 @@ def cached_traces(model: str | None, suite: str | Sequence[Prompt], max_new_toke
         found[i] = Trace(prompts[i].id, prompts[i].category, encoded[i], trace.output_ids, max_new_tokens,
                          trace.provenance)
     missing = [i for i in missing if i not in found]
-    if taken:
-        devices = sorted({str((found[i].provenance or {}).get("device") or "an unrecorded device") for i in taken})
+    if taken:  # shipped traces were recorded on this device (`shipped_traces` checks it)
         print(f"{len(taken)} of {len(prompts)} traces of {origin.describe()} from shipped trace sets (recorded on "
-              f"{', '.join(devices)}); pass no shipped files to record them on this machine", flush=True)
+              f"{origin.device}); pass no shipped files to record them on this machine", flush=True)
     if missing and not record:
         raise TracesMissing(f"no cached trace of {origin.describe()}, max_new_tokens={max_new_tokens} for "
                             f"prompt(s) {', '.join(prompts[i].id for i in missing)}; record them first "

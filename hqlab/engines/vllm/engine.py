@@ -464,6 +464,17 @@ def check_prompts(options: VLLMOptions, prompts: Sequence[tuple[str, str, list[i
                               f"that exceeds max_model_len={options.max_model_len}")
 
 
+def _profiled(engine: "VLLMEngine", prompts: Sequence[tuple[str, str, list[int]]],
+              decode: DecodeConfig) -> list[dict[str, Any]]:
+    """Every prompt once more with the worker's phases timed: what an engine description keeps under "profile"."""
+    out = []
+    for pid, category, ids in prompts:
+        timed = engine.profile(ids, decode, request=pid)
+        out.append({"prompt_id": pid, "category": category, "phases": timed["phases"],
+                    "steps": [asdict(r) for r in timed["generation"].records]})
+    return out
+
+
 def run_setting(options: VLLMOptions, setting: EngineSetting, prompts: Sequence[tuple[str, str, list[int]]],
                 decode: DecodeConfig, *, repeats: int = 1, bar: Any = None,
                 concurrency: int = 0, sustained: bool = False, profile: bool = False
@@ -504,11 +515,7 @@ def run_setting(options: VLLMOptions, setting: EngineSetting, prompts: Sequence[
             runs += [Run(setting.label, pid, category, r, g, concurrency, wall, "sustained")
                      for (pid, category, _), g in zip(prompts, gens)]
         if profile:
-            description["profile"] = []
-            for pid, category, ids in prompts:
-                timed = engine.profile(ids, decode, request=pid)
-                description["profile"].append({"prompt_id": pid, "category": category, "phases": timed["phases"],
-                                               "steps": [asdict(r) for r in timed["generation"].records]})
+            description["profile"] = _profiled(engine, prompts, decode)
     finally:
         engine.close()
     return runs, description
@@ -585,11 +592,7 @@ def run_interleaved(options: VLLMOptions, settings: Sequence[EngineSetting],
                 save(f"round {r + 1} of {repeats} {load}")
         if profile:
             for engine, description in zip(engines, described):
-                description["profile"] = []
-                for pid, category, ids in prompts:
-                    timed = engine.profile(ids, decode, request=pid)
-                    description["profile"].append({"prompt_id": pid, "category": category, "phases": timed["phases"],
-                                                   "steps": [asdict(x) for x in timed["generation"].records]})
+                description["profile"] = _profiled(engine, prompts, decode)
             save("profiled")
     finally:
         for engine in engines:
