@@ -33,7 +33,7 @@ suite = "labd"
 doc_tokens = 1500
 max_new_tokens = 128
 limit = 0
-shipped_traces = []  # committed trace sets to take traces from (docs/notebooks.md); []: record here
+shipped_traces = ["data/results/traces_0.5b_all_128_bf16.parquet"]  # if recorded like here; []: record
 request = "code"
 compare = ["lookup:nmin=6,nmax=12,k=15", "lookup:nmin=1,nmax=32,k=15,policy=earliest", "pld:n=3,k=10"]
 start = "lookup:nmin=6,nmax=12,k=15"

@@ -198,6 +198,28 @@ def _fast_rows(index: vectorised.TraceIndex, proposer: Any, traces: Sequence[Tra
     return pl.DataFrame(cols)
 
 
+def rows_of(frame: pl.DataFrame, specs: Sequence[str]) -> pl.DataFrame:
+    """The rows of a sweep (`sweep`) for `specs`, each labelled with the spec as given: a spec matches the grid
+    point whose proposer has the same configuration, however either is written (`lookup:nmin=6,nmax=12,k=15` is
+    the grid's `lookup:nmin=6,nmax=12,k=15,policy=recent`). A spec the grid does not contain is an error naming
+    it, so a live run is never compared with a neighbouring configuration."""
+    def point(spec: str) -> tuple[str, str]:  # what the proposer is, whatever the spelling
+        proposer = make_proposer(spec)
+        return type(proposer).__name__, repr(getattr(proposer, "config", spec))
+
+    points: dict[tuple[str, str], str] = {}
+    for config in frame["config"].unique(maintain_order=True).to_list():
+        points.setdefault(point(config), config)
+    parts = []
+    for spec in dict.fromkeys(specs):
+        config = points.get(point(spec))
+        if config is None:
+            raise ConfigError(f"{spec!r} is not a point of this sweep ({frame['config'].n_unique()} configurations); "
+                              f"add it to the grid")
+        parts.append(frame.filter(pl.col("config") == config).with_columns(pl.lit(spec).alias("config")))
+    return pl.concat(parts) if parts else frame.clear()
+
+
 def by_category(frame: pl.DataFrame) -> pl.DataFrame:
     """Pool prompts per (config, category): tokens/step = tokens emitted by verify steps / steps (the first
     token of each request comes from prefill), predicted speedup = summed prices."""

@@ -8,7 +8,8 @@ import numpy as np
 import polars as pl
 import pytest
 
-from hqlab.replay.sweep import by_category, grid, parse_grid, sweep
+from hqlab.config import ConfigError
+from hqlab.replay.sweep import by_category, grid, parse_grid, rows_of, sweep
 from hqlab.replay.traces import Trace
 
 TRACES = Path(__file__).resolve().parents[2] / "data" / "results" / "traces_0.5b_all_128.parquet"
@@ -28,6 +29,21 @@ def test_grid_skips_invalid_and_sweep_pools_categories():
     assert copy["tokens_per_step"] == pytest.approx((29 + 19) / copy["steps"])
     chat = pooled.filter(pl.col("category") == "chat").row(0, named=True)
     assert chat["tokens_per_step"] == pytest.approx(1.0)  # tokens never seen before: nothing to accept
+
+
+def test_rows_of_finds_a_spec_in_a_sweep_however_it_is_spelled_and_refuses_one_it_lacks():
+    committed = pl.read_parquet(TRACES.parent / "suffix_sweep.parquet")  # the suffix_lengths notebook's grid
+    rows = rows_of(committed, ["lookup:nmin=6,nmax=12,k=15", "lookup:k=8,nmax=12,nmin=2"])
+    point = committed.filter(pl.col("config") == "lookup:nmin=6,nmax=12,k=15,policy=recent")
+    assert point.height == committed["prompt_id"].n_unique() > 0
+    mine = rows.filter(pl.col("config") == "lookup:nmin=6,nmax=12,k=15")
+    assert mine.drop("config").equals(point.drop("config"))  # the grid's rows, labelled as asked
+    assert rows.filter(pl.col("config") == "lookup:k=8,nmax=12,nmin=2")["p_k"].unique().to_list() == ["8"]
+    assert rows.height == 2 * point.height
+    with pytest.raises(ConfigError, match="nmin=5.*not a point of this sweep"):
+        rows_of(committed, ["lookup:nmin=5,nmax=12,k=15"])  # nmin 5 is not in the grid: no neighbour stands in
+    with pytest.raises(ConfigError, match="earliest.*not a point"):
+        rows_of(committed.filter(pl.col("p_policy") == "recent"), ["lookup:nmin=6,nmax=12,k=15,policy=earliest"])
 
 
 def test_sweep_fast_path_equals_the_step_by_step_path(real_traces):
