@@ -25,8 +25,8 @@
 results_file = "data/results/vllm_gpu_h200.parquet"
 figures_dir = "figures"
 results_dir = "data/results"
-focus_run = "f"  # the run whose per-class bars are drawn (the current code, k = 7/15/31 and the adapter)
-current_runs = ["e", "f", "g", "h"]  # runs of hqlab's current code (step efficiency); vLLM's own methods: every run
+focus_run = "j"  # the run whose per-class bars are drawn (the current code, k = 15/31 and the adapter at both)
+current_runs = ["e", "f", "g", "h", "j", "k"]  # hqlab's current code (step efficiency); vLLM's own: every run
 
 # %%
 from pathlib import Path

@@ -37,7 +37,7 @@ def sweep_run(tmp_path_factory):
                      "figures_dir": str(tmp / "figures"), "results_dir": str(tmp / "results")},
         "suffix_lengths": {"nmin_grid": [1, 3], "nmax_grid": [4], "k_grid": [5], "policies": ["earliest"],
                            "live_configs": ["lookup:nmin=1,nmax=4,k=5,policy=earliest"],
-                           "cost_contexts": [64, 256], "cost_verify_lens": [1, 6]},
+                           "cost_contexts": [64, 256], "cost_verify_lens": [1, 6], "rerun": True},
         "core_benchmark": {"rerun": True, "tags": ["params"], "suites": {str(workload): 12},
                            "configs": ["lookup:nmin=2,nmax=6,k=6"]},
         "new_proposer": {"toy_grid": {"k": [3], "min_count": [1, 2]}, "builtins": ["pld:n=2,k=5"],
@@ -97,7 +97,8 @@ def test_results_come_from_the_chosen_model_workload_and_grids(sweep_run):
     toy = pl.read_parquet(results / "new_proposer_replay.parquet")
     assert set(toy["config"]) == {"bigram:k=3,min_count=1", "bigram:k=3,min_count=2", "pld:n=2,k=5"}
     live = pl.read_parquet(results / "new_proposer_live.parquet")
-    assert set(live["model"]) == {MODEL} and live["prompt_id"].to_list() == ["echo-list"] * 3
+    assert set(live["model"]) == {MODEL}
+    assert live["prompt_id"].to_list() == ["chat-hello"] * 3  # live_limit=1: the shortest prompt, three configs
 
 
 def test_unknown_parameter_is_refused_before_running(tmp_path):
