@@ -87,10 +87,11 @@ plots.save(chart, figures / "costmodel_holdout.svg")
 chart
 
 # %% [markdown]
-# ### Why the previous model was 10-30 % off
-# The suffix-length notebook priced steps by interpolating a grid measured once per cell, in context order, over
-# contexts 512-2048. Chat prompts (140-350 tokens) fell below the grid and took the 512-token cell's value, and
-# that cell happened to be the slowest: predicted 228 ms per step against about 165 ms measured.
+# ### The suffix-length notebook's prediction against its own live check
+# Its sweep is priced by this step model fitted on a step-time grid measured on the same machine
+# (`suffix_step_times.parquet`); two of its configurations and `none` then ran live on every prompt. Mean error of
+# the predicted decode time per configuration and suite (an earlier model, a bilinear interpolation of a one-shot
+# grid, was 10-30 % off on the run of commit 23661fb: docs/replay-and-cost.md).
 
 # %%
 live = pl.read_parquet(data / "suffix_live.parquet")
