@@ -26,11 +26,13 @@ def save(chart: alt.TopLevelMixin, path: str | Path, *, png: bool = True) -> lis
 
 def grouped_bars(data: pl.DataFrame, x: str, y: str, color: str, *, facet: str | None = None,
                  y_title: str | None = None, rule_at: float | None = None, width: int = WIDTH * 3) -> alt.TopLevelMixin:
-    """Grouped bars (one group per `x`, one bar per `color`), optional facet rows and a horizontal reference line."""
+    """Grouped bars (one group per `x`, one bar per `color`), optional facet rows and a horizontal reference line.
+    More than ten series take a twenty-colour scheme: the default one repeats its colours after ten."""
+    scale = alt.Scale(scheme="tableau20") if data[color].n_unique() > 10 else alt.Undefined
     bars = alt.Chart().mark_bar().encode(
         x=alt.X(f"{x}:N", title=None, sort=None),
         y=alt.Y(f"{y}:Q", title=y_title or y),
-        color=alt.Color(f"{color}:N", sort=None),
+        color=alt.Color(f"{color}:N", sort=None, scale=scale),
         xOffset=alt.XOffset(f"{color}:N", sort=None),
         tooltip=[x, color, alt.Tooltip(f"{y}:Q", format=".3g")],
     )

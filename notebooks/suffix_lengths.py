@@ -154,8 +154,8 @@ check = speculative.join(pred.select("config", "prompt_id", "tokens_per_step", "
 exact = check.filter(pl.col("divergence") == "identical")
 assert check.height == speculative.height, "a live run has no replay of its prompt"
 assert (exact["tokens_per_step"] - exact["tokens_per_step_replay"]).abs().max() < 1e-9, "replay must equal live"
-agg = (check.group_by(["config", "category"]).agg(pl.col("speedup_decode").median().alias("measured"),
-                                                  pl.col("speedup_pred").median().alias("predicted"))
+agg = (check.group_by(["config", "category"], maintain_order=True)
+       .agg(pl.col("speedup_decode").median().alias("measured"), pl.col("speedup_pred").median().alias("predicted"))
        .unpivot(index=["config", "category"], variable_name="kind", value_name="speedup"))
 chart = plots.grouped_bars(agg, "category", "speedup", "kind", facet="config", y_title="decode speedup",
                            rule_at=1.0)
