@@ -105,3 +105,33 @@ def test_shipped_trace_set_stands_in_only_for_what_this_machine_would_record(tmp
             ask(shipped, **kw)
     with pytest.raises(ConfigError, match="does not exist"):
         ask([tmp_path / "nope.parquet"])
+
+
+def test_trace_sets_the_notebooks_name_can_be_taken_somewhere():
+    """Every trace set a notebook's `shipped_traces` names by default exists and says, on every row, what it is
+    (model, checkpoint and dtype) and where it was recorded (device, torch, transformers): a set without that is
+    never taken, and the notebook would silently record instead. Each set also covers its notebook's workload."""
+    import jupytext
+    import polars as pl
+
+    from hqlab.io import REPO
+    from hqlab.site.notebooks import declared_defaults, notebook_paths
+
+    named = {}
+    for path in notebook_paths():
+        defaults = declared_defaults(jupytext.read(path))
+        for file in defaults.get("shipped_traces") or []:
+            named.setdefault(file, []).append((path.stem, defaults))
+    assert "data/results/traces_0.5b_all_128_bf16.parquet" in named and len(named) >= 2
+    for file, users in named.items():
+        frame = pl.read_parquet(REPO / file)
+        for column in ("model", "provenance_device", "provenance_torch", "provenance_transformers"):
+            assert frame[column].null_count() == 0 and (frame[column] != "").all(), (file, column)
+        model, sha, dtype = frame["model"][0].split(":")
+        assert frame["model"].n_unique() == 1 and len(sha) == 64 and dtype == "bfloat16", file
+        for stem, defaults in users:
+            assert defaults.get("model", defaults.get("target")) == model, (file, stem)
+            assert (frame["max_new_tokens"] == defaults["max_new_tokens"]).all(), (file, stem)
+            assert {"copy", "code", "edit", "quote", "summary", "qa"} <= set(frame["prompt_id"]), (file, stem)
+            if defaults["suite"] == "all":
+                assert "chat" in set(frame["category"]), (file, stem)
