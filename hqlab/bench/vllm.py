@@ -26,7 +26,7 @@ def frames_from_raw(runs: Sequence[Run], decode: DecodeConfig, meta: dict[str, A
 
     The reference is the `none` config's margins pass when there is one (greedy), else its first timed run; it
     checks every output, concurrent ones included. `step_efficiency` = decode tok/s / (tokens/step x none's decode
-    tok/s): 1.0 when a speculative step costs what a plain step costs. Concurrent rows add `load` ("burst": all
+    tok/s): 1.0 when a speculative step costs what a plain step costs. Rows and steps carry `load` ("alone"; "burst": all
     submitted at once; "sustained": `concurrency` requests kept in flight over the whole suite), `batch_wall_s`
     (median over repeats of the whole batch's wall time) and `batch_tok_s` (all its tokens / that time). `engines` (the
     engines' `describe()`) adds what vLLM chose per config: model runner and async scheduling.
@@ -51,7 +51,7 @@ def frames_from_raw(runs: Sequence[Run], decode: DecodeConfig, meta: dict[str, A
         repeats = max(len(g) for g in timed.values())
         r, s = prompt_rows(prompt, reference.prompt_len, timed, reference, decode, tol, base_meta, repeats)
         rows += [{**row, "concurrency": 1, "load": "alone"} for row in r]
-        steps += [frame.with_columns(pl.lit(1).alias("concurrency")) for frame in s]
+        steps += [frame.with_columns(pl.lit(1).alias("concurrency"), pl.lit("alone").alias("load")) for frame in s]
     for (label, level, load), group in _groups(r for r in runs if r.concurrency > 1).items():
         walls = {}
         for r in group:
@@ -70,7 +70,7 @@ def frames_from_raw(runs: Sequence[Run], decode: DecodeConfig, meta: dict[str, A
                          "steps": g.steps, "tokens_per_step": _emitted_per_step(g), "concurrency": level,
                          "load": load, "batch_wall_s": wall, "batch_tok_s": tokens / wall if wall > 0 else math.nan,
                          "repeats": len(walls), **_lossless_columns(check)})
-            _append_steps(steps, g.records, label, r.category, concurrency=level)
+            _append_steps(steps, g.records, label, r.category, concurrency=level, load=load)
     results = pl.DataFrame(rows, infer_schema_length=None)
     if "speedup_decode" in results.columns:
         results = results.with_columns((pl.col("speedup_decode") / pl.col("tokens_per_step")).alias("step_efficiency"))

@@ -85,8 +85,8 @@ def test_gpu_finish_turns_returned_raw_runs_into_bench_results(tmp_path):
 
 
 def test_burst_and_sustained_loads_are_kept_apart_and_old_tables_read_as_burst():
-    """Concurrent runs under the two loads become separate rows (`load` column) with their own batch throughput;
-    a raw table written before the `load` column existed reads its concurrent runs as bursts."""
+    """Concurrent runs under the two loads become separate rows and step sequences (`load` column) with their own
+    batch throughput; a raw table written before the `load` column existed reads its concurrent runs as bursts."""
     import polars as pl
 
     from hqlab.bench import vllm_report
@@ -102,7 +102,14 @@ def test_burst_and_sustained_loads_are_kept_apart_and_old_tables_read_as_burst()
                  for pid in ("copy", "qa", "edit")]
     back = runs_from_raw(pl.from_arrow(raw_table(runs)))
     assert [r.load for r in back] == [r.load for r in runs]
-    results, _ = frames_from_raw(back, DecodeConfig(max_new_tokens=6), {"dtype": "bfloat16"})
+    results, steps = frames_from_raw(back, DecodeConfig(max_new_tokens=6), {"dtype": "bfloat16"})
+    # the two loads share configs, requests and concurrency: only `load` keeps their step sequences apart
+    per_run = steps.group_by("config", "concurrency", "load", maintain_order=True).agg(pl.col("step"))
+    assert per_run.select("config", "load").rows() == [("none", "alone"), ("none", "burst"), ("none", "sustained"),
+                                                      ("gpu-lookup:k=15", "burst"), ("gpu-lookup:k=15", "sustained")]
+    assert all(s == [0, 1, 2] * (len(s) // 3) for s in per_run["step"].to_list())  # whole sequences, one per request
+    assert steps.group_by("load").len().sort("load").to_dicts() == [
+        {"load": "alone", "len": 3}, {"load": "burst", "len": 12}, {"load": "sustained", "len": 18}]
     together = results.filter(pl.col("concurrency") > 1)
     assert together.group_by("config", "load").len().sort("config", "load").to_dicts() == [
         {"config": "gpu-lookup:k=15", "load": "burst", "len": 2},

@@ -425,7 +425,7 @@ def test_unanimous_block_len_matches_reference():
 class Trace:
     """One request's recorded steps: the scheduler's inputs at each step and the block length recorded there."""
 
-    source: str  # file, config, request (and run, concurrency)
+    source: str  # file, config, request (and run, concurrency, load)
     config: str
     take: list[bool]
     emitted_last: list[int]
@@ -454,7 +454,7 @@ def recorded_traces() -> list[Trace]:
         table = pq.read_table(path)
         if "config" not in table.column_names:
             continue
-        keys = [c for c in ("config", "request", "run", "concurrency") if c in table.column_names]
+        keys = [c for c in ("config", "request", "run", "concurrency", "load") if c in table.column_names]
         groups: dict[tuple, list[dict]] = defaultdict(list)
         for row in table.select(keys + ["step", "context_len", "proposed", "match_len", "emitted", "block"]
                                 + (["batch"] if "batch" in table.column_names else [])).to_pylist():
