@@ -129,7 +129,8 @@ print(machine_description(engine.device), "|", len(prompts), "prompts")
 # ## 2. Live: the real engine runs the toy (registered above) next to a built-in
 # Greedy outputs are checked token by token against the engine's own no-speculation output. The step records of
 # these runs also price a verify step on this machine (time vs verify length and context), which turns the
-# replayed steps below into predicted speed.
+# replayed steps below into predicted speed. The shortest prompts keep this cheap, but their contexts are short:
+# prices of long-context classes are extrapolated (raise `live_limit` to cover them).
 
 # %%
 # The `live_limit` shortest prompts (0: all): on a CPU the live runs are what takes time (on two cores without
@@ -142,6 +143,9 @@ live.write_parquet(results / "new_proposer_live.parquet")
 assert (live["divergence"] != "mismatch").all(), "a speculative output differs from the reference"
 cost = CostModel.fit_steps(live_steps)
 print(cost.describe())
+longest = max(len(t.prompt_ids) + len(t.output_ids) for t in traces)
+print(f"fitted on contexts {live_steps['context_len'].min()}-{live_steps['context_len'].max()}; the replay below "
+      f"prices contexts up to {longest}, beyond that range by extrapolation (suffix_lengths measures a grid)")
 live.select("config", "prompt_id", "tokens_per_step", "decode_tok_s", "speedup_decode", "divergence")
 
 # %% [markdown]
