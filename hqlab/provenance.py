@@ -78,14 +78,18 @@ def cpu_name() -> str:
 
 
 def device_name(device: Any) -> str:
-    """`cpu (<processor>)` or `cuda (<GPU name>)` for a torch device or a device string ("cpu", "cuda:1")."""
+    """`cpu (<processor>, <ISA>)` or `cuda (<GPU name>)` for a torch device or a device string ("cpu", "cuda:1").
+
+    A CPU is named with the instruction set torch's kernels dispatch to (AVX2, AVX512, ...): bf16 matrix products
+    round differently with and without native bf16, and virtual machines often report only the vendor and family
+    ("AMD EPYC") for processors that differ in exactly this."""
     import torch
 
     dev = torch.device(device)
     if dev.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(dev)})"
     if dev.type == "cpu":
-        return f"cpu ({cpu_name()})"
+        return f"cpu ({cpu_name()}, {torch.backends.cpu.get_cpu_capability()})"
     return dev.type
 
 

@@ -41,6 +41,7 @@ def test_git_commit_of_a_checkout_and_outside_one(tmp_path, expected_commit):
 def test_device_names_and_columns(installed):
     cpu = provenance.device_name("cpu")
     assert cpu.startswith("cpu (") and cpu == provenance.device_name(torch.device("cpu"))
+    assert cpu.endswith(f", {torch.backends.cpu.get_cpu_capability()})")  # the kernels' instruction set, e.g. AVX2
     prov = provenance.provenance("cpu")
     assert tuple(prov) == provenance.COLUMNS
     assert prov["torch"] == torch.__version__ and prov["transformers"] == installed("transformers")
