@@ -203,9 +203,9 @@ def rows_of(frame: pl.DataFrame, specs: Sequence[str]) -> pl.DataFrame:
     point whose proposer has the same configuration, however either is written (`lookup:nmin=6,nmax=12,k=15` is
     the grid's `lookup:nmin=6,nmax=12,k=15,policy=recent`). A spec the grid does not contain is an error naming
     it, so a live run is never compared with a neighbouring configuration."""
-    def point(spec: str) -> tuple[str, str]:  # what the proposer is, whatever the spelling
-        proposer = make_proposer(spec)
-        return type(proposer).__name__, repr(getattr(proposer, "config", spec))
+    def point(spec: str) -> tuple[str, str]:  # the validated config, whatever the spelling; nothing is built
+        name, config = resolve_spec(spec, REGISTRY)
+        return name, repr(config)
 
     points: dict[tuple[str, str], str] = {}
     for config in frame["config"].unique(maintain_order=True).to_list():
