@@ -62,7 +62,7 @@ def bench(args: argparse.Namespace) -> int:
     log("prompt tokens: " + ", ".join(f"{pid} {len(ids)}" for pid, _, ids in encoded))
     options = hv.VLLMOptions(model=folder, max_num_seqs=max(8, args.concurrency),
                              tensor_parallel_size=args.tensor_parallel_size,
-                             pipeline_parallel_size=args.pipeline_parallel_size)
+                             pipeline_parallel_size=args.pipeline_parallel_size, pin_threads=args.pin_threads)
     decode = DecodeConfig(max_new_tokens=args.max_new_tokens)
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
@@ -84,12 +84,15 @@ def bench(args: argparse.Namespace) -> int:
                 "doc_tokens": args.doc_tokens,
                 "suite": args.suite, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
                 "concurrency": args.concurrency, "tensor_parallel_size": args.tensor_parallel_size,
-                "pipeline_parallel_size": args.pipeline_parallel_size,
+                "pipeline_parallel_size": args.pipeline_parallel_size, "pin_threads": args.pin_threads,
                 "engines": described}
         tmp = meta_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(meta) + "\n")
         os.replace(tmp, meta_path)
 
+    if args.interleave and args.pin_threads:
+        raise SystemExit("--pin-threads pins one engine's busy threads; with --interleave several engines share the "
+                         "machine's cores: pick one of the two")
     if args.interleave:  # every engine alive at once, runs interleaved request by request
         import dataclasses
         import faulthandler
@@ -209,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also the whole suite with --concurrency requests kept in flight")
     b.add_argument("--gpu-memory", type=float, default=0.85,
                    help="with --interleave: GPU memory fraction shared by all engines")
+    b.add_argument("--pin-threads", action="store_true",
+                   help="pin the busy host threads to cores of their own after each engine's warm-up")
     b.add_argument("--skip-reference", action="store_true", help="leave out `none` (an earlier call ran it)")
     b.add_argument("--fail-fast", action="store_true", help="stop at the first failing config")
     f = sub.add_parser("finish", help="CPU: raw runs -> results parquet (+ steps, phases)")

@@ -63,6 +63,9 @@ class VLLMOptions:
     seed: int = 0
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # pin the busy host threads (front end, engine core) to cores of their own after the warm-up
+    # (hqlab.engines.vllm.affinity; docs/vllm.md, "Host threads"); Linux only
+    pin_threads: bool = False
 
     def __post_init__(self) -> None:
         if self.max_model_len < 64:
@@ -494,6 +497,8 @@ def run_setting(options: VLLMOptions, setting: EngineSetting, prompts: Sequence[
         description = engine.describe()
         if prompts:  # first requests pay for lazy compilation and allocator growth
             engine.generate(prompts[0][2], decode=DecodeConfig(max_new_tokens=32), request="warmup")
+        if prompts and options.pin_threads:
+            description["pins"] = _pin_busy_threads(engine, prompts[0][2])
         for pid, category, ids in prompts:
             if setting.label == "none" and decode.greedy:
                 runs.append(Run(setting.label, pid, category, -1, engine.generate(ids, decode=decode, request=pid,
@@ -518,7 +523,23 @@ def run_setting(options: VLLMOptions, setting: EngineSetting, prompts: Sequence[
             description["profile"] = _profiled(engine, prompts, decode)
     finally:
         engine.close()
+        if options.pin_threads:
+            from hqlab.engines.vllm import affinity
+
+            affinity.unpin()  # the next engine's processes start from this thread and would inherit its one CPU
     return runs, description
+
+
+def _pin_busy_threads(engine: "VLLMEngine", prompt_ids: Sequence[int]) -> dict[str, Any]:
+    """Samples the host threads over one request and pins the busy ones to cores of their own."""
+    import os
+
+    from hqlab.engines.vllm import affinity
+
+    pids = [os.getpid(), *affinity.children(os.getpid())]
+    with affinity.ThreadSampler(pids) as sampled:
+        engine.generate(prompt_ids, decode=DecodeConfig(max_new_tokens=128), request="pin")
+    return affinity.pin_busy(pids, list(sampled.use.values()), wall_s=sampled.wall_s)
 
 
 def interleaved_order(n_engines: int, n_items: int) -> list[tuple[int, int]]:
