@@ -153,8 +153,16 @@ def finish(args: argparse.Namespace) -> None:
     from hqlab.engines import vllm as hv
 
     runs, metas = [], []
+    source: dict[str, str] = {}
     for path in args.raw:
-        runs += hv.runs_from_raw(pl.read_parquet(path))
+        more = hv.runs_from_raw(pl.read_parquet(path))
+        for config in dict.fromkeys(r.config for r in more):
+            if config in source:  # its repeats and batches would be pooled across calls (batch throughput doubled)
+                raise SystemExit(f"config {config!r} is in both {source[config]} and {path}: one run holds each "
+                                 f"config once; finish the calls as separate runs (--run), or run the later "
+                                 f"call with --skip-reference")
+            source[config] = str(path)
+        runs += more
         metas.append(json.loads(Path(path).with_suffix(".json").read_text()))
     keys = ("machine", "model", "dtype", "doc_tokens", "suite", "tensor_parallel_size", "pipeline_parallel_size")
     meta = {k: metas[0][k] for k in keys if k in metas[0]}
