@@ -43,6 +43,22 @@ def grouped_bars(data: pl.DataFrame, x: str, y: str, color: str, *, facet: str |
     return chart.facet(row=alt.Row(f"{facet}:N", title=None)) if facet else chart
 
 
+def points(data: pl.DataFrame, x: str, y: str, color: str, *, facet: str | None = None,
+           y_title: str | None = None, tooltip: list[str] | None = None) -> alt.TopLevelMixin:
+    """One dot per row, jittered sideways within its `x` group (e.g. every request's median step time per config):
+    shows a distribution's clusters, which a bar or a median hides. The jitter is a fixed sequence (the golden
+    ratio's multiples), so the same data draws the same picture."""
+    data = data.with_columns(((pl.int_range(pl.len()) * 0.6180339887) % 1.0).alias("_jitter"))
+    base = (alt.Chart() if facet else alt.Chart(data)).mark_circle(size=28, opacity=0.75).encode(
+        x=alt.X(f"{x}:N", title=None, sort=None),
+        xOffset=alt.XOffset("_jitter:Q", title=None),
+        y=alt.Y(f"{y}:Q", title=y_title or y),
+        color=alt.Color(f"{color}:N", sort=None),
+        tooltip=tooltip or [x, color, alt.Tooltip(f"{y}:Q", format=".3g")],
+    ).properties(width=WIDTH * 3, height=180)
+    return base.facet(row=alt.Row(f"{facet}:N", title=None), data=data) if facet else base
+
+
 def heatmap(data: pl.DataFrame, x: str, y: str, value: str, *, facet: str | None = None,
             title: str | None = None, fmt: str = ".2f") -> alt.TopLevelMixin:
     """Annotated heatmap (e.g. nmin × nmax → tokens/step), optionally faceted by task category."""

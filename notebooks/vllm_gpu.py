@@ -26,7 +26,11 @@ results_file = "data/results/vllm_gpu_h200.parquet"
 figures_dir = "figures"
 results_dir = "data/results"
 focus_run = "j"  # the run whose per-class bars are drawn (the current code, k = 15/31 and the adapter at both)
-current_runs = ["e", "f", "g", "h", "j", "k"]  # hqlab's current code (step efficiency); vLLM's own: every run
+current_runs = ["e", "f", "g", "h", "j", "k", "l", "l2", "m", "n"]  # hqlab's current code; vLLM's own: every run
+host_runs = ["j", "l", "l2", "m", "n"]  # sequential runs whose per-request step times show the host's speed
+cost_runs = [["l", "l2"], ["j"], ["k"], ["l"], ["m"], ["n"]]  # each checked on its own V2 configs
+probe_file = "data/results/host_threads_h200.parquet"  # benchmarks/vllm_host_threads.py
+cpu_file = "data/results/host_speed_h200.parquet"  # benchmarks/host_speed.py: plain Python, no GPU
 
 # %%
 from pathlib import Path
@@ -108,3 +112,82 @@ if together.height:
     display(together.select("run", "load", "config", "batch_tok_s", "vs_none", "tokens_per_step",  # noqa: F821
                             "mismatches"))
     display(chart)  # noqa: F821
+
+# %% [markdown]
+# ## Host speed: one step, two speeds
+#
+# Every request's median step time at batch 1 (one dot per request and run). A 0.5B decode step is host-bound, and
+# on the lent H200 the same config's requests fall into two clusters about 1.4-1.5x apart, from one request to the
+# next, whatever the prompt: this, not the proposer, sets the spread of every ratio in this notebook.
+
+# %%
+per_request = vllm_report.request_step_ms(data["steps"].filter(pl.col("run").is_in(host_runs)))
+shown = per_request.filter(pl.col("config").is_in(
+    ["none", "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest", "gpu-lookup:nmin=1,nmax=32,k=31,policy=earliest",
+     "lookup:nmin=1,nmax=32,k=31,policy=earliest"]))
+chart = plots.points(shown, "label", "step_ms", "run", y_title="median step ms of a request (batch 1)",
+                     tooltip=["run", "label", "request", alt.Tooltip("step_ms:Q", format=".2f")])
+plots.save(chart, Path(figures_dir) / "vllm_gpu_host_speed.svg")
+display(shown.group_by("run", "label", maintain_order=True).agg(  # noqa: F821
+    pl.col("step_ms").min().alias("min"), pl.col("step_ms").median().alias("median"),
+    pl.col("step_ms").max().alias("max")).sort("label", "run"))
+chart
+
+# %% [markdown]
+# ### Is it where the threads run? The probe
+#
+# `benchmarks/vllm_host_threads.py` ran the suite twice on one engine per config, sampled which host threads were
+# busy and where (`hqlab.engines.vllm.affinity`), pinned the one busy thread (the engine core's) to a CPU of its
+# own, and ran the suite twice more on the same engine.
+
+# %%
+if Path(probe_file).exists():
+    probe = pl.read_parquet(probe_file).with_columns(
+        pl.format("{} · {}", pl.col("config").map_elements(vllm_report.short_label, return_dtype=pl.String),
+                  "variant").alias("engine, threads"), pl.format("pass {}", "pass").alias("pass"))
+    chart = plots.points(probe, "engine, threads", "step_ms", "pass", y_title="median step ms of a request",
+                         tooltip=["engine, threads", "prompt_id", "pass", alt.Tooltip("step_ms:Q", format=".2f")])
+    plots.save(chart, Path(figures_dir) / "vllm_gpu_host_pinning.svg")
+    display(probe.group_by("engine, threads", maintain_order=True).agg(  # noqa: F821
+        pl.col("step_ms").min().alias("min"), pl.col("step_ms").median().alias("median"),
+        pl.col("step_ms").max().alias("max"), pl.len().alias("requests")))
+    display(chart)  # noqa: F821
+
+# %% [markdown]
+# ### The machine itself: plain Python, no GPU
+#
+# `benchmarks/host_speed.py` times a fixed ~1 ms piece of Python over and over on the same lent machine: first on
+# one CPU with the rest idle, then on all sixteen at once. Medians per quarter second, and per CPU the share of
+# units slower than 1.45x the machine's fastest decile.
+
+# %%
+if Path(cpu_file).exists():
+    cpu = pl.read_parquet(cpu_file)
+    fast = cpu["unit_ms"].quantile(0.1)
+    alone = (cpu.filter(pl.col("phase") == "alone").with_columns((pl.col("t") * 4).floor().truediv(4).alias("s"))
+             .group_by("s").agg(pl.col("unit_ms").median()).sort("s").with_columns(pl.lit("one CPU").alias("run")))
+    chart = plots.lines(alone, "s", "unit_ms", "run", x_title="seconds", y_title="ms per unit (median per 0.25 s)")
+    plots.save(chart, Path(figures_dir) / "vllm_gpu_host_cpu.svg")
+    display(cpu.group_by("phase", "cpu", maintain_order=True).agg(  # noqa: F821
+        pl.len().alias("units"), pl.col("unit_ms").median().alias("median_ms"),
+        (pl.col("unit_ms") > 1.45 * fast).mean().alias("slow_share")).sort("phase", "cpu"))
+    display(chart)  # noqa: F821
+
+# %% [markdown]
+# ## The cost model against the live runs
+#
+# Each `gpu-lookup` config of a run predicted by the step model fitted on the run's other V2 configs (`none` and
+# the other widths), pooled per task class (`vllm_report.cost_model_check`). Runs l and l2 are two calls four
+# minutes apart that together hold `none` and four widths (k = 3, 7, 15, 31).
+
+# %%
+checks = pl.concat([vllm_report.cost_model_check(data["steps"], runs) for runs in cost_runs])
+display(checks.group_by("run", maintain_order=True).agg(  # noqa: F821
+    pl.len().alias("pairs"), (pl.col("error").abs() <= 0.1).sum().alias("within_10pct"),
+    pl.col("error").min().alias("worst_low"), pl.col("error").max().alias("worst_high")))
+shown = checks.with_columns(pl.col("config").map_elements(vllm_report.short_label, return_dtype=pl.String),
+                            (100 * pl.col("error")).alias("error %"))
+chart = plots.grouped_bars(shown, "category", "error %", "config", facet="run", rule_at=0.0,
+                           y_title="measured ÷ predicted − 1 (%)")
+plots.save(chart, Path(figures_dir) / "vllm_gpu_costmodel.svg")
+chart

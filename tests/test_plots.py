@@ -20,3 +20,12 @@ def test_grouped_bars_keep_series_apart_beyond_ten_colours():
     assert _color_scale(plots.grouped_bars(frame(3), "run", "ratio", "config")) == {}  # the default ten colours
     many = _color_scale(plots.grouped_bars(frame(11), "run", "ratio", "config"))
     assert many == {"scheme": "tableau20"}  # eleven series: the default scheme would give two of them one colour
+
+
+def test_points_jitter_is_the_same_on_every_draw():
+    frame = pl.DataFrame({"config": ["a", "a", "b"], "ms": [2.0, 3.4, 2.1], "run": ["l", "m", "l"]})
+    first, second = plots.points(frame, "config", "ms", "run"), plots.points(frame, "config", "ms", "run")
+    assert first.to_dict() == second.to_dict()
+    values = first.to_dict()["datasets"]
+    jitter = [row["_jitter"] for rows in values.values() for row in rows]
+    assert len(jitter) == 3 and len(set(jitter)) == 3 and all(0 <= j < 1 for j in jitter)

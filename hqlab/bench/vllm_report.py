@@ -126,6 +126,40 @@ def step_breakdown(phases: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
             .sort("run", "step_ms"))
 
 
+def request_step_ms(steps: pl.DataFrame, *, load: str = "alone") -> pl.DataFrame:
+    """Median step milliseconds of each request run alone, per (run, config, request): on a host-bound engine the
+    spread of these across requests of one config is the host's, not the prompt's (docs/vllm.md, "Host speed")."""
+    alone = steps.filter(pl.col("load") == load) if "load" in steps.columns else steps
+    return (alone.group_by(["run", "config", "request", "category"], maintain_order=True)
+            .agg((pl.col("step_s").median() * 1e3).alias("step_ms"), pl.len().alias("steps"))
+            .with_columns(pl.col("config").map_elements(short_label, return_dtype=pl.String).alias("label")))
+
+
+def cost_model_check(steps: pl.DataFrame, runs: list[str], *, name: str | None = None) -> pl.DataFrame:
+    """The step-cost model on one run's (or several adjacent calls') V2 engines at batch 1: each `gpu-lookup`
+    config's decode time predicted by a model fitted on the *other* V2 configs' steps (`none` and the other
+    widths; `costmodel.holdout_predictions`), pooled per (config, task class). The V1 paths cost differently
+    and stay out of the fit. Returns measured and predicted tok/s and the error (measured / predicted - 1)."""
+    from hqlab.replay import costmodel
+
+    v2 = steps.filter(pl.col("run").is_in(runs) & (pl.col("load") == "alone")
+                      & ((pl.col("config") == "none") | pl.col("config").str.starts_with("gpu-lookup")))
+    if v2.filter(pl.col("config") != "none")["config"].n_unique() < 2:
+        from hqlab.config import ConfigError
+
+        raise ConfigError(f"runs {runs}: the cost model check needs none and at least two gpu-lookup configs "
+                          f"(each is predicted from the others)")
+    # a request name is per run: prompts of different calls are different requests
+    v2 = v2.with_columns(pl.format("{}/{}", "run", "request").alias("request"))
+    held = costmodel.holdout_predictions(v2).filter(pl.col("config") != "none")
+    return (held.group_by(["config", "category"], maintain_order=True)
+            .agg(pl.col("tokens").sum(), pl.col("measured_s").sum(), pl.col("predicted_s").sum())
+            .with_columns(pl.lit(name or "+".join(runs)).alias("run"),
+                          (pl.col("tokens") / pl.col("measured_s")).alias("measured_tok_s"),
+                          (pl.col("tokens") / pl.col("predicted_s")).alias("predicted_tok_s"),
+                          (pl.col("measured_s") / pl.col("predicted_s") - 1).alias("error")))
+
+
 def load(results_path: str | Path) -> dict[str, pl.DataFrame]:
     """The results and, where the run was profiled, its phases and profiled steps (empty frames otherwise)."""
     path = Path(results_path)
@@ -136,4 +170,5 @@ def load(results_path: str | Path) -> dict[str, pl.DataFrame]:
     return out
 
 
-__all__ = ["short_label", "run_ratios", "summary", "concurrency", "step_breakdown", "load", "family", "PARTS"]
+__all__ = ["short_label", "run_ratios", "summary", "concurrency", "step_breakdown", "request_step_ms",
+           "cost_model_check", "load", "family", "PARTS"]

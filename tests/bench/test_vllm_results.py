@@ -82,6 +82,15 @@ def test_gpu_finish_turns_returned_raw_runs_into_bench_results(tmp_path):
     assert results["vllm_runner"].to_list() == ["v2", "v1"] and results["speedup_e2e"][1] == pytest.approx(2.0)
     assert results["machine"][0].startswith("NVIDIA H200") and results["engine"][0] == "vllm"
     assert pl.read_parquet(tmp_path / "core_vllm-h200.steps.parquet").height == 6
+    # a config in two calls (each call ran its own `none`) would pool their repeats and batches: refused, and the
+    # results already written stay as they were
+    again = tmp_path / "vllm_gpu_c.parquet"
+    pq.write_table(raw_table(parts["a"]), again)
+    again.with_suffix(".json").write_text(raw[0].with_suffix(".json").read_text())
+    before = out.read_bytes()
+    with pytest.raises(SystemExit, match="'none' is in both .*vllm_gpu_a.parquet and .*vllm_gpu_c.parquet"):
+        script.main(["finish", *map(str, raw), str(again), "--out", str(out)])
+    assert out.read_bytes() == before
 
 
 def test_burst_and_sustained_loads_are_kept_apart_and_old_tables_read_as_burst():
@@ -121,3 +130,41 @@ def test_burst_and_sustained_loads_are_kept_apart_and_old_tables_read_as_burst()
     assert ratio[("sustained", "gpu-lookup:k=15")] == pytest.approx(8.0 / 4.0)
     old = pl.from_arrow(raw_table(runs)).drop("load")
     assert {r.load for r in runs_from_raw(old)} == {"alone", "burst"}
+
+
+def test_cost_model_check_holds_each_width_out_on_the_committed_runs():
+    """vllm_report.cost_model_check on the committed H200 runs l and l2 (none and k = 3, 7, 15, 31)."""
+    import polars as pl
+
+    from hqlab.bench import vllm_report
+    from hqlab.config import ConfigError
+
+    steps = pl.read_parquet(ROOT / "data" / "results" / "vllm_gpu_h200.steps.parquet")
+    check = vllm_report.cost_model_check(steps, ["l", "l2"])
+    assert check["run"].unique().to_list() == ["l+l2"]
+    assert sorted(check["config"].unique().to_list()) == sorted(
+        f"gpu-lookup:nmin=1,nmax=32,k={k},policy=earliest" for k in (3, 7, 15, 31))
+    assert check.height == 4 * 7  # every width in every task class; `none` is training data only
+    alone = steps.filter(pl.col("run").is_in(["l", "l2"]) & (pl.col("load") == "alone"))
+    for row in check.iter_rows(named=True):  # measured numbers are the recorded steps, pooled
+        mine = alone.filter((pl.col("config") == row["config"]) & (pl.col("category") == row["category"]))
+        assert row["tokens"] == mine["emitted"].sum()
+        assert row["measured_s"] == pytest.approx(mine["step_s"].sum())
+    assert check["predicted_s"].is_finite().all() and (check["predicted_s"] > 0).all()
+    with pytest.raises(ConfigError, match="at least two gpu-lookup configs"):  # one width: nothing to hold out
+        vllm_report.cost_model_check(steps.filter(~pl.col("config").str.contains("k=7")), ["l2"])
+
+
+def test_request_step_ms_is_each_requests_median_step():
+    import polars as pl
+
+    from hqlab.bench import vllm_report
+
+    steps = pl.read_parquet(ROOT / "data" / "results" / "vllm_gpu_h200.steps.parquet").filter(pl.col("run") == "m")
+    per = vllm_report.request_step_ms(steps)
+    alone = steps.filter(pl.col("load") == "alone")
+    assert per.height == alone.select("config", "request").n_unique()
+    row = per.filter((pl.col("config") == "none") & (pl.col("request") == "copy")).row(0, named=True)
+    mine = alone.filter((pl.col("config") == "none") & (pl.col("request") == "copy"))
+    assert row["step_ms"] == pytest.approx(1e3 * mine["step_s"].median()) and row["steps"] == mine.height
+    assert row["label"] == "none"
