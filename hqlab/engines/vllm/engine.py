@@ -482,8 +482,8 @@ def run_setting(options: VLLMOptions, setting: EngineSetting, prompts: Sequence[
                 decode: DecodeConfig, *, repeats: int = 1, bar: Any = None,
                 concurrency: int = 0, sustained: bool = False, profile: bool = False
                 ) -> tuple[list[Run], dict[str, Any]]:
-    """One engine: a warm-up request, then every (prompt id, category, token ids) `repeats` times; for the `none`
-    reference under greedy decoding also the margins pass. With `concurrency` > 1, then the first `concurrency`
+    """One engine: a warm-up request, then (for the `none` reference under greedy decoding) the margins pass, then
+    `repeats` passes over every (prompt id, category, token ids). With `concurrency` > 1, then the first `concurrency`
     prompts submitted together, `repeats` times, and with `sustained` every prompt with `concurrency` requests kept
     in flight. `profile`: then every prompt once more with the worker's phases timed, kept in the description under
     "profile". Returns the runs and the engine's description."""
@@ -499,13 +499,16 @@ def run_setting(options: VLLMOptions, setting: EngineSetting, prompts: Sequence[
             engine.generate(prompts[0][2], decode=DecodeConfig(max_new_tokens=32), request="warmup")
         if prompts and options.pin_threads:
             description["pins"] = _pin_busy_threads(engine, prompts[0][2])
-        for pid, category, ids in prompts:
-            if setting.label == "none" and decode.greedy:
+        if setting.label == "none" and decode.greedy:
+            for pid, category, ids in prompts:
                 runs.append(Run(setting.label, pid, category, -1, engine.generate(ids, decode=decode, request=pid,
                                                                                   margins=True)))
-            for r in range(repeats):
+        # Repeats in passes over the suite, not back to back: a host-bound step's speed changes in episodes of
+        # seconds (docs/vllm.md, "The host has two speeds"), so a prompt's repeats should meet different ones.
+        for r in range(repeats):
+            for pid, category, ids in prompts:
                 if bar is not None:
-                    bar.set_postfix_str(f"{setting.label} · {pid}")
+                    bar.set_postfix_str(f"{setting.label} · {pid} · pass {r + 1}")
                 runs.append(Run(setting.label, pid, category, r, engine.generate(ids, decode=decode, request=pid)))
                 if bar is not None:
                     bar.update()
