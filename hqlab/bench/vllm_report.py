@@ -27,11 +27,13 @@ def family(config: str) -> str:
         return "vLLM ngram_gpu (V1, async)"
     if config.startswith("vllm-ngram"):
         return "vLLM ngram (V1, sync)"
+    if config.startswith("vllm-draft"):
+        return "vLLM draft_model (V1, sync)"
     return "hqlab custom_class (V1, sync)"
 
 
 SHORT_NAMES = {"gpu-lookup": "gpu-lookup", "lookup": "custom_class", "vllm-ngram": "vLLM ngram",
-               "vllm-ngram-gpu": "vLLM ngram_gpu"}
+               "vllm-ngram-gpu": "vLLM ngram_gpu", "vllm-draft": "vLLM draft_model"}
 
 
 def short_label(config: str) -> str:

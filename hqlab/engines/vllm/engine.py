@@ -42,7 +42,8 @@ from hqlab.proposers import REGISTRY
 from hqlab.trace import Generation, Source, StepRecord, step_record
 from hqlab.workloads import encode_chat
 
-NATIVE = {"vllm-ngram": "ngram", "vllm-ngram-gpu": "ngram_gpu", "arctic-suffix": "suffix"}  # -> vLLM's own method
+NATIVE = {"vllm-ngram": "ngram", "vllm-ngram-gpu": "ngram_gpu", "arctic-suffix": "suffix",
+          "vllm-draft": "draft_model"}  # -> vLLM's own method
 UNKNOWN_TOKEN = -1  # a drafted position whose token id vLLM does not report
 
 
@@ -96,6 +97,7 @@ class EngineSetting:
     worker_extension_cls: str | None = None
     k: int = 0  # most tokens drafted per step
     fixed_width: bool = False  # every step verifies k draft positions (the GPU speculator under async scheduling)
+    draft_model: str = ""  # vLLM's draft_model method: the drafter's name, made a folder when the engine starts
 
     @property
     def uses_adapter(self) -> bool:
@@ -123,7 +125,14 @@ def setting_for(spec: str) -> EngineSetting:
     unknown = (f"unknown proposer {{name!r}} in {{spec!r}}; the vllm engine runs none, {gpu_lookup.NAME} "
                f"(hqlab on vLLM's GPU step), {', '.join(sorted(NATIVE))} (vLLM's own) or any of "
                f"{', '.join(sorted(REGISTRY))} (through the custom_class adapter)")
-    name, config = resolve_spec(label, {**REGISTRY, "vllm-ngram-gpu": REGISTRY["vllm-ngram"]}, unknown=unknown)
+    name, config = resolve_spec(label, {**REGISTRY, "vllm-ngram-gpu": REGISTRY["vllm-ngram"],
+                                        "vllm-draft": REGISTRY["draft"]}, unknown=unknown)
+    if name == "vllm-draft":  # vLLM's own independent draft model: the baseline of the fused drafter
+        if config.vocab or config.temperature != 0 or config.dtype != "auto" or config.device != "auto":
+            raise ConfigError(f"{label!r}: vLLM's draft_model takes only model and k (it drafts with the full "
+                              f"vocabulary, in the engine's dtype and device, sampling as the request does)")
+        return EngineSetting(label, {"method": NATIVE[name], "num_speculative_tokens": config.k}, k=config.k,
+                             draft_model=config.model)
     if name in ("vllm-ngram", "vllm-ngram-gpu"):
         return EngineSetting(label, {"method": NATIVE[name], "num_speculative_tokens": config.k,
                                      "prompt_lookup_min": config.nmin, "prompt_lookup_max": config.nmax}, k=config.k)
@@ -260,10 +269,15 @@ class VLLMEngine:
             plugin.register()  # this process; vLLM's own processes load it through the entry point (or fork)
         self.options, self.setting = options, setting
         self._stats: list = []
+        speculative = setting.speculative_config
+        if setting.draft_model:  # a registry name or a .gguf becomes a folder vLLM can load (once, cached)
+            from hqlab import models
+
+            speculative = {**speculative, "model": models.prepare(setting.draft_model)}
         args = EngineArgs(model=options.model, dtype=options.dtype, max_model_len=options.max_model_len,
                           max_num_seqs=options.max_num_seqs, gpu_memory_utilization=options.gpu_memory_utilization,
                           enforce_eager=options.enforce_eager, enable_prefix_caching=options.enable_prefix_caching,
-                          seed=options.seed, speculative_config=setting.speculative_config,
+                          seed=options.seed, speculative_config=speculative,
                           tensor_parallel_size=options.tensor_parallel_size,
                           pipeline_parallel_size=options.pipeline_parallel_size,
                           compilation_config={"max_cudagraph_capture_size": options.capture_size(setting.k)},

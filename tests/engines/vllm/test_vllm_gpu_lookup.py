@@ -194,6 +194,36 @@ def test_settings_for_the_gpu_path_and_vllms_gpu_ngram():
     assert not ngram_gpu.gpu and not ngram_gpu.fixed_width
 
 
+def test_vllm_draft_is_vllms_own_draft_model_with_the_drafter_made_a_folder(monkeypatch):
+    """`vllm-draft:model=..,k=..` (the fused drafter's baseline) asks vLLM for its own draft_model method; the
+    engine makes the drafter's name a folder vLLM can load (hqlab.models.prepare) before vLLM sees it."""
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from hqlab import models
+    from hqlab.engines.vllm.engine import VLLMEngine, VLLMOptions
+
+    draft = setting_for("vllm-draft:model=qwen2.5-coder-0.5b,k=7")
+    assert draft.speculative_config == {"method": "draft_model", "num_speculative_tokens": 7}
+    assert draft.draft_model == "qwen2.5-coder-0.5b" and draft.k == 7
+    assert not draft.gpu and not draft.uses_adapter and not draft.fixed_width
+    assert setting_for("vllm-draft").k == 7  # the draft proposer's defaults: the 0.5B, k = 7
+    for bad, why in [("vllm-draft:k=0", "k must be >= 1"), ("vllm-draft:temperature=0.5", "takes only model and k"),
+                     ("vllm-draft:vocab=x", "takes only model and k"), ("vllm-draft:nmin=2", "nmin")]:
+        with pytest.raises(ConfigError, match=why):
+            setting_for(bad)
+    seen = {}
+
+    def capture(args, **kwargs):  # vLLM needs a GPU from here on: keep what it was asked for
+        seen["speculative"] = args.speculative_config
+        raise RuntimeError("stop before vLLM starts")
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", staticmethod(capture))
+    with pytest.raises(RuntimeError, match="stop before"):
+        VLLMEngine(VLLMOptions(model="target-folder"), draft)
+    assert seen["speculative"] == {"method": "draft_model", "num_speculative_tokens": 7,
+                                   "model": models.prepare("qwen2.5-coder-0.5b")}
+
+
 def test_fixed_width_steps_count_what_was_emitted_and_verified():
     events = [StepEvent(0.010, 1, 0, 0), StepEvent(0.012, 4, 7, 3), StepEvent(0.014, 1, 7, 0),
               StepEvent(0.016, 1, 7, 5)]  # vLLM's counters lag a step under async scheduling: ignored here
