@@ -22,13 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-def unit() -> int:
-    """About a millisecond of interpreter work, like a slice of a host-bound decode step."""
-    total = 0
-    for i in range(20_000):
-        total += i * i % 7
-    return total
+from hqlab.engines.vllm.affinity import python_unit  # noqa: E402  (the fixed workload; imports no vLLM)
 
 
 def worker(cpu: int, seconds: float, start: float, out: mp.Queue) -> None:
@@ -38,7 +32,7 @@ def worker(cpu: int, seconds: float, start: float, out: mp.Queue) -> None:
         pass
     t0 = time.perf_counter()
     while (now := time.perf_counter()) - t0 < seconds:
-        unit()
+        python_unit()
         rows.append((now - t0, (time.perf_counter() - now) * 1e3))
     out.put((cpu, rows))
 

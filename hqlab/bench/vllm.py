@@ -29,7 +29,9 @@ def frames_from_raw(runs: Sequence[Run], decode: DecodeConfig, meta: dict[str, A
     tok/s): 1.0 when a speculative step costs what a plain step costs. Rows and steps carry `load` ("alone"; "burst": all
     submitted at once; "sustained": `concurrency` requests kept in flight over the whole suite), `batch_wall_s`
     (median over repeats of the whole batch's wall time) and `batch_tok_s` (all its tokens / that time). `engines` (the
-    engines' `describe()`) adds what vLLM chose per config: model runner and async scheduling.
+    engines' `describe()`) adds what vLLM chose per config: model runner and async scheduling. Rows alone carry
+    `host_unit_ms`, the median over repeats of how fast the engine core's CPU ran Python around each request (NaN
+    unless the run pinned its threads).
     """
     tol = NEAR_TIE_TOL.get(str(meta.get("dtype", "bfloat16")), 0.01)
     base_meta = {"engine": "vllm", **meta, "max_new_tokens": decode.max_new_tokens}
@@ -50,7 +52,11 @@ def frames_from_raw(runs: Sequence[Run], decode: DecodeConfig, meta: dict[str, A
         prompt = Prompt(pid, mine[0].category, ())
         repeats = max(len(g) for g in timed.values())
         r, s = prompt_rows(prompt, reference.prompt_len, timed, reference, decode, tol, base_meta, repeats)
-        rows += [{**row, "concurrency": 1, "load": "alone"} for row in r]
+        speed = {label: [x.host_unit_ms for x in mine if x.config == label and x.repeat >= 0
+                         and not math.isnan(x.host_unit_ms)] for label in timed}
+        rows += [{**row, "concurrency": 1, "load": "alone",
+                  "host_unit_ms": statistics.median(speed[row["config"]]) if speed.get(row["config"]) else math.nan}
+                 for row in r]
         steps += [frame.with_columns(pl.lit(1).alias("concurrency"), pl.lit("alone").alias("load")) for frame in s]
     for (label, level, load), group in _groups(r for r in runs if r.concurrency > 1).items():
         walls = {}

@@ -29,8 +29,8 @@ def test_raw_runs_round_trip_and_become_bench_rows():
 
     ref = [5, 6, 7, 8, 9, 10]
     runs = [Run("none", "copy", "copy", -1, _generation(ref, margins=[3.0, 0.2, 4.0, 4.0, 4.0, 4.0], total=9.0)),
-            Run("none", "copy", "copy", 0, _generation(ref, total=2.0)),
-            Run("none", "copy", "copy", 1, _generation(ref, total=2.2)),
+            Run("none", "copy", "copy", 0, _generation(ref, total=2.0), host_unit_ms=1.0),
+            Run("none", "copy", "copy", 1, _generation(ref, total=2.2), host_unit_ms=1.7),
             Run("lookup:k=7", "copy", "copy", 0, _generation(ref, total=1.0)),
             Run("vllm-ngram:k=7", "copy", "copy", 0, _generation([5, 99, 7, 8, 9, 10], total=1.5)),
             Run("pld:k=3", "copy", "copy", 0, _generation([5, 6, 7, 99, 9, 10], total=1.5))]
@@ -39,6 +39,9 @@ def test_raw_runs_round_trip_and_become_bench_rows():
     assert [(r.config, r.repeat, r.generation.output_ids) for r in back] == \
            [(r.config, r.repeat, r.generation.output_ids) for r in runs]
     assert back[3].generation.records[1].emitted == 2 and math.isnan(back[3].generation.records[0].propose_s)
+    assert back[1].host_unit_ms == 1.0 and math.isnan(back[3].host_unit_ms)  # NaN: the run did not probe
+    older = runs_from_raw(pl.from_arrow(table).drop("host_unit_ms"))  # tables written before the column
+    assert all(math.isnan(r.host_unit_ms) for r in older)
     results, steps = frames_from_raw(back, DecodeConfig(max_new_tokens=6), {"dtype": "bfloat16", "model": "m"})
     by = {r["config"]: r for r in results.to_dicts()}
     assert list(by) == ["none", "lookup:k=7", "vllm-ngram:k=7", "pld:k=3"] and results["engine"][0] == "vllm"
@@ -47,6 +50,7 @@ def test_raw_runs_round_trip_and_become_bench_rows():
     assert by["vllm-ngram:k=7"]["divergence"] == "near-tie" and by["vllm-ngram:k=7"]["first_divergence"] == 1
     assert by["pld:k=3"]["divergence"] == "mismatch" and by["pld:k=3"]["divergence_margin"] == 4.0
     assert steps.height == 4 * 3 and set(steps["config"]) == set(by)
+    assert by["none"]["host_unit_ms"] == pytest.approx(1.35) and math.isnan(by["lookup:k=7"]["host_unit_ms"])
 
 
 def test_gpu_finish_turns_returned_raw_runs_into_bench_results(tmp_path):

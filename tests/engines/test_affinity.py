@@ -79,3 +79,22 @@ def test_children_lists_a_started_process():
     finally:
         child.kill()
         child.wait()
+
+
+def test_speed_probe_times_python_on_its_own_cpu():
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    probe = affinity.CpuSpeedProbe(cpu)
+    try:
+        assert os.sched_getaffinity(probe._proc.pid) == {cpu}
+        t = time.perf_counter()
+        affinity.python_unit()
+        here = (time.perf_counter() - t) * 1e3
+        got = [probe.measure(3) for _ in range(3)]
+        assert all(0 < ms < 50 * here + 50 for ms in got)  # the same unit, on a CPU of the same machine
+        with pytest.raises(ConfigError, match="units must be >= 1"):
+            probe.measure(0)
+    finally:
+        probe.close()
+    assert not probe._proc.is_alive()
+    with pytest.raises(ConfigError, match="is not one this process may use"):
+        affinity.CpuSpeedProbe(10_000)

@@ -180,6 +180,66 @@ class ThreadSampler:
                       key=lambda u: -u.cpu_s)
 
 
+def python_unit() -> int:
+    """About a millisecond of interpreter work (on a 2020s server core), like a slice of a host-bound decode step:
+    the fixed workload whose time tells how fast a CPU runs Python right now (benchmarks/host_speed.py)."""
+    total = 0
+    for i in range(20_000):
+        total += i * i % 7
+    return total
+
+
+def _probe_process(cpu: int, conn: Any) -> None:
+    os.sched_setaffinity(0, {cpu})
+    while True:
+        units = conn.recv()
+        if units is None:
+            break
+        times = []
+        for _ in range(units):
+            t = time.perf_counter()
+            python_unit()
+            times.append((time.perf_counter() - t) * 1e3)
+        times.sort()
+        conn.send(times[len(times) // 2])
+    conn.close()
+
+
+class CpuSpeedProbe:
+    """A process pinned to one CPU that, when asked, times `python_unit` there and answers the median in ms.
+
+    Asked between two requests, when the engine-core thread pinned to that CPU is idle, it tells the speed that
+    CPU runs Python at that moment: on a VM whose CPU changes speed in episodes of seconds (docs/vllm.md, "The host
+    has two speeds"), a covariate for the requests around it. It waits on a pipe otherwise (no CPU)."""
+
+    def __init__(self, cpu: int) -> None:
+        import multiprocessing as mp
+
+        if cpu not in START_CPUS:
+            raise ConfigError(f"CPU {cpu} is not one this process may use ({sorted(START_CPUS)})")
+        self.cpu = cpu
+        ctx = mp.get_context("fork")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_probe_process, args=(cpu, child), daemon=True)
+        self._proc.start()
+        child.close()
+
+    def measure(self, units: int = 5) -> float:
+        if units < 1:
+            raise ConfigError(f"units must be >= 1 (got {units})")
+        self._conn.send(units)
+        if not self._conn.poll(30):
+            raise RuntimeError(f"the speed probe on CPU {self.cpu} did not answer in 30 s")
+        return float(self._conn.recv())
+
+    def close(self) -> None:
+        try:
+            self._conn.send(None)
+        except OSError:
+            pass
+        self._proc.join(5)
+
+
 def pin_plan(busy: list[int], others: list[int], machine_cores: list[tuple[int, ...]]
              ) -> dict[int, tuple[int, ...]]:
     """Thread id -> CPUs. Each busy thread (busiest first) gets the first hardware thread of a core of its own,
@@ -233,4 +293,4 @@ def pin_busy(pids: list[int], use: list[ThreadUse], *, min_share: float = 0.25, 
 
 
 __all__ = ["parse_cpu_list", "cores", "ThreadId", "children", "threads", "ThreadUse", "ThreadSampler", "pin_plan",
-           "apply_pins", "unpin", "pin_busy"]
+           "apply_pins", "unpin", "pin_busy", "python_unit", "CpuSpeedProbe"]

@@ -287,6 +287,11 @@ class VLLMEngine:
                           disable_log_stats=False)
         self.engine = LLMEngine.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._stats)])
         self._counter = 0
+        self.speed_probe: Any = None  # an affinity.CpuSpeedProbe on the engine core's CPU (run_setting sets it)
+
+    def host_speed(self) -> float:
+        """ms per `affinity.python_unit` on the engine core's CPU right now (NaN without a probe)."""
+        return self.speed_probe.measure() if self.speed_probe is not None else math.nan
 
     def describe(self) -> dict[str, Any]:
         """What vLLM chose for this engine (recorded next to the numbers)."""
@@ -472,6 +477,9 @@ class Run:
     concurrency: int = 1  # requests submitted together (1: one at a time)
     batch_wall_s: float = math.nan  # wall time of the whole concurrent batch this run was part of
     load: str = "alone"  # "alone", "burst" (all submitted at once) or "sustained" (`concurrency` kept in flight)
+    # ms per `affinity.python_unit` on the engine core's CPU, measured before and after the request (mean; NaN
+    # unless the run pinned its threads): how fast the host ran Python around this request
+    host_unit_ms: float = math.nan
 
 
 def check_prompts(options: VLLMOptions, prompts: Sequence[tuple[str, str, list[int]]], decode: DecodeConfig) -> None:
@@ -513,6 +521,11 @@ def run_setting(options: VLLMOptions, setting: EngineSetting, prompts: Sequence[
             engine.generate(prompts[0][2], decode=DecodeConfig(max_new_tokens=32), request="warmup")
         if prompts and options.pin_threads:
             description["pins"] = _pin_busy_threads(engine, prompts[0][2])
+            busy = list(description["pins"]["busy"].values())
+            if busy:  # the busiest thread is the engine core's (the front end waits on it)
+                from hqlab.engines.vllm import affinity
+
+                engine.speed_probe = affinity.CpuSpeedProbe(busy[0][0])
         if setting.label == "none" and decode.greedy:
             for pid, category, ids in prompts:
                 runs.append(Run(setting.label, pid, category, -1, engine.generate(ids, decode=decode, request=pid,
@@ -523,7 +536,10 @@ def run_setting(options: VLLMOptions, setting: EngineSetting, prompts: Sequence[
             for pid, category, ids in prompts:
                 if bar is not None:
                     bar.set_postfix_str(f"{setting.label} · {pid} · pass {r + 1}")
-                runs.append(Run(setting.label, pid, category, r, engine.generate(ids, decode=decode, request=pid)))
+                before = engine.host_speed()
+                generation = engine.generate(ids, decode=decode, request=pid)
+                speed = (before + engine.host_speed()) / 2
+                runs.append(Run(setting.label, pid, category, r, generation, host_unit_ms=speed))
                 if bar is not None:
                     bar.update()
         group = list(prompts[:concurrency]) if concurrency > 1 else []
@@ -539,6 +555,8 @@ def run_setting(options: VLLMOptions, setting: EngineSetting, prompts: Sequence[
         if profile:
             description["profile"] = _profiled(engine, prompts, decode)
     finally:
+        if engine.speed_probe is not None:
+            engine.speed_probe.close()
         engine.close()
         if options.pin_threads:
             from hqlab.engines.vllm import affinity
@@ -673,12 +691,13 @@ def raw_table(runs: Sequence[Run]):
              "margins": [float(m) for m in r.generation.margins], "finish": r.generation.finish,
              "ttft_s": r.generation.ttft_s, "total_s": r.generation.total_s, "t_last": r.generation.t_last,
              "records": json.dumps([asdict(s) for s in r.generation.records]), "concurrency": r.concurrency,
-             "batch_wall_s": r.batch_wall_s, "load": r.load} for r in runs]
+             "batch_wall_s": r.batch_wall_s, "load": r.load, "host_unit_ms": r.host_unit_ms} for r in runs]
     schema = pa.schema([("config", pa.string()), ("prompt_id", pa.string()), ("category", pa.string()),
                         ("repeat", pa.int32()), ("prompt_len", pa.int32()), ("output_ids", pa.list_(pa.int64())),
                         ("margins", pa.list_(pa.float64())), ("finish", pa.string()), ("ttft_s", pa.float64()),
                         ("total_s", pa.float64()), ("t_last", pa.float64()), ("records", pa.string()),
-                        ("concurrency", pa.int32()), ("batch_wall_s", pa.float64()), ("load", pa.string())])
+                        ("concurrency", pa.int32()), ("batch_wall_s", pa.float64()), ("load", pa.string()),
+                        ("host_unit_ms", pa.float64())])
     return pa.Table.from_pylist(rows, schema=schema)
 
 
@@ -697,7 +716,8 @@ def runs_from_raw(raw: Any) -> list[Run]:
         level = int(row.get("concurrency") or 1)
         runs.append(Run(row["config"], row["prompt_id"], row["category"], int(row["repeat"]), gen, level,
                         float(row.get("batch_wall_s") or math.nan),
-                        row.get("load") or ("alone" if level <= 1 else "burst")))  # older tables: no load column
+                        row.get("load") or ("alone" if level <= 1 else "burst"),  # older tables: no load column
+                        float(row["host_unit_ms"]) if row.get("host_unit_ms") is not None else math.nan))
     return runs
 
 
