@@ -13,6 +13,9 @@
     `--run NAME --append` adds another run (its own reference) to the same files.
 
 --sustained adds the whole suite with --concurrency requests kept in flight (a closed loop, as a server sees it).
+--pin-threads pins each engine's busy host thread (the engine core's) to a CPU of its own after the warm-up and times
+a fixed piece of Python on that CPU around every timed request (`host_unit_ms`: the host's speed, which changes in
+episodes of seconds on the lent H200; docs/vllm.md).
 --interleave starts every config's engine at once and runs each prompt on all of them in turn, so the ratios
 compare runs seconds apart (a host-bound step drifts by tens of percent over minutes); its first try on the H200
 stalled after the first prompt (data/results/vllm_gpu_h200_i.log) and it now starts engine processes with spawn,
