@@ -1,10 +1,11 @@
 """Why does the same vLLM step cost 2.3 ms on one request and 3.5 ms on the next? A probe of the host threads.
 
-At batch 1 the 0.5B's decode step is host-bound, and its cost is bimodal per request (docs/vllm.md, "Host
-threads"): the profiled worker phases all slow by the same factor, as a thread does when a busy sibling shares its
-core. This probe runs the suite on one engine per config, samples which threads of the front end and the engine
-core are busy and on which CPUs they ran (`hqlab.engines.vllm.affinity.ThreadSampler`), then pins the busy threads
-to cores of their own (`affinity.pin_busy`) and runs the suite again on the same engine.
+At batch 1 the 0.5B's decode step is host-bound, and its cost is bimodal per request: the profiled worker phases
+all slow by the same factor, as a thread does when a busy sibling shares its core. This probe runs the suite on one
+engine per config, samples which threads of the front end and the engine core are busy and on which CPUs they ran
+(`hqlab.engines.vllm.affinity.ThreadSampler`), then pins the busy threads to cores of their own
+(`affinity.pin_busy`) and runs the suite again on the same engine. Its answer on the lent H200 (pinning leaves both
+speeds; the CPU itself has two) is in docs/vllm.md, "The host has two speeds".
 
   GPU (through tools/gpu_host/vllm_host.py run):
       python3 benchmarks/vllm_host_threads.py --tag a --passes 2 --config none \\
@@ -105,8 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                                 + ", ".join(f"{u.thread.name}@{max(u.cpus, key=u.cpus.get)}" for u in busy))
                 save()
                 if variant == "free":
-                    plans[setting.label] = affinity.pin_busy(pids, list(whole.use.values()),
-                                                             min_share=args.min_share, wall_s=whole.wall_s)
+                    plans[setting.label] = affinity.pin_busy(pids, whole, min_share=args.min_share)
                     log(f"pinned: {plans[setting.label]}")
                     save()
             for variant in ("free", "pinned"):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import polars as pl
 
-from hqlab.config import parse_spec
+from hqlab.config import ConfigError, parse_spec
 
 CUSTOM_CLASS = "lookup:"  # configs run through the host-side custom_class adapter start with this
 
@@ -147,8 +147,6 @@ def cost_model_check(steps: pl.DataFrame, runs: list[str], *, name: str | None =
     v2 = steps.filter(pl.col("run").is_in(runs) & (pl.col("load") == "alone")
                       & ((pl.col("config") == "none") | pl.col("config").str.starts_with("gpu-lookup")))
     if v2.filter(pl.col("config") != "none")["config"].n_unique() < 2:
-        from hqlab.config import ConfigError
-
         raise ConfigError(f"runs {runs}: the cost model check needs none and at least two gpu-lookup configs "
                           f"(each is predicted from the others)")
     # a request name is per run: prompts of different calls are different requests

@@ -85,6 +85,7 @@ def test_speed_probe_times_python_on_its_own_cpu():
     cpu = sorted(os.sched_getaffinity(0))[-1]
     probe = affinity.CpuSpeedProbe(cpu)
     try:
+        probe.measure(1)  # the process pins itself before it answers
         assert os.sched_getaffinity(probe._proc.pid) == {cpu}
         t = time.perf_counter()
         affinity.python_unit()

@@ -1,11 +1,11 @@
-"""Where vLLM's host threads run, and pinning the busy ones to cores of their own (Linux).
+"""Where vLLM's host threads run, pinning the busy ones to cores of their own, and how fast a CPU runs (Linux).
 
-A 0.5B model decoding at batch 1 on an H200 is host-bound: a step is ~2 ms of Python in the front end and the
-engine core, and the GPU waits on it. On a machine whose hardware threads share cores (SMT, or a VM's vCPUs that
-are hyperthreads of the host), a busy thread that lands on the sibling of another busy thread runs ~1.3-1.6x
-slower, and stays there until the scheduler moves it. `ThreadSampler` measures which threads of a set of processes
-are busy and on which CPUs they ran; `pin_plan` gives each busy thread a whole core (its sibling left idle) and
-every other thread the remaining CPUs; `apply_pins` applies a plan with `os.sched_setaffinity` (per thread id).
+A 0.5B model decoding at batch 1 on an H200 is host-bound: a step is ~2 ms of Python in the engine core, and the
+GPU waits on it. `ThreadSampler` measures which threads of a set of processes are busy and on which CPUs they ran;
+`pin_plan` gives each busy thread a whole core (its SMT siblings left idle) and every other thread the remaining
+CPUs; `apply_pins` applies a plan with `os.sched_setaffinity` (per thread id). On the lent H200 pinning did not
+remove the step's two speeds: the machine's CPU itself runs Python at two speeds (docs/vllm.md, "The host has two
+speeds"), which `CpuSpeedProbe` measures on one CPU between requests.
 
 Only /proc and /sys are read: nothing here imports vLLM, and the plan is a pure function (tests/engines/test_affinity.py).
 """
@@ -276,11 +276,10 @@ def unpin(tid: int = 0) -> None:
     os.sched_setaffinity(tid, START_CPUS)
 
 
-def pin_busy(pids: list[int], use: list[ThreadUse], *, min_share: float = 0.25, wall_s: float
-             ) -> dict[str, object]:
-    """Pins the threads of `pids` that were busy in a sampled pass (`use`, from ThreadSampler) to cores of their
-    own and every other thread of `pids` to the rest. Returns what was done, for the run's description."""
-    busy = [u.thread.tid for u in sorted(use, key=lambda u: -u.cpu_s) if u.share(wall_s) >= min_share]
+def pin_busy(pids: list[int], sampled: ThreadSampler, *, min_share: float = 0.25) -> dict[str, object]:
+    """Pins the threads of `pids` that were busy while `sampled` ran (`ThreadSampler.busy`) to cores of their own
+    and every other thread of `pids` to the rest. Returns what was done, for the run's description."""
+    busy = [u.thread.tid for u in sampled.busy(min_share)]
     everyone = threads(pids)
     others = [t.tid for t in everyone if t.tid not in busy]
     machine_cores = cores()

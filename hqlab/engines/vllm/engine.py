@@ -64,8 +64,8 @@ class VLLMOptions:
     seed: int = 0
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    # pin the busy host threads (front end, engine core) to cores of their own after the warm-up
-    # (hqlab.engines.vllm.affinity; docs/vllm.md, "Host threads"); Linux only
+    # pin the busy host threads (the engine core's) to cores of their own after the warm-up and probe that CPU's
+    # speed around every timed request (hqlab.engines.vllm.affinity; docs/vllm.md, "The host has two speeds")
     pin_threads: bool = False
 
     def __post_init__(self) -> None:
@@ -574,7 +574,7 @@ def _pin_busy_threads(engine: "VLLMEngine", prompt_ids: Sequence[int]) -> dict[s
     pids = [os.getpid(), *affinity.children(os.getpid())]
     with affinity.ThreadSampler(pids) as sampled:
         engine.generate(prompt_ids, decode=DecodeConfig(max_new_tokens=128), request="pin")
-    return affinity.pin_busy(pids, list(sampled.use.values()), wall_s=sampled.wall_s)
+    return affinity.pin_busy(pids, sampled)
 
 
 def interleaved_order(n_engines: int, n_items: int) -> list[tuple[int, int]]:
