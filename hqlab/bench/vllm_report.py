@@ -23,6 +23,8 @@ def family(config: str) -> str:
         return "none"
     if config.startswith("gpu-lookup"):
         return "hqlab GPU step (V2, async)"
+    if config.startswith("gpu-fused"):
+        return "hqlab fused GPU step (V2, async)"
     if config.startswith("vllm-ngram-gpu"):
         return "vLLM ngram_gpu (V1, async)"
     if config.startswith("vllm-ngram"):
@@ -32,7 +34,7 @@ def family(config: str) -> str:
     return "hqlab custom_class (V1, sync)"
 
 
-SHORT_NAMES = {"gpu-lookup": "gpu-lookup", "lookup": "custom_class", "vllm-ngram": "vLLM ngram",
+SHORT_NAMES = {"gpu-lookup": "gpu-lookup", "gpu-fused": "gpu-fused", "lookup": "custom_class", "vllm-ngram": "vLLM ngram",
                "vllm-ngram-gpu": "vLLM ngram_gpu", "vllm-draft": "vLLM draft_model"}
 
 

@@ -164,11 +164,12 @@ class HqlabWorkerExtension:
     `model_runner.speculator`)."""
 
     def hqlab_take_records(self) -> list[dict[str, Any]]:
+        from hqlab.engines.vllm.gpu_fused import GpuFusedSpeculator
         from hqlab.engines.vllm.gpu_lookup import GpuLookupSpeculator
 
         runner = getattr(self, "model_runner", None)
         for found in (getattr(runner, "drafter", None), getattr(runner, "speculator", None)):
-            if isinstance(found, (HqlabProposer, GpuLookupSpeculator)):
+            if isinstance(found, (HqlabProposer, GpuLookupSpeculator, GpuFusedSpeculator)):
                 return found.take_records()
         return []
 

@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 from hqlab.config import ConfigError, DecodeConfig, parse_spec, resolve_spec
 from hqlab.engines.vllm import adapter as vllm_proposer
-from hqlab.engines.vllm import gpu_lookup
+from hqlab.engines.vllm import gpu_fused, gpu_lookup
 from hqlab.proposers import REGISTRY
 from hqlab.trace import Generation, Source, StepRecord, step_record
 from hqlab.workloads import encode_chat
@@ -106,7 +106,7 @@ class EngineSetting:
 
     @property
     def gpu(self) -> bool:
-        return gpu_lookup.is_gpu_lookup(self.speculative_config)
+        return gpu_lookup.is_gpu_lookup(self.speculative_config) or gpu_fused.is_gpu_fused(self.speculative_config)
 
 
 def setting_for(spec: str) -> EngineSetting:
@@ -122,7 +122,13 @@ def setting_for(spec: str) -> EngineSetting:
         return EngineSetting(label, gpu_lookup.speculative_config(label),
                              {gpu_lookup.SPEC_KEY: label, gpu_lookup.RECORD_KEY: True},
                              vllm_proposer.EXTENSION_PATH, k=config.k, fixed_width=True)
-    unknown = (f"unknown proposer {{name!r}} in {{spec!r}}; the vllm engine runs none, {gpu_lookup.NAME} "
+    if name == gpu_fused.NAME:
+        config = gpu_fused.fused_config(label)
+        return EngineSetting(label, gpu_fused.speculative_config(label),
+                             {gpu_lookup.SPEC_KEY: label, gpu_lookup.RECORD_KEY: True},
+                             vllm_proposer.EXTENSION_PATH, k=config.k, fixed_width=True)
+    unknown = (f"unknown proposer {{name!r}} in {{spec!r}}; the vllm engine runs none, {gpu_lookup.NAME}, "
+               f"{gpu_fused.NAME} "
                f"(hqlab on vLLM's GPU step), {', '.join(sorted(NATIVE))} (vLLM's own) or any of "
                f"{', '.join(sorted(REGISTRY))} (through the custom_class adapter)")
     name, config = resolve_spec(label, {**REGISTRY, "vllm-ngram-gpu": REGISTRY["vllm-ngram"],

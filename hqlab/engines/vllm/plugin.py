@@ -5,13 +5,13 @@ hqlab's (pyproject.toml) is `register` below. vLLM 0.26 has no registry for new 
 runner dispatches only EAGLE/MTP/DFlash/DSpark (`init_speculator`), its config sends every other method to the V1
 runner with synchronous scheduling (`VllmConfig._get_v2_model_runner_unsupported_features` and the async-scheduling
 whitelist in `VllmConfig.__post_init__`). The plugin changes exactly those three decisions, and only for configs
-that ask for an hqlab GPU speculator (`gpu_lookup.is_gpu_lookup`); every other config is left to vLLM:
+that ask for an hqlab GPU speculator (`gpu_lookup.is_gpu_lookup`, `gpu_fused.is_gpu_fused`); every other config is left to vLLM:
 
 1. the V2 feature check no longer lists our `custom_class` speculator as unsupported;
 2. asynchronous scheduling stays on for it (as vLLM does for EAGLE: placeholders for the k draft positions are
    reserved by the scheduler, the drafts are filled in on the GPU), unless the user turned it off;
-3. `init_speculator` builds `GpuLookupSpeculator`, which is bound to the runner's request state when vLLM loads
-   the model;
+3. `init_speculator` builds `GpuLookupSpeculator` (or `gpu_fused.GpuFusedSpeculator`), which is bound to the
+   runner's request state when vLLM loads the model (the fused one also loads its draft model then);
 4. with `width=stale`, each request's width for its next-but-one step travels from the speculator through the
    step's output to the scheduler, which reserves that many draft positions for the request instead of k (the
    runner's `sample_tokens`, the output's `get_output` and the scheduler's `update_from_output` carry it).
@@ -71,9 +71,11 @@ def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
 
 
 def _ours(vllm_config: Any) -> bool:
+    from hqlab.engines.vllm.gpu_fused import is_gpu_fused
     from hqlab.engines.vllm.gpu_lookup import is_gpu_lookup
 
-    return is_gpu_lookup(getattr(vllm_config, "speculative_config", None))
+    spec = getattr(vllm_config, "speculative_config", None)
+    return is_gpu_lookup(spec) or is_gpu_fused(spec)
 
 
 def _patch_config() -> None:
@@ -115,9 +117,12 @@ def _patch_init_speculator() -> None:
         def init_speculator(vllm_config: Any, device: Any) -> Any:
             if not _ours(vllm_config):
                 return original(vllm_config, device)
+            from hqlab.engines.vllm.gpu_fused import GpuFusedSpeculator, is_gpu_fused
             from hqlab.engines.vllm.gpu_lookup import GpuLookupSpeculator
 
             _patch_runner_binding()
+            if is_gpu_fused(vllm_config.speculative_config):
+                return GpuFusedSpeculator(vllm_config, device)
             return GpuLookupSpeculator(vllm_config, device)
         return init_speculator
 
@@ -131,17 +136,21 @@ def _patch_runner_binding() -> None:
     """Give our speculator the runner's request state when vLLM loads the model (after the state exists)."""
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
+    from hqlab.engines.vllm.gpu_fused import GpuFusedSpeculator
     from hqlab.engines.vllm.gpu_lookup import GpuLookupSpeculator
 
     def make(original: Callable) -> Callable:
         def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
             speculator = getattr(self, "speculator", None)
-            if isinstance(speculator, GpuLookupSpeculator):
+            if isinstance(speculator, (GpuLookupSpeculator, GpuFusedSpeculator)):
                 if getattr(self, "use_pp", False):
-                    raise ConfigError("hqlab's gpu-lookup does not support pipeline parallelism yet "
+                    raise ConfigError("hqlab's GPU speculators do not support pipeline parallelism yet "
                                       "(pipeline_parallel_size must be 1)")
                 speculator.bind(self.req_states.all_token_ids.gpu, self.req_states.total_len.gpu)
-            return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
+            if isinstance(speculator, GpuFusedSpeculator):
+                speculator.load_drafter()  # after the target, before vLLM profiles memory and sizes its KV cache
+            return result
         return load_model
 
     _wrap(GPUModelRunner, "load_model", make)

@@ -1,0 +1,188 @@
+"""A Qwen2 draft model in plain torch over a static KV cache with one row per request slot.
+
+The fused speculator (`hqlab.engines.vllm.gpu_fused`) runs a small same-tokenizer drafter inside vLLM's GPU step,
+after the target's sampling. vLLM 0.26's V2 runner has no plain draft-model path (docs/vllm-fused-design.md), and
+its own model classes need its attention metadata and forward context. A drafter that owns its cache needs neither:
+
+- the cache is `[layers, slots, kv_heads, max_len, head_dim]`, one row per vLLM request slot, so a request's
+  position p lives at `[slot, :, p]` and no block table is involved;
+- every call has static shapes (batch rows, query length, attention length) and reads no device value on the host,
+  so the decode passes replay from CUDA graphs;
+- positions past a request's real end may be written (padded query columns, speculative drafts); the caller always
+  feeds again from the request's true length, which overwrites them before any query can attend to them.
+
+The layer is the transformers Qwen2 decoder (RMSNorm, rotary embedding, grouped-query attention with q/k/v biases,
+SwiGLU MLP), with q/k/v and gate/up fused into one matrix each. Only the position whose logits the caller wants is
+projected to the vocabulary, so a 16-token catch-up pass costs one lm_head row per request, not sixteen.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from hqlab.config import ConfigError
+
+
+class StaticQwen2:
+    """Qwen2ForCausalLM forward over a per-slot static KV cache (see the module docstring)."""
+
+    def __init__(self, config: dict, weights: dict[str, torch.Tensor], *, slots: int, max_len: int,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+                 compile: bool = False) -> None:
+        if slots < 1 or max_len < 1:
+            raise ConfigError(f"StaticQwen2 needs slots >= 1 and max_len >= 1 (got slots={slots}, max_len={max_len})")
+        self.slots, self.max_len = int(slots), int(max_len)
+        self.device, self.dtype = torch.device(device), dtype
+        self.hidden = int(config["hidden_size"])
+        self.heads = int(config["num_attention_heads"])
+        self.kv_heads = int(config.get("num_key_value_heads", self.heads))
+        self.head_dim = int(config.get("head_dim") or self.hidden // self.heads)
+        self.groups = self.heads // self.kv_heads
+        self.n_layers = int(config["num_hidden_layers"])
+        self.eps = float(config.get("rms_norm_eps", 1e-6))
+        self.vocab = int(config["vocab_size"])
+        theta = float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+
+        def w(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ConfigError(f"StaticQwen2: the checkpoint has no tensor {name!r} (not a Qwen2 causal LM?)")
+            return weights[name].to(device=self.device, dtype=dtype)
+
+        self.embed = w("model.embed_tokens.weight")
+        self.lm_head = w("lm_head.weight") if "lm_head.weight" in weights else self.embed  # tied checkpoints
+        self.norm = w("model.norm.weight")
+        self.layers = []
+        for i in range(self.n_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            self.layers.append({
+                "in_norm": w(p + "input_layernorm.weight"),
+                "qkv_w": torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
+                "qkv_b": torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"), w(a + "v_proj.bias")]),
+                "o_w": w(a + "o_proj.weight"),
+                "post_norm": w(p + "post_attention_layernorm.weight"),
+                "gate_up_w": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                "down_w": w(p + "mlp.down_proj.weight"),
+            })
+        shape = (self.n_layers, self.slots, self.kv_heads, self.max_len, self.head_dim)
+        self.k_cache = torch.zeros(shape, device=self.device, dtype=dtype)
+        self.v_cache = torch.zeros(shape, device=self.device, dtype=dtype)
+        # Rotary tables in float32 for every position the cache can hold (transformers computes them in float32
+        # and casts to the activations' dtype).
+        inv = 1.0 / theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=self.device)
+                              / self.head_dim)
+        freqs = torch.outer(torch.arange(self.max_len, dtype=torch.float32, device=self.device), inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        # The parts of a layer around the cache write and the attention are pure functions of their inputs:
+        # `compile=True` lets torch.compile fuse their elementwise work (a pass is launch-bound at small batch).
+        self._pre, self._post = self._pre_impl, self._post_impl
+        if compile:
+            self._pre = torch.compile(self._pre_impl, dynamic=True)
+            self._post = torch.compile(self._post_impl, dynamic=True)
+
+    @classmethod
+    def load(cls, folder: str | Path, *, slots: int, max_len: int, device: str | torch.device = "cpu",
+             dtype: torch.dtype = torch.bfloat16, compile: bool = False) -> "StaticQwen2":
+        """Load a Hugging Face-format Qwen2 folder (config.json + *.safetensors)."""
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        cfg_file = folder / "config.json"
+        if not cfg_file.is_file():
+            raise ConfigError(f"StaticQwen2: {folder} has no config.json (expected a Hugging Face model folder, "
+                              f"e.g. hqlab.models.prepare('qwen2.5-coder-0.5b'))")
+        config = json.loads(cfg_file.read_text())
+        if config.get("model_type") != "qwen2":
+            raise ConfigError(f"StaticQwen2 runs Qwen2 models only; {folder} holds model_type "
+                              f"{config.get('model_type')!r}")
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ConfigError(f"StaticQwen2: {folder} has no *.safetensors weights")
+        weights: dict[str, torch.Tensor] = {}
+        for f in files:
+            weights.update(load_file(str(f)))
+        return cls(config, weights, slots=slots, max_len=max_len, device=device, dtype=dtype, compile=compile)
+
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * x32.to(x.dtype)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    def hidden_states(self, slots: torch.Tensor, tokens: torch.Tensor, start: torch.Tensor,
+                      attn_len: int) -> torch.Tensor:
+        """Feed tokens [n, Q] at positions start[r] + i of cache rows `slots`, writing their K/V; returns the final
+        hidden states [n, Q, hidden] before the last norm. Attention covers cache positions < attn_len."""
+        n, q_len = tokens.shape
+        if not 0 < attn_len <= self.max_len:
+            raise ValueError(f"attn_len must be in [1, max_len={self.max_len}] (got {attn_len})")
+        slots = slots.long()
+        pos = start.long()[:, None] + torch.arange(q_len, device=self.device)  # [n, Q]
+        cos, sin = self.cos[pos][:, :, None, :], self.sin[pos][:, :, None, :]  # [n, Q, 1, D]
+        # Query i of row r sees cache positions <= its own; the query rows of one KV head are its `groups` Q heads
+        # stacked along the query axis (row = i * groups + g), so K/V are read once per KV head, never repeated.
+        allowed = torch.arange(attn_len, device=self.device)[None, None, :] <= pos[:, :, None]  # [n, Q, L]
+        mask = allowed[:, :, None, :].expand(n, q_len, self.groups, attn_len).reshape(
+            n, 1, q_len * self.groups, attn_len)
+        x = F.embedding(tokens, self.embed)  # [n, Q, hidden]
+        kvh, d = self.kv_heads, self.head_dim
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._pre(x, layer["in_norm"], layer["qkv_w"], layer["qkv_b"], cos, sin)
+            kc, vc = self.k_cache[i], self.v_cache[i]  # [slots, kvh, max_len, D]
+            kc[slots[:, None], :, pos] = k  # advanced indices first: the target view is [n, Q, kvh, D]
+            vc[slots[:, None], :, pos] = v
+            keys, values = kc[slots, :, :attn_len], vc[slots, :, :attn_len]  # [n, kvh, L, D]
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            x = self._post(x, o, layer["o_w"], layer["post_norm"], layer["gate_up_w"], layer["down_w"])
+        return x
+
+    def _pre_impl(self, x: torch.Tensor, norm: torch.Tensor, qkv_w: torch.Tensor, qkv_b: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Norm, q/k/v projection and rotary embedding: q as [n, kv_heads, Q * groups, D] (the query rows of one KV
+        head are its `groups` heads stacked along the query axis), k and v as [n, Q, kv_heads, D]."""
+        n, q_len = x.shape[:2]
+        h, kvh, d = self.heads, self.kv_heads, self.head_dim
+        qkv = F.linear(self._rms(x, norm), qkv_w, qkv_b)
+        q = self._rotate(qkv[..., :h * d].view(n, q_len, h, d), cos, sin)
+        k = self._rotate(qkv[..., h * d:(h + kvh) * d].view(n, q_len, kvh, d), cos, sin)
+        v = qkv[..., (h + kvh) * d:].view(n, q_len, kvh, d)
+        q = q.view(n, q_len, kvh, self.groups, d).permute(0, 2, 1, 3, 4).reshape(n, kvh, q_len * self.groups, d)
+        return q, k, v
+
+    def _post_impl(self, x: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, norm: torch.Tensor,
+                   gate_up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
+        """Attention output projection, residual, norm, SwiGLU MLP, residual."""
+        n, q_len = x.shape[:2]
+        o = o.view(n, self.kv_heads, q_len, self.groups, self.head_dim).permute(0, 2, 1, 3, 4).reshape(
+            n, q_len, self.heads * self.head_dim)
+        x = x + F.linear(o, o_w)
+        gate, up = F.linear(self._rms(x, norm), gate_up_w).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, down_w)
+
+    def logits(self, slots: torch.Tensor, tokens: torch.Tensor, start: torch.Tensor, last: torch.Tensor,
+               attn_len: int) -> torch.Tensor:
+        """As `extend`, but the logits [n, vocab] at query index last[r] of each row."""
+        x = self.hidden_states(slots, tokens, start, attn_len)
+        picked = x[torch.arange(x.shape[0], device=self.device), last.long()]  # [n, hidden]
+        return F.linear(self._rms(picked, self.norm), self.lm_head)
+
+    def extend(self, slots: torch.Tensor, tokens: torch.Tensor, start: torch.Tensor, last: torch.Tensor,
+               attn_len: int) -> torch.Tensor:
+        """Feed tokens [n, Q] at positions start[r]..start[r]+Q-1 of cache rows `slots` (writing their K/V) and
+        return the greedy next token [n] int64 after query index last[r]. Static shapes, no host reads."""
+        return self.logits(slots, tokens, start, last, attn_len).argmax(-1)
+
+
+__all__ = ["StaticQwen2"]

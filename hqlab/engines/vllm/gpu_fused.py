@@ -1,0 +1,396 @@
+"""HyperQwen's fused drafter inside vLLM's own GPU step: lookup + a same-tokenizer draft model, fused per position
+(SPEC §2.4) and verified in blocks whose length the adaptive scheduler picks per request (SPEC §2.5).
+
+It runs where `gpu_lookup.GpuLookupSpeculator` runs (vLLM 0.26's model runner V2, asynchronous scheduling, after
+sampling, on GPU tensors) and is installed the same way (`custom_class` + the hqlab plugin). Per step and request:
+
+1. prompt tokens the drafter has not seen yet (a prompt chunk that vLLM just prefilled) are fed to it eagerly; the
+   host knows these from vLLM's input batch (`is_prefilling_np`, `num_computed_prefill_tokens_np`,
+   `num_scheduled_tokens`), so no device value is read;
+2. one catch-up pass feeds every request the tokens it emitted this step (accepted drafts + the bonus token, at most
+   k + 1, read from vLLM's history `req_states.all_token_ids` on the device) and yields the drafter's first token;
+   `draft_block - 1` single-token passes yield the rest of its head;
+3. the suffix-match kernel proposes up to k tokens from the same histories;
+4. `fused_step.FusedStep` fuses both, advances each request's scheduler state (kept on the device, indexed by vLLM's
+   request slot) and clips each request's block to its length; positions after it carry the pad token, which the
+   target rejects, so a short step verifies exactly its short block.
+
+Steps 2-4 have static shapes and read nothing back, so they replay from one CUDA graph per (batch size, attention
+length bucket). The width vLLM verifies is fixed at k (its asynchronous scheduler reserves the positions before the
+drafts exist); a request's block length is applied by padding, decided on the GPU in the same step (stale = 0 is
+possible, stale = 1 stays a setting).
+
+The drafter (`drafter.StaticQwen2`) keeps its own KV cache, one row per request slot, outside vLLM's paged cache:
+vLLM 0.26's V2 runner has no plain draft-model path, and a cache of its own needs no attention metadata, block-table
+lookahead or scheduler change (docs/vllm-fused-design.md discusses the in-cache alternative). Its size is
+layers x slots x (max_model_len + k + draft_block) positions, allocated when vLLM loads the target.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from hqlab.config import ConfigError, resolve_spec
+from hqlab.proposers.fused import FusedConfig
+
+NAME = "gpu-fused"
+CLASS_PATH = "hqlab.engines.vllm.gpu_fused.GpuFusedSpeculator"
+PREFILL_CHUNK = 1024  # prompt tokens fed to the drafter per eager call (bounds its activation memory)
+GRAPH_MAX_BATCH = 16  # batch sizes above this draft eagerly
+RECORD_CAPACITY = 4096
+
+
+@dataclass(frozen=True)
+class GpuFusedConfig(FusedConfig):
+    """`FusedConfig` (k = long block, draft_block = drafter head = short block, lookup, fusion and scheduler keys)
+    plus graphs: capture the drafting step in CUDA graphs when vLLM captures its own; compile: torch.compile the
+    drafter layers' elementwise work (fewer kernels per pass; compiles on the first steps)."""
+
+    graphs: bool = True
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.temperature != 0:
+            raise ConfigError(f"{NAME}: the drafter drafts greedily inside vLLM (temperature=0); got "
+                              f"temperature={self.temperature}")
+        if self.vocab:
+            raise ConfigError(f"{NAME}: a reduced draft vocabulary is not supported inside vLLM yet (got "
+                              f"vocab={self.vocab!r})")
+
+
+def fused_config(spec: str) -> GpuFusedConfig:
+    """The settings of a `gpu-fused:...` spec, validated."""
+    unknown = f"{{spec!r}} is not a {NAME} spec (expected '{NAME}:k=15,draft_block=7,model=..,nmax=..')"
+    return resolve_spec(spec, {NAME: GpuFusedConfig}, unknown=unknown, context=f"proposer {NAME!r}")[1]
+
+
+def speculative_config(spec: str) -> dict[str, Any]:
+    """vLLM's `speculative_config` for a `gpu-fused` spec: k draft positions verified every step."""
+    return {"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": fused_config(spec).k}
+
+
+def is_gpu_fused(speculative_config: Any) -> bool:
+    if speculative_config is None:
+        return False
+    get = speculative_config.get if isinstance(speculative_config, dict) else (
+        lambda key: getattr(speculative_config, key, None))
+    return get("method") == "custom_class" and get("model") == CLASS_PATH
+
+
+def attention_buckets(max_len: int, smallest: int = 512) -> list[int]:
+    """Attention lengths with a captured graph: powers of two from `smallest`, then max_len itself."""
+    out, b = [], smallest
+    while b < max_len:
+        out.append(b)
+        b *= 2
+    return out + [max_len]
+
+
+class FusedRecorder:
+    """Per-step fused blocks kept on the GPU, read back in one copy by `take` (as `gpu_lookup.StepRecorder`)."""
+
+    FIELDS = ("context_len", "match_len", "valid", "block", "proposed", "take_flag", "head_taken", "tail_taken")
+
+    def __init__(self, capacity: int, max_reqs: int, k: int, device: torch.device) -> None:
+        self.capacity = capacity
+        self.meta = torch.zeros(capacity, max_reqs, len(self.FIELDS), dtype=torch.int32, device=device)
+        self.tokens = torch.zeros(capacity, max_reqs, k, dtype=torch.int64, device=device)
+        self.sources = torch.zeros(capacity, max_reqs, k, dtype=torch.int8, device=device)
+        self.counter = torch.zeros(1, dtype=torch.int64, device=device)
+        self.steps: list[tuple[int, list[str], float]] = []
+        self.count = 0
+
+    def write(self, meta: torch.Tensor, tokens: torch.Tensor, sources: torch.Tensor) -> None:
+        m = meta.shape[0]
+        slot = self.counter.remainder(self.capacity)
+        self.meta[slot, :m] = meta.to(torch.int32)[None]
+        self.tokens[slot, :m] = tokens[None]
+        self.sources[slot, :m] = sources.to(torch.int8)[None]
+        self.counter += 1
+
+    def note(self, req_ids: list[str], host_s: float) -> None:
+        self.steps.append((self.count % self.capacity, list(req_ids), host_s))
+        self.count += 1
+
+    def restart(self) -> None:
+        self.counter.zero_()
+        self.steps, self.count = [], 0
+
+    def take(self) -> list[dict[str, Any]]:
+        steps, self.steps = self.steps, []
+        if len(steps) > self.capacity:
+            raise RuntimeError(f"{len(steps)} steps were drafted since the records were last taken but only "
+                               f"{self.capacity} fit: take them more often (after each request)")
+        if not steps:
+            return []
+        meta, tokens, sources = self.meta.cpu().numpy(), self.tokens.cpu().numpy(), self.sources.cpu().numpy()
+        out = []
+        for slot, req_ids, host_s in steps:
+            for i, rid in enumerate(req_ids):
+                row = dict(zip(self.FIELDS, (int(x) for x in meta[slot, i])))
+                n = row["proposed"]  # the block's real tokens; pad follows up to k
+                out.append({"request": rid, "row": i, "context_len": row["context_len"],
+                            "match_len": row["match_len"], "tokens": [int(t) for t in tokens[slot, i, :n]],
+                            "sources": [int(s) for s in sources[slot, i, :n]], "propose_s": host_s,
+                            "batch": len(req_ids), "block": row["block"], "take_flag": bool(row["take_flag"]),
+                            "head_taken": bool(row["head_taken"]), "tail_taken": bool(row["tail_taken"]),
+                            "lookup_valid": row["valid"]})
+        return out
+
+
+class GpuFusedSpeculator:
+    """vLLM V2 speculator: the lookup and a draft model fused per position, block length per request.
+
+    Same contract with vLLM's runner as `GpuLookupSpeculator`: `propose(...)` returns [num_reqs, k] int64 drafts on
+    the device; `draft_logits` is None (greedy drafts are point masses); `init_cudagraph_manager` and `capture` are
+    called by the runner; the plugin calls `bind` and `load_drafter` when vLLM loads the target.
+    """
+
+    def __init__(self, vllm_config: Any, device: torch.device | str | None = None) -> None:
+        from hqlab.engines.vllm.adapter import proposer_spec
+        from hqlab.engines.vllm.gpu_lookup import PAD_KEY, RECORD_KEY
+
+        if device is None:
+            raise ConfigError(f"{CLASS_PATH} runs inside vLLM's model runner V2, but vLLM built it as a V1 "
+                              "custom_class proposer: the hqlab vLLM plugin is not active (see "
+                              "hqlab.engines.vllm.plugin)")
+        self.spec = proposer_spec(vllm_config)
+        self.config = fused_config(self.spec)
+        slots = int(vllm_config.speculative_config.num_speculative_tokens)
+        if self.config.k != slots:
+            raise ConfigError(f"{self.spec!r} verifies k={self.config.k} positions but vLLM's num_speculative_tokens "
+                              f"is {slots}; make them equal (gpu_fused.speculative_config does)")
+        extra = getattr(vllm_config, "additional_config", None) or {}
+        vocab = int(vllm_config.model_config.get_vocab_size())
+        pad = int(extra.get(PAD_KEY, vocab - 1))
+        if not 0 <= pad < vocab:
+            raise ConfigError(f"{PAD_KEY} must be a token id in [0, {vocab}) (got {pad})")
+        dtype = getattr(vllm_config.model_config, "dtype", torch.bfloat16)
+        self._setup(max_num_reqs=int(vllm_config.scheduler_config.max_num_seqs),
+                    max_model_len=int(vllm_config.model_config.max_model_len), pad=pad, device=device,
+                    dtype=dtype if isinstance(dtype, torch.dtype) else torch.bfloat16,
+                    record=bool(extra.get(RECORD_KEY, False)))
+
+    @classmethod
+    def standalone(cls, config: GpuFusedConfig, *, max_num_reqs: int, max_model_len: int, pad: int,
+                   device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
+                   record: bool = False) -> "GpuFusedSpeculator":
+        """The same speculator without a vLLM config (tests drive `bind`, `load_drafter` and `step` directly)."""
+        self = cls.__new__(cls)
+        self.spec, self.config = f"{NAME}:...", config
+        self._setup(max_num_reqs=max_num_reqs, max_model_len=max_model_len, pad=pad, device=device, dtype=dtype,
+                    record=record)
+        return self
+
+    def _setup(self, *, max_num_reqs: int, max_model_len: int, pad: int, device: torch.device | str,
+               dtype: torch.dtype, record: bool) -> None:
+        from hqlab_kernels.suffix_match import SuffixMatcher
+
+        from hqlab.engines.vllm.fused_step import FusedStep
+
+        c = self.config
+        self.k, self.block = c.k, c.draft_block
+        self.q = c.k + 1  # a step emits at most k + 1 tokens: the catch-up pass's width
+        self.device, self.dtype, self.pad = torch.device(device), dtype, pad
+        self.max_num_reqs, self.max_model_len = max_num_reqs, max_model_len
+        # Catch-up writes up to q - 1 positions past a history and the head passes block - 1 more.
+        self.cache_len = max_model_len + self.q + self.block
+        lk = c.lookup_config()
+        self.matcher = SuffixMatcher(max_num_reqs, c.k, nmin=lk.nmin, nmax=lk.nmax, search=lk.search, full=lk.full,
+                                     policy=lk.policy, max_len=max_model_len, device=self.device)
+        self.step_rule = FusedStep(c, max_num_reqs=max_num_reqs, pad_token=pad, device=self.device)
+        dev = self.device
+        self.slots = torch.zeros(max_num_reqs, dtype=torch.int64, device=dev)
+        self.num_sampled = torch.zeros(max_num_reqs, dtype=torch.int32, device=dev)
+        self.fresh = torch.zeros(max_num_reqs, dtype=torch.bool, device=dev)
+        pin = dev.type == "cuda"
+        # A ring of pinned buffers for the host-known `fresh` mask: under asynchronous scheduling the host prepares
+        # up to three steps ahead, so a buffer must not be rewritten before its copy ran.
+        self._fresh_host = [torch.zeros(max_num_reqs, dtype=torch.bool, pin_memory=pin) for _ in range(4)]
+        self._fresh_turn = 0
+        self.dlen = torch.zeros(max_num_reqs, dtype=torch.int64, device=dev)  # drafter KV written per slot
+        self.drafts = torch.zeros(max_num_reqs, self.block, dtype=torch.int64, device=dev)
+        self.out = torch.full((max_num_reqs, c.k), pad, dtype=torch.int64, device=dev)
+        self.arange_q = torch.arange(self.q, dtype=torch.int64, device=dev)
+        self.zeros = torch.zeros(max_num_reqs, dtype=torch.int64, device=dev)
+        self.prefilled: dict[str, int] = {}  # request id -> prompt tokens the drafter has seen (mid-prefill only)
+        self.drafter: Any = None
+        self.state: tuple[torch.Tensor, torch.Tensor] | None = None  # vLLM's (all_token_ids, total_len)
+        self.row_offsets: torch.Tensor | None = None
+        self.recorder = FusedRecorder(RECORD_CAPACITY, max_num_reqs, c.k, dev) if record else None
+        self.buckets = attention_buckets(self.cache_len)
+        self.use_graphs = False
+        self.graphs: dict[tuple[int, int], Any] = {}
+        # What vLLM's V2 runner reads from a speculator.
+        self.draft_logits = None
+        self.supports_mm_inputs = False
+        self.model = torch.nn.Module()
+
+    # binding to vLLM -------------------------------------------------------------------------------------------
+
+    def bind(self, all_token_ids: torch.Tensor, total_len: torch.Tensor) -> None:
+        """Attach vLLM's histories ([slots, max_model_len] int32) and their lengths ([slots] int32)."""
+        if all_token_ids.dtype != torch.int32 or all_token_ids.dim() != 2 or not all_token_ids.is_contiguous():
+            raise TypeError(f"all_token_ids must be a contiguous 2-D int32 tensor, got {all_token_ids.dtype} "
+                            f"{tuple(all_token_ids.shape)}")
+        if all_token_ids.shape[0] < self.max_num_reqs or total_len.shape[0] < self.max_num_reqs:
+            raise ValueError(f"vLLM's request state holds {all_token_ids.shape[0]} slots, fewer than max_num_seqs "
+                             f"{self.max_num_reqs}")
+        self.state = (all_token_ids, total_len)
+        width = all_token_ids.shape[1]
+        self.row_offsets = torch.arange(all_token_ids.shape[0], dtype=torch.int64, device=self.device) * width
+
+    def load_drafter(self, folder: str | None = None) -> None:
+        """Load the draft model (default: the config's `model`, through hqlab's model cache)."""
+        from hqlab import models
+        from hqlab.engines.vllm.drafter import StaticQwen2
+
+        folder = folder or models.prepare(self.config.model)
+        self.drafter = StaticQwen2.load(folder, slots=self.max_num_reqs, max_len=self.cache_len, device=self.device,
+                                        dtype=self.dtype, compile=self.config.compile)
+
+    # vLLM's speculator interface -------------------------------------------------------------------------------
+
+    def init_cudagraph_manager(self, cudagraph_mode: Any) -> None:
+        self.use_graphs = getattr(cudagraph_mode, "name", "NONE") != "NONE"
+
+    def capture(self) -> None:
+        """One CUDA graph per (batch size, attention bucket): the catch-up pass, the head passes, the lookup and the
+        fusion/schedule rule, launched as one graph per step."""
+        if not (self.use_graphs and self.config.graphs and self.ready and self.device.type == "cuda"):
+            return
+        pool = torch.cuda.graph_pool_handle()
+        try:
+            for m in range(1, min(self.max_num_reqs, GRAPH_MAX_BATCH) + 1):
+                self.slots[:m] = torch.arange(m, device=self.device)
+                self.num_sampled.zero_()  # inactive rows: no state changes while capturing
+                self.fresh.zero_()
+                for bucket in self.buckets:
+                    stream = torch.cuda.Stream(self.device)
+                    stream.wait_stream(torch.cuda.current_stream(self.device))
+                    with torch.cuda.stream(stream):
+                        self._draft(m, bucket)
+                    torch.cuda.current_stream(self.device).wait_stream(stream)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self._draft(m, bucket)
+                    self.graphs[(m, bucket)] = graph
+        except RuntimeError as e:
+            self.graphs.clear()
+            warnings.warn(f"{NAME}: capturing the drafting step failed ({e}); it runs eagerly", RuntimeWarning,
+                          stacklevel=2)
+        if self.recorder is not None:
+            self.recorder.restart()
+
+    @property
+    def ready(self) -> bool:
+        return self.state is not None and self.drafter is not None
+
+    def propose(self, input_batch: Any, attn_metadata: Any = None, slot_mappings: Any = None,
+                last_hidden_states: Any = None, aux_hidden_states: Any = None, num_sampled: Any = None,
+                num_rejected: Any = None, last_sampled: Any = None, next_prefill_tokens: Any = None,
+                temperature: Any = None, seeds: Any = None, num_tokens_across_dp: Any = None, dummy_run: bool = False,
+                skip_attn_for_dummy_run: bool = False, mm_inputs: Any = None, is_profile: bool = False) -> torch.Tensor:
+        n = int(input_batch.num_reqs)
+        if dummy_run or not self.ready or num_sampled is None:
+            return self.out[:n]
+        start = time.perf_counter()
+        b = input_batch
+        out = self.step(b.req_ids[:n], b.idx_mapping[:n], b.idx_mapping_np[:n], num_sampled[:n],
+                        b.is_prefilling_np[:n], b.num_computed_prefill_tokens_np[:n], b.num_scheduled_tokens[:n],
+                        b.prefill_len_np[:n], b.num_computed_tokens_np[:n])
+        if self.recorder is not None:
+            self.recorder.note(list(b.req_ids[:n]), time.perf_counter() - start)
+        return out
+
+    def step(self, req_ids: list[str], slots: torch.Tensor, slots_np: np.ndarray, num_sampled: torch.Tensor,
+             prefilling: np.ndarray, computed_prefill: np.ndarray, scheduled: np.ndarray, prefill_len: np.ndarray,
+             computed: np.ndarray) -> torch.Tensor:
+        """One drafting step for the batch: host arrays are vLLM's input-batch mirrors, `slots` and `num_sampled`
+        device tensors. Returns [n, k] drafts (a view of a persistent buffer)."""
+        assert self.ready, "bind() vLLM's request state and load_drafter() first"
+        n = len(req_ids)
+        fresh = np.zeros(n, dtype=bool)
+        for i in np.flatnonzero(prefilling):
+            end = int(computed_prefill[i]) + int(scheduled[i])
+            fresh[i] = end >= int(prefill_len[i])  # the prompt is done: this step sampled the request's first token
+            self._prefill(req_ids[i], int(slots_np[i]), end, done=bool(fresh[i]))
+        self.slots[:n].copy_(slots)
+        self.num_sampled[:n].copy_(num_sampled)
+        self._fresh_turn = (self._fresh_turn + 1) % len(self._fresh_host)
+        host = self._fresh_host[self._fresh_turn]
+        host[:n] = torch.from_numpy(fresh)
+        self.fresh[:n].copy_(host[:n], non_blocking=True)
+        # The longest history this step can reach (vLLM's host mirrors are upper bounds), plus what the passes add.
+        reach = int(max(prefill_len.max(initial=0), (computed + scheduled).max(initial=0))) + 1
+        bucket = next((x for x in self.buckets if x >= reach + self.q + self.block), self.buckets[-1])
+        graph = self.graphs.get((n, bucket))
+        if graph is not None:
+            graph.replay()
+        else:
+            self._draft(n, bucket)
+        return self.out[:n]
+
+    def _prefill(self, req_id: str, slot: int, end: int, *, done: bool) -> None:
+        """Feed the drafter the prompt tokens [seen, end) of one request (eager, host-known bounds); `done`: this
+        chunk ends the prompt, so nothing needs remembering."""
+        assert self.state is not None
+        seen = self.prefilled.pop(req_id, 0)  # 0 for a new request, whatever vLLM's prefix cache skipped
+        tokens = self.state[0][slot]
+        slot_t = torch.tensor([slot], dtype=torch.int64, device=self.device)
+        for a in range(seen, end, PREFILL_CHUNK):
+            e = min(end, a + PREFILL_CHUNK)
+            self.drafter.hidden_states(slot_t, tokens[a:e].long()[None],
+                                       torch.tensor([a], dtype=torch.int64, device=self.device), attn_len=e)
+        self.dlen[slot] = end
+        if not done:
+            self.prefilled[req_id] = end
+
+    def forget(self, req_id: str) -> None:
+        self.prefilled.pop(req_id, None)
+
+    def _draft(self, m: int, attn_len: int) -> None:
+        """Rows [0, m) of the step buffers -> `out[:m]`. Static shapes, no host reads: the captured graphs' body."""
+        assert self.state is not None and self.row_offsets is not None
+        all_ids, total_len = self.state
+        slots, ns = self.slots[:m], self.num_sampled[:m]
+        total = total_len[slots].long()
+        dlen = self.dlen[slots]
+        sampled = ns > 0
+        # Catch-up: the tokens emitted since the drafter last saw this request (<= k + 1), at their own positions.
+        count = torch.where(sampled, total - dlen, 0).clamp(0, self.q)
+        pos = (dlen[:, None] + self.arange_q).clamp(max=self.max_model_len - 1)
+        tokens = all_ids[slots[:, None], pos].long()
+        last = (count - 1).clamp(min=0)
+        first = self.drafter.extend(slots, tokens, dlen, last, attn_len)
+        self.dlen[slots] = torch.where(sampled, total, dlen)
+        self.drafts[:m, 0] = first
+        cur = first
+        for j in range(1, self.block):  # the head: one token per pass, each at its own position
+            cur = self.drafter.extend(slots, cur[:, None], total + (j - 1), self.zeros[:m], attn_len)
+            self.drafts[:m, j] = cur
+        lengths = torch.where(sampled, total, 0).to(torch.int32)
+        proposals, match_len, valid = self.matcher(all_ids.view(-1), self.row_offsets[slots], lengths)
+        lookup = proposals.masked_fill(proposals < 0, self.pad)
+        self.out[:m] = self.step_rule(slots, ns, self.fresh[:m], lookup, valid, match_len, self.drafts[:m])
+        if self.recorder is not None:
+            r = self.step_rule
+            meta = torch.stack([lengths, match_len.to(torch.int32), valid.to(torch.int32),
+                                r.block_len[:m].to(torch.int32), r.num_tokens[:m].to(torch.int32),
+                                r.take_flag[:m].to(torch.int32),
+                                r.head_taken[:m].to(torch.int32), r.tail_taken[:m].to(torch.int32)], 1)
+            self.recorder.write(meta, self.out[:m], r.sources[:m])
+
+    def take_records(self) -> list[dict[str, Any]]:
+        return self.recorder.take() if self.recorder is not None else []
+
+
+__all__ = ["GpuFusedSpeculator", "GpuFusedConfig", "FusedRecorder", "fused_config", "speculative_config",
+           "is_gpu_fused", "attention_buckets", "NAME", "CLASS_PATH"]

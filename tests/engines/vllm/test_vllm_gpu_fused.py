@@ -1,0 +1,169 @@
+"""The fused speculator inside vLLM's GPU step, checked on the CPU against the lab's reference, step for step.
+
+`GpuFusedSpeculator` runs the real Qwen2.5-Coder-0.5B drafter (`drafter.StaticQwen2`), the suffix-match kernel (in
+the Triton interpreter) and the fusion/schedule rule on tensors, over histories laid out as vLLM's model runner V2
+keeps them (one int32 row per request slot, a length per slot), driven the way the runner drives it: prompt chunks
+(one request prefilled in two chunks), then decode steps whose emitted counts come from a deterministic target.
+`hqlab.proposers.fused.FusedProposer` with the transformers drafter proposes for the same histories; every fused
+block must be the same, token for token, with the pad token after it.
+
+The GPU run (graphs, vLLM itself) is benchmarks/vllm_gpu.py; the config plumbing is tested here too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="the vllm extra is not installed (make setup installs its CPU-side packages)")
+
+from hqlab.config import ConfigError  # noqa: E402
+from hqlab.engines.vllm import gpu_fused, plugin  # noqa: E402
+from hqlab.engines.vllm.engine import setting_for  # noqa: E402
+from hqlab.engines.vllm.gpu_fused import GpuFusedSpeculator, fused_config  # noqa: E402
+from hqlab.proposers.fused import FusedConfig, FusedProposer  # noqa: E402
+from hqlab.rules.fusion import SOURCE_DRAFT, SOURCE_LOOKUP  # noqa: E402
+
+SLOTS, WIDTH, VOCAB = 4, 1024, 151936
+DOC = Path(__file__).resolve().parents[3] / "data/documents/handbook.md"
+SPEC = "gpu-fused:k=15,draft_block=7,nmax=32,policy=earliest"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from hqlab import models
+
+    return AutoTokenizer.from_pretrained(models.prepare("qwen2.5-coder-0.5b"))
+
+
+def requests(tok) -> dict[str, tuple[list[int], list[int], int]]:
+    """request id -> (prompt, the target's output, prefill chunk). "copy" repeats a passage of its prompt (long
+    blocks); "prose" continues with text of its own (the drafter's head decides); it is prefilled in two chunks."""
+    text = DOC.read_text()
+    passage = tok(text[2000:2400]).input_ids
+    copy_prompt = tok("Repeat this passage exactly:\n").input_ids + passage + tok("\nRepeated:\n").input_ids
+    prose = tok(text[6000:6500]).input_ids
+    return {"copy": (copy_prompt, passage[:60], len(copy_prompt)),
+            "prose": (prose[:100], prose[100:160], 64)}
+
+
+def test_fused_blocks_equal_the_reference_step_for_step(tokenizer):
+    config = fused_config(SPEC + ",dtype=float32,device=cpu")
+    spec = GpuFusedSpeculator.standalone(config, max_num_reqs=SLOTS, max_model_len=WIDTH, pad=VOCAB - 1,
+                                         device="cpu", dtype=torch.float32, record=True)
+    reference = FusedProposer(FusedConfig(**{f: getattr(config, f) for f in FusedConfig.__dataclass_fields__}))
+    rng = np.random.default_rng(0)
+    ids = torch.from_numpy(rng.integers(0, 1000, size=(SLOTS, WIDTH)).astype(np.int32))  # reused-slot garbage
+    total = torch.zeros(SLOTS, dtype=torch.int32)
+    spec.bind(ids, total)
+    spec.load_drafter()
+
+    reqs = requests(tokenizer)
+    slot_of = {"copy": 2, "prose": 0}
+    state = {}
+    for rid, (prompt, _, _) in reqs.items():
+        s = slot_of[rid]
+        ids[s, :len(prompt)] = torch.tensor(prompt, dtype=torch.int32)
+        total[s] = len(prompt)
+        state[rid] = {"computed": 0, "out": [], "drafts": None}
+
+    compared, sources = 0, []
+    for _ in range(8):
+        rows = [r for r in reqs if len(state[r]["out"]) < len(reqs[r][1]) - 1]
+        if not rows:
+            break
+        num_sampled, prefilling, computed_prefill, scheduled, prefill_len, computed = [], [], [], [], [], []
+        for rid in rows:
+            prompt, target, chunk = reqs[rid]
+            st, s = state[rid], slot_of[rid]
+            prefill_len.append(len(prompt))
+            computed.append(st["computed"])
+            if st["computed"] < len(prompt):  # a prompt chunk; the last one samples the first output token
+                prefilling.append(True)
+                computed_prefill.append(st["computed"])
+                n = min(chunk, len(prompt) - st["computed"])
+                scheduled.append(n)
+                st["computed"] += n
+                emitted = [target[0]] if st["computed"] == len(prompt) else []
+            else:  # verify last step's drafts against the target's output: the longest agreeing prefix + 1
+                prefilling.append(False)
+                computed_prefill.append(len(prompt))
+                scheduled.append(1 + config.k)
+                done = len(st["out"])
+                accepted = 0
+                for d, t in zip(st["drafts"], target[done:]):
+                    if d != t:
+                        break
+                    accepted += 1
+                emitted = target[done:done + accepted + 1]
+                st["computed"] += len(emitted)
+            start = len(prompt) + len(st["out"])
+            ids[s, start:start + len(emitted)] = torch.tensor(emitted, dtype=torch.int32)
+            total[s] = start + len(emitted)
+            st["out"] += emitted
+            num_sampled.append(len(emitted))
+        slots = [slot_of[r] for r in rows]
+        out = spec.step(rows, torch.tensor(slots, dtype=torch.int32), np.array(slots, dtype=np.int32),
+                        torch.tensor(num_sampled, dtype=torch.int32), np.array(prefilling),
+                        np.array(computed_prefill), np.array(scheduled), np.array(prefill_len), np.array(computed))
+        spec.recorder.note(rows, 0.0)
+        sampling = [i for i, n in enumerate(num_sampled) if n > 0]
+        histories = [ids[slots[i], :int(total[slots[i]])].numpy().astype(np.int64) for i in sampling]
+        want = reference.propose(histories, [config.k] * len(sampling), keys=[rows[i] for i in sampling])
+        for i, w in zip(sampling, want):
+            got = out[i].tolist()
+            n = len(w.tokens)
+            assert got[:n] == w.tokens.tolist(), (rows[i], len(state[rows[i]]["out"]))
+            assert got[n:] == [VOCAB - 1] * (config.k - n)
+            state[rows[i]]["drafts"] = got
+            compared += 1
+            sources += w.sources.tolist()
+    records = spec.take_records()
+    assert compared >= 8 and SOURCE_DRAFT in sources and SOURCE_LOOKUP in sources  # both proposers exercised
+    assert any(r["block"] == config.k for r in records)  # the copy request reached the long block
+    assert state["copy"]["computed"] > len(reqs["copy"][0]) + 30  # and its long blocks were accepted
+
+
+def test_spec_and_engine_setting():
+    config = fused_config(SPEC)
+    assert (config.k, config.draft_block, config.nmax) == (15, 7, 32)
+    assert gpu_fused.speculative_config(SPEC) == {"method": "custom_class", "model": gpu_fused.CLASS_PATH,
+                                                  "num_speculative_tokens": 15}
+    setting = setting_for(SPEC)
+    assert setting.gpu and setting.fixed_width and setting.k == 15
+    assert setting.additional_config["hqlab_proposer"] == SPEC
+    with pytest.raises(ConfigError, match="draft_block must be <= k"):
+        fused_config("gpu-fused:k=5,draft_block=7")
+    with pytest.raises(ConfigError, match="temperature"):
+        fused_config("gpu-fused:temperature=0.5")
+    with pytest.raises(ConfigError, match="vocab"):
+        fused_config("gpu-fused:vocab=some.json")
+
+
+def test_the_plugin_puts_gpu_fused_on_model_runner_v2_with_async_scheduling():
+    from types import SimpleNamespace
+
+    from vllm.config import DeviceConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
+
+    plugin.register()
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"),
+                        speculative_config=SpeculativeConfig(method="custom_class", model=gpu_fused.CLASS_PATH,
+                                                             num_speculative_tokens=15),
+                        scheduler_config=SchedulerConfig(max_num_seqs=SLOTS, max_model_len=WIDTH,
+                                                         is_encoder_decoder=False),
+                        additional_config={"hqlab_proposer": SPEC})
+    assert not any("custom_class" in f for f in config._get_v2_model_runner_unsupported_features())
+    object.__setattr__(config, "model_config", SimpleNamespace(max_model_len=WIDTH, get_vocab_size=lambda: VOCAB))
+    assert plugin._ours(config)
+    assert config.scheduler_config.async_scheduling  # the plugin's __post_init__ turned it on, as for gpu-lookup
+
+
+def test_attention_buckets_cover_every_length():
+    buckets = gpu_fused.attention_buckets(1046)
+    assert buckets == [512, 1024, 1046]
+    assert gpu_fused.attention_buckets(300) == [300]
