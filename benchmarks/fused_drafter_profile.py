@@ -1,0 +1,109 @@
+"""Where a gpu-fused drafting step spends its GPU time, outside vLLM: the real drafter, the lookup kernel and the
+fusion rule on vLLM-shaped state, timed per (batch size, attention bucket) and per piece, plus a torch.profiler table.
+
+  GPU (through tools/gpu_host/vllm_host.py run, which converts the 0.5B):
+      python3 benchmarks/fused_drafter_profile.py [--tag a]
+  writes $OUT/fused_drafter_profile_<tag>.json (timings) and prints the profiler's top kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def cuda_ms(fn, repeats: int = 10) -> float:
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def main() -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from hqlab.engines.vllm.gpu_fused import GpuFusedSpeculator, fused_config
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--tag", default="a")
+    args = p.parse_args()
+    out = Path(os.environ.get("OUT", "."))
+    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+    slots_n, width, history = 8, 4096, 2300
+    for compile_ in (False, True):
+        config = fused_config(f"gpu-fused:k=15,draft_block=7,nmax=32,policy=earliest,compile={str(compile_).lower()}")
+        spec = GpuFusedSpeculator.standalone(config, max_num_reqs=slots_n, max_model_len=width, pad=151935,
+                                             device="cuda", dtype=torch.bfloat16)
+        ids = torch.randint(0, 150000, (slots_n, width), dtype=torch.int32, device="cuda")
+        total = torch.full((slots_n,), history, dtype=torch.int32, device="cuda")
+        spec.bind(ids, total)
+        spec.load_drafter()
+        spec.use_graphs = True
+        spec.capture()
+        d = spec.drafter
+        for n in (1, 8):
+            spec.slots[:n] = torch.arange(n, device="cuda")
+            spec.num_sampled[:n] = 8
+            spec.fresh[:n] = False
+            for bucket in spec.buckets:
+                def step():
+                    spec.dlen[:n] = history - 8
+                    spec.graphs[(n, bucket)].replay()
+                slots = torch.arange(n, device="cuda")
+                start = torch.full((n,), history - 8, device="cuda", dtype=torch.int64)
+                toks16 = torch.randint(0, 1000, (n, 16), device="cuda")
+                toks1 = toks16[:, :1]
+                last = torch.zeros(n, dtype=torch.int64, device="cuda")
+                row = {"compile": compile_, "n": n, "attn_len": bucket,
+                       "graph_step_ms": cuda_ms(step),
+                       "catchup_pass_ms": cuda_ms(lambda: d.extend(slots, toks16, start, last, bucket)),
+                       "decode_pass_ms": cuda_ms(lambda: d.extend(slots, toks1, start, last, bucket))}
+                # pieces of one layer at this length
+                kc = d.k_cache[0]
+                pos = start[:, None] + torch.arange(16, device="cuda")
+                k = torch.randn(n, 16, d.kv_heads, d.head_dim, device="cuda", dtype=torch.bfloat16)
+                row["cache_write_ms"] = cuda_ms(lambda: kc.__setitem__((slots[:, None], slice(None), pos), k))
+                row["cache_gather_ms"] = cuda_ms(lambda: kc[slots, :, :bucket])
+                q = torch.randn(n, d.kv_heads, 16 * d.groups, d.head_dim, device="cuda", dtype=torch.bfloat16)
+                keys = kc[slots, :, :bucket]
+                mask = (torch.arange(bucket, device="cuda")[None, None, :] <= pos[:, :, None])
+                mask = mask[:, :, None, :].expand(n, 16, d.groups, bucket).reshape(n, 1, 16 * d.groups, bucket)
+                row["sdpa_mask_ms"] = cuda_ms(lambda: F.scaled_dot_product_attention(q, keys, keys, attn_mask=mask))
+                result["rows"].append(row)
+                print(json.dumps(row), flush=True)
+        if compile_:
+            from torch.profiler import ProfilerActivity, profile
+
+            n, bucket = 1, spec.buckets[-2]
+            spec.slots[:1] = 0
+            spec.num_sampled[:1] = 8
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    spec.dlen[:1] = history - 8
+                    spec._draft(1, bucket)
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+            print(table)
+            result["profile_eager_n1_bucket"] = bucket
+            result["profile_table"] = table
+        del spec, d
+        torch.cuda.empty_cache()
+    (out / f"fused_drafter_profile_{args.tag}.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
