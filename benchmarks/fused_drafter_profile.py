@@ -34,7 +34,6 @@ def cuda_ms(fn, repeats: int = 10) -> float:
 
 def main() -> None:
     import torch
-    import torch.nn.functional as F
 
     from hqlab.engines.vllm.gpu_fused import GpuFusedSpeculator, fused_config
 
@@ -72,17 +71,17 @@ def main() -> None:
                        "graph_step_ms": cuda_ms(step),
                        "catchup_pass_ms": cuda_ms(lambda: d.extend(slots, toks16, start, last, bucket)),
                        "decode_pass_ms": cuda_ms(lambda: d.extend(slots, toks1, start, last, bucket))}
-                # pieces of one layer at this length
-                kc = d.k_cache[0]
+                # one layer's attention at this length, in the drafter's own path and in the masked-sdpa one
+                q = torch.randn(n, 16, d.heads, d.head_dim, device="cuda", dtype=torch.bfloat16)
+                kc, vc = d.k_cache[0], d.v_cache[0]
                 pos = start[:, None] + torch.arange(16, device="cuda")
-                k = torch.randn(n, 16, d.kv_heads, d.head_dim, device="cuda", dtype=torch.bfloat16)
-                row["cache_write_ms"] = cuda_ms(lambda: kc.__setitem__((slots[:, None], slice(None), pos), k))
-                row["cache_gather_ms"] = cuda_ms(lambda: kc[slots, :, :bucket])
-                q = torch.randn(n, d.kv_heads, 16 * d.groups, d.head_dim, device="cuda", dtype=torch.bfloat16)
-                keys = kc[slots, :, :bucket]
-                mask = (torch.arange(bucket, device="cuda")[None, None, :] <= pos[:, :, None])
-                mask = mask[:, :, None, :].expand(n, 16, d.groups, bucket).reshape(n, 1, 16 * d.groups, bucket)
-                row["sdpa_mask_ms"] = cuda_ms(lambda: F.scaled_dot_product_attention(q, keys, keys, attn_mask=mask))
+                if d.flash is not None:
+                    inputs = d._flash_inputs(slots, start, 16, bucket)
+                    row["attention_flash_ms"] = cuda_ms(lambda: d._attend(q, kc, vc, slots, bucket, inputs))
+                flash, d.flash = d.flash, None
+                mask = d._mask(pos, bucket)
+                row["attention_sdpa_mask_ms"] = cuda_ms(lambda: d._attend(q, kc, vc, slots, bucket, mask))
+                d.flash = flash
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
         if compile_:
@@ -99,6 +98,7 @@ def main() -> None:
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
             print(table)
             result["profile_eager_n1_bucket"] = bucket
+            result["attention"] = "flash" if spec.drafter.flash is not None else "sdpa"
             result["profile_table"] = table
         del spec, d
         torch.cuda.empty_cache()

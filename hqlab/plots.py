@@ -43,6 +43,26 @@ def grouped_bars(data: pl.DataFrame, x: str, y: str, color: str, *, facet: str |
     return chart.facet(row=alt.Row(f"{facet}:N", title=None)) if facet else chart
 
 
+def bar_panels(data: pl.DataFrame, x: str, color: str, panels: dict[str, str], *, log: tuple[str, ...] = (),
+               width: int = WIDTH * 3, height: int = 120) -> alt.VConcatChart:
+    """Grouped bars of several measures of the same rows, one panel per measure (`panels`: column -> axis title),
+    stacked over one set of `x` groups and `color` series (group labels under the last panel only): e.g. decode
+    tok/s, tokens per step and ms per step of each config per task class. Columns in `log` get a log scale, for
+    series ten times apart (and there a ratio of two panels reads as a difference)."""
+    charts = []
+    for i, (column, title) in enumerate(panels.items()):
+        last = i == len(panels) - 1
+        charts.append(alt.Chart().mark_bar().encode(
+            x=alt.X(f"{x}:N", title=None, sort=None, axis=alt.Axis(labels=last, ticks=last)),
+            y=alt.Y(f"{column}:Q", title=title, scale=alt.Scale(type="log") if column in log else alt.Scale(),
+                    stack=None),  # bars side by side; a stack would start log bars at 0
+            color=alt.Color(f"{color}:N", sort=None, legend=alt.Legend(labelLimit=400)),
+            xOffset=alt.XOffset(f"{color}:N", sort=None),
+            tooltip=[x, color, alt.Tooltip(f"{column}:Q", format=".3g")],
+        ).properties(width=width, height=height))
+    return alt.vconcat(*charts, data=data)
+
+
 def points(data: pl.DataFrame, x: str, y: str, color: str, *, facet: str | None = None,
            y_title: str | None = None, tooltip: list[str] | None = None) -> alt.TopLevelMixin:
     """One dot per row, jittered sideways within its `x` group (e.g. every request's median step time per config):

@@ -4,12 +4,20 @@ The fused speculator (`hqlab.engines.vllm.gpu_fused`) runs a small same-tokenize
 after the target's sampling. vLLM 0.26's V2 runner has no plain draft-model path (docs/vllm-fused-design.md), and
 its own model classes need its attention metadata and forward context. A drafter that owns its cache needs neither:
 
-- the cache is `[layers, slots, kv_heads, max_len, head_dim]`, one row per vLLM request slot, so a request's
-  position p lives at `[slot, :, p]` and no block table is involved;
+- the cache holds one row of `max_len` positions per vLLM request slot (`[layers, slots * blocks, BLOCK, kv_heads,
+  head_dim]`: the rows cut into pages of BLOCK positions, so that a request's position p is page
+  `slot * blocks + p // BLOCK`, offset `p % BLOCK`, and FlashAttention's paged kernel can read a row through a
+  block table that is a plain function of the slot);
 - every call has static shapes (batch rows, query length, attention length) and reads no device value on the host,
   so the decode passes replay from CUDA graphs;
 - positions past a request's real end may be written (padded query columns, speculative drafts); the caller always
   feeds again from the request's true length, which overwrites them before any query can attend to them.
+
+Attention runs in vLLM's FlashAttention (`vllm.vllm_flash_attn.flash_attn_varlen_func`, paged, causal aligned to
+each row's end, grouped-query heads natively) on a GPU where vLLM has it, else in torch's
+`scaled_dot_product_attention` with an explicit position mask (the CPU and the tests). The first GPU run used the
+mask path everywhere: cuDNN's masked attention took ~61 us per layer at 4,096 positions, over half of a drafting
+step (data/results/fused_drafter_profile_h200.json).
 
 The layer is the transformers Qwen2 decoder (RMSNorm, rotary embedding, grouped-query attention with q/k/v biases,
 SwiGLU MLP), with q/k/v and gate/up fused into one matrix each. Only the position whose logits the caller wants is
@@ -20,11 +28,26 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from hqlab.config import ConfigError
+
+BLOCK = 16  # positions per cache page (vLLM's own block size, which its FlashAttention build runs with)
+ATTENTION = ("auto", "flash", "sdpa")  # auto: FlashAttention where vLLM has it on this device, else sdpa
+
+
+def _flash_attention(device: torch.device) -> Callable | None:
+    """vLLM's paged FlashAttention, or None where it cannot run (no CUDA device, no vLLM build for it)."""
+    if device.type != "cuda":
+        return None
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except Exception:  # noqa: BLE001 - any import failure means: not available here
+        return None
+    return flash_attn_varlen_func
 
 
 class StaticQwen2:
@@ -32,10 +55,22 @@ class StaticQwen2:
 
     def __init__(self, config: dict, weights: dict[str, torch.Tensor], *, slots: int, max_len: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
-                 compile: bool = False) -> None:
+                 compile: bool = False, attention: str = "auto") -> None:
         if slots < 1 or max_len < 1:
             raise ConfigError(f"StaticQwen2 needs slots >= 1 and max_len >= 1 (got slots={slots}, max_len={max_len})")
-        self.slots, self.max_len = int(slots), int(max_len)
+        if attention not in ATTENTION:
+            raise ConfigError(f"StaticQwen2: attention must be one of {', '.join(ATTENTION)} (got {attention!r})")
+        scaling = config.get("rope_scaling") or {}
+        rope_type = (config.get("rope_parameters") or {}).get("rope_type") or scaling.get("rope_type") or \
+            scaling.get("type") or "default"
+        if rope_type != "default":
+            raise ConfigError(f"StaticQwen2 implements the default rotary embedding only; this checkpoint asks for "
+                              f"rope type {rope_type!r}")
+        if config.get("use_sliding_window"):
+            raise ConfigError("StaticQwen2 implements full attention only; this checkpoint uses a sliding window")
+        self.slots = int(slots)
+        self.blocks = -(-int(max_len) // BLOCK)  # pages per slot
+        self.max_len = self.blocks * BLOCK  # positions per slot (max_len rounded up to whole pages)
         self.device, self.dtype = torch.device(device), dtype
         self.hidden = int(config["hidden_size"])
         self.heads = int(config["num_attention_heads"])
@@ -68,9 +103,14 @@ class StaticQwen2:
                 "gate_up_w": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
                 "down_w": w(p + "mlp.down_proj.weight"),
             })
-        shape = (self.n_layers, self.slots, self.kv_heads, self.max_len, self.head_dim)
+        shape = (self.n_layers, self.slots * self.blocks, BLOCK, self.kv_heads, self.head_dim)
         self.k_cache = torch.zeros(shape, device=self.device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=dtype)
+        half = dtype in (torch.bfloat16, torch.float16)  # FlashAttention's dtypes
+        self.flash = _flash_attention(self.device) if attention in ("auto", "flash") and half else None
+        if attention == "flash" and self.flash is None:
+            raise ConfigError("StaticQwen2: attention='flash' needs vLLM's FlashAttention on a CUDA device and a "
+                              f"bf16 or fp16 model (got {self.device}, {dtype})")
         # Rotary tables in float32 for every position the cache can hold (transformers computes them in float32
         # and casts to the activations' dtype).
         inv = 1.0 / theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=self.device)
@@ -87,7 +127,8 @@ class StaticQwen2:
 
     @classmethod
     def load(cls, folder: str | Path, *, slots: int, max_len: int, device: str | torch.device = "cpu",
-             dtype: torch.dtype = torch.bfloat16, compile: bool = False) -> "StaticQwen2":
+             dtype: torch.dtype = torch.bfloat16, compile: bool = False,
+             attention: str = "auto") -> "StaticQwen2":
         """Load a Hugging Face-format Qwen2 folder (config.json + *.safetensors)."""
         from safetensors.torch import load_file
 
@@ -106,7 +147,8 @@ class StaticQwen2:
         weights: dict[str, torch.Tensor] = {}
         for f in files:
             weights.update(load_file(str(f)))
-        return cls(config, weights, slots=slots, max_len=max_len, device=device, dtype=dtype, compile=compile)
+        return cls(config, weights, slots=slots, max_len=max_len, device=device, dtype=dtype, compile=compile,
+                   attention=attention)
 
     # ------------------------------------------------------------------------------------------------------------
 
@@ -124,49 +166,76 @@ class StaticQwen2:
     def hidden_states(self, slots: torch.Tensor, tokens: torch.Tensor, start: torch.Tensor,
                       attn_len: int) -> torch.Tensor:
         """Feed tokens [n, Q] at positions start[r] + i of cache rows `slots`, writing their K/V; returns the final
-        hidden states [n, Q, hidden] before the last norm. Attention covers cache positions < attn_len."""
+        hidden states [n, Q, hidden] before the last norm. Attention covers cache positions < attn_len, which
+        must exceed every start[r] + Q - 1."""
         n, q_len = tokens.shape
         if not 0 < attn_len <= self.max_len:
             raise ValueError(f"attn_len must be in [1, max_len={self.max_len}] (got {attn_len})")
         slots = slots.long()
         pos = start.long()[:, None] + torch.arange(q_len, device=self.device)  # [n, Q]
         cos, sin = self.cos[pos][:, :, None, :], self.sin[pos][:, :, None, :]  # [n, Q, 1, D]
-        # Query i of row r sees cache positions <= its own; the query rows of one KV head are its `groups` Q heads
-        # stacked along the query axis (row = i * groups + g), so K/V are read once per KV head, never repeated.
-        allowed = torch.arange(attn_len, device=self.device)[None, None, :] <= pos[:, :, None]  # [n, Q, L]
-        mask = allowed[:, :, None, :].expand(n, q_len, self.groups, attn_len).reshape(
-            n, 1, q_len * self.groups, attn_len)
+        flat = slots[:, None] * self.max_len + pos  # each position's index in a layer's cache, pages flattened
+        attend = self._flash_inputs(slots, start, q_len, attn_len) if self.flash is not None else \
+            self._mask(pos, attn_len)
         x = F.embedding(tokens, self.embed)  # [n, Q, hidden]
-        kvh, d = self.kv_heads, self.head_dim
         for i, layer in enumerate(self.layers):
             q, k, v = self._pre(x, layer["in_norm"], layer["qkv_w"], layer["qkv_b"], cos, sin)
-            kc, vc = self.k_cache[i], self.v_cache[i]  # [slots, kvh, max_len, D]
-            kc[slots[:, None], :, pos] = k  # advanced indices first: the target view is [n, Q, kvh, D]
-            vc[slots[:, None], :, pos] = v
-            keys, values = kc[slots, :, :attn_len], vc[slots, :, :attn_len]  # [n, kvh, L, D]
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            kc, vc = self.k_cache[i], self.v_cache[i]  # [slots * blocks, BLOCK, kvh, D]
+            kc.view(-1, self.kv_heads, self.head_dim)[flat] = k
+            vc.view(-1, self.kv_heads, self.head_dim)[flat] = v
+            o = self._attend(q, kc, vc, slots, attn_len, attend)
             x = self._post(x, o, layer["o_w"], layer["post_norm"], layer["gate_up_w"], layer["down_w"])
         return x
 
+    def _mask(self, pos: torch.Tensor, attn_len: int) -> torch.Tensor:
+        """Query i of row r sees cache positions <= its own; the query rows of one KV head are its `groups` heads
+        stacked along the query axis (row = i * groups + g), so K/V are read once per KV head, never repeated."""
+        n, q_len = pos.shape
+        allowed = torch.arange(attn_len, device=self.device)[None, None, :] <= pos[:, :, None]  # [n, Q, L]
+        return allowed[:, :, None, :].expand(n, q_len, self.groups, attn_len).reshape(
+            n, 1, q_len * self.groups, attn_len)
+
+    def _flash_inputs(self, slots: torch.Tensor, start: torch.Tensor, q_len: int,
+                      attn_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """FlashAttention's paged inputs: query offsets, each row's key count (its causal end) and block table."""
+        n = slots.shape[0]
+        cu_q = torch.arange(0, (n + 1) * q_len, q_len, dtype=torch.int32, device=self.device)
+        used = (start + q_len).to(torch.int32)
+        pages = -(-attn_len // BLOCK)
+        table = (slots[:, None] * self.blocks + torch.arange(pages, device=self.device)).to(torch.int32)
+        return cu_q, used, table
+
+    def _attend(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, attn_len: int,
+                attend: Any) -> torch.Tensor:
+        """q [n, Q, heads, D] -> attention output [n, Q, heads * D]."""
+        n, q_len, h, d = q.shape
+        if self.flash is not None:
+            cu_q, used, table = attend
+            o = self.flash(q.reshape(n * q_len, h, d), kc, vc, max_seqlen_q=q_len, cu_seqlens_q=cu_q,
+                           max_seqlen_k=attn_len, seqused_k=used, causal=True, block_table=table)
+            return o.reshape(n, q_len, h * d)
+        kvh, g = self.kv_heads, self.groups
+        rows = slots[:, None] * self.blocks + torch.arange(-(-attn_len // BLOCK), device=self.device)
+        keys = kc[rows].reshape(n, -1, kvh, d)[:, :attn_len].transpose(1, 2)  # [n, kvh, L, D]
+        values = vc[rows].reshape(n, -1, kvh, d)[:, :attn_len].transpose(1, 2)
+        qg = q.view(n, q_len, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(n, kvh, q_len * g, d)
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=attend)
+        return o.view(n, kvh, q_len, g, d).permute(0, 2, 1, 3, 4).reshape(n, q_len, h * d)
+
     def _pre_impl(self, x: torch.Tensor, norm: torch.Tensor, qkv_w: torch.Tensor, qkv_b: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Norm, q/k/v projection and rotary embedding: q as [n, kv_heads, Q * groups, D] (the query rows of one KV
-        head are its `groups` heads stacked along the query axis), k and v as [n, Q, kv_heads, D]."""
+        """Norm, q/k/v projection and rotary embedding: q as [n, Q, heads, D], k and v as [n, Q, kv_heads, D]."""
         n, q_len = x.shape[:2]
         h, kvh, d = self.heads, self.kv_heads, self.head_dim
         qkv = F.linear(self._rms(x, norm), qkv_w, qkv_b)
         q = self._rotate(qkv[..., :h * d].view(n, q_len, h, d), cos, sin)
         k = self._rotate(qkv[..., h * d:(h + kvh) * d].view(n, q_len, kvh, d), cos, sin)
         v = qkv[..., (h + kvh) * d:].view(n, q_len, kvh, d)
-        q = q.view(n, q_len, kvh, self.groups, d).permute(0, 2, 1, 3, 4).reshape(n, kvh, q_len * self.groups, d)
         return q, k, v
 
     def _post_impl(self, x: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, norm: torch.Tensor,
                    gate_up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
-        """Attention output projection, residual, norm, SwiGLU MLP, residual."""
-        n, q_len = x.shape[:2]
-        o = o.view(n, self.kv_heads, q_len, self.groups, self.head_dim).permute(0, 2, 1, 3, 4).reshape(
-            n, q_len, self.heads * self.head_dim)
+        """Attention output projection ([n, Q, heads * D] in), residual, norm, SwiGLU MLP, residual."""
         x = x + F.linear(o, o_w)
         gate, up = F.linear(self._rms(x, norm), gate_up_w).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, down_w)

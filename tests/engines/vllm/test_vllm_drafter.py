@@ -280,3 +280,39 @@ def test_load_refuses_a_folder_without_weights(tmp_path):
 def test_slots_and_max_len_below_one_are_refused(folder, slots, max_len, named):
     with pytest.raises((ValueError, ConfigError), match=named):
         StaticQwen2.load(folder, slots=slots, max_len=max_len, dtype=torch.float32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's FlashAttention needs a CUDA device")
+def test_flash_attention_path_equals_the_masked_sdpa_path_on_the_gpu(folder, reference):
+    """The paged FlashAttention path (the GPU default) against the masked-sdpa path, both bf16 on the GPU: the same
+    greedy continuation and close logits over prefill, chunks, padded batch rows and decode."""
+    flash = StaticQwen2.load(folder, slots=SLOTS, max_len=MAX_LEN, device="cuda", attention="flash")
+    sdpa = StaticQwen2.load(folder, slots=SLOTS, max_len=MAX_LEN, device="cuda", attention="sdpa")
+    chat = torch.tensor(reference.chat, device="cuda")
+    p = reference.prompt_len
+    for d in (flash, sdpa):  # the prompt in two chunks, into slot 2 (slot 0 gets a padded row alongside)
+        d.extend(torch.tensor([2], device="cuda"), chat[None, :p - 7], torch.tensor([0], device="cuda"),
+                 torch.tensor([p - 8], device="cuda"), MAX_LEN)
+    rows = torch.tensor([2, 0], device="cuda")
+    tokens = torch.stack([chat[p - 7:p + 9], chat[:16]])
+    starts = torch.tensor([p - 7, 0], device="cuda")
+    last = torch.tensor([6, 15], device="cuda")
+    a = flash.logits(rows, tokens, starts, last, MAX_LEN)
+    b = sdpa.logits(rows, tokens, starts, last, MAX_LEN)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert (a.float() - b.float()).abs().max() < 0.05 * b.float().abs().max()
+    got = []
+    t = a.argmax(-1)[:1]
+    for j in range(DECODE):  # greedy decode of slot 2 from the prompt's end
+        t = flash.extend(rows[:1], t[:, None], torch.tensor([p + j], device="cuda"), torch.zeros(1, dtype=torch.long,
+                                                                                                   device="cuda"),
+                         MAX_LEN)
+        got.append(int(t))
+    want = []
+    t = b.argmax(-1)[:1]
+    for j in range(DECODE):
+        t = sdpa.extend(rows[:1], t[:, None], torch.tensor([p + j], device="cuda"), torch.zeros(1, dtype=torch.long,
+                                                                                                  device="cuda"),
+                        MAX_LEN)
+        want.append(int(t))
+    assert got == want

@@ -53,7 +53,8 @@ def requests(tok) -> dict[str, tuple[list[int], list[int], int]]:
 
 
 def test_fused_blocks_equal_the_reference_step_for_step(tokenizer):
-    config = fused_config(SPEC + ",dtype=float32,device=cpu")
+    # a short head (3 drafter passes per step) keeps the two 0.5B drafters' CPU time to about a minute
+    config = fused_config("gpu-fused:k=7,draft_block=3,nmax=32,policy=earliest,dtype=float32,device=cpu")
     spec = GpuFusedSpeculator.standalone(config, max_num_reqs=SLOTS, max_model_len=WIDTH, pad=VOCAB - 1,
                                          device="cpu", dtype=torch.float32, record=True)
     reference = FusedProposer(FusedConfig(**{f: getattr(config, f) for f in FusedConfig.__dataclass_fields__}))
@@ -126,7 +127,7 @@ def test_fused_blocks_equal_the_reference_step_for_step(tokenizer):
     records = spec.take_records()
     assert compared >= 8 and SOURCE_DRAFT in sources and SOURCE_LOOKUP in sources  # both proposers exercised
     assert any(r["block"] == config.k for r in records)  # the copy request reached the long block
-    assert state["copy"]["computed"] > len(reqs["copy"][0]) + 30  # and its long blocks were accepted
+    assert state["copy"]["computed"] > len(reqs["copy"][0]) + 25  # and its long blocks were accepted
 
 
 def test_spec_and_engine_setting():
