@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace as dataclasses_replace
 import os
 import sys
 import time
@@ -73,6 +74,11 @@ def bench(args: argparse.Namespace) -> int:
     settings = hv.settings_for(args.config or DEFAULT_CONFIGS)  # every spec checked before the first engine
     if args.skip_reference:
         settings = [s for s in settings if s.label != "none"]
+    burst = [b.strip() for b in args.burst.split(",") if b.strip()]
+    if burst:
+        args.concurrency = len(burst)
+        options = dataclasses_replace(options, max_num_seqs=max(8, len(burst)))
+    hv.burst_group(encoded, args.concurrency, burst)  # a bad name fails here, before any engine starts
     hv.check_prompts(options, encoded, decode)
     log("configs: " + ", ".join(s.label for s in settings))
     described: list[dict] = []
@@ -113,7 +119,7 @@ def bench(args: argparse.Namespace) -> int:
 
         hv.run_interleaved(dataclasses.replace(options, gpu_memory_utilization=args.gpu_memory), settings, encoded,
                            decode, repeats=args.repeats, concurrency=args.concurrency, sustained=args.sustained,
-                           profile=args.profile, saved=saved)
+                           profile=args.profile, saved=saved, burst=burst)
         for setting in settings:
             alone = [r for r in runs if r.config == setting.label and r.concurrency <= 1 and r.repeat >= 0]
             rate = sorted(r.generation.decode_tok_s() for r in alone)
@@ -125,7 +131,7 @@ def bench(args: argparse.Namespace) -> int:
         try:
             more, description = hv.run_setting(options, setting, encoded, decode, repeats=args.repeats,
                                                concurrency=args.concurrency, sustained=args.sustained,
-                                               profile=args.profile)
+                                               profile=args.profile, burst=burst)
         except Exception as e:  # one config failing must not lose the others
             import traceback
 
@@ -214,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--doc-tokens", type=int, default=2000)
     b.add_argument("--limit", type=int, default=0, help="only the first N prompts")
     b.add_argument("--concurrency", type=int, default=8, help="then the first N prompts at once (0: skip)")
+    b.add_argument("--burst", default="",
+                   help="comma-separated prompt ids or categories submitted together instead of the first N "
+                        "(e.g. copy,chat,qa,summary: a copy request among prose); sets --concurrency to their count")
     b.add_argument("--tensor-parallel-size", type=int, default=1)
     b.add_argument("--pipeline-parallel-size", type=int, default=1)
     b.add_argument("--profile", action="store_true", help="time the worker's phases on one more pass")

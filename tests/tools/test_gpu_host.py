@@ -36,3 +36,13 @@ def test_parts_round_trip_and_refuse_damage(tmp_path):
     assert not (tmp_path / "again").exists() or not any((tmp_path / "again").iterdir())
     with pytest.raises(pack_parts.PartsError, match="sha256"):
         pack_parts.stash(arrived / "manifest.json", [arrived / "part-002.bin"], tmp_path / "elsewhere")
+
+
+def test_parts_are_sized_to_travel_beside_this_working_tree():
+    """A call to the GPU host carries the working tree plus one part: the automatic part size must fit, and the tree
+    must leave room for parts worth the calls (it grows with every committed result)."""
+    from tools.gpu_host import vllm_host
+
+    tree = vllm_host.tree_mib()
+    part = vllm_host.auto_part_mib()
+    assert 8 <= part and tree + part + 1 <= vllm_host.TRANSFER_MIB  # + the manifest, well under 1 MiB

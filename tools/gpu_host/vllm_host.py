@@ -1,6 +1,6 @@
 """Carry vLLM 0.26 and a model to an offline GPU host (torch 2.11, python 3.12, no network, small transfers).
 
-  1. here (CPU):  python tools/gpu_host/vllm_host.py prepare [--part-mib 44] [--model NAME ...]
+  1. here (CPU):  python tools/gpu_host/vllm_host.py prepare [--part-mib N] [--reuse] [--model NAME ...]
        downloads the wheels vLLM needs there and the host lacks (docs/vllm.md lists them and why), trims vLLM's
        wheel to what an H200 running a dense model loads, takes each model's GGUF from the hqlab cache and packs all
        of it into checksummed parts under .parts/ (tools/gpu_host/pack_parts.py); prints the host commands.
@@ -108,13 +108,17 @@ def prepare(args: argparse.Namespace) -> None:
     wheels, full = DIST / "wheels", DIST / "full"
     wheels.mkdir(parents=True, exist_ok=True)
     full.mkdir(parents=True, exist_ok=True)
-    log("downloading wheels for python 3.12 / manylinux x86_64")
-    pip_download([VLLM], full)
-    pip_download(GPU_WHEELS, wheels)
-    src = next(full.glob("vllm-0.26.0-*.whl"))
-    dropped, size = trim_wheel(src, wheels / src.name)
-    log(f"vllm wheel {src.stat().st_size / 2**20:.1f} MiB -> {size / 2**20:.1f} MiB "
-        f"({dropped / 2**20:.0f} MiB of unused kernels dropped, LZMA)")
+    have = sorted(wheels.glob("*.whl"))
+    if args.reuse and len(have) == len(GPU_WHEELS) + 1 and any(w.name.startswith("vllm-") for w in have):
+        log(f"reusing the {len(have)} wheels already under {wheels.relative_to(ROOT)}")
+    else:
+        log("downloading wheels for python 3.12 / manylinux x86_64")
+        pip_download([VLLM], full)
+        pip_download(GPU_WHEELS, wheels)
+        src = next(full.glob("vllm-0.26.0-*.whl"))
+        dropped, size = trim_wheel(src, wheels / src.name)
+        log(f"vllm wheel {src.stat().st_size / 2**20:.1f} MiB -> {size / 2**20:.1f} MiB "
+            f"({dropped / 2**20:.0f} MiB of unused kernels dropped, LZMA)")
     files = sorted(wheels.glob("*.whl"))
     if args.arctic_wheel:
         files.append(Path(args.arctic_wheel))
@@ -122,10 +126,31 @@ def prepare(args: argparse.Namespace) -> None:
         files.append(models.ensure_gguf(models.offline_entry(name), models.cache_root()))
     for f in files:
         log(f"  {f.stat().st_size / 2**20:8.2f} MiB  {f.name}")
-    manifest = pack(files, PARTS, int(args.part_mib * 2**20))
+    part_mib = args.part_mib if args.part_mib else auto_part_mib()
+    manifest = pack(files, PARTS, int(part_mib * 2**20))
     total = manifest["total_bytes"]
     log(f"{len(files)} files, {total / 2**20:.1f} MiB in {len(manifest['parts'])} parts under {PARTS}")
     print_campaign(manifest)
+
+
+TRANSFER_MIB = 64.0  # what one call to the GPU host carries: the working tree plus the named files
+TRANSFER_MARGIN_MIB = 4.0  # room for the results and notes a session adds before its last transfer
+
+
+def tree_mib() -> float:
+    """Size of what a call carries besides the named files: tracked files and untracked ones git does not ignore."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                         check=True, capture_output=True).stdout.split(b"\0")
+    return sum((ROOT / f.decode()).stat().st_size for f in out if f and (ROOT / f.decode()).is_file()) / 2**20
+
+
+def auto_part_mib() -> float:
+    """The largest part that still travels beside this working tree (and its manifest)."""
+    fit = TRANSFER_MIB - tree_mib() - TRANSFER_MARGIN_MIB
+    if fit < 8:
+        raise SystemExit(f"the working tree takes {tree_mib():.1f} MiB of the {TRANSFER_MIB:.0f} MiB a transfer "
+                         f"carries: too little room for parts; shrink it or pass --part-mib")
+    return float(int(fit))
 
 
 def print_campaign(manifest: dict) -> None:
@@ -242,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="CPU: download, trim and pack everything the GPU host needs")
-    p.add_argument("--part-mib", type=float, default=44.0, help="part size (a part travels beside the working tree)")
+    p.add_argument("--part-mib", type=float, default=0.0,
+                   help="part size; 0 (default): the largest that fits beside this working tree in one transfer")
+    p.add_argument("--reuse", action="store_true", help="pack the wheels already prepared instead of downloading")
     p.add_argument("--model", action="append", default=None, help=f"offline model to carry (default: {MODELS})")
     p.add_argument("--arctic-wheel", default=None, help="an arctic-inference wheel built for cp312 (suffix)")
     s = sub.add_parser("stash", help="GPU: keep one carried part")

@@ -506,19 +506,43 @@ def _profiled(engine: "VLLMEngine", prompts: Sequence[tuple[str, str, list[int]]
     return out
 
 
+def burst_group(prompts: Sequence[tuple[str, str, list[int]]], concurrency: int,
+                burst: Sequence[str] = ()) -> list[tuple[str, str, list[int]]]:
+    """The prompts submitted together: the first `concurrency`, or, with `burst`, one per name in order, a name being
+    a prompt id or a category (its next prompt not taken yet). A burst of the suite's first prompts is all copy
+    tasks; naming the categories mixes copy-heavy requests with prose, which is what per-request blocks are for."""
+    if not burst:
+        return list(prompts[:concurrency]) if concurrency > 1 else []
+    if concurrency not in (0, len(burst)):
+        raise ConfigError(f"a burst of {list(burst)} is {len(burst)} requests, not concurrency={concurrency}")
+    taken: set[str] = set()
+    group = []
+    for name in burst:
+        found = next((p for p in prompts if p[0] == name and p[0] not in taken), None) or \
+            next((p for p in prompts if p[1] == name and p[0] not in taken), None)
+        if found is None:
+            raise ConfigError(f"burst: no prompt id or category {name!r} left in the suite (ids and categories: "
+                              f"{sorted({p[0] for p in prompts} | {p[1] for p in prompts})})")
+        taken.add(found[0])
+        group.append(found)
+    return group
+
+
 def run_setting(options: VLLMOptions, setting: EngineSetting, prompts: Sequence[tuple[str, str, list[int]]],
                 decode: DecodeConfig, *, repeats: int = 1, bar: Any = None,
-                concurrency: int = 0, sustained: bool = False, profile: bool = False
+                concurrency: int = 0, sustained: bool = False, profile: bool = False, burst: Sequence[str] = ()
                 ) -> tuple[list[Run], dict[str, Any]]:
     """One engine: a warm-up request, then (for the `none` reference under greedy decoding) the margins pass, then
     `repeats` passes over every (prompt id, category, token ids). With `concurrency` > 1, then the first `concurrency`
-    prompts submitted together, `repeats` times, and with `sustained` every prompt with `concurrency` requests kept
+    prompts (or those `burst` names, `burst_group`) submitted together, `repeats` times, and with `sustained` every
+    prompt with `concurrency` requests kept
     in flight. `profile`: then every prompt once more with the worker's phases timed, kept in the description under
     "profile". Returns the runs and the engine's description."""
     if repeats < 1:
         raise ConfigError(f"repeats must be >= 1 (got {repeats})")
     if concurrency < 0 or concurrency > options.max_num_seqs:
         raise ConfigError(f"concurrency must be in [0, max_num_seqs={options.max_num_seqs}] (got {concurrency})")
+    group = burst_group(prompts, concurrency, burst)  # checked before the engine starts
     runs: list[Run] = []
     engine = VLLMEngine(options, setting)
     try:
@@ -548,7 +572,6 @@ def run_setting(options: VLLMOptions, setting: EngineSetting, prompts: Sequence[
                 runs.append(Run(setting.label, pid, category, r, generation, host_unit_ms=speed))
                 if bar is not None:
                     bar.update()
-        group = list(prompts[:concurrency]) if concurrency > 1 else []
         for r in range(repeats if group else 0):
             gens, wall = engine.generate_concurrent([ids for _, _, ids in group], decode, [pid for pid, _, _ in group])
             runs += [Run(setting.label, pid, category, r, g, len(group), wall, "burst")
@@ -592,8 +615,8 @@ def interleaved_order(n_engines: int, n_items: int) -> list[tuple[int, int]]:
 def run_interleaved(options: VLLMOptions, settings: Sequence[EngineSetting],
                     prompts: Sequence[tuple[str, str, list[int]]], decode: DecodeConfig, *, repeats: int = 1,
                     concurrency: int = 0, sustained: bool = False, profile: bool = False,
-                    saved: Callable[[list[Run], list[dict[str, Any]], str], None] | None = None
-                    ) -> tuple[list[Run], list[dict[str, Any]]]:
+                    saved: Callable[[list[Run], list[dict[str, Any]], str], None] | None = None,
+                    burst: Sequence[str] = ()) -> tuple[list[Run], list[dict[str, Any]]]:
     """Every config on its own engine, all engines alive at once, the measurements interleaved request by request.
 
     Why: a decode step on a 0.5B model is host-bound, and the same engine's speed drifts by tens of percent over a
@@ -610,6 +633,7 @@ def run_interleaved(options: VLLMOptions, settings: Sequence[EngineSetting],
         raise ConfigError(f"concurrency must be in [0, max_num_seqs={options.max_num_seqs}] (got {concurrency})")
     if sustained and concurrency < 2:
         raise ConfigError("sustained load needs concurrency >= 2 (requests kept in flight)")
+    group = burst_group(prompts, concurrency, burst)  # checked before any engine starts
     share = round(options.gpu_memory_utilization / max(1, len(settings)), 3)
     if share < 0.05:
         raise ConfigError(f"{len(settings)} engines at once leave each {share:.3f} of the GPU's memory; raise "
@@ -641,7 +665,7 @@ def run_interleaved(options: VLLMOptions, settings: Sequence[EngineSetting],
                 runs.append(Run(engines[e].setting.label, pid, category, r,
                                 engines[e].generate(ids, decode=decode, request=pid)))
             save(f"round {r + 1} of {repeats} alone")
-        loads = [("burst", list(prompts[:concurrency]), 0)] if concurrency > 1 else []
+        loads = [("burst", group, 0)] if group else []
         if sustained:
             loads.append(("sustained", list(prompts), concurrency))
         for load, group, in_flight in loads:
@@ -734,6 +758,7 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[Any]) -> list[tuple[str, st
 
 
 __all__ = ["VLLMOptions", "EngineSetting", "setting_for", "settings_for", "StepEvent", "step_records", "VLLMEngine",
+           "burst_group",
            "Run", "check_prompts", "run_setting", "run_configs", "run_interleaved", "interleaved_order",
            "encode_prompts", "raw_table", "runs_from_raw",
            "records_from_workers", "NATIVE", "UNKNOWN_TOKEN"]

@@ -168,3 +168,17 @@ def test_attention_buckets_cover_every_length():
     buckets = gpu_fused.attention_buckets(1046)
     assert buckets == [512, 1024, 1046]
     assert gpu_fused.attention_buckets(300) == [300]
+
+
+def test_a_burst_can_mix_named_categories_and_ids():
+    from hqlab.engines.vllm.engine import burst_group
+
+    prompts = [("copy", "copy", [1]), ("qa", "qa", [2]), ("chat-a", "chat", [3]), ("chat-b", "chat", [4])]
+    assert burst_group(prompts, 2) == prompts[:2]  # default: the suite's first prompts
+    assert [p[0] for p in burst_group(prompts, 0, ["copy", "chat", "chat", "qa"])] == ["copy", "chat-a", "chat-b",
+                                                                                        "qa"]
+    assert [p[0] for p in burst_group(prompts, 2, ["chat-b", "chat"])] == ["chat-b", "chat-a"]
+    with pytest.raises(ConfigError, match="no prompt id or category 'chat'"):
+        burst_group(prompts, 0, ["chat", "chat", "chat"])
+    with pytest.raises(ConfigError, match="not concurrency=4"):
+        burst_group(prompts, 4, ["copy", "qa"])
