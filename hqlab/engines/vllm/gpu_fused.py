@@ -353,9 +353,6 @@ class GpuFusedSpeculator:
         if not done:
             self.prefilled[req_id] = end
 
-    def forget(self, req_id: str) -> None:
-        self.prefilled.pop(req_id, None)
-
     def _draft(self, m: int, attn_len: int) -> None:
         """Rows [0, m) of the step buffers -> `out[:m]`. Static shapes, no host reads: the captured graphs' body."""
         assert self.state is not None and self.row_offsets is not None
