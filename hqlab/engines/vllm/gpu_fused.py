@@ -173,6 +173,7 @@ class GpuFusedSpeculator:
         if not 0 <= pad < vocab:
             raise ConfigError(f"{PAD_KEY} must be a token id in [0, {vocab}) (got {pad})")
         dtype = getattr(vllm_config.model_config, "dtype", torch.bfloat16)
+        self.vocab = vocab
         self._setup(max_num_reqs=int(vllm_config.scheduler_config.max_num_seqs),
                     max_model_len=int(vllm_config.model_config.max_model_len), pad=pad, device=device,
                     dtype=dtype if isinstance(dtype, torch.dtype) else torch.bfloat16,
@@ -184,7 +185,7 @@ class GpuFusedSpeculator:
                    record: bool = False) -> "GpuFusedSpeculator":
         """The same speculator without a vLLM config (tests drive `bind`, `load_drafter` and `step` directly)."""
         self = cls.__new__(cls)
-        self.spec, self.config = f"{NAME}:...", config
+        self.spec, self.config, self.vocab = f"{NAME}:...", config, None
         self._setup(max_num_reqs=max_num_reqs, max_model_len=max_model_len, pad=pad, device=device, dtype=dtype,
                     record=record)
         return self
@@ -253,8 +254,12 @@ class GpuFusedSpeculator:
         from hqlab.engines.vllm.drafter import StaticQwen2
 
         folder = folder or models.prepare(self.config.model)
-        self.drafter = StaticQwen2.load(folder, slots=self.max_num_reqs, max_len=self.cache_len, device=self.device,
-                                        dtype=self.dtype, compile=self.config.compile)
+        drafter = StaticQwen2.load(folder, slots=self.max_num_reqs, max_len=self.cache_len, device=self.device,
+                                   dtype=self.dtype, compile=self.config.compile)
+        if self.vocab is not None and drafter.vocab != self.vocab:
+            raise ConfigError(f"{NAME}: the drafter {self.config.model!r} has a vocabulary of {drafter.vocab} rows and "
+                              f"the target {self.vocab}; the drafter must share the target's tokenizer")
+        self.drafter = drafter
 
     # vLLM's speculator interface -------------------------------------------------------------------------------
 

@@ -182,3 +182,22 @@ def test_a_burst_can_mix_named_categories_and_ids():
         burst_group(prompts, 0, ["chat", "chat", "chat"])
     with pytest.raises(ConfigError, match="not concurrency=4"):
         burst_group(prompts, 4, ["copy", "qa"])
+
+
+def test_a_drafter_with_another_vocabulary_is_refused():
+    from types import SimpleNamespace
+
+    from vllm.config import DeviceConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
+
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"),
+                        speculative_config=SpeculativeConfig(method="custom_class", model=gpu_fused.CLASS_PATH,
+                                                             num_speculative_tokens=15),
+                        scheduler_config=SchedulerConfig(max_num_seqs=2, max_model_len=256,
+                                                         is_encoder_decoder=False),
+                        additional_config={"hqlab_proposer": SPEC})
+    object.__setattr__(config, "model_config", SimpleNamespace(max_model_len=256, get_vocab_size=lambda: 32000,
+                                                               dtype=torch.float32))
+    speculator = GpuFusedSpeculator(config, device="cpu")
+    with pytest.raises(ConfigError, match="vocabulary of 151936 rows and the target 32000"):
+        speculator.load_drafter()
+    assert speculator.drafter is None
