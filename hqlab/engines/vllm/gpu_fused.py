@@ -222,6 +222,7 @@ class GpuFusedSpeculator:
         self.arange_q = torch.arange(self.q, dtype=torch.int64, device=dev)
         self.zeros = torch.zeros(max_num_reqs, dtype=torch.int64, device=dev)
         self.prefilled: dict[str, int] = {}  # request id -> prompt tokens the drafter has seen (mid-prefill only)
+        self.owner: dict[int, str] = {}  # slot -> the request whose tokens the drafter's cache row holds
         self.drafter: Any = None
         self.state: tuple[torch.Tensor, torch.Tensor] | None = None  # vLLM's (all_token_ids, total_len)
         self.row_offsets: torch.Tensor | None = None
@@ -347,7 +348,13 @@ class GpuFusedSpeculator:
         """Feed the drafter the prompt tokens [seen, end) of one request (eager, host-known bounds); `done`: this
         chunk ends the prompt, so nothing needs remembering."""
         assert self.state is not None
-        seen = self.prefilled.pop(req_id, 0)  # 0 for a new request, whatever vLLM's prefix cache skipped
+        # The drafter continues a prompt only if its cache row still holds this request's earlier chunks; a new
+        # request starts from 0 (whatever vLLM's prefix cache skipped), and so does one preempted and resumed
+        # after another request used its slot.
+        seen = self.prefilled.pop(req_id, 0)
+        if self.owner.get(slot) != req_id:
+            seen = 0
+        self.owner[slot] = req_id
         tokens = self.state[0][slot]
         slot_t = torch.tensor([slot], dtype=torch.int64, device=self.device)
         for a in range(seen, end, PREFILL_CHUNK):

@@ -201,3 +201,55 @@ def test_a_drafter_with_another_vocabulary_is_refused():
     with pytest.raises(ConfigError, match="vocabulary of 151936 rows and the target 32000"):
         speculator.load_drafter()
     assert speculator.drafter is None
+
+
+def tiny_qwen2(slots: int, max_len: int) -> "StaticQwen2":
+    """A 2-layer random-weight Qwen2 (the bookkeeping under test does not depend on the weights)."""
+    from hqlab.engines.vllm.drafter import StaticQwen2
+
+    cfg = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+           "intermediate_size": 48, "vocab_size": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+    g = torch.Generator().manual_seed(0)
+    weights = {"model.embed_tokens.weight": torch.randn(64, 32, generator=g), "model.norm.weight": torch.ones(32),
+               "lm_head.weight": torch.randn(64, 32, generator=g)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        for name, shape in (("self_attn.q_proj", (32, 32)), ("self_attn.k_proj", (16, 32)),
+                            ("self_attn.v_proj", (16, 32))):
+            weights[p + name + ".weight"] = torch.randn(*shape, generator=g) * 0.2
+            weights[p + name + ".bias"] = torch.randn(shape[0], generator=g) * 0.1
+        weights[p + "self_attn.o_proj.weight"] = torch.randn(32, 32, generator=g) * 0.2
+        weights[p + "mlp.gate_proj.weight"] = torch.randn(48, 32, generator=g) * 0.2
+        weights[p + "mlp.up_proj.weight"] = torch.randn(48, 32, generator=g) * 0.2
+        weights[p + "mlp.down_proj.weight"] = torch.randn(32, 48, generator=g) * 0.2
+        weights[p + "input_layernorm.weight"] = torch.ones(32)
+        weights[p + "post_attention_layernorm.weight"] = torch.ones(32)
+    return StaticQwen2(cfg, weights, slots=slots, max_len=max_len, dtype=torch.float32)
+
+
+def test_a_prompt_resumed_in_a_slot_another_request_used_is_prefilled_again():
+    """Chunked prefill continues where the drafter stopped only while its cache row still holds the request; after
+    another request took the slot (preemption, then resumption), the drafter starts the prompt over."""
+    config = fused_config("gpu-fused:k=3,draft_block=2,nmax=4")
+    spec = GpuFusedSpeculator.standalone(config, max_num_reqs=2, max_model_len=64, pad=63, device="cpu",
+                                         dtype=torch.float32)
+    ids = torch.randint(0, 63, (2, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    spec.bind(ids, torch.full((2,), 40, dtype=torch.int32))
+    spec.drafter = tiny_qwen2(2, spec.cache_len)
+    row = lambda slot, upto: spec.drafter.logits(  # noqa: E731 - the drafter's next-token logits after `upto`
+        torch.tensor([slot]), ids[slot, upto - 1:upto].long()[None], torch.tensor([upto - 1]),
+        torch.tensor([0]), 64)
+    spec._prefill("a", 0, 20, done=False)
+    spec._prefill("b", 0, 30, done=False)  # another request takes slot 0
+    spec._prefill("a", 0, 40, done=True)  # "a" again: must not trust the row for its first 20 tokens
+    again = row(0, 40)
+    fresh = tiny_qwen2(2, spec.cache_len)
+    fresh.hidden_states(torch.tensor([0]), ids[0, :40].long()[None], torch.tensor([0]), 40)
+    want = fresh.logits(torch.tensor([0]), ids[0, 39:40].long()[None], torch.tensor([39]), torch.tensor([0]), 64)
+    assert torch.allclose(again, want, atol=1e-5)
+    spec._prefill("c", 1, 20, done=False)  # an undisturbed request continues from its own chunk
+    spec._prefill("c", 1, 40, done=True)
+    fresh.hidden_states(torch.tensor([1]), ids[1, :40].long()[None], torch.tensor([0]), 40)
+    want = fresh.logits(torch.tensor([1]), ids[1, 39:40].long()[None], torch.tensor([39]), torch.tensor([0]), 64)
+    assert torch.allclose(row(1, 40), want, atol=1e-5)
+    assert "a" not in spec.prefilled and "c" not in spec.prefilled  # finished prompts are forgotten
