@@ -39,15 +39,20 @@ BLOCK = 16  # positions per cache page (vLLM's own block size, which its FlashAt
 ATTENTION = ("auto", "flash", "sdpa")  # auto: FlashAttention where vLLM has it on this device, else sdpa
 
 
-def _flash_attention(device: torch.device) -> Callable | None:
-    """vLLM's paged FlashAttention, or None where it cannot run (no CUDA device, no vLLM build for it)."""
+def _flash_attention(device: torch.device, head_dim: int) -> Callable | None:
+    """vLLM's paged FlashAttention in the version vLLM itself picks for this GPU (FA3 on Hopper), or None where it
+    cannot run (no CUDA device, no vLLM build for it)."""
     if device.type != "cuda":
         return None
     try:
+        from functools import partial
+
+        from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
         from vllm.vllm_flash_attn import flash_attn_varlen_func
     except Exception:  # noqa: BLE001 - any import failure means: not available here
         return None
-    return flash_attn_varlen_func
+    version = get_flash_attn_version(head_size=head_dim)
+    return flash_attn_varlen_func if version is None else partial(flash_attn_varlen_func, fa_version=version)
 
 
 class StaticQwen2:
@@ -107,7 +112,7 @@ class StaticQwen2:
         self.k_cache = torch.zeros(shape, device=self.device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=dtype)
         half = dtype in (torch.bfloat16, torch.float16)  # FlashAttention's dtypes
-        self.flash = _flash_attention(self.device) if attention in ("auto", "flash") and half else None
+        self.flash = _flash_attention(self.device, self.head_dim) if attention in ("auto", "flash") and half else None
         if attention == "flash" and self.flash is None:
             raise ConfigError("StaticQwen2: attention='flash' needs vLLM's FlashAttention on a CUDA device and a "
                               f"bf16 or fp16 model (got {self.device}, {dtype})")
