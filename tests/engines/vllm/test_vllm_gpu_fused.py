@@ -203,28 +203,55 @@ def test_a_drafter_with_another_vocabulary_is_refused():
     assert speculator.drafter is None
 
 
-def tiny_qwen2(slots: int, max_len: int) -> "StaticQwen2":
-    """A 2-layer random-weight Qwen2 (the bookkeeping under test does not depend on the weights)."""
+def tiny_qwen2(slots: int, max_len: int, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+               attention: str = "auto") -> "StaticQwen2":
+    """A 2-layer random-weight Qwen2 with head size 64 (what FlashAttention takes); the bookkeeping and the attention
+    paths under test do not depend on the weights."""
     from hqlab.engines.vllm.drafter import StaticQwen2
 
-    cfg = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
-           "intermediate_size": 48, "vocab_size": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+    hidden, inter, vocab = 256, 384, 64
+    cfg = {"hidden_size": hidden, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+           "intermediate_size": inter, "vocab_size": vocab, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
     g = torch.Generator().manual_seed(0)
-    weights = {"model.embed_tokens.weight": torch.randn(64, 32, generator=g), "model.norm.weight": torch.ones(32),
-               "lm_head.weight": torch.randn(64, 32, generator=g)}
+    weights = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g),
+               "model.norm.weight": torch.ones(hidden), "lm_head.weight": torch.randn(vocab, hidden, generator=g)}
     for i in range(2):
         p = f"model.layers.{i}."
-        for name, shape in (("self_attn.q_proj", (32, 32)), ("self_attn.k_proj", (16, 32)),
-                            ("self_attn.v_proj", (16, 32))):
-            weights[p + name + ".weight"] = torch.randn(*shape, generator=g) * 0.2
-            weights[p + name + ".bias"] = torch.randn(shape[0], generator=g) * 0.1
-        weights[p + "self_attn.o_proj.weight"] = torch.randn(32, 32, generator=g) * 0.2
-        weights[p + "mlp.gate_proj.weight"] = torch.randn(48, 32, generator=g) * 0.2
-        weights[p + "mlp.up_proj.weight"] = torch.randn(48, 32, generator=g) * 0.2
-        weights[p + "mlp.down_proj.weight"] = torch.randn(32, 48, generator=g) * 0.2
-        weights[p + "input_layernorm.weight"] = torch.ones(32)
-        weights[p + "post_attention_layernorm.weight"] = torch.ones(32)
-    return StaticQwen2(cfg, weights, slots=slots, max_len=max_len, dtype=torch.float32)
+        for name, rows in (("self_attn.q_proj", hidden), ("self_attn.k_proj", 128), ("self_attn.v_proj", 128)):
+            weights[p + name + ".weight"] = torch.randn(rows, hidden, generator=g) * 0.1
+            weights[p + name + ".bias"] = torch.randn(rows, generator=g) * 0.1
+        weights[p + "self_attn.o_proj.weight"] = torch.randn(hidden, hidden, generator=g) * 0.1
+        weights[p + "mlp.gate_proj.weight"] = torch.randn(inter, hidden, generator=g) * 0.1
+        weights[p + "mlp.up_proj.weight"] = torch.randn(inter, hidden, generator=g) * 0.1
+        weights[p + "mlp.down_proj.weight"] = torch.randn(hidden, inter, generator=g) * 0.1
+        weights[p + "input_layernorm.weight"] = torch.ones(hidden)
+        weights[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
+    return StaticQwen2(cfg, weights, slots=slots, max_len=max_len, device=device, dtype=dtype, attention=attention)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's FlashAttention needs a CUDA device")
+def test_flash_and_masked_attention_agree_on_the_gpu_for_a_tiny_model():
+    """The paged FlashAttention path against the masked-sdpa path (bf16, GPU): a prompt in chunks into two slots, a
+    padded catch-up batch, single-token passes; hidden states close, greedy tokens equal."""
+    flash = tiny_qwen2(3, 200, device="cuda", dtype=torch.bfloat16, attention="flash")
+    sdpa = tiny_qwen2(3, 200, device="cuda", dtype=torch.bfloat16, attention="sdpa")
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 64, (3, 200), generator=g).cuda()
+    t = lambda *x: torch.tensor(x, device="cuda")  # noqa: E731
+    outs = []
+    for d in (flash, sdpa):
+        got = [d.hidden_states(t(2), ids[2:3, :37], t(0), 48), d.hidden_states(t(0), ids[0:1, :100], t(0), 112),
+               d.hidden_states(t(2, 0), torch.stack([ids[2, 37:53], ids[0, 100:116]]), t(37, 100), 128)]
+        tok = d.extend(t(2, 0), ids[[2, 0], 60:61], t(60, 116), t(0, 0), 128)
+        for j in range(5):
+            tok = d.extend(t(2, 0), tok[:, None], t(61 + j, 117 + j), t(0, 0), 128)
+            got.append(tok)
+        outs.append(got)
+    for a, b in zip(*outs):
+        if a.is_floating_point():
+            assert (a.float() - b.float()).abs().max() < 0.05 * b.float().abs().max()
+        else:
+            assert torch.equal(a, b)
 
 
 def test_a_prompt_resumed_in_a_slot_another_request_used_is_prefilled_again():
