@@ -41,7 +41,11 @@ def test_parts_round_trip_and_refuse_damage(tmp_path):
 def test_parts_are_sized_to_travel_beside_this_working_tree():
     """A call to the GPU host carries the working tree plus one part: the automatic part size must fit, and the tree
     must leave room for parts worth the calls (it grows with every committed result)."""
-    from tools.gpu_host import vllm_host
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vllm_host", ROOT / "tools" / "gpu_host" / "vllm_host.py")
+    vllm_host = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vllm_host)
 
     tree = vllm_host.tree_mib()
     part = vllm_host.auto_part_mib()
