@@ -11,6 +11,9 @@
     the results with the columns `hqlab bench` writes (+ concurrency, batch_tok_s, step_efficiency, vllm_runner,
     async_scheduling, run) and `<out>.steps.parquet`, and the phase timings to `<out>.phases.parquet`;
     `--run NAME --append` adds another run (its own reference) to the same files.
+      python benchmarks/vllm_gpu.py replay RETURNED/vllm_gpu_*.parquet --out data/results/<name>.replay.parquet
+    replays every gpu-fused config over the run's own outputs with the lab's `fused` proposer (teacher-forced
+    drafter on the CPU) and compares tokens/step with vLLM's, per prompt.
 
 --sustained adds the whole suite with --concurrency requests kept in flight (a closed loop, as a server sees it).
 --pin-threads pins each engine's busy host thread (the engine core's) to a CPU of its own after the warm-up and times
@@ -207,6 +210,35 @@ def finish(args: argparse.Namespace) -> None:
     print(f"wrote run {args.run!r} into {out} (+ .steps{', .phases, .profile_steps' if phases else ''})")
 
 
+def replay(args: argparse.Namespace) -> None:
+    """CPU: every gpu-fused config of a raw run against the lab's replay of the same fused config over the same
+    outputs (`hqlab.bench.vllm.fused_replay_check`); the prompts are re-encoded from the run's suite settings."""
+    import polars as pl
+    from transformers import AutoTokenizer
+
+    from hqlab import models
+    from hqlab.bench.vllm import fused_replay_check
+    from hqlab.engines import vllm as hv
+    from hqlab.replay.teacher import load_drafter
+    from hqlab.workloads import load_workload
+
+    meta = json.loads(Path(args.raw).with_suffix(".json").read_text())
+    runs = hv.runs_from_raw(pl.read_parquet(args.raw))
+    if args.category:
+        runs = [r for r in runs if r.category in args.category]
+    tokenizer = AutoTokenizer.from_pretrained(models.prepare(meta["model"]))
+    prompts = hv.encode_prompts(tokenizer, load_workload(meta["suite"], doc_tokens=meta["doc_tokens"],
+                                                         tokenizer=tokenizer))
+    drafter = load_drafter(args.drafter, device="cpu", dtype=args.dtype)
+    table = fused_replay_check(runs, prompts, drafter, max_new_tokens=meta["max_new_tokens"])
+    out = Path(args.out)
+    table.write_parquet(str(out) + ".tmp")
+    os.replace(str(out) + ".tmp", out)
+    with pl.Config(tbl_rows=-1, tbl_width_chars=160, fmt_str_lengths=60):
+        print(table.select("config", "prompt_id", "category", "tokens_per_step", "vllm_tokens_per_step",
+                           "difference"))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -242,9 +274,18 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--run", default="a", help="name of this run (one GPU session's reference and configs)")
     f.add_argument("--append", action="store_true", help="keep the other runs already in --out")
     f.add_argument("--commit", default=None, help="the commit whose code ran on the host (default: this checkout's)")
+    r = sub.add_parser("replay", help="CPU: gpu-fused configs of a raw run against the lab's replay")
+    r.add_argument("raw")
+    r.add_argument("--out", required=True, help="parquet to write (e.g. data/results/vllm_fused_h200.replay.parquet)")
+    r.add_argument("--drafter", default="qwen2.5-coder-0.5b")
+    r.add_argument("--dtype", default="float32", help="the replay drafter's dtype on the CPU")
+    r.add_argument("--category", action="append", default=None, help="only these task classes (repeatable)")
     args = ap.parse_args(argv)
     if args.cmd == "bench":
         return bench(args)
+    if args.cmd == "replay":
+        replay(args)
+        return 0
     finish(args)
     return 0
 

@@ -98,6 +98,41 @@ def _groups(runs: Any) -> dict[tuple[str, int, str], list[Run]]:
     return out
 
 
+def fused_replay_check(runs: Sequence[Run], prompts: Sequence[tuple[str, str, list[int]]], drafter: Any, *,
+                       max_new_tokens: int, progress: bool = True) -> pl.DataFrame:
+    """Each `gpu-fused` config of a vLLM run against the lab's replay of the same `fused` config over the same
+    outputs: per (config, prompt), vLLM's tokens/step (its first timed repeat, alone) and the replay's, with
+    teacher-forced drafts of `drafter` (`hqlab.replay.teacher`). `prompts` are the run's (id, category, token ids),
+    encoded as the bench encoded them. The two agree step for step when the drafter's greedy tokens agree; a
+    difference comes from the drafter's numerics (vLLM's GPU kernels in bf16 against the replay's), or from EOS."""
+    from hqlab.engines.vllm.gpu_fused import NAME, fused_config
+    from hqlab.replay.teacher import replay_fused_grid
+    from hqlab.replay.traces import Trace
+
+    ids = {pid: (category, tokens) for pid, category, tokens in prompts}
+    rows = []
+    for config in dict.fromkeys(r.config for r in runs if r.config.startswith(NAME + ":")):
+        c = fused_config(config)
+        keys = {f: getattr(c, f) for f in ("k", "draft_block", "nmax", "policy", "search", "nstrong", "nmin", "agree",
+                                           "nmin_tail", "longmin", "rule", "schedule", "sticky", "entry_steps",
+                                           "stale", "batch_mode")}
+        spec = "fused:" + ",".join(f"{k}={v}" for k, v in keys.items())
+        alone = {r.prompt_id: r for r in runs if r.config == config and r.concurrency <= 1 and r.repeat == 0}
+        missing = sorted(set(alone) - set(ids))
+        if missing:
+            raise ConfigError(f"fused_replay_check: prompts {missing} of {config!r} are not among the given prompts")
+        traces = [Trace.of(ids[pid][1], list(r.generation.output_ids), max_new_tokens, pid, ids[pid][0])
+                  for pid, r in alone.items()]
+        replayed = replay_fused_grid(traces, drafter, [spec], progress=progress)
+        live = pl.DataFrame([{"prompt_id": pid, "vllm_tokens_per_step": _emitted_per_step(r.generation),
+                              "vllm_steps": len(r.generation.records)} for pid, r in alone.items()])
+        rows.append(replayed.join(live, on="prompt_id").with_columns(pl.lit(config).alias("config")))
+    if not rows:
+        raise ConfigError("fused_replay_check: the run has no gpu-fused config")
+    return pl.concat(rows, how="diagonal").with_columns(
+        (pl.col("vllm_tokens_per_step") / pl.col("tokens_per_step") - 1).alias("difference"))
+
+
 def bench_suite(model: str | None, suite: str, specs: Sequence[str], decode: DecodeConfig, *, doc_tokens: int,
                 limit: int = 0, repeats: int = 1, dtype: str = "auto", progress: bool = True, concurrency: int = 0,
                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
