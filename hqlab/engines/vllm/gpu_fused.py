@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from hqlab.config import ConfigError, resolve_spec
+from hqlab.engines.vllm.gpu_lookup import RECORD_KEY, RecordRing, bind_histories, is_custom_class, pad_token
 from hqlab.proposers.fused import FusedConfig
 
 NAME = "gpu-fused"
@@ -77,11 +78,8 @@ def speculative_config(spec: str) -> dict[str, Any]:
 
 
 def is_gpu_fused(speculative_config: Any) -> bool:
-    if speculative_config is None:
-        return False
-    get = speculative_config.get if isinstance(speculative_config, dict) else (
-        lambda key: getattr(speculative_config, key, None))
-    return get("method") == "custom_class" and get("model") == CLASS_PATH
+    """True for a vLLM SpeculativeConfig (or dict) that asks for this speculator."""
+    return is_custom_class(speculative_config, CLASS_PATH)
 
 
 def attention_buckets(max_len: int, smallest: int = 512) -> list[int]:
@@ -93,41 +91,27 @@ def attention_buckets(max_len: int, smallest: int = 512) -> list[int]:
     return out + [max_len]
 
 
-class FusedRecorder:
-    """Per-step fused blocks kept on the GPU, read back in one copy by `take` (as `gpu_lookup.StepRecorder`)."""
+class FusedRecorder(RecordRing):
+    """Per-step fused blocks and their decisions, kept on the GPU and read back in one copy by `take`."""
 
     FIELDS = ("context_len", "match_len", "valid", "block", "proposed", "take_flag", "head_taken", "tail_taken")
 
     def __init__(self, capacity: int, max_reqs: int, k: int, device: torch.device) -> None:
-        self.capacity = capacity
+        super().__init__(capacity, device)
         self.meta = torch.zeros(capacity, max_reqs, len(self.FIELDS), dtype=torch.int32, device=device)
         self.tokens = torch.zeros(capacity, max_reqs, k, dtype=torch.int64, device=device)
         self.sources = torch.zeros(capacity, max_reqs, k, dtype=torch.int8, device=device)
-        self.counter = torch.zeros(1, dtype=torch.int64, device=device)
-        self.steps: list[tuple[int, list[str], float]] = []
-        self.count = 0
 
     def write(self, meta: torch.Tensor, tokens: torch.Tensor, sources: torch.Tensor) -> None:
         m = meta.shape[0]
-        slot = self.counter.remainder(self.capacity)
+        slot = self.next_slot()
         self.meta[slot, :m] = meta.to(torch.int32)[None]
         self.tokens[slot, :m] = tokens[None]
         self.sources[slot, :m] = sources.to(torch.int8)[None]
-        self.counter += 1
-
-    def note(self, req_ids: list[str], host_s: float) -> None:
-        self.steps.append((self.count % self.capacity, list(req_ids), host_s))
-        self.count += 1
-
-    def restart(self) -> None:
-        self.counter.zero_()
-        self.steps, self.count = [], 0
 
     def take(self) -> list[dict[str, Any]]:
-        steps, self.steps = self.steps, []
-        if len(steps) > self.capacity:
-            raise RuntimeError(f"{len(steps)} steps were drafted since the records were last taken but only "
-                               f"{self.capacity} fit: take them more often (after each request)")
+        """Every step since the last call, one dict per (step, request); clears them."""
+        steps = self.drain()
         if not steps:
             return []
         meta, tokens, sources = self.meta.cpu().numpy(), self.tokens.cpu().numpy(), self.sources.cpu().numpy()
@@ -155,7 +139,6 @@ class GpuFusedSpeculator:
 
     def __init__(self, vllm_config: Any, device: torch.device | str | None = None) -> None:
         from hqlab.engines.vllm.adapter import proposer_spec
-        from hqlab.engines.vllm.gpu_lookup import PAD_KEY, RECORD_KEY
 
         if device is None:
             raise ConfigError(f"{CLASS_PATH} runs inside vLLM's model runner V2, but vLLM built it as a V1 "
@@ -168,12 +151,9 @@ class GpuFusedSpeculator:
             raise ConfigError(f"{self.spec!r} verifies k={self.config.k} positions but vLLM's num_speculative_tokens "
                               f"is {slots}; make them equal (gpu_fused.speculative_config does)")
         extra = getattr(vllm_config, "additional_config", None) or {}
-        vocab = int(vllm_config.model_config.get_vocab_size())
-        pad = int(extra.get(PAD_KEY, vocab - 1))
-        if not 0 <= pad < vocab:
-            raise ConfigError(f"{PAD_KEY} must be a token id in [0, {vocab}) (got {pad})")
+        pad = pad_token(vllm_config)
         dtype = getattr(vllm_config.model_config, "dtype", torch.bfloat16)
-        self.vocab = vocab
+        self.vocab = int(vllm_config.model_config.get_vocab_size())
         self._setup(max_num_reqs=int(vllm_config.scheduler_config.max_num_seqs),
                     max_model_len=int(vllm_config.model_config.max_model_len), pad=pad, device=device,
                     dtype=dtype if isinstance(dtype, torch.dtype) else torch.bfloat16,
@@ -239,15 +219,8 @@ class GpuFusedSpeculator:
 
     def bind(self, all_token_ids: torch.Tensor, total_len: torch.Tensor) -> None:
         """Attach vLLM's histories ([slots, max_model_len] int32) and their lengths ([slots] int32)."""
-        if all_token_ids.dtype != torch.int32 or all_token_ids.dim() != 2 or not all_token_ids.is_contiguous():
-            raise TypeError(f"all_token_ids must be a contiguous 2-D int32 tensor, got {all_token_ids.dtype} "
-                            f"{tuple(all_token_ids.shape)}")
-        if all_token_ids.shape[0] < self.max_num_reqs or total_len.shape[0] < self.max_num_reqs:
-            raise ValueError(f"vLLM's request state holds {all_token_ids.shape[0]} slots, fewer than max_num_seqs "
-                             f"{self.max_num_reqs}")
-        self.state = (all_token_ids, total_len)
-        width = all_token_ids.shape[1]
-        self.row_offsets = torch.arange(all_token_ids.shape[0], dtype=torch.int64, device=self.device) * width
+        state, self.row_offsets = bind_histories(all_token_ids, total_len, self.max_num_reqs, self.device)
+        self.state = (state.all_token_ids, state.total_len)
 
     def load_drafter(self, folder: str | None = None) -> None:
         """Load the draft model (default: the config's `model`, through hqlab's model cache)."""

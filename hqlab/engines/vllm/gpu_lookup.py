@@ -85,37 +85,48 @@ def speculative_config(spec: str) -> dict[str, Any]:
     return {"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": lookup_config(spec).k}
 
 
-def is_gpu_lookup(speculative_config: Any) -> bool:
-    """True for a vLLM SpeculativeConfig (or dict) that asks for this speculator."""
+def is_custom_class(speculative_config: Any, class_path: str) -> bool:
+    """True for a vLLM SpeculativeConfig (or dict) whose `custom_class` is `class_path`."""
     if speculative_config is None:
         return False
     get = speculative_config.get if isinstance(speculative_config, dict) else (
         lambda key: getattr(speculative_config, key, None))
-    return get("method") == "custom_class" and get("model") == CLASS_PATH
+    return get("method") == "custom_class" and get("model") == class_path
 
 
-class StepRecorder:
-    """Per-step drafts kept on the GPU (no host read while decoding), read back in one copy by `take`.
+def is_gpu_lookup(speculative_config: Any) -> bool:
+    """True for a vLLM SpeculativeConfig (or dict) that asks for this speculator."""
+    return is_custom_class(speculative_config, CLASS_PATH)
 
-    `write` runs on the device only (its ring slot comes from a device counter, so it can be captured in a CUDA
-    graph); `note` keeps the host half of the same step (request ids, host time). Every `write` is followed by one
-    `note`, so the n-th noted step sits in slot n mod capacity."""
 
-    def __init__(self, capacity: int, max_reqs: int, k: int, device: torch.device | str) -> None:
+def pad_token(vllm_config: Any) -> int:
+    """The token id written where nothing is proposed: `additional_config[PAD_KEY]`, else the last vocabulary row."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    vocab = int(vllm_config.model_config.get_vocab_size())
+    pad = int(extra.get(PAD_KEY, vocab - 1))
+    if not 0 <= pad < vocab:
+        raise ConfigError(f"{PAD_KEY} must be a token id in [0, {vocab}) (got {pad})")
+    return pad
+
+
+class RecordRing:
+    """The bookkeeping of per-step records kept on the GPU (no host read while decoding), read back in one copy.
+
+    A subclass's `write` runs on the device only and takes its ring slot from `next_slot` (a device counter, so it
+    can be captured in a CUDA graph); `note` keeps the host half of the same step (request ids, host time). Every
+    `write` is followed by one `note`, so the n-th noted step sits in slot n mod capacity."""
+
+    def __init__(self, capacity: int, device: torch.device | str) -> None:
         self.capacity = int(capacity)
-        self.meta = torch.zeros(self.capacity, max_reqs, 3, dtype=torch.int32, device=device)
-        self.tokens = torch.zeros(self.capacity, max_reqs, k, dtype=torch.int32, device=device)
         self.counter = torch.zeros(1, dtype=torch.int64, device=device)  # steps written, on the device
         self.steps: list[tuple[int, list[str], float]] = []  # (ring slot, request ids, host seconds)
         self.count = 0  # steps noted, on the host
 
-    def write(self, lengths: torch.Tensor, match_len: torch.Tensor, valid: torch.Tensor,
-              proposals: torch.Tensor) -> None:
-        m = lengths.shape[0]
+    def next_slot(self) -> torch.Tensor:
+        """This write's ring slot (a device tensor); advances the device counter."""
         slot = self.counter.remainder(self.capacity)
-        self.meta[slot, :m] = torch.stack((lengths.to(torch.int32), match_len, valid), 1)[None]
-        self.tokens[slot, :m] = proposals[None]
         self.counter += 1
+        return slot
 
     def note(self, req_ids: list[str], host_s: float) -> None:
         self.steps.append((self.count % self.capacity, list(req_ids), host_s))
@@ -126,12 +137,33 @@ class StepRecorder:
         self.counter.zero_()
         self.steps, self.count = [], 0
 
-    def take(self) -> list[dict[str, Any]]:
-        """Every step since the last call, one dict per (step, request); clears them."""
+    def drain(self) -> list[tuple[int, list[str], float]]:
+        """The steps noted since the last call (clears them); refuses if the ring overwrote some of them."""
         steps, self.steps = self.steps, []
         if len(steps) > self.capacity:
             raise RuntimeError(f"{len(steps)} steps were drafted since the records were last taken but only "
                                f"{self.capacity} fit: take them more often (after each request)")
+        return steps
+
+
+class StepRecorder(RecordRing):
+    """The lookup's per-step drafts: context length, match length, valid count and tokens per request."""
+
+    def __init__(self, capacity: int, max_reqs: int, k: int, device: torch.device | str) -> None:
+        super().__init__(capacity, device)
+        self.meta = torch.zeros(self.capacity, max_reqs, 3, dtype=torch.int32, device=device)
+        self.tokens = torch.zeros(self.capacity, max_reqs, k, dtype=torch.int32, device=device)
+
+    def write(self, lengths: torch.Tensor, match_len: torch.Tensor, valid: torch.Tensor,
+              proposals: torch.Tensor) -> None:
+        m = lengths.shape[0]
+        slot = self.next_slot()
+        self.meta[slot, :m] = torch.stack((lengths.to(torch.int32), match_len, valid), 1)[None]
+        self.tokens[slot, :m] = proposals[None]
+
+    def take(self) -> list[dict[str, Any]]:
+        """Every step since the last call, one dict per (step, request); clears them."""
+        steps = self.drain()
         if not steps:
             return []
         meta, tokens = self.meta.cpu().numpy(), self.tokens.cpu().numpy()  # one sync, outside the decode loop
@@ -143,6 +175,20 @@ class StepRecorder:
                             "tokens": [int(t) for t in tokens[slot, i, :valid]],
                             "sources": [int(Source.LOOKUP)] * valid, "propose_s": host_s, "batch": len(req_ids)})
         return out
+
+
+def bind_histories(all_token_ids: torch.Tensor, total_len: torch.Tensor, max_num_reqs: int,
+                   device: torch.device) -> tuple["_RequestState", torch.Tensor]:
+    """vLLM's histories checked, and each slot's offset into them flattened (what the suffix-match kernel takes)."""
+    if all_token_ids.dtype != torch.int32 or all_token_ids.dim() != 2 or not all_token_ids.is_contiguous():
+        raise TypeError(f"all_token_ids must be a contiguous 2-D int32 tensor, got {all_token_ids.dtype} "
+                        f"{tuple(all_token_ids.shape)}")
+    if all_token_ids.shape[0] < max_num_reqs or total_len.shape[0] < max_num_reqs:
+        raise ValueError(f"vLLM's request state holds {all_token_ids.shape[0]} slots, fewer than max_num_seqs "
+                         f"{max_num_reqs}")
+    width = all_token_ids.shape[1]
+    offsets = torch.arange(all_token_ids.shape[0], dtype=torch.int64, device=device) * width
+    return _RequestState(all_token_ids, total_len), offsets
 
 
 @dataclass
@@ -181,12 +227,8 @@ class GpuLookupSpeculator:
         self.device = torch.device(device)
         self.max_num_reqs = int(vllm_config.scheduler_config.max_num_seqs)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
-        extra = getattr(vllm_config, "additional_config", None) or {}
-        vocab = int(vllm_config.model_config.get_vocab_size())
-        self.pad = int(extra.get(PAD_KEY, vocab - 1))
-        if not 0 <= self.pad < vocab:
-            raise ConfigError(f"{PAD_KEY} must be a token id in [0, {vocab}) (got {self.pad})")
-        self._setup(record=bool(extra.get(RECORD_KEY, False)))
+        self.pad = pad_token(vllm_config)
+        self._setup(record=bool((getattr(vllm_config, "additional_config", None) or {}).get(RECORD_KEY, False)))
 
     @classmethod
     def standalone(cls, config: LookupConfig, *, max_num_reqs: int, max_model_len: int, pad: int,
@@ -228,15 +270,7 @@ class GpuLookupSpeculator:
 
     def bind(self, all_token_ids: torch.Tensor, total_len: torch.Tensor) -> None:
         """Attach vLLM's histories ([slots, max_model_len] int32, contiguous) and their lengths ([slots] int32)."""
-        if all_token_ids.dtype != torch.int32 or all_token_ids.dim() != 2 or not all_token_ids.is_contiguous():
-            raise TypeError(f"all_token_ids must be a contiguous 2-D int32 tensor, got {all_token_ids.dtype} "
-                            f"{tuple(all_token_ids.shape)}")
-        if all_token_ids.shape[0] < self.max_num_reqs or total_len.shape[0] < self.max_num_reqs:
-            raise ValueError(f"vLLM's request state holds {all_token_ids.shape[0]} slots, fewer than max_num_seqs "
-                             f"{self.max_num_reqs}")
-        self.state = _RequestState(all_token_ids, total_len)
-        width = all_token_ids.shape[1]
-        self.row_offsets = torch.arange(all_token_ids.shape[0], dtype=torch.int64, device=self.device) * width
+        self.state, self.row_offsets = bind_histories(all_token_ids, total_len, self.max_num_reqs, self.device)
 
     # vLLM's speculator interface -------------------------------------------------------------------------------
 
@@ -340,7 +374,8 @@ class GpuLookupSpeculator:
         return self.recorder.take() if self.recorder is not None else []
 
 
-__all__ = ["GpuLookupSpeculator", "GpuLookupConfig", "StepRecorder", "lookup_config", "widths_of", "speculative_config", "is_gpu_lookup", "NAME",
+__all__ = ["GpuLookupSpeculator", "GpuLookupConfig", "StepRecorder", "RecordRing", "lookup_config", "widths_of",
+           "speculative_config", "is_gpu_lookup", "is_custom_class", "pad_token", "bind_histories", "NAME",
            "CLASS_PATH", "SPEC_KEY", "RECORD_KEY", "PAD_KEY"]
 
 

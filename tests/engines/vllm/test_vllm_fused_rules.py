@@ -34,7 +34,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hqlab.engines.vllm import fused_rules
+from hqlab.engines.vllm import fused_rules, fused_step
 from hqlab.engines.vllm.fused_rules import (SOURCE_NONE, FusedTensors, ScheduleTensors, agree_count_tensors,
                                             fuse_tensors, qualify_tensors, schedule_step_tensors,
                                             step_unanimous_tensors, unanimous_block_len_tensors)
@@ -588,10 +588,12 @@ HOST_READS = {"item", "cpu", "tolist", "numpy", "nonzero", "masked_select", "uni
               "bincount", "argwhere", "repeat_interleave", "synchronize"}
 
 
-def test_module_source_has_no_host_reads():
+@pytest.mark.parametrize("module", [fused_rules, fused_step], ids=["fused_rules", "fused_step"])
+def test_module_source_has_no_host_reads(module):
     """By construction: no method that copies a device value to the host or sizes a result by values, and no
-    Python branch, loop or conversion on a tensor (conditions only read the config and shapes)."""
-    tree = ast.parse(inspect.getsource(fused_rules))
+    Python branch, loop or conversion on a tensor (conditions only read the config and shapes). The same check for
+    the rules and for the per-step driver that strings them together."""
+    tree = ast.parse(inspect.getsource(module))
     calls = {node.func.attr for node in ast.walk(tree)
              if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
     assert not calls & HOST_READS
