@@ -1,5 +1,5 @@
 """Where a gpu-fused drafting step spends its GPU time, outside vLLM: the real drafter, the lookup kernel and the
-fusion rule on vLLM-shaped state, timed per (batch size, attention bucket) and per piece, plus a torch.profiler table.
+fusion rule on vLLM-shaped state, timed per (batch size, history length) and per piece, plus a torch.profiler table.
 
   GPU (through tools/gpu_host/vllm_host.py run, which converts the 0.5B):
       python3 benchmarks/fused_drafter_profile.py [--tag a]
@@ -42,23 +42,27 @@ def main() -> None:
     args = p.parse_args()
     out = Path(os.environ.get("OUT", "."))
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
-    slots_n, width, history = 8, 4096, 2300
+    slots_n, width = 8, 4096
     for compile_ in (False, True):
         config = fused_config(f"gpu-fused:k=15,draft_block=7,nmax=32,policy=earliest,compile={str(compile_).lower()}")
         spec = GpuFusedSpeculator.standalone(config, max_num_reqs=slots_n, max_model_len=width, pad=151935,
                                              device="cuda", dtype=torch.bfloat16)
         ids = torch.randint(0, 150000, (slots_n, width), dtype=torch.int32, device="cuda")
-        total = torch.full((slots_n,), history, dtype=torch.int32, device="cuda")
+        total = torch.zeros((slots_n,), dtype=torch.int32, device="cuda")
         spec.bind(ids, total)
         spec.load_drafter()
         spec.use_graphs = True
         spec.capture()
         d = spec.drafter
+        path = "flash" if d.flash is not None else "sdpa"
         for n in (1, 8):
             spec.slots[:n] = torch.arange(n, device="cuda")
             spec.num_sampled[:n] = 8
             spec.fresh[:n] = False
-            for bucket in spec.buckets:
+            for history in (512, 1024, 2048, 3900):
+                bucket = next((b for b in spec.buckets if b >= history + spec.q + spec.block), spec.buckets[-1])
+                total.fill_(history)
+
                 def step():
                     spec.dlen[:n] = history - 8
                     spec.graphs[(n, bucket)].replay()
@@ -67,11 +71,11 @@ def main() -> None:
                 toks16 = torch.randint(0, 1000, (n, 16), device="cuda")
                 toks1 = toks16[:, :1]
                 last = torch.zeros(n, dtype=torch.int64, device="cuda")
-                row = {"compile": compile_, "n": n, "attn_len": bucket,
+                row = {"compile": compile_, "n": n, "history": history, "attn_len": bucket, "attention": path,
                        "graph_step_ms": cuda_ms(step),
                        "catchup_pass_ms": cuda_ms(lambda: d.extend(slots, toks16, start, last, bucket)),
                        "decode_pass_ms": cuda_ms(lambda: d.extend(slots, toks1, start, last, bucket))}
-                # one layer's attention at this length, in the drafter's own path and in the masked-sdpa one
+                # one layer's attention at this length, in the FlashAttention path and in the masked-sdpa one
                 q = torch.randn(n, 16, d.heads, d.head_dim, device="cuda", dtype=torch.bfloat16)
                 kc, vc = d.k_cache[0], d.v_cache[0]
                 pos = start[:, None] + torch.arange(16, device="cuda")
@@ -79,15 +83,18 @@ def main() -> None:
                     inputs = d._flash_inputs(slots, start, 16, bucket)
                     row["attention_flash_ms"] = cuda_ms(lambda: d._attend(q, kc, vc, slots, bucket, inputs))
                 flash, d.flash = d.flash, None
-                mask = d._mask(pos, bucket)
-                row["attention_sdpa_mask_ms"] = cuda_ms(lambda: d._attend(q, kc, vc, slots, bucket, mask))
+                ladder = history + 16
+                mask = d._mask(pos, ladder)
+                row["attention_sdpa_mask_ms"] = cuda_ms(lambda: d._attend(q, kc, vc, slots, ladder, mask))
                 d.flash = flash
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
         if compile_:
             from torch.profiler import ProfilerActivity, profile
 
-            n, bucket = 1, spec.buckets[-2]
+            history = 2048
+            bucket = next((b for b in spec.buckets if b >= history + spec.q + spec.block), spec.buckets[-1])
+            total.fill_(history)
             spec.slots[:1] = 0
             spec.num_sampled[:1] = 8
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -95,10 +102,10 @@ def main() -> None:
                     spec.dlen[:1] = history - 8
                     spec._draft(1, bucket)
                 torch.cuda.synchronize()
-            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
             print(table)
-            result["profile_eager_n1_bucket"] = bucket
-            result["attention"] = "flash" if spec.drafter.flash is not None else "sdpa"
+            result["profile_eager_n1"] = {"history": history, "attn_len": bucket, "steps": 3}
+            result["attention"] = path
             result["profile_table"] = table
         del spec, d
         torch.cuda.empty_cache()

@@ -55,6 +55,25 @@ def _flash_attention(device: torch.device, head_dim: int) -> Callable | None:
     return flash_attn_varlen_func if version is None else partial(flash_attn_varlen_func, fa_version=version)
 
 
+def _cache_writer(device: torch.device) -> Callable | None:
+    """vLLM's paged cache write (`reshape_and_cache_flash`: K and V of every token into its page slot, one kernel
+    for both) where vLLM's CUDA ops load, else None (two index_puts per layer instead)."""
+    if device.type != "cuda":
+        return None
+    try:
+        from vllm import _custom_ops as ops
+
+        ops.reshape_and_cache_flash  # noqa: B018 - present in this vLLM build?
+    except Exception:  # noqa: BLE001 - any import failure means: not available here
+        return None
+    scale = torch.ones((), dtype=torch.float32, device=device)
+
+    def write(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, flat: torch.Tensor) -> None:
+        ops.reshape_and_cache_flash(k, v, kc, vc, flat, "auto", scale, scale)
+
+    return write
+
+
 class StaticQwen2:
     """Qwen2ForCausalLM forward over a per-slot static KV cache (see the module docstring)."""
 
@@ -116,6 +135,7 @@ class StaticQwen2:
         if attention == "flash" and self.flash is None:
             raise ConfigError("StaticQwen2: attention='flash' needs vLLM's FlashAttention on a CUDA device and a "
                               f"bf16 or fp16 model (got {self.device}, {dtype})")
+        self.write_cache = _cache_writer(self.device) if self.flash is not None else None
         # Rotary tables in float32 for every position the cache can hold (transformers computes them in float32
         # and casts to the activations' dtype).
         inv = 1.0 / theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=self.device)
@@ -123,11 +143,13 @@ class StaticQwen2:
         freqs = torch.outer(torch.arange(self.max_len, dtype=torch.float32, device=self.device), inv)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
-        # The parts of a layer around the cache write and the attention are pure functions of their inputs:
-        # `compile=True` lets torch.compile fuse their elementwise work (a pass is launch-bound at small batch).
-        self._pre, self._post = self._pre_impl, self._post_impl
+        # What runs between two attentions (layer i's output projection and MLP, layer i+1's norm, q/k/v and
+        # rotary embedding) is a pure function of its inputs: `compile=True` lets torch.compile fuse its
+        # elementwise work across the layer boundary (a pass is launch-bound at small batch: kernels, not bytes).
+        self._pre, self._mid, self._post = self._pre_impl, self._mid_impl, self._post_impl
         if compile:
             self._pre = torch.compile(self._pre_impl, dynamic=True)
+            self._mid = torch.compile(self._mid_impl, dynamic=True)
             self._post = torch.compile(self._post_impl, dynamic=True)
 
     @classmethod
@@ -183,13 +205,23 @@ class StaticQwen2:
         attend = self._flash_inputs(slots, start, q_len, attn_len) if self.flash is not None else \
             self._mask(pos, attn_len)
         x = F.embedding(tokens, self.embed)  # [n, Q, hidden]
+        first = self.layers[0]
+        q, k, v = self._pre(x, first["in_norm"], first["qkv_w"], first["qkv_b"], cos, sin)
         for i, layer in enumerate(self.layers):
-            q, k, v = self._pre(x, layer["in_norm"], layer["qkv_w"], layer["qkv_b"], cos, sin)
             kc, vc = self.k_cache[i], self.v_cache[i]  # [slots * blocks, BLOCK, kvh, D]
-            kc.view(-1, self.kv_heads, self.head_dim)[flat] = k
-            vc.view(-1, self.kv_heads, self.head_dim)[flat] = v
+            if self.write_cache is not None:
+                self.write_cache(k.reshape(-1, self.kv_heads, self.head_dim),
+                                 v.reshape(-1, self.kv_heads, self.head_dim), kc, vc, flat.reshape(-1))
+            else:
+                kc.view(-1, self.kv_heads, self.head_dim)[flat] = k
+                vc.view(-1, self.kv_heads, self.head_dim)[flat] = v
             o = self._attend(q, kc, vc, slots, attn_len, attend)
-            x = self._post(x, o, layer["o_w"], layer["post_norm"], layer["gate_up_w"], layer["down_w"])
+            if i + 1 < self.n_layers:
+                nxt = self.layers[i + 1]
+                x, q, k, v = self._mid(x, o, layer["o_w"], layer["post_norm"], layer["gate_up_w"], layer["down_w"],
+                                       nxt["in_norm"], nxt["qkv_w"], nxt["qkv_b"], cos, sin)
+            else:
+                x = self._post(x, o, layer["o_w"], layer["post_norm"], layer["gate_up_w"], layer["down_w"])
         return x
 
     def _mask(self, pos: torch.Tensor, attn_len: int) -> torch.Tensor:
@@ -244,6 +276,14 @@ class StaticQwen2:
         x = x + F.linear(o, o_w)
         gate, up = F.linear(self._rms(x, norm), gate_up_w).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, down_w)
+
+    def _mid_impl(self, x: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, norm: torch.Tensor,
+                  gate_up_w: torch.Tensor, down_w: torch.Tensor, next_norm: torch.Tensor, next_qkv_w: torch.Tensor,
+                  next_qkv_b: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One layer's `_post` and the next layer's `_pre`, as one function (one compiled region)."""
+        x = self._post_impl(x, o, o_w, norm, gate_up_w, down_w)
+        return (x, *self._pre_impl(x, next_norm, next_qkv_w, next_qkv_b, cos, sin))
 
     def logits(self, slots: torch.Tensor, tokens: torch.Tensor, start: torch.Tensor, last: torch.Tensor,
                attn_len: int) -> torch.Tensor:

@@ -234,6 +234,9 @@ class GpuFusedSpeculator:
             raise ConfigError(f"{NAME}: the drafter {self.config.model!r} has a vocabulary of {drafter.vocab} rows and "
                               f"the target {self.vocab}; the drafter must share the target's tokenizer")
         self.drafter = drafter
+        # FlashAttention reads each row only up to its own length, whatever the bound: one graph per batch size.
+        # The masked path attends over the whole bound, so it keeps a ladder of lengths.
+        self.buckets = [self.cache_len] if drafter.flash is not None else attention_buckets(self.cache_len)
 
     # vLLM's speculator interface -------------------------------------------------------------------------------
 
