@@ -204,7 +204,7 @@ def test_a_drafter_with_another_vocabulary_is_refused():
 
 
 def tiny_qwen2(slots: int, max_len: int, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               attention: str = "auto") -> "StaticQwen2":
+               attention: str = "auto", compile: bool = False) -> "StaticQwen2":
     """A 2-layer random-weight Qwen2 with head size 64 (what FlashAttention takes); the bookkeeping and the attention
     paths under test do not depend on the weights."""
     from hqlab.engines.vllm.drafter import StaticQwen2
@@ -226,14 +226,18 @@ def tiny_qwen2(slots: int, max_len: int, *, device: str = "cpu", dtype: torch.dt
         weights[p + "mlp.down_proj.weight"] = torch.randn(hidden, inter, generator=g) * 0.1
         weights[p + "input_layernorm.weight"] = torch.ones(hidden)
         weights[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
-    return StaticQwen2(cfg, weights, slots=slots, max_len=max_len, device=device, dtype=dtype, attention=attention)
+    return StaticQwen2(cfg, weights, slots=slots, max_len=max_len, device=device, dtype=dtype, attention=attention,
+                       compile=compile)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's FlashAttention needs a CUDA device")
-def test_flash_and_masked_attention_agree_on_the_gpu_for_a_tiny_model():
-    """The paged FlashAttention path against the masked-sdpa path (bf16, GPU): a prompt in chunks into two slots, a
-    padded catch-up batch, single-token passes; hidden states close, greedy tokens equal."""
-    flash = tiny_qwen2(3, 200, device="cuda", dtype=torch.bfloat16, attention="flash")
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_flash_and_masked_attention_agree_on_the_gpu_for_a_tiny_model(compile):
+    """The paged FlashAttention path (vLLM's cache write and attention; torch.compile'd layers or not) against the
+    eager masked-sdpa path (bf16, GPU): a prompt in chunks into two slots, a padded catch-up batch, single-token
+    passes; hidden states close, greedy tokens equal."""
+    flash = tiny_qwen2(3, 200, device="cuda", dtype=torch.bfloat16, attention="flash", compile=compile)
+    assert flash.write_cache is not None  # vLLM's paged cache write, not the index_put fallback
     sdpa = tiny_qwen2(3, 200, device="cuda", dtype=torch.bfloat16, attention="sdpa")
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 64, (3, 200), generator=g).cuda()
