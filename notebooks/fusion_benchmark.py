@@ -35,8 +35,8 @@ results_dir = "data/results"  # where a rerun writes
 published_dir = "data/results"  # where committed results are read from when not rerunning
 # gpu-fused inside vLLM's GPU step: always the published H200 results (a rerun above does not touch them)
 fused_vllm_file = "data/results/vllm_fused_h200.parquet"  # benchmarks/vllm_gpu.py (`hqlab bench` rows)
-fused_run = "fa"  # the first H200 run (target and drafter both the 0.5B)
-fused_profile_file = "data/results/fused_drafter_profile_h200.json"  # benchmarks/fused_drafter_profile.py
+fused_run = "fb"  # the acceptance pair: target Qwen2.5-Coder-1.5B, drafter 0.5B ("fa": both the 0.5B, first run)
+fused_profile_file = "data/results/fused_drafter_profile_h200_fb.json"  # benchmarks/fused_drafter_profile.py
 
 # %%
 import json
@@ -103,39 +103,48 @@ for tag in tags:
 # ## Inside vLLM's GPU step (gpu-fused)
 #
 # `gpu-fused` runs the lookup and a Qwen2 drafter fused per position inside vLLM 0.26's model runner V2 (asynchronous
-# scheduling, the drafting step replayed from CUDA graphs; `hqlab.engines.vllm.gpu_fused`), next to `none` and
-# `gpu-lookup` in the same run. A bring-up run: the target AND the drafter are both Qwen2.5-Coder-0.5B (the drafter
-# drafts for itself, not the 1.5B/0.5B pair above), bf16, greedy, 2 repeats, ~2000-token documents (chat prompts
-# ≤ 350 tokens), 256 new tokens. Every output matched `none`'s. All speculating configs share nmax=32 and the
-# earliest-match policy (gpu-lookup: nmin=1); gpu-fused drafts draft_block=7 tokens with the drafter per step, and
-# `compile=true` torch.compiles the drafter's layer bodies.
+# scheduling, the drafting step replayed from a CUDA graph; `hqlab.engines.vllm.gpu_fused`), next to `none`,
+# `gpu-lookup` and vLLM's own draft-model method (`vllm-draft`, the same drafter, k=7, which vLLM runs on its V1
+# runner, synchronously) in the same run. Run `fb`: target Qwen2.5-Coder-1.5B, drafter Qwen2.5-Coder-0.5B, bf16,
+# greedy, 3 repeats, ~2000-token documents (chat prompts ≤ 350 tokens), 256 new tokens. Every output matched
+# `none`'s. All hqlab configs share nmax=32 and the earliest-match policy (gpu-lookup: nmin=1); gpu-fused drafts
+# `draft_block` tokens with the drafter per step (that many drafter passes: one catch-up pass over the tokens the
+# last step emitted, then one per further token), verifies up to k+1 positions with the adaptive long block
+# (`schedule=short`: always the short block), and torch.compiles the drafter's layers.
 
 # %%
 fused_rows = pl.read_parquet(fused_vllm_file).filter(pl.col("run") == fused_run)
 print(fused_rows["machine"][0], "|", fused_rows["model"][0], fused_rows["dtype"][0], "| run", fused_run,
       "| lossless:", fused_rows["lossless"].all())
 classes = ["copy", "code", "edit", "quote", "summary", "qa", "chat"]
-label = pl.col("config").str.replace_all(r"(nmin=1|nmax=32|policy=earliest),?", "").str.strip_chars_end(",")
+label = (pl.col("config").str.replace_all(r"(nmin=1|nmax=32|policy=earliest|compile=true|model=qwen2\.5-coder-0\.5b),?",
+                                          "").str.strip_chars_end(","))
 fused = (fused_rows.filter(pl.col("concurrency") <= 1)
          .group_by("category", "config", maintain_order=True)
          .agg(pl.col("decode_tok_s").median(), pl.col("tokens_per_step").median(),
-              (pl.col("propose_ms_per_step") + pl.col("verify_ms_per_step")).median().alias("ms_per_step"),
+              pl.col("step_efficiency").median(),
+              # wall time per step, the same measure for every config (vLLM's draft model has no hqlab records)
+              (1e3 * pl.col("tokens_per_step") / pl.col("decode_tok_s")).median().alias("ms_per_step"),
               pl.len().alias("prompts"))
          .with_columns((pl.col("decode_tok_s") / pl.col("decode_tok_s").filter(pl.col("config") == "none").first()
-                        .over("category")).alias("vs_none"), label)
+                        .over("category")).alias("vs_none"),
+                       (pl.col("decode_tok_s") / pl.col("decode_tok_s")
+                        .filter(pl.col("config").str.starts_with("gpu-lookup")).first().over("category"))
+                       .alias("vs_gpu_lookup"), label)
          .sort(pl.col("category").cast(pl.Enum(classes)), pl.col("config").str.len_chars()))
 fused
 
 # %% [markdown]
-# ### Many tokens per step, few tokens per second (batch 1)
+# ### Faster than no speculation everywhere, slower than the lookup wherever it finds text (batch 1)
 #
 # Per task class, medians over the class's prompts (each the median of its repeats) at batch 1: decode tok/s (top,
-# log scale), tokens per verify step (middle) and ms per step, proposing + verifying (bottom, log scale; tok/s ≈
-# tokens/step ÷ s/step). gpu-fused emits 6.5-15 tokens per step, close to gpu-lookup where the lookup finds the text
-# (copy, code, edit) and more where it does not (qa, quote, summary, chat), yet decodes at 0.27-0.66x `none`
-# (0.32-0.95x with compile): its step costs 16-24 ms on the short chat prompts and 43-54 ms on the ~2000-token
-# documents, against 2.2-2.6 ms for a plain step. gpu-lookup's steps cost what `none`'s do, so its long blocks make
-# it 5-14x faster on copy, code, edit, quote and qa.
+# log scale), tokens per verify step (middle) and ms per step (bottom, log scale; tok/s ≈ tokens/step ÷ s/step).
+# Every gpu-fused config beats `none` in every class (1.2-1.4x on chat, 1.4-2.4x on summary, 1.4-1.9x on qa, 3.3-7.4x
+# on copy, code and edit with the adaptive block) and vLLM's own draft model by 3.4-17x; vLLM's draft-model method
+# runs at 0.3-0.5x `none` (a 42-69 ms step on its synchronous V1 path). But gpu-lookup is faster still: its step
+# costs 2.8-3.5 ms against `none`'s 2.7 ms, while each drafter pass adds ~1.2 ms, so gpu-fused with 2 passes
+# (5.0 ms a step) matches it on chat (0.98x) and reaches 0.57-0.75x of it on the documents; with 7 passes (11.2 ms)
+# 0.27-0.85x. The drafter's extra tokens (5.2 per step on chat against the lookup's 1.6) do not pay for its passes.
 
 # %%
 chart = plots.bar_panels(fused, "category", "config", {"decode_tok_s": "decode tok/s (batch 1)",
@@ -146,52 +155,83 @@ plots.save(chart, figures / "vllm_fused_h200_classes.svg")
 chart
 
 # %% [markdown]
-# Four requests submitted together (copy, code, edit, quote): total tok/s, and its ratio to `none` under the same
-# load. Here too gpu-fused runs at about a third of `none` (0.33x, 0.37x with compile), gpu-lookup at 3.5x.
+# Four requests submitted together (copy, a chat prompt, qa, summary): each request's tokens/step in the burst, and
+# the burst's total tok/s against `none` under the same load. Each request keeps the tokens/step it has alone (the
+# copy request its long block: 15.0 with draft_block=7), and every output equals `none`'s. The burst ends with its
+# slowest request, the chat prompt, so the lookup (1.1 tokens/step on it) is below `none` here (0.89x) and
+# gpu-fused with draft_block=4 is the fastest (1.15x).
 
 # %%
-(fused_rows.filter(pl.col("concurrency") > 1).with_columns(label).group_by("config", maintain_order=True)
- .agg(pl.col("batch_tok_s").first(), pl.col("tokens_per_step").median())
+burst = fused_rows.filter(pl.col("concurrency") > 1).with_columns(label)
+(burst.group_by("config", maintain_order=True)
+ .agg(pl.col("batch_tok_s").first(), pl.col("lossless").all(),
+      *[pl.col("tokens_per_step").filter(pl.col("category") == c).first().alias(f"{c} tokens/step")
+        for c in ("copy", "chat", "qa", "summary")])
  .with_columns((pl.col("batch_tok_s") / pl.col("batch_tok_s").filter(pl.col("config") == "none").first())
                .alias("vs_none")))
 
 # %% [markdown]
-# ### Where the drafting step's time goes
+# ### What a drafter pass costs inside vLLM
 #
-# `benchmarks/fused_drafter_profile.py` timed the drafting step outside vLLM, on the same H200 with the same drafter
-# and vLLM-shaped state (8 request slots, 2300 tokens of history each): one whole step replayed from its CUDA graph
-# (7 drafter passes: a 16-token catch-up pass and 6 single-token ones, then the lookup and the fusion rule), for 1 and
-# 8 requests, per attention-length bucket. The drafter attends over its whole bucket (masked), so the step costs
-# more as the bucket grows: at 1 request 20 → 29 ms from 512 to 4096 positions (12 → 21 ms with compile), at 8
-# requests 23 → 37 ms (14 → 29 ms). The last bucket is the whole drafter cache, max_model_len + k + 1 +
-# draft_block = 4119 positions: one layer's masked attention costs about twice what it costs at 4096 (the table
-# below), so that step jumps by 6-11 ms. Chat's steps inside vLLM (short prompts, 512-1024 bucket) cost about
-# this graph step plus a plain target step; the ~2000-token documents' steps (4096 bucket) cost 19-23 ms more than
-# that, time this profile does not show.
+# With `--profile` the bench timed each phase of every step on the GPU (CUDA events around vLLM's worker calls and
+# the speculator's `propose`; `hqlab.engines.vllm.adapter.StepTimer`): medians per config. The target's forward
+# over a step's tokens (`execute_model`) costs 1.9 ms; gpu-fused's drafting step 5.3 ms with 4 drafter passes and
+# 9.0 ms with 7, so one more single-token pass of the 0.5B drafter costs ~1.24 ms, two thirds of the 1.5B target's
+# whole forward. Both are bound by kernel latency at batch 1, not by weight bytes: the drafter has 24 layers to
+# the target's 28. vLLM's `draft_model` proposes in 45 ms a step, most of it on the host.
+
+# %%
+phases = (pl.read_parquet(fused_vllm_file.replace(".parquet", ".phases.parquet"))
+          .filter(pl.col("run") == fused_run).with_columns(label)
+          .with_columns(pl.col("phase").replace({"execute_model": "target forward", "sample_tokens": "sample + accept",
+                                                 "propose (speculator)": "propose", "propose (drafter)": "propose"}))
+          .group_by("config", "phase").agg(pl.col("gpu_ms").median())
+          .pivot("phase", index="config", values="gpu_ms").fill_null(0.0))
+# vLLM's own timers put `propose` inside `sample_tokens`: the accept part is what is left
+phases = phases.with_columns((pl.col("sample + accept") - pl.col("propose")).clip(lower_bound=0.0)
+                             .alias("sample + accept")).sort("propose")
+chart = plots.stacked_time(phases, "config", ["target forward", "propose", "sample + accept"],
+                           y_title="GPU ms per step (median)")
+plots.save(chart, figures / "vllm_fused_h200_step_parts.svg")
+chart
+
+# %% [markdown]
+# ### The drafting step outside vLLM
+#
+# `benchmarks/fused_drafter_profile.py` timed the drafting step on the same H200 outside vLLM, with the same
+# drafter and vLLM-shaped state (8 request slots): one whole step replayed from its CUDA graph (7 drafter passes: a
+# 16-token catch-up pass and 6 single-token ones, then the lookup and the fusion rule), for 1 and 8 requests, per
+# history length. The drafter attends through vLLM's paged FlashAttention, which reads each row only up to its own
+# length, so the step no longer grows with the length: 9.2-9.5 ms at 1 request (17 ms without torch.compile),
+# 9.7-10.4 ms at 8, from 512 to 3,900 tokens of history. (The first run's masked attention cost 12-21 ms at 1
+# request and grew with the length; inside vLLM, which turns cuDNN's attention off, 44 ms on the documents.)
 
 # %%
 profile = json.loads(Path(fused_profile_file).read_text())
 drafting = pl.DataFrame(profile["rows"]).with_columns(
     pl.format("n={}{}", "n", pl.when("compile").then(pl.lit(", compile")).otherwise(pl.lit(""))).alias("batch"))
-chart = plots.lines(drafting, "attn_len", "graph_step_ms", "batch", x_title="drafter attention length (bucket)",
+chart = plots.lines(drafting, "history", "graph_step_ms", "batch", x_title="tokens of history per request",
                     y_title="ms per drafting step (CUDA graph)")
 plots.save(chart, figures / "vllm_fused_h200_drafting_step.svg")
 chart
 
 # %% [markdown]
-# The pieces. `catchup_pass_ms` / `decode_pass_ms` are one drafter pass run eagerly (no graph): 15-20 ms (16-33 ms
-# with compile) at every length and batch size, the time the host takes to launch the pass's kernels, not GPU
-# work, which is why the step runs from a graph. `cache_write_ms`, `cache_gather_ms` and `sdpa_mask_ms` are one
-# layer's KV-cache write, gather and masked attention (16 query positions), each on its own.
+# The pieces. `catchup_pass_ms` / `decode_pass_ms` are one drafter pass run eagerly (no graph): 10-23 ms, the time
+# the host takes to launch the pass's kernels, not GPU work, which is why the step runs from a graph.
+# `attention_flash_ms` and `attention_sdpa_mask_ms` are one layer's attention (16 query positions), on its own, in
+# vLLM's FlashAttention and in the masked-sdpa path the CPU uses.
 
 # %%
-drafting.select("batch", "attn_len", "graph_step_ms", "catchup_pass_ms", "decode_pass_ms", "cache_write_ms",
-                "cache_gather_ms", "sdpa_mask_ms")
+drafting.select("batch", "history", "graph_step_ms", "catchup_pass_ms", "decode_pass_ms", "attention_flash_ms",
+                "attention_sdpa_mask_ms")
 
 # %% [markdown]
-# torch.profiler over three drafting steps without the graph (compile on, 1 request, the 4096 bucket), kernels by GPU
-# time: cuDNN's masked attention takes about half of it (~61 µs a call, 7 passes × 24 layers a step).
+# torch.profiler over three drafting steps without the graph (compile on, 1 request, 2,048 tokens of history),
+# kernels by GPU time: per layer and pass, ~23 µs of matrix products (four cuBLAS kernels and a split-K reduction),
+# ~12 µs of FlashAttention (three kernels: scheduling, attention, split combine), ~8 µs of fused elementwise Triton
+# kernels and ~2 µs of cache write; 24 layers make the ~1.1 ms pass.
 
 # %%
-print(profile["device"], "| torch", profile["torch"], "| bucket", profile["profile_eager_n1_bucket"])
+print(profile["device"], "| torch", profile["torch"], "| attention", profile["attention"], "|",
+      profile["profile_eager_n1"])
 print(profile["profile_table"])
