@@ -11,7 +11,8 @@
     the results with the columns `hqlab bench` writes (+ concurrency, batch_tok_s, step_efficiency, vllm_runner,
     async_scheduling, run) and `<out>.steps.parquet`, and the phase timings to `<out>.phases.parquet`;
     `--run NAME --append` adds another run (its own reference) to the same files.
-      python benchmarks/vllm_gpu.py replay RETURNED/vllm_gpu_*.parquet --out data/results/<name>.replay.parquet
+      python benchmarks/vllm_gpu.py replay RETURNED/vllm_gpu_*.parquet --out data/results/<name>.replay.parquet \\
+          --run NAME [--append]
     replays every gpu-fused config over the run's own outputs with the lab's `fused` proposer (teacher-forced
     drafter on the CPU) and compares tokens/step with vLLM's, per prompt.
 
@@ -232,11 +233,28 @@ def replay(args: argparse.Namespace) -> None:
     drafter = load_drafter(args.drafter, device="cpu", dtype=args.dtype)
     table = fused_replay_check(runs, prompts, drafter, max_new_tokens=meta["max_new_tokens"])
     out = Path(args.out)
-    table.write_parquet(str(out) + ".tmp")
+    merged = merge_replay(table.with_columns(pl.lit(args.run).alias("run")),
+                          pl.read_parquet(out) if args.append and out.exists() else None, out)
+    merged.write_parquet(str(out) + ".tmp")
     os.replace(str(out) + ".tmp", out)
     with pl.Config(tbl_rows=-1, tbl_width_chars=160, fmt_str_lengths=60):
         print(table.select("config", "prompt_id", "category", "tokens_per_step", "vllm_tokens_per_step",
                            "difference"))
+
+
+def merge_replay(table, existing, out: Path):
+    """This raw file's replay rows replace the rows of the same run and configs already in `out`; other runs and the
+    run's other configs (a run's configs can come back in several raw files) stay."""
+    import polars as pl
+
+    if existing is None:
+        return table
+    if "run" not in existing.columns:
+        raise SystemExit(f"{out} has no `run` column, so its rows cannot be told apart from run "
+                         f"{table['run'][0]!r}; write this replay to another file or add the column")
+    configs = table["config"].unique().to_list()
+    keep = existing.filter((pl.col("run") != table["run"][0]) | ~pl.col("config").is_in(configs))
+    return pl.concat([keep, table], how="diagonal_relaxed")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--drafter", default="qwen2.5-coder-0.5b")
     r.add_argument("--dtype", default="float32", help="the replay drafter's dtype on the CPU")
     r.add_argument("--category", action="append", default=None, help="only these task classes (repeatable)")
+    r.add_argument("--run", default="a", help="name of the run the raw file belongs to (a `run` column)")
+    r.add_argument("--append", action="store_true",
+                   help="keep the rows already in --out except this run's rows for the same configs")
     args = ap.parse_args(argv)
     if args.cmd == "bench":
         return bench(args)
