@@ -162,6 +162,80 @@ def cost_model_check(steps: pl.DataFrame, runs: list[str], *, name: str | None =
                           (pl.col("measured_s") / pl.col("predicted_s") - 1).alias("error")))
 
 
+def _fused_shape(config: str) -> tuple[int, int]:
+    """(drafter passes per step, k) of a gpu-fused config: its draft_block and verify width, defaults filled in."""
+    from dataclasses import fields
+
+    from hqlab.proposers.fused import FusedConfig
+
+    defaults = {f.name: f.default for f in fields(FusedConfig)}
+    _, values = parse_spec(config)
+    return int(values.get("draft_block", defaults["draft_block"])), int(values.get("k", defaults["k"]))
+
+
+def drafter_pass_fit(steps: pl.DataFrame, run: str) -> tuple[pl.DataFrame, dict[str, float]]:
+    """What a drafter pass costs in one run's wall time, from its batch-1 steps (`<results>.steps.parquet`).
+
+    Per request (prompt), each gpu-fused config's median step is modelled as the run's gpu-lookup step of the same
+    width k on that request plus a fixed drafting overhead plus one price per drafter pass (a step runs
+    `draft_block` passes: the catch-up pass, then one per further drafted token):
+    step_ms = lookup_step_ms + fixed_ms + passes * per_pass_ms, fitted by least squares over every (request,
+    config). Returns the per-(request, config) table (tokens per step and median step ms of the config and of the
+    lookup, passes) and the fit {fixed_ms, per_pass_ms, residual_ms}."""
+    import numpy as np
+
+    alone = steps.filter((pl.col("run") == run) & (pl.col("load") == "alone"))
+    per = (alone.group_by(["category", "request", "config"], maintain_order=True)
+           .agg((pl.col("emitted").sum() / pl.len()).alias("tokens_per_step"),
+                (pl.col("step_s").median() * 1e3).alias("step_ms")))
+    lookups = per.filter(pl.col("config").str.starts_with("gpu-lookup"))
+    fused = per.filter(pl.col("config").str.starts_with("gpu-fused"))
+    if lookups.is_empty() or fused.is_empty():
+        raise ConfigError(f"run {run!r}: the drafter-pass fit needs gpu-lookup and gpu-fused steps at batch 1 "
+                          f"(found configs {sorted(per['config'].unique().to_list())})")
+    shapes = {c: _fused_shape(c) for c in fused["config"].unique().to_list()}
+    lookup_k = {c: int(parse_spec(c)[1].get("k", 0)) for c in lookups["config"].unique().to_list()}
+    rows = []
+    for r in fused.iter_rows(named=True):
+        passes, k = shapes[r["config"]]
+        same = [c for c, lk in lookup_k.items() if lk == k]
+        if not same:  # a fused config of another width has no lookup step to stand on
+            continue
+        base = lookups.filter((pl.col("config") == same[0]) & (pl.col("request") == r["request"]))
+        if base.is_empty():
+            continue
+        rows.append(r | {"passes": passes, "k": k, "lookup": same[0],
+                         "lookup_tokens_per_step": base["tokens_per_step"][0], "lookup_step_ms": base["step_ms"][0]})
+    if len({row["passes"] for row in rows}) < 2:
+        raise ConfigError(f"run {run!r}: the drafter-pass fit needs gpu-fused configs with at least two draft_block "
+                          f"values at the width of a gpu-lookup config")
+    table = pl.DataFrame(rows)
+    x = np.stack([np.ones(table.height), table["passes"].to_numpy().astype(float)], 1)
+    y = (table["step_ms"] - table["lookup_step_ms"]).to_numpy()
+    (fixed, per_pass), *_ = np.linalg.lstsq(x, y, rcond=None)
+    residual = y - x @ np.array([fixed, per_pass])
+    return table, {"fixed_ms": float(fixed), "per_pass_ms": float(per_pass),
+                   "residual_ms": float(np.sqrt(np.mean(residual ** 2)))}
+
+
+def fused_what_if(table: pl.DataFrame, fit: dict[str, float], per_pass_ms: list[float],
+                  target: float = 1.0) -> pl.DataFrame:
+    """Each (request, gpu-fused config) of `drafter_pass_fit` at hypothetical prices of a drafter pass, tokens per
+    step as measured: predicted tok/s = tokens/step / (lookup_step_ms + fixed_ms + passes * price), its ratio to the
+    lookup's tokens/step / lookup_step_ms, and `breakeven_pass_ms`, the price at which that ratio reaches `target`
+    (negative: not even a free pass gets there, the fused block carries too few tokens). Per task class, take
+    medians over its requests, as the results tables do."""
+    grid = pl.DataFrame({"per_pass_ms": [float(c) for c in per_pass_ms]})
+    lookup_rate = pl.col("lookup_tokens_per_step") / pl.col("lookup_step_ms")
+    return (table.join(grid, how="cross")
+            .with_columns((1e3 * pl.col("tokens_per_step") / (pl.col("lookup_step_ms") + fit["fixed_ms"]
+                                                                + pl.col("passes") * pl.col("per_pass_ms")))
+                          .alias("predicted_tok_s"))
+            .with_columns((pl.col("predicted_tok_s") / (1e3 * lookup_rate)).alias("vs_lookup"),
+                          ((pl.col("tokens_per_step") / (target * lookup_rate) - pl.col("lookup_step_ms")
+                            - fit["fixed_ms"]) / pl.col("passes")).alias("breakeven_pass_ms")))
+
+
 def load(results_path: str | Path) -> dict[str, pl.DataFrame]:
     """The results and, where the run was profiled, its phases and profiled steps (empty frames otherwise)."""
     path = Path(results_path)
@@ -173,4 +247,4 @@ def load(results_path: str | Path) -> dict[str, pl.DataFrame]:
 
 
 __all__ = ["short_label", "run_ratios", "summary", "concurrency", "step_breakdown", "request_step_ms",
-           "cost_model_check", "load", "family", "PARTS"]
+           "cost_model_check", "load", "family", "PARTS", "drafter_pass_fit", "fused_what_if"]

@@ -9,6 +9,7 @@ import polars as pl
 import pytest
 
 from hqlab.bench import vllm_report
+from hqlab.config import ConfigError
 
 RESULTS = Path(__file__).resolve().parents[2] / "data" / "results" / "vllm_gpu_h200.parquet"
 
@@ -70,3 +71,49 @@ def test_concurrency_is_relative_to_the_runs_own_none(data):
     together = vllm_report.concurrency(data["results"])
     assert together.height and together.filter(pl.col("config") == "none")["vs_none"].to_list() == pytest.approx(
         [1.0] * together.filter(pl.col("config") == "none").height)
+
+
+FUSED = RESULTS.with_name("vllm_fused_h200.parquet")
+
+
+@pytest.fixture(scope="module")
+def fused():
+    return vllm_report.load(FUSED)
+
+
+def test_drafter_pass_fit_explains_the_fused_steps_of_run_fb(fused):
+    """Run fb's gpu-fused steps against its gpu-lookup steps on the same prompts: one price per drafter pass explains
+    them (0.2 ms residual), and the model's fused ÷ lookup rates land near the measured decode ratios per class."""
+    table, fit = vllm_report.drafter_pass_fit(fused["steps"], "fb")
+    assert set(table["passes"].unique().to_list()) == {2, 4, 7}  # draft_block 2, 4, 7 at the lookup's k=15
+    assert 0.8 < fit["per_pass_ms"] < 1.8 and fit["residual_ms"] < 0.5
+    model = (vllm_report.fused_what_if(table, fit, [fit["per_pass_ms"]])
+             .group_by("category", "config").agg(pl.col("vs_lookup").median()))
+    alone = fused["results"].filter((pl.col("run") == "fb") & (pl.col("concurrency") == 1))
+    rate = alone.group_by("category", "config").agg(pl.col("decode_tok_s").median())
+    lookup = rate.filter(pl.col("config").str.starts_with("gpu-lookup")).select(
+        "category", pl.col("decode_tok_s").alias("lookup_tok_s"))
+    measured = rate.join(lookup, on="category").with_columns(
+        (pl.col("decode_tok_s") / pl.col("lookup_tok_s")).alias("measured"))
+    both = model.join(measured, on=["category", "config"])
+    assert both.height == 21  # 7 classes x 3 adaptive configs
+    assert ((both["vs_lookup"] / both["measured"] - 1).abs() < 0.15).all()
+
+
+def test_the_breakeven_price_reaches_the_target_and_prices_order_the_rates(fused):
+    table, fit = vllm_report.drafter_pass_fit(fused["steps"], "fb")
+    grid = vllm_report.fused_what_if(table, fit, [0.0, 0.5, 1.0, 2.0], target=1.1)
+    at_breakeven = vllm_report.fused_what_if(table, fit, [0.0], target=1.1).select(
+        "request", "config", "breakeven_pass_ms")
+    for row in at_breakeven.iter_rows(named=True):
+        again = vllm_report.fused_what_if(table.filter((pl.col("request") == row["request"])
+                                                       & (pl.col("config") == row["config"])),
+                                          fit, [row["breakeven_pass_ms"]], target=1.1)
+        assert again["vs_lookup"][0] == pytest.approx(1.1)
+    dearer = grid.sort("per_pass_ms").group_by("request", "config").agg(pl.col("vs_lookup"))
+    assert all(all(a > b for a, b in zip(v, v[1:])) for v in dearer["vs_lookup"].to_list())
+
+
+def test_drafter_pass_fit_names_the_run_that_has_no_fused_steps(fused):
+    with pytest.raises(ConfigError, match="run 'zz'"):
+        vllm_report.drafter_pass_fit(fused["steps"], "zz")
