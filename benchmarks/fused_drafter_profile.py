@@ -2,8 +2,10 @@
 fusion rule on vLLM-shaped state, timed per (batch size, history length) and per piece, plus a torch.profiler table.
 
   GPU (through tools/gpu_host/vllm_host.py run, which converts the 0.5B):
-      python3 benchmarks/fused_drafter_profile.py [--tag a]
-  writes $OUT/fused_drafter_profile_<tag>.json (timings) and prints the profiler's top kernels.
+      python3 benchmarks/fused_drafter_profile.py [--tag a] [--variants] [--autotune]
+  writes $OUT/fused_drafter_profile_<tag>.json (timings) and prints the profiler's top kernels. --variants also times
+  the whole step under the drafter's FlashAttention settings (splits=1, plan_once) and --autotune under
+  torch.compile's max-autotune mode: which of them makes a pass cheaper (docs/vllm.md prices what a pass must cost).
 """
 
 from __future__ import annotations
@@ -16,6 +18,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+
+# drafter settings per variant (gpu-fused spec keys); the first two are the ones the docs' figure plots
+VARIANTS = {"eager": "compile=false", "compiled": "compile=true"}
+EXTRA_VARIANTS = {"compiled, no split": "compile=true,splits=1",
+                  "compiled, plan once": "compile=true,plan_once=true",
+                  "compiled, no split, plan once": "compile=true,splits=1,plan_once=true"}
+AUTOTUNE = {"autotuned, no split, plan once":
+            "compile=true,compile_mode=max-autotune-no-cudagraphs,splits=1,plan_once=true"}
 
 
 def cuda_ms(fn, repeats: int = 10) -> float:
@@ -39,12 +50,24 @@ def main() -> None:
 
     p = argparse.ArgumentParser()
     p.add_argument("--tag", default="a")
+    p.add_argument("--variants", action="store_true",
+                   help="also time the drafter's kernel settings (no key-length split, one FA3 plan per pass), "
+                        "whole drafting steps only")
+    p.add_argument("--autotune", action="store_true",
+                   help="and torch.compile's max-autotune-no-cudagraphs mode (minutes of tuning on first use)")
     args = p.parse_args()
     out = Path(os.environ.get("OUT", "."))
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
     slots_n, width = 8, 4096
-    for compile_ in (False, True):
-        config = fused_config(f"gpu-fused:k=15,draft_block=7,nmax=32,policy=earliest,compile={str(compile_).lower()}")
+    variants = dict(VARIANTS)
+    if args.variants:
+        variants |= EXTRA_VARIANTS
+    if args.autotune:
+        variants |= AUTOTUNE
+    for variant, settings in variants.items():
+        compile_ = "compile=true" in settings
+        pieces = variant in VARIANTS  # the two base settings get every piece timed; the others the step only
+        config = fused_config(f"gpu-fused:k=15,draft_block=7,nmax=32,policy=earliest,{settings}")
         spec = GpuFusedSpeculator.standalone(config, max_num_reqs=slots_n, max_model_len=width, pad=151935,
                                              device="cuda", dtype=torch.bfloat16)
         ids = torch.randint(0, 150000, (slots_n, width), dtype=torch.int32, device="cuda")
@@ -66,13 +89,19 @@ def main() -> None:
                 def step():
                     spec.dlen[:n] = history - 8
                     spec.graphs[(n, bucket)].replay()
+                if not pieces:
+                    row = {"variant": variant, "compile": compile_, "n": n, "history": history, "attn_len": bucket,
+                           "attention": path, "graph_step_ms": cuda_ms(step)}
+                    result["rows"].append(row)
+                    print(json.dumps(row), flush=True)
+                    continue
                 slots = torch.arange(n, device="cuda")
                 start = torch.full((n,), history - 8, device="cuda", dtype=torch.int64)
                 toks16 = torch.randint(0, 1000, (n, 16), device="cuda")
                 toks1 = toks16[:, :1]
                 last = torch.zeros(n, dtype=torch.int64, device="cuda")
-                row = {"compile": compile_, "n": n, "history": history, "attn_len": bucket, "attention": path,
-                       "graph_step_ms": cuda_ms(step),
+                row = {"variant": variant, "compile": compile_, "n": n, "history": history, "attn_len": bucket,
+                       "attention": path, "graph_step_ms": cuda_ms(step),
                        "catchup_pass_ms": cuda_ms(lambda: d.extend(slots, toks16, start, last, bucket)),
                        "decode_pass_ms": cuda_ms(lambda: d.extend(slots, toks1, start, last, bucket))}
                 # one layer's attention at this length, in the FlashAttention path and in the masked-sdpa one
@@ -89,7 +118,7 @@ def main() -> None:
                 d.flash = flash
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
-        if compile_:
+        if variant == "compiled":
             from torch.profiler import ProfilerActivity, profile
 
             history = 2048

@@ -242,7 +242,10 @@ pl.concat([vllm_report.fused_what_if(table.filter(pl.col("category") == c), fit,
 
 # %%
 profile = json.loads(Path(fused_profile_file).read_text())
-drafting = pl.DataFrame(profile["rows"]).with_columns(
+drafting = pl.DataFrame(profile["rows"])
+if "variant" in drafting.columns:  # profiles run with --variants: the chart keeps the two base settings
+    drafting = drafting.filter(pl.col("variant").is_in(["eager", "compiled"]))
+drafting = drafting.with_columns(
     pl.format("n={}{}", "n", pl.when("compile").then(pl.lit(", compile")).otherwise(pl.lit(""))).alias("batch"))
 chart = plots.lines(drafting, "history", "graph_step_ms", "batch", x_title="tokens of history per request",
                     y_title="ms per drafting step (CUDA graph)")

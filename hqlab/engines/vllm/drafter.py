@@ -37,22 +37,26 @@ from hqlab.config import ConfigError
 
 BLOCK = 16  # positions per cache page (vLLM's own block size, which its FlashAttention build runs with)
 ATTENTION = ("auto", "flash", "sdpa")  # auto: FlashAttention where vLLM has it on this device, else sdpa
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # torch.compile modes for the layer regions
 
 
-def _flash_attention(device: torch.device, head_dim: int) -> Callable | None:
-    """vLLM's paged FlashAttention in the version vLLM itself picks for this GPU (FA3 on Hopper), or None where it
-    cannot run (no CUDA device, no vLLM build for it)."""
+def _flash_attention(device: torch.device, head_dim: int) -> tuple[Callable | None, Callable | None]:
+    """vLLM's paged FlashAttention in the version vLLM itself picks for this GPU (FA3 on Hopper), and FA3's
+    scheduler (`get_scheduler_metadata`: the work split of a call, computed once and reused by every layer of a
+    pass); (None, None) where it cannot run (no CUDA device, no vLLM build for it)."""
     if device.type != "cuda":
-        return None
+        return None, None
     try:
         from functools import partial
 
         from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
-        from vllm.vllm_flash_attn import flash_attn_varlen_func
+        from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
     except Exception:  # noqa: BLE001 - any import failure means: not available here
-        return None
+        return None, None
     version = get_flash_attn_version(head_size=head_dim)
-    return flash_attn_varlen_func if version is None else partial(flash_attn_varlen_func, fa_version=version)
+    if version is None:
+        return flash_attn_varlen_func, None
+    return partial(flash_attn_varlen_func, fa_version=version), get_scheduler_metadata if version == 3 else None
 
 
 def _cache_writer(device: torch.device) -> Callable | None:
@@ -79,11 +83,18 @@ class StaticQwen2:
 
     def __init__(self, config: dict, weights: dict[str, torch.Tensor], *, slots: int, max_len: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
-                 compile: bool = False, attention: str = "auto") -> None:
+                 compile: bool = False, attention: str = "auto", splits: int = 0, plan_once: bool = False,
+                 compile_mode: str = "default") -> None:
         if slots < 1 or max_len < 1:
             raise ConfigError(f"StaticQwen2 needs slots >= 1 and max_len >= 1 (got slots={slots}, max_len={max_len})")
         if attention not in ATTENTION:
             raise ConfigError(f"StaticQwen2: attention must be one of {', '.join(ATTENTION)} (got {attention!r})")
+        if splits < 0:
+            raise ConfigError(f"StaticQwen2: splits must be >= 0 (0: FlashAttention picks the key-length split; 1: "
+                              f"no split, one kernel less per layer call; got {splits})")
+        if compile_mode not in COMPILE_MODES:
+            raise ConfigError(f"StaticQwen2: compile_mode must be one of {', '.join(COMPILE_MODES)} "
+                              f"(got {compile_mode!r})")
         scaling = config.get("rope_scaling") or {}
         rope_type = (config.get("rope_parameters") or {}).get("rope_type") or scaling.get("rope_type") or \
             scaling.get("type") or "default"
@@ -131,10 +142,16 @@ class StaticQwen2:
         self.k_cache = torch.zeros(shape, device=self.device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=dtype)
         half = dtype in (torch.bfloat16, torch.float16)  # FlashAttention's dtypes
-        self.flash = _flash_attention(self.device, self.head_dim) if attention in ("auto", "flash") and half else None
+        self.flash, planner = _flash_attention(self.device, self.head_dim) if attention in ("auto", "flash") and half \
+            else (None, None)
         if attention == "flash" and self.flash is None:
             raise ConfigError("StaticQwen2: attention='flash' needs vLLM's FlashAttention on a CUDA device and a "
                               f"bf16 or fp16 model (got {self.device}, {dtype})")
+        # splits: FlashAttention's split of the key length over thread blocks (0 = its heuristic, which for one
+        # query row over thousands of keys splits and adds a combine kernel per call); plan_once: compute FA3's
+        # work split once per pass and hand it to every layer, instead of a scheduling kernel in each call.
+        self.splits = int(splits)
+        self.plan = planner if plan_once and self.flash is not None else None
         self.write_cache = _cache_writer(self.device) if self.flash is not None else None
         # Rotary tables in float32 for every position the cache can hold (transformers computes them in float32
         # and casts to the activations' dtype).
@@ -148,14 +165,15 @@ class StaticQwen2:
         # elementwise work across the layer boundary (a pass is launch-bound at small batch: kernels, not bytes).
         self._pre, self._mid, self._post = self._pre_impl, self._mid_impl, self._post_impl
         if compile:
-            self._pre = torch.compile(self._pre_impl, dynamic=True)
-            self._mid = torch.compile(self._mid_impl, dynamic=True)
-            self._post = torch.compile(self._post_impl, dynamic=True)
+            mode = None if compile_mode == "default" else compile_mode
+            self._pre = torch.compile(self._pre_impl, dynamic=True, mode=mode)
+            self._mid = torch.compile(self._mid_impl, dynamic=True, mode=mode)
+            self._post = torch.compile(self._post_impl, dynamic=True, mode=mode)
 
     @classmethod
     def load(cls, folder: str | Path, *, slots: int, max_len: int, device: str | torch.device = "cpu",
              dtype: torch.dtype = torch.bfloat16, compile: bool = False,
-             attention: str = "auto") -> "StaticQwen2":
+             attention: str = "auto", **options: Any) -> "StaticQwen2":
         """Load a Hugging Face-format Qwen2 folder (config.json + *.safetensors)."""
         from safetensors.torch import load_file
 
@@ -175,7 +193,7 @@ class StaticQwen2:
         for f in files:
             weights.update(load_file(str(f)))
         return cls(config, weights, slots=slots, max_len=max_len, device=device, dtype=dtype, compile=compile,
-                   attention=attention)
+                   attention=attention, **options)
 
     # ------------------------------------------------------------------------------------------------------------
 
@@ -233,23 +251,31 @@ class StaticQwen2:
             n, 1, q_len * self.groups, attn_len)
 
     def _flash_inputs(self, slots: torch.Tensor, start: torch.Tensor, q_len: int,
-                      attn_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """FlashAttention's paged inputs: query offsets, each row's key count (its causal end) and block table."""
+                      attn_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """FlashAttention's paged inputs: query offsets, each row's key count (its causal end), block table, and
+        with `plan_once` FA3's work split for this pass (shared by its layers)."""
         n = slots.shape[0]
         cu_q = torch.arange(0, (n + 1) * q_len, q_len, dtype=torch.int32, device=self.device)
         used = (start + q_len).to(torch.int32)
         pages = -(-attn_len // BLOCK)
         table = (slots[:, None] * self.blocks + torch.arange(pages, device=self.device)).to(torch.int32)
-        return cu_q, used, table
+        plan = None
+        if self.plan is not None:
+            plan = self.plan(batch_size=n, max_seqlen_q=q_len, max_seqlen_k=attn_len, num_heads_q=self.heads,
+                             num_heads_kv=self.kv_heads, headdim=self.head_dim, cache_seqlens=used,
+                             qkv_dtype=self.dtype, cu_seqlens_q=cu_q, page_size=BLOCK, causal=True,
+                             num_splits=self.splits)
+        return cu_q, used, table, plan
 
     def _attend(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, attn_len: int,
                 attend: Any) -> torch.Tensor:
         """q [n, Q, heads, D] -> attention output [n, Q, heads * D]."""
         n, q_len, h, d = q.shape
         if self.flash is not None:
-            cu_q, used, table = attend
+            cu_q, used, table, plan = attend
             o = self.flash(q.reshape(n * q_len, h, d), kc, vc, max_seqlen_q=q_len, cu_seqlens_q=cu_q,
-                           max_seqlen_k=attn_len, seqused_k=used, causal=True, block_table=table)
+                           max_seqlen_k=attn_len, seqused_k=used, causal=True, block_table=table,
+                           scheduler_metadata=plan, num_splits=self.splits)
             return o.reshape(n, q_len, h * d)
         kvh, g = self.kv_heads, self.groups
         rows = slots[:, None] * self.blocks + torch.arange(-(-attn_len // BLOCK), device=self.device)

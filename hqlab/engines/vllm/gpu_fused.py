@@ -51,13 +51,26 @@ RECORD_CAPACITY = 4096
 class GpuFusedConfig(FusedConfig):
     """`FusedConfig` (k = long block, draft_block = drafter head = short block, lookup, fusion and scheduler keys)
     plus graphs: capture the drafting step in CUDA graphs when vLLM captures its own; compile: torch.compile the
-    drafter layers' elementwise work (fewer kernels per pass; compiles on the first steps)."""
+    drafter layers' elementwise work (fewer kernels per pass; compiles on the first steps); compile_mode: the
+    torch.compile mode ("default" or "max-autotune-no-cudagraphs", which also tunes the small matrix products);
+    splits and plan_once: the drafter's FlashAttention calls (`drafter.StaticQwen2`: 1 = no key-length split and so
+    no combine kernel; plan_once = one FA3 scheduling call per pass instead of one per layer)."""
 
     graphs: bool = True
     compile: bool = False
+    compile_mode: str = "default"
+    splits: int = 0
+    plan_once: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        from hqlab.engines.vllm.drafter import COMPILE_MODES
+
+        if self.compile_mode not in COMPILE_MODES:
+            raise ConfigError(f"{NAME}: compile_mode must be one of {', '.join(COMPILE_MODES)} "
+                              f"(got {self.compile_mode!r})")
+        if self.splits < 0:
+            raise ConfigError(f"{NAME}: splits must be >= 0 (0: FlashAttention decides; got {self.splits})")
         if self.temperature != 0:
             raise ConfigError(f"{NAME}: the drafter drafts greedily inside vLLM (temperature=0); got "
                               f"temperature={self.temperature}")
@@ -228,8 +241,10 @@ class GpuFusedSpeculator:
         from hqlab.engines.vllm.drafter import StaticQwen2
 
         folder = folder or models.prepare(self.config.model)
+        c = self.config
         drafter = StaticQwen2.load(folder, slots=self.max_num_reqs, max_len=self.cache_len, device=self.device,
-                                   dtype=self.dtype, compile=self.config.compile)
+                                   dtype=self.dtype, compile=c.compile, compile_mode=c.compile_mode, splits=c.splits,
+                                   plan_once=c.plan_once)
         if self.vocab is not None and drafter.vocab != self.vocab:
             raise ConfigError(f"{NAME}: the drafter {self.config.model!r} has a vocabulary of {drafter.vocab} rows and "
                               f"the target {self.vocab}; the drafter must share the target's tokenizer")

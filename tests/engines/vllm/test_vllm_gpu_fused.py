@@ -13,6 +13,7 @@ The GPU run (graphs, vLLM itself) is benchmarks/vllm_gpu.py; the config plumbing
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -144,6 +145,22 @@ def test_spec_and_engine_setting():
         fused_config("gpu-fused:temperature=0.5")
     with pytest.raises(ConfigError, match="vocab"):
         fused_config("gpu-fused:vocab=some.json")
+    # the drafter's kernel settings: validated with the spec, not when the worker loads the drafter
+    tuned = fused_config("gpu-fused:k=15,draft_block=2,splits=1,plan_once=true,compile_mode=max-autotune-no-cudagraphs")
+    assert (tuned.splits, tuned.plan_once, tuned.compile_mode) == (1, True, "max-autotune-no-cudagraphs")
+    with pytest.raises(ConfigError, match="splits must be >= 0"):
+        fused_config("gpu-fused:splits=-1")
+    with pytest.raises(ConfigError, match="compile_mode must be one of"):
+        fused_config("gpu-fused:compile_mode=fastest")
+
+
+def test_the_drafter_refuses_kernel_settings_it_cannot_run():
+    with pytest.raises(ConfigError, match="splits must be >= 0"):
+        tiny_qwen2(1, 32, splits=-2)
+    with pytest.raises(ConfigError, match="compile_mode"):
+        tiny_qwen2(1, 32, compile_mode="reduce-overhead")  # its own CUDA graphs would nest inside ours
+    cpu = tiny_qwen2(1, 32, splits=1, plan_once=True)  # FlashAttention settings: no effect on the CPU's sdpa path
+    assert cpu.flash is None and cpu.plan is None
 
 
 def test_the_plugin_puts_gpu_fused_on_model_runner_v2_with_async_scheduling():
@@ -204,7 +221,7 @@ def test_a_drafter_with_another_vocabulary_is_refused():
 
 
 def tiny_qwen2(slots: int, max_len: int, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               attention: str = "auto", compile: bool = False) -> "StaticQwen2":
+               attention: str = "auto", compile: bool = False, **options: Any) -> "StaticQwen2":
     """A 2-layer random-weight Qwen2 with head size 64 (what FlashAttention takes); the bookkeeping and the attention
     paths under test do not depend on the weights."""
     from hqlab.engines.vllm.drafter import StaticQwen2
@@ -227,17 +244,20 @@ def tiny_qwen2(slots: int, max_len: int, *, device: str = "cpu", dtype: torch.dt
         weights[p + "input_layernorm.weight"] = torch.ones(hidden)
         weights[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
     return StaticQwen2(cfg, weights, slots=slots, max_len=max_len, device=device, dtype=dtype, attention=attention,
-                       compile=compile)
+                       compile=compile, **options)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's FlashAttention needs a CUDA device")
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-def test_flash_and_masked_attention_agree_on_the_gpu_for_a_tiny_model(compile):
-    """The paged FlashAttention path (vLLM's cache write and attention; torch.compile'd layers or not) against the
-    eager masked-sdpa path (bf16, GPU): a prompt in chunks into two slots, a padded catch-up batch, single-token
-    passes; hidden states close, greedy tokens equal."""
-    flash = tiny_qwen2(3, 200, device="cuda", dtype=torch.bfloat16, attention="flash", compile=compile)
+@pytest.mark.parametrize("compile, options", [(False, {}), (True, {}), (False, {"splits": 1}),
+                                              (False, {"plan_once": True}), (False, {"splits": 1, "plan_once": True})],
+                         ids=["eager", "compiled", "no-split", "plan-once", "no-split-plan-once"])
+def test_flash_and_masked_attention_agree_on_the_gpu_for_a_tiny_model(compile, options):
+    """The paged FlashAttention path (vLLM's cache write and attention; torch.compile'd layers or not; with or
+    without a key-length split and a per-pass FA3 plan) against the eager masked-sdpa path (bf16, GPU): a prompt in
+    chunks into two slots, a padded catch-up batch, single-token passes; hidden states close, greedy tokens equal."""
+    flash = tiny_qwen2(3, 200, device="cuda", dtype=torch.bfloat16, attention="flash", compile=compile, **options)
     assert flash.write_cache is not None  # vLLM's paged cache write, not the index_put fallback
+    assert (flash.plan is not None) == options.get("plan_once", False)  # FA3 on Hopper has the planner
     sdpa = tiny_qwen2(3, 200, device="cuda", dtype=torch.bfloat16, attention="sdpa")
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 64, (3, 200), generator=g).cuda()
