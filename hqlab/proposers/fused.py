@@ -38,6 +38,7 @@ from hqlab.rules.fusion import FusionConfig, fuse
 from hqlab.rules.schedule import ScheduleConfig, ScheduleState, step, step_unanimous
 
 BATCH_MODES = ("per-request", "unanimous")
+MAX_SKIP_LAG = 8  # steps a skip decision may lag the block decision it reads
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,10 @@ class FusedConfig:
     Fusion (SPEC §2.4): nstrong, nmin, agree, nmin_tail, longmin, rule ("threshold" | "score");
     shipped defaults 6/6/0/4/6, the articles' set is nstrong=8,agree=2.
     Scheduler (SPEC §2.5): schedule ("adaptive" | "short" | "long"), sticky, entry_steps, stale (0 | 1),
-    batch_mode ("per-request" | "unanimous")."""
+    batch_mode ("per-request" | "unanimous").
+    skip: 0 = the drafter drafts every step; L >= 1 = a request skips the drafter on a step when its block L steps
+    earlier was the long one (HyperQwen skips the drafter while a copy is in progress, where the lookup decides;
+    an engine that learns the block decision asynchronously knows it only some steps late, hence the lag)."""
 
     k: int = 15
     draft_block: int = 7
@@ -71,8 +75,12 @@ class FusedConfig:
     entry_steps: int = ScheduleConfig.entry_steps
     stale: int = ScheduleConfig.stale
     batch_mode: str = "per-request"
+    skip: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.skip <= MAX_SKIP_LAG:
+            raise ConfigError(f"fused: skip must be 0 (the drafter drafts every step) or a lag of 1..{MAX_SKIP_LAG} "
+                              f"steps (got {self.skip})")
         if self.draft_block > self.k:
             raise ConfigError(f"fused: draft_block must be <= k (got draft_block={self.draft_block}, k={self.k}); "
                               f"k is the long block, draft_block the short one")
@@ -118,17 +126,25 @@ class FusedProposer:
         self.fusion = c.fusion_config()
         self.schedule = c.schedule_config()
         self.states: dict[str, tuple[ScheduleState, int]] = {}  # key -> (scheduler state, history length seen)
+        self.blocks: dict[str, tuple[int, ...]] = {}  # key -> its last `skip` block lengths, oldest first
 
     def propose(self, histories: Sequence[np.ndarray], budgets: Sequence[int],
                 keys: Sequence[str] | None = None) -> list[Proposal]:
         keys = [str(i) for i in range(len(histories))] if keys is None else [str(x) for x in keys]
         c = self.config
+        skipped = [self._skips(key, h) for key, h in zip(keys, histories)]
         lookups = self.lookup.propose(histories, [c.k] * len(histories))
-        drafts = self.drafter.propose(histories, [c.draft_block if b > 0 else 0 for b in budgets], keys)
+        drafts = self.drafter.propose(histories, [c.draft_block if b > 0 and not s else 0
+                                                  for b, s in zip(budgets, skipped)], keys)
+        head_len = min(c.draft_block, c.k)
         fused = []
         for i, (h, lk, budget) in enumerate(zip(histories, lookups, budgets)):
             if budget <= 0:
                 fused.append(None)
+                continue
+            if skipped[i]:  # no drafter this step: its head positions are proposed by nobody
+                fused.append(fuse(np.zeros(head_len, dtype=np.int64), lk.tokens, lk.match_len, lk.valid, c.k,
+                                  self.fusion, draft_valid=0))
                 continue
             f = fuse(drafts[i].tokens, lk.tokens, lk.match_len, lk.valid, c.k, self.fusion)
             known = drafts[i].known  # a teacher-forced draft (replay) is exact only this far
@@ -155,6 +171,8 @@ class FusedProposer:
             pairs = [step(s, t, e, self.schedule) for s, t, e in zip(states, flags, emitted)]
             new_states, blocks = [p[0] for p in pairs], [p[1] for p in pairs]
         self.states = {key: (s, len(h)) for key, s, h in zip(keys, new_states, histories)}  # absent keys: gone
+        if c.skip:
+            self.blocks = {key: (self.blocks.get(key, ()) + (block,))[-c.skip:] for key, block in zip(keys, blocks)}
 
         out = []
         for f, lk, dr, block in zip(fused, lookups, drafts, blocks):
@@ -169,6 +187,19 @@ class FusedProposer:
                 q[:m] = dr.q[:m]
             out.append(Proposal(f.tokens[:n], f.sources[:n], lk.match_len, q, {
                 "block": block, "take_flag": f.take_flag, "head_taken": f.head_taken, "tail_taken": f.tail_taken,
-                "draft_mode": dr.extra.get("draft_mode", "live")}))
+                "draft_mode": dr.extra.get("draft_mode", "live"), "drafted": f.draft_valid}))
         return out
+
+    def _skips(self, key: str, history: np.ndarray) -> bool:
+        """Whether this request skips the drafter this step: its block `skip` steps ago was the long one. A new
+        request (or one whose history did not grow: a reused key) has no past blocks and drafts."""
+        c = self.config
+        if not c.skip or c.k <= c.draft_block:
+            return False
+        past = self.blocks.get(key, ())
+        _, seen = self.states.get(key, (None, 0))
+        if seen == 0 or len(history) <= seen:  # as the scheduler decides: no earlier step of this request
+            self.blocks.pop(key, None)
+            return False
+        return len(past) == c.skip and past[0] == c.k
 

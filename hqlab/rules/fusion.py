@@ -42,6 +42,14 @@ lookup has no probabilities, so the score is an input, and **hqlab's adaptation*
 full head). Under this rule nstrong, nmin, agree and nmin_tail are unused; the kept lookup draft is its `valid`
 tokens, all LOOKUP (head and tail both count as taken); the take flag keeps the formula above.
 
+A step without the drafter (`draft_valid`, the proposer's `skip` setting: a request copying in the long block
+drafts nothing, HyperQwen's "skip the drafter where the lookup alone decides"): the drafter supplied only its first
+`draft_valid` head tokens (0: none). Positions it did not supply are proposed by nobody, so, as with the tail, the
+block ends at the first head position nobody filled: a taken head keeps its lookup tokens (and any drafter tokens
+after them), an untaken head keeps the drafter's `draft_valid` tokens; `agree_count` counts only supplied drafter
+positions, so without the drafter only the nstrong branch (or agree = 0) can take the head. With `draft_valid`
+None (the default) the drafter supplied the whole head and nothing above changes.
+
 Source codes: `hqlab.trace.Source` (the step contract, a floor below the rules); `SOURCE_LOOKUP` and
 `SOURCE_DRAFT` are its two codes as plain ints, for the int8 arrays here and the GPU twin's tensors.
 """
@@ -110,13 +118,15 @@ class FusionConfig:
 class Fused:
     """The fused proposal of one request and the decisions that produced it.
 
-    tokens:      int64 [n], n = head_len, or max(head_len, valid) when the tail was taken.
+    tokens:      int64 [n], n = head_len, or max(head_len, valid) when the tail was taken (fewer when the drafter
+                 supplied only part of the head: the block ends where nobody filled it).
     sources:     int8 [n], SOURCE_LOOKUP or SOURCE_DRAFT per position.
     head_len:    min(draft_block, k): positions the drafter filled.
     agree_count: leading head positions where drafter == lookup, capped by valid.
     head_taken:  the head rule's decision (positions idx < valid of the head hold lookup tokens).
     tail_taken:  the tail rule's decision (tail positions idx < valid were appended; there may be none).
     take_flag:   match_len >= longmin and valid > draft_block and tail_taken.
+    draft_valid: head positions the drafter supplied (head_len unless the step skipped the drafter).
     """
 
     tokens: np.ndarray
@@ -126,11 +136,12 @@ class Fused:
     head_taken: bool
     tail_taken: bool
     take_flag: bool
+    draft_valid: int
 
     @property
     def tail_len(self) -> int:
         """Tail positions actually filled (by the lookup)."""
-        return int(self.tokens.shape[0]) - self.head_len
+        return max(0, int(self.tokens.shape[0]) - self.head_len)
 
 
 def agree_count(draft_tokens: np.ndarray, lookup_tokens: np.ndarray, valid: int) -> int:
@@ -148,16 +159,19 @@ def fuse(
     k: int,
     config: FusionConfig,
     lookup_score: float | None = None,
+    draft_valid: int | None = None,
 ) -> Fused:
     """Fuse one request's drafter head with its lookup proposal (see the module docstring for the rules).
 
-    draft_tokens:  exactly head_len = min(config.draft_block, k) drafter tokens. To respect a token budget,
-                   fuse the full block and clip the result (a prefix) afterwards.
+    draft_tokens:  exactly head_len = min(config.draft_block, k) drafter tokens (entries from `draft_valid` on are
+                   ignored, padding). To respect a token budget, fuse the full block and clip the result (a prefix)
+                   afterwards.
     lookup_tokens: at least `valid` tokens; entries from `valid` on are ignored (padding).
     match_len:     the lookup's match length (0 = no match).
     valid:         how many lookup tokens are real, 0 <= valid <= k.
     k:             positions in the verify block (>= 1).
     lookup_score:  only read by rule="score"; None means `valid` (hqlab's adaptation).
+    draft_valid:   how many head tokens the drafter supplied, 0 <= draft_valid <= head_len; None: all of them.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1 (got {k})")
@@ -172,8 +186,11 @@ def fuse(
         raise ValueError(f"lookup supplies {lookup.shape[0]} tokens but valid = {valid}")
     if match_len < 0:
         raise ValueError(f"match_len must be >= 0 (got {match_len})")
+    supplied = head_len if draft_valid is None else int(draft_valid)
+    if not 0 <= supplied <= head_len:
+        raise ValueError(f"draft_valid must be in [0, head_len={head_len}] (got {draft_valid})")
     lookup = lookup[:valid]
-    agreed = agree_count(draft, lookup, valid)
+    agreed = agree_count(draft[:supplied], lookup, valid)
 
     if config.rule == "score":
         score = float(valid) if lookup_score is None else float(lookup_score)
@@ -184,18 +201,23 @@ def fuse(
             tokens = lookup.copy()
             sources = np.full(valid, SOURCE_LOOKUP, dtype=np.int8)
         else:
-            tokens = draft.copy()
-            sources = np.full(head_len, SOURCE_DRAFT, dtype=np.int8)
+            tokens = draft[:supplied].copy()
+            sources = np.full(supplied, SOURCE_DRAFT, dtype=np.int8)
         take = match_len >= config.longmin and valid > config.draft_block and keep_lookup
-        return Fused(tokens, sources, head_len, agreed, keep_lookup, keep_lookup, bool(take))
+        return Fused(tokens, sources, head_len, agreed, keep_lookup, keep_lookup, bool(take), supplied)
 
     head_taken = match_len >= config.nstrong or (match_len >= config.nmin and agreed >= config.agree)
     tail_taken = match_len >= config.nmin_tail and (head_taken or agreed == head_len)
     take = match_len >= config.longmin and valid > config.draft_block and tail_taken
 
     n = max(head_len, valid) if tail_taken else head_len
-    tokens = np.empty(n, dtype=np.int64)
-    sources = np.full(n, SOURCE_DRAFT, dtype=np.int8)
+    # the head ends where nobody filled it: after the lookup's tokens (taken head) or the drafter's, whichever is
+    # longer; a gap in the head means valid < head_len, so there is no tail after it either
+    filled = max(min(head_len, valid), supplied) if head_taken else supplied
+    if filled < head_len:
+        n = filled
+    tokens = np.empty(max(n, head_len), dtype=np.int64)
+    sources = np.full(max(n, head_len), SOURCE_DRAFT, dtype=np.int8)
     tokens[:head_len] = draft
     if head_taken:
         m = min(head_len, valid)
@@ -204,7 +226,7 @@ def fuse(
     if n > head_len:  # tail taken and the lookup supplied tail positions
         tokens[head_len:] = lookup[head_len:n]
         sources[head_len:] = SOURCE_LOOKUP
-    return Fused(tokens, sources, head_len, agreed, bool(head_taken), bool(tail_taken), bool(take))
+    return Fused(tokens[:n], sources[:n], head_len, agreed, bool(head_taken), bool(tail_taken), bool(take), supplied)
 
 
 def fuse_batch(

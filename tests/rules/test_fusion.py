@@ -257,3 +257,58 @@ def test_articles_set_is_stricter_than_shipped(inp):
     s = fuse(draft, lookup, match_len, valid, k, ship)
     assert not a.head_taken or s.head_taken
     assert not a.take_flag or s.take_flag
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A step that skipped the drafter (draft_valid): positions nobody supplied end the block
+
+# (id, config, lookup, match_len, valid, draft_valid, expected tokens, sources, head_taken, tail_taken, take_flag)
+SKIP_TABLE = [
+    # no drafter, strong match: the lookup's whole block, as with the drafter (the head was the lookup's anyway)
+    ("skip-strong-match-keeps-lookup", SHIPPED, L0, 8, 15, 0, L0, "L" * 15, True, True, True),
+    # no drafter, no usable match: nothing to propose (a plain step)
+    ("skip-no-match-proposes-nothing", SHIPPED, L0, 3, 15, 0, [], "", False, False, False),
+    # no drafter, a taken head shorter than the head: the block ends after the lookup's tokens (no tail exists)
+    ("skip-short-lookup-ends-block", SHIPPED, L0[:4], 8, 4, 0, L0[:4], "LLLL", True, True, False),
+    # the drafter supplied 2 tokens, the head was not taken: its 2 tokens only
+    ("partial-draft-untaken-head", SHIPPED, L0, 3, 15, 2, D[:2], "DD", False, False, False),
+    # taken head over valid 3 with 5 drafter tokens: lookup 3, then the drafter's positions 3 and 4, then the end
+    ("partial-draft-after-lookup-prefix", SHIPPED, L0[:3], 8, 3, 5, L0[:3] + D[3:5], "LLLDD", True, True, False),
+    # the articles' set: without drafter tokens there is no agreement, so only nstrong can take the head
+    ("skip-articles-needs-nstrong", ARTICLES, LA, 7, 15, 0, [], "", False, False, False),
+    # the score rule keeps the drafter's supplied tokens when the lookup's score is below the head
+    ("skip-score-rule-partial-draft", FusionConfig(rule="score"), L0, 8, 6, 3, D[:3], "DDD", False, False, False),
+]
+
+
+@pytest.mark.parametrize("cfg,lookup,match_len,valid,draft_valid,tokens,sources,head,tail,take",
+                         [row[1:] for row in SKIP_TABLE], ids=[row[0] for row in SKIP_TABLE])
+def test_skip_table(cfg, lookup, match_len, valid, draft_valid, tokens, sources, head, tail, take):
+    padded = D[:draft_valid] + [0] * (7 - draft_valid)  # what a skipping engine passes: padding past draft_valid
+    f = fuse(padded, lookup, match_len, valid, 15, cfg, draft_valid=draft_valid)
+    assert f.tokens.tolist() == list(tokens)
+    assert f.sources.tolist() == _src(sources)
+    assert (f.head_taken, f.tail_taken, f.take_flag, f.draft_valid) == (head, tail, take, draft_valid)
+
+
+def test_draft_valid_out_of_range_is_refused():
+    for bad in (-1, 8):
+        with pytest.raises(ValueError, match="draft_valid"):
+            fuse(D, L0, 8, 15, 15, SHIPPED, draft_valid=bad)
+
+
+@settings(max_examples=400, deadline=None)
+@given(fusion_inputs(), st.integers(0, 9))
+def test_a_full_draft_valid_changes_nothing_and_a_shorter_one_keeps_a_prefix_of_sources(inp, cut):
+    draft, lookup, match_len, valid, k, cfg = inp
+    full = fuse(draft, lookup, match_len, valid, k, cfg)
+    same = fuse(draft, lookup, match_len, valid, k, cfg, draft_valid=len(draft))
+    assert same.tokens.tolist() == full.tokens.tolist() and same.sources.tolist() == full.sources.tolist()
+    dv = min(cut, len(draft))
+    f = fuse(draft, lookup, match_len, valid, k, cfg, draft_valid=dv)
+    for i, (tok, src) in enumerate(zip(f.tokens.tolist(), f.sources.tolist())):
+        if src == SOURCE_LOOKUP:
+            assert i < valid and tok == lookup[i]
+        else:  # a drafter token only where the drafter supplied one
+            assert i < dv and tok == draft[i]
+    assert f.agree_count <= dv
