@@ -236,6 +236,38 @@ def fused_what_if(table: pl.DataFrame, fit: dict[str, float], per_pass_ms: list[
                             - fit["fixed_ms"]) / pl.col("passes")).alias("breakeven_pass_ms")))
 
 
+def skip_what_if(replayed: pl.DataFrame, table: pl.DataFrame, fit: dict[str, float], *,
+                 per_pass_ms: float | None = None) -> pl.DataFrame:
+    """Replayed `fused` configs (`hqlab.replay.teacher.replay_fused_grid` rows: the spec with its draft_block and
+    skip, prompt_id, tokens_per_step, drafter_share) priced with a run's drafter-pass fit (`drafter_pass_fit`, the
+    same prompts): a step that runs the drafter costs the prompt's gpu-lookup step + fixed_ms + draft_block passes,
+    a step that skips it either the lookup step alone (`lookup_only_ms`: the drafter catches up later, off this
+    step) or the lookup step + fixed_ms + one pass (`catch_up_ms`: the catch-up pass still runs every step). Returns
+    per (config, prompt) both predicted tok/s and their ratios to the lookup's tokens/step / step ms."""
+    price = fit["per_pass_ms"] if per_pass_ms is None else per_pass_ms
+    lookup = table.group_by("request").agg(pl.col("lookup_step_ms").first(),
+                                           pl.col("lookup_tokens_per_step").first())
+    values = {spec: parse_spec(spec)[1] for spec in replayed["config"].unique().to_list()}
+    out = (replayed.join(lookup, left_on="prompt_id", right_on="request", how="inner")
+           .with_columns(
+               pl.col("config").replace_strict({k: int(v.get("draft_block", 7)) for k, v in values.items()})
+               .alias("passes"),
+               pl.col("config").replace_strict({k: int(v.get("skip", 0)) for k, v in values.items()}).alias("skip"),
+               pl.col("config").replace_strict({k: str(v.get("skip_on", "long")) for k, v in values.items()})
+               .alias("skip_on"))
+           .with_columns((pl.col("lookup_step_ms") + fit["fixed_ms"] + pl.col("passes") * price).alias("drafting_ms")))
+    skipped = 1 - pl.col("drafter_share")
+    lookup_rate = pl.col("lookup_tokens_per_step") / pl.col("lookup_step_ms")
+    return (out.with_columns(
+        (pl.col("drafter_share") * pl.col("drafting_ms") + skipped * pl.col("lookup_step_ms")).alias("lookup_only_ms"),
+        (pl.col("drafter_share") * pl.col("drafting_ms")
+         + skipped * (pl.col("lookup_step_ms") + fit["fixed_ms"] + price)).alias("catch_up_ms"))
+        .with_columns((1e3 * pl.col("tokens_per_step") / pl.col("lookup_only_ms")).alias("lookup_only_tok_s"),
+                      (1e3 * pl.col("tokens_per_step") / pl.col("catch_up_ms")).alias("catch_up_tok_s"))
+        .with_columns((pl.col("lookup_only_tok_s") / (1e3 * lookup_rate)).alias("lookup_only_vs_lookup"),
+                      (pl.col("catch_up_tok_s") / (1e3 * lookup_rate)).alias("catch_up_vs_lookup")))
+
+
 def load(results_path: str | Path) -> dict[str, pl.DataFrame]:
     """The results and, where the run was profiled, its phases and profiled steps (empty frames otherwise)."""
     path = Path(results_path)
@@ -247,4 +279,5 @@ def load(results_path: str | Path) -> dict[str, pl.DataFrame]:
 
 
 __all__ = ["short_label", "run_ratios", "summary", "concurrency", "step_breakdown", "request_step_ms",
-           "cost_model_check", "load", "family", "PARTS", "drafter_pass_fit", "fused_what_if"]
+           "cost_model_check", "load", "family", "PARTS", "drafter_pass_fit", "fused_what_if",
+           "skip_what_if"]

@@ -34,11 +34,12 @@ from hqlab.config import ConfigError, LookupConfig
 from hqlab.proposers.base import Drafter, Proposal
 from hqlab.proposers.draft import DraftConfig, DraftProposer
 from hqlab.proposers.lookup import LookupProposer
-from hqlab.rules.fusion import FusionConfig, fuse
+from hqlab.rules.fusion import SOURCE_LOOKUP, FusionConfig, fuse
 from hqlab.rules.schedule import ScheduleConfig, ScheduleState, step, step_unanimous
 
 BATCH_MODES = ("per-request", "unanimous")
-MAX_SKIP_LAG = 8  # steps a skip decision may lag the block decision it reads
+MAX_SKIP_LAG = 8  # steps a skip decision may lag the decision it reads
+SKIP_ON = ("long", "head")  # what an earlier step must have done for a request to skip the drafter now
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,11 @@ class FusedConfig:
     shipped defaults 6/6/0/4/6, the articles' set is nstrong=8,agree=2.
     Scheduler (SPEC §2.5): schedule ("adaptive" | "short" | "long"), sticky, entry_steps, stale (0 | 1),
     batch_mode ("per-request" | "unanimous").
-    skip: 0 = the drafter drafts every step; L >= 1 = a request skips the drafter on a step when its block L steps
-    earlier was the long one (HyperQwen skips the drafter while a copy is in progress, where the lookup decides;
-    an engine that learns the block decision asynchronously knows it only some steps late, hence the lag)."""
+    skip: 0 = the drafter drafts every step; L >= 1 = a request skips the drafter on a step when its step L steps
+    earlier met `skip_on` (HyperQwen skips the drafter while a copy is in progress, where the lookup decides; an
+    engine that learns a decision asynchronously knows it only some steps late, hence the lag).
+    skip_on: "long" = that step verified the long block; "head" = the lookup alone filled that step's whole head
+    (head taken with at least draft_block lookup tokens: no drafter token was proposed)."""
 
     k: int = 15
     draft_block: int = 7
@@ -76,8 +79,11 @@ class FusedConfig:
     stale: int = ScheduleConfig.stale
     batch_mode: str = "per-request"
     skip: int = 0
+    skip_on: str = "long"
 
     def __post_init__(self) -> None:
+        if self.skip_on not in SKIP_ON:
+            raise ConfigError(f"fused: skip_on must be one of {', '.join(SKIP_ON)} (got {self.skip_on!r})")
         if not 0 <= self.skip <= MAX_SKIP_LAG:
             raise ConfigError(f"fused: skip must be 0 (the drafter drafts every step) or a lag of 1..{MAX_SKIP_LAG} "
                               f"steps (got {self.skip})")
@@ -126,7 +132,10 @@ class FusedProposer:
         self.fusion = c.fusion_config()
         self.schedule = c.schedule_config()
         self.states: dict[str, tuple[ScheduleState, int]] = {}  # key -> (scheduler state, history length seen)
-        self.blocks: dict[str, tuple[int, ...]] = {}  # key -> its last `skip` block lengths, oldest first
+        self.marks: dict[str, tuple[bool, ...]] = {}  # key -> its last `skip` steps: met `skip_on`? oldest first
+        # plain counters, per request and step proposed for: how often the drafter ran and how often `skip` spared it
+        self.drafted_steps = 0
+        self.skipped_steps = 0
 
     def propose(self, histories: Sequence[np.ndarray], budgets: Sequence[int],
                 keys: Sequence[str] | None = None) -> list[Proposal]:
@@ -145,7 +154,9 @@ class FusedProposer:
             if skipped[i]:  # no drafter this step: its head positions are proposed by nobody
                 fused.append(fuse(np.zeros(head_len, dtype=np.int64), lk.tokens, lk.match_len, lk.valid, c.k,
                                   self.fusion, draft_valid=0))
+                self.skipped_steps += 1
                 continue
+            self.drafted_steps += 1
             f = fuse(drafts[i].tokens, lk.tokens, lk.match_len, lk.valid, c.k, self.fusion)
             known = drafts[i].known  # a teacher-forced draft (replay) is exact only this far
             if known is not None and min(f.head_len, lk.valid) > known and f.agree_count >= known:
@@ -172,7 +183,12 @@ class FusedProposer:
             new_states, blocks = [p[0] for p in pairs], [p[1] for p in pairs]
         self.states = {key: (s, len(h)) for key, s, h in zip(keys, new_states, histories)}  # absent keys: gone
         if c.skip:
-            self.blocks = {key: (self.blocks.get(key, ()) + (block,))[-c.skip:] for key, block in zip(keys, blocks)}
+            head_len = min(c.draft_block, c.k)
+            marks = [f is not None and (block == c.k and c.k > c.draft_block if c.skip_on == "long" else
+                                        f.head_taken and len(f.tokens) >= head_len and
+                                        bool((f.sources[:head_len] == SOURCE_LOOKUP).all()))
+                     for f, block in zip(fused, blocks)]
+            self.marks = {key: (self.marks.get(key, ()) + (mark,))[-c.skip:] for key, mark in zip(keys, marks)}
 
         out = []
         for f, lk, dr, block in zip(fused, lookups, drafts, blocks):
@@ -191,15 +207,15 @@ class FusedProposer:
         return out
 
     def _skips(self, key: str, history: np.ndarray) -> bool:
-        """Whether this request skips the drafter this step: its block `skip` steps ago was the long one. A new
-        request (or one whose history did not grow: a reused key) has no past blocks and drafts."""
+        """Whether this request skips the drafter this step: its step `skip` steps ago met `skip_on`. A new
+        request (or one whose history did not grow: a reused key) has no past steps and drafts."""
         c = self.config
-        if not c.skip or c.k <= c.draft_block:
+        if not c.skip:
             return False
-        past = self.blocks.get(key, ())
+        past = self.marks.get(key, ())
         _, seen = self.states.get(key, (None, 0))
         if seen == 0 or len(history) <= seen:  # as the scheduler decides: no earlier step of this request
-            self.blocks.pop(key, None)
+            self.marks.pop(key, None)
             return False
-        return len(past) == c.skip and past[0] == c.k
+        return len(past) == c.skip and past[0]
 

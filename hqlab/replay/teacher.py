@@ -92,8 +92,9 @@ def replay_fused_grid(traces: Sequence, drafter: DraftProposer, specs: Sequence[
     """Replay every `fused:...` spec over every trace with teacher-forced drafts (one drafter pass per trace).
 
     Returns one row per (config, prompt): tokens/step, mean verified positions per step (the verify cost proxy),
-    share of steps on the long block, share of steps whose head came from the lookup, and how many drafts had
-    to be computed for real. `traces` are `hqlab.replay.traces.Trace`s of the target's greedy outputs.
+    share of steps on the long block, share of steps whose head came from the lookup, share of steps that ran the
+    drafter (below 1 only with `skip`), and how many drafts had to be computed for real. `traces` are
+    `hqlab.replay.traces.Trace`s of the target's greedy outputs.
     """
     import polars as pl
     from tqdm.auto import tqdm
@@ -122,6 +123,7 @@ def replay_fused_grid(traces: Sequence, drafter: DraftProposer, specs: Sequence[
                 "verify_positions": sum(r.verify_len for r in records) / n,
                 "long_share": sum(r.block == config.k and config.k > config.draft_block for r in records) / n,
                 "lookup_head_share": sum(bool(r.sources) and r.sources[0] == Source.LOOKUP for r in records) / n,
+                "drafter_share": proposer.drafted_steps / max(proposer.drafted_steps + proposer.skipped_steps, 1),
                 "real_drafts": teacher.real_calls - before,
             })
             bar.update()

@@ -117,3 +117,34 @@ def test_the_breakeven_price_reaches_the_target_and_prices_order_the_rates(fused
 def test_drafter_pass_fit_names_the_run_that_has_no_fused_steps(fused):
     with pytest.raises(ConfigError, match="run 'zz'"):
         vllm_report.drafter_pass_fit(fused["steps"], "zz")
+
+
+SKIP_REPLAY = RESULTS.with_name("fused_skip_replay.parquet")
+
+
+def test_skip_replay_prices_agree_with_the_pass_fit_and_with_the_live_replay_check(fused):
+    """benchmarks/fused_skip_replay.py over run fb's outputs, priced by `skip_what_if`: without skipping, its
+    tokens/step are the replay check's for the same configs (same outputs, the run was lossless) and its prices are
+    `fused_what_if`'s; skipping never prices a step above drafting it."""
+    table, fit = vllm_report.drafter_pass_fit(fused["steps"], "fb")
+    replayed = pl.read_parquet(SKIP_REPLAY)
+    priced = vllm_report.skip_what_if(replayed, table, fit)
+    assert priced.height == replayed.height  # every replayed prompt is one of the run's
+    never = priced.filter(pl.col("skip") == 0)
+    assert (never["drafter_share"] == 1.0).all()
+    assert (never["lookup_only_ms"] - never["catch_up_ms"]).abs().max() < 1e-9
+    assert (priced["lookup_only_ms"] <= priced["catch_up_ms"] + 1e-9).all()
+    assert (priced.filter(pl.col("skip") > 0)["drafter_share"] < 1.0).any()
+    # the live check replayed run fb's own gpu-fused configs: same settings, skip 0, same tokens/step
+    check = pl.read_parquet(FUSED.with_name("vllm_fused_h200.replay.parquet")).filter(pl.col("run") == "fb")
+    for block in (2, 4, 7):
+        live = check.filter(pl.col("config").str.contains(f"k=15,draft_block={block},"))
+        mine = never.filter(pl.col("passes") == block).join(live.select("prompt_id", "tokens_per_step"),
+                                                            on="prompt_id", suffix="_check")
+        assert mine.height == 14 and (mine["tokens_per_step"] - mine["tokens_per_step_check"]).abs().max() < 1e-9
+    model = vllm_report.fused_what_if(table, fit, [fit["per_pass_ms"]])
+    joined = never.join(model.select("request", "passes", pl.col("tokens_per_step").alias("t"),
+                                     pl.col("lookup_step_ms").alias("s")), left_on=["prompt_id", "passes"],
+                        right_on=["request", "passes"])
+    expected = joined["s"] + fit["fixed_ms"] + joined["passes"] * fit["per_pass_ms"]
+    assert (joined["lookup_only_ms"] - expected).abs().max() < 1e-9

@@ -49,9 +49,10 @@ def _copying_generation(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return prompt, output
 
 
-def _replay(skip: int, prompt, output):
+def _replay(skip: int, prompt, output, skip_on: str = "long"):
     drafter = ScriptedDrafter(np.concatenate([prompt, output]))
-    proposer = FusedProposer(FusedConfig(k=K, draft_block=BLOCK, nmax=32, policy="earliest", skip=skip), drafter)
+    proposer = FusedProposer(FusedConfig(k=K, draft_block=BLOCK, nmax=32, policy="earliest", skip=skip,
+                                         skip_on=skip_on), drafter)
     steps = []  # (proposal extras) per step: wrap propose to see them
     inner = proposer.propose
 
@@ -62,6 +63,9 @@ def _replay(skip: int, prompt, output):
 
     proposer.propose = propose
     records = step_replay(prompt, output, proposer, max_new_tokens=len(output))
+    # the proposer's own counters agree with what the drafter was asked
+    assert proposer.skipped_steps == sum(s["drafted"] == 0 for s in steps)
+    assert proposer.drafted_steps + proposer.skipped_steps == len(steps)
     return records, steps, drafter.calls
 
 
@@ -76,6 +80,20 @@ def test_a_request_skips_the_drafter_exactly_when_its_block_was_long_skip_steps_
         assert (extra["drafted"] == 0) == skipped, (t, blocks[max(0, t - skip):t + 1])
         assert (budgets[0] == 0) == skipped  # the drafter was not asked for a block it would not use
     assert sum(extra["drafted"] == 0 for extra in steps) >= 5
+    assert sum(b[0] == 0 for b in calls) == sum(extra["drafted"] == 0 for extra in steps)
+
+
+@pytest.mark.parametrize("skip", [1, 2])
+def test_skip_on_head_skips_after_steps_whose_whole_head_the_lookup_filled(skip):
+    prompt, output = _copying_generation(2)
+    records, steps, calls = _replay(skip, prompt, output, skip_on="head")
+    lookup_head = [len(r.sources) >= BLOCK and all(x == Source.LOOKUP for x in r.sources[:BLOCK]) for r in records]
+    for t, extra in enumerate(steps):
+        assert (extra["drafted"] == 0) == (t >= skip and lookup_head[t - skip]), t
+    long_only = _replay(skip, prompt, output)[1]
+    # the head rule starts skipping as soon as the copy starts, before the long block's two-step entry
+    first = lambda ss: next(t for t, e in enumerate(ss) if e["drafted"] == 0)  # noqa: E731
+    assert first(steps) < first(long_only)
 
 
 def test_skipping_keeps_the_output_and_only_the_lookup_decides_on_skipped_steps():
@@ -104,3 +122,5 @@ def test_skipping_keeps_the_output_and_only_the_lookup_decides_on_skipped_steps(
 def test_skip_out_of_range_is_refused(skip):
     with pytest.raises(ConfigError, match="skip must be 0"):
         FusedConfig(skip=skip)
+    with pytest.raises(ConfigError, match="skip_on must be one of"):
+        FusedConfig(skip=1, skip_on="always")

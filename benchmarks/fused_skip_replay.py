@@ -1,0 +1,74 @@
+"""What skipping the drafter on copying steps (`fused:...,skip=L`) does to tokens per step, replayed over a vLLM
+run's own greedy outputs, with teacher-forced drafts of the real drafter on the CPU.
+
+  CPU (here):
+      python benchmarks/fused_skip_replay.py RETURNED/vllm_gpu_fb1.parquet --out data/results/fused_skip_replay.parquet
+  reads the raw run (and its .json: model, suite, document length), takes `none`'s outputs (first repeat, alone;
+  every config's outputs equal them: the run is lossless), and replays the lab's `fused` proposer with the run's
+  gpu-fused settings (k=15, nmax=32, earliest match) at draft_block 2, 4 and 7, skipping the drafter after long-block
+  steps (skip_on=long, lag 0 = never to 3) or after steps whose head the lookup filled (skip_on=head, lag 1 and 2):
+  tokens/step and the share of steps that ran the drafter, per prompt. `hqlab.bench.vllm_report.skip_what_if`
+  prices them with the run's measured drafter pass (notebooks/fusion_benchmark.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+BLOCKS = (2, 4, 7)
+SKIPS = {"long": (0, 1, 2, 3), "head": (1, 2)}  # skip_on -> lags (skip 0: never, the run's own configs)
+SETTINGS = "k=15,nmax=32,policy=earliest"  # the gpu-fused configs of run fb
+
+
+def main(argv: list[str] | None = None) -> int:
+    import polars as pl
+    from transformers import AutoTokenizer
+
+    from hqlab import models
+    from hqlab.config import ConfigError
+    from hqlab.engines import vllm as hv
+    from hqlab.replay.teacher import load_drafter, replay_fused_grid
+    from hqlab.replay.traces import Trace
+    from hqlab.workloads import load_workload
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("raw", help="a raw vLLM run (benchmarks/vllm_gpu.py bench) that ran `none`")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--drafter", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--dtype", default="float32", help="the replay drafter's dtype on the CPU")
+    args = ap.parse_args(argv)
+
+    meta = json.loads(Path(args.raw).with_suffix(".json").read_text())
+    runs = [r for r in hv.runs_from_raw(pl.read_parquet(args.raw))
+            if r.config == "none" and r.concurrency <= 1 and r.repeat == 0]
+    if not runs:
+        raise ConfigError(f"{args.raw}: no `none` run at batch 1 (the outputs to replay over)")
+    tokenizer = AutoTokenizer.from_pretrained(models.prepare(meta["model"]))
+    prompts = {pid: (category, ids) for pid, category, ids in hv.encode_prompts(
+        tokenizer, load_workload(meta["suite"], doc_tokens=meta["doc_tokens"], tokenizer=tokenizer))}
+    traces = [Trace.of(prompts[r.prompt_id][1], list(r.generation.output_ids), meta["max_new_tokens"], r.prompt_id,
+                       prompts[r.prompt_id][0]) for r in runs]
+    specs = [f"fused:{SETTINGS},draft_block={b},skip={s},skip_on={on}" for b in BLOCKS for on, lags in SKIPS.items()
+             for s in lags]
+    table = replay_fused_grid(traces, load_drafter(args.drafter, device="cpu", dtype=args.dtype), specs)
+    table = table.with_columns(pl.lit(meta["model"]).alias("target"), pl.lit(args.drafter).alias("drafter"),
+                               pl.lit(Path(args.raw).name).alias("source"))
+    out = Path(args.out)
+    table.write_parquet(str(out) + ".tmp")
+    os.replace(str(out) + ".tmp", out)
+    with pl.Config(tbl_rows=-1, tbl_width_chars=160, fmt_str_lengths=60):
+        print(table.group_by("config", "category").agg(pl.col("tokens_per_step").median(),
+                                                        pl.col("drafter_share").median()).sort("category", "config"))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
