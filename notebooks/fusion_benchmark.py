@@ -230,6 +230,46 @@ pl.concat([vllm_report.fused_what_if(table.filter(pl.col("category") == c), fit,
     pl.col("category").cast(pl.Enum(classes))).select("category", "2", "4", "7")
 
 # %% [markdown]
+# ### Skipping the drafter while the lookup copies (`skip`, replayed and priced)
+#
+# HyperQwen skips the drafter while a copy is in progress. The lab's `fused` proposer does it with `skip=L`: a
+# request runs no drafter on a step when its block L steps earlier was the long one (an engine that learns the
+# block decision asynchronously knows it only some steps late). Not yet inside vLLM. `benchmarks/fused_skip_replay.py`
+# replays it over run `fb`'s own outputs (teacher-forced drafter on the CPU,
+# `data/results/fused_skip_replay.parquet`); `vllm_report.skip_what_if` prices each replay with the run's fitted
+# drafter pass: a skipped step costs the lookup's step if the drafter catches up later (`lookup only`), or the
+# lookup's step plus one catch-up pass if that pass still runs every step (`catch-up kept`). Below: the predicted
+# gpu-fused ÷ gpu-lookup for the best draft_block per class and setting. Skipping after a step whose whole head the
+# lookup filled, one step late, is the best: the drafter then runs on 11-29 % of the document tasks' steps, and
+# copy reaches ~0.81x the lookup (0.70x with the catch-up kept), edit 0.78x, quote 0.77x, code 0.71x, against
+# 0.54-0.57x without skipping. Skipping after long-block steps starts later (the block's two-step entry) and gains
+# less. On summary and qa it costs more tokens than it saves time; chat hardly skips. Skipping alone does not reach
+# 0.95x at 256 new tokens: the steps before it takes effect, and the steps where the lookup stops deciding, still
+# pay the drafter.
+
+# %%
+skip_file = Path(published_dir) / "fused_skip_replay.parquet"
+skips = vllm_report.skip_what_if(pl.read_parquet(skip_file), table, fit)
+best = (skips.group_by("category", "skip_on", "skip", "passes")
+        .agg(pl.col("tokens_per_step").median(), pl.col("drafter_share").median(),
+             pl.col("lookup_only_vs_lookup").median(), pl.col("catch_up_vs_lookup").median())
+        .sort("lookup_only_vs_lookup", descending=True)
+        .group_by("category", "skip_on", "skip", maintain_order=True).first()
+        .with_columns(pl.when(pl.col("skip") == 0).then(pl.lit("never"))
+                      .otherwise(pl.format("after {}, lag {}", "skip_on", "skip")).alias("skipping"))
+        .unique(["category", "skipping"], keep="first")
+        .sort(pl.col("category").cast(pl.Enum(classes)), "skip_on", "skip"))
+chart = plots.bar_panels(best, "category", "skipping", {"lookup_only_vs_lookup": "÷ gpu-lookup, lookup only",
+                                                        "catch_up_vs_lookup": "÷ gpu-lookup, catch-up kept",
+                                                        "drafter_share": "share of steps drafting"})
+plots.save(chart, figures / "vllm_fused_h200_skip.svg")
+chart
+
+# %%
+best.select("category", "skipping", "passes", "tokens_per_step", "drafter_share", "lookup_only_vs_lookup",
+            "catch_up_vs_lookup")
+
+# %% [markdown]
 # ### The drafting step outside vLLM
 #
 # `benchmarks/fused_drafter_profile.py` timed the drafting step on the same H200 outside vLLM, with the same
