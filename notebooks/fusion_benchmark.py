@@ -118,8 +118,8 @@ fused_rows = pl.read_parquet(fused_vllm_file).filter(pl.col("run") == fused_run)
 print(fused_rows["machine"][0], "|", fused_rows["model"][0], fused_rows["dtype"][0], "| run", fused_run,
       "| lossless:", fused_rows["lossless"].all())
 classes = ["copy", "code", "edit", "quote", "summary", "qa", "chat"]
-label = (pl.col("config").str.replace_all(r"(nmin=1|nmax=32|policy=earliest|compile=true|model=qwen2\.5-coder-0\.5b),?",
-                                          "").str.strip_chars_end(","))
+dropped = r"(nmin=1|nmax=32|policy=earliest|compile=true|model=qwen2\.5-coder-0\.5b),?"  # shared by every config
+label = pl.col("config").str.replace_all(dropped, "").str.strip_chars_end(",")
 fused = (fused_rows.filter(pl.col("concurrency") <= 1)
          .group_by("category", "config", maintain_order=True)
          .agg(pl.col("decode_tok_s").median(), pl.col("tokens_per_step").median(),

@@ -94,6 +94,7 @@ def fuse_tensors(
     *,
     pad_token: int = -1,
     out: FusedTensors | None = None,
+    draft_valid: torch.Tensor | None = None,
 ) -> FusedTensors:
     """`hqlab.rules.fusion.fuse` for every request of a batch.
 
@@ -105,6 +106,8 @@ def fuse_tensors(
     pad_token:     token id written where nobody proposed.
     out:           buffers from `FusedTensors.allocate` with at least B rows and k columns; the result is then
                    views of their first B rows.
+    draft_valid:   [B] int, head positions the drafter supplied per row (0 = a step that skipped the drafter);
+                   None: the whole head, as in the reference.
     """
     batch, k = lookup_tokens.shape
     head_len = min(config.draft_block, k)
@@ -125,23 +128,28 @@ def fuse_tensors(
     in_head = positions < head_len  # [k]
     supplied = positions < valid[:, None]  # [B, k]: only these positions may hold a lookup token
     agreed = agree_count_tensors(draft_tokens, lookup_tokens, valid)
+    dv = torch.full_like(valid, head_len) if draft_valid is None else draft_valid.to(valid.dtype)
+    agreed = torch.minimum(agreed, dv)  # only positions the drafter supplied can agree
 
     if config.rule == "threshold":
         head_taken = (match_len >= config.nstrong) | ((match_len >= config.nmin) & (agreed >= config.agree))
         tail_taken = (match_len >= config.nmin_tail) & (head_taken | (agreed == head_len))
         n_proposed = torch.where(tail_taken, valid.clamp(min=head_len), head_len)
+        # the head ends where nobody filled it (after the lookup's or the drafter's tokens, whichever is longer)
+        filled = torch.where(head_taken, torch.maximum(valid.clamp(max=head_len), dv), dv)
+        n_proposed = torch.where(filled < head_len, filled, n_proposed)
         lookup_at = supplied & torch.where(in_head, head_taken[:, None], tail_taken[:, None])
     else:  # Arctic's score rule: the lookup's whole draft or the drafter's, nothing mixed
         score = valid if lookup_score is None else lookup_score
         keep_lookup = score >= head_len
         head_taken = tail_taken = keep_lookup
-        n_proposed = torch.where(keep_lookup, valid, head_len)
+        n_proposed = torch.where(keep_lookup, valid, dv)
         lookup_at = supplied & keep_lookup[:, None]
     take_flag = (match_len >= config.longmin) & (valid > config.draft_block) & tail_taken
 
     proposed = positions < n_proposed[:, None]
     lookup_at = lookup_at & proposed
-    draft_at = proposed & in_head & ~lookup_at
+    draft_at = proposed & in_head & ~lookup_at & (positions < dv[:, None])
     draft_wide = torch.nn.functional.pad(draft_tokens, (0, k - head_len), value=pad_token)
     tokens = torch.where(lookup_at, lookup_tokens, torch.where(draft_at, draft_wide, pad_token))
     sources = torch.full((batch, k), SOURCE_NONE, dtype=torch.int8, device=lookup_tokens.device)

@@ -72,9 +72,10 @@ class GpuFusedConfig(FusedConfig):
         if self.splits < 0:
             raise ConfigError(f"{NAME}: splits must be >= 0 (0: FlashAttention decides; got {self.splits})")
         if self.skip:
-            raise ConfigError(f"{NAME}: skip={self.skip} (no drafter on steps after a long block) runs in the lab's "
-                              f"`fused` proposer only so far; inside vLLM the GPU twin of the rule and the host's "
-                              f"choice of a drafter-free graph are not built yet (docs/vllm-fused-design.md, option D)")
+            raise ConfigError(f"{NAME}: skip={self.skip} (no drafter on some steps) runs in the lab's `fused` "
+                              f"proposer; inside vLLM its rule is decided on the GPU (FusedStep) but the drafter-free "
+                              f"graph that would make it save time is not built yet (docs/vllm-fused-design.md, "
+                              f"option D)")
         if self.temperature != 0:
             raise ConfigError(f"{NAME}: the drafter drafts greedily inside vLLM (temperature=0); got "
                               f"temperature={self.temperature}")

@@ -185,6 +185,36 @@ def test_fusion_matches_reference_hypothesis(config, k, seed):
     assert_same_fusion(tensor_fusion(x, config), reference_fusion(x, config), x, config)
 
 
+@pytest.mark.parametrize("family", FUSION_FAMILIES)
+def test_fusion_with_a_partial_or_absent_drafter_matches_reference(family):
+    """`draft_valid` (the fused proposer's `skip`: a step without the drafter, or a shorter head) row by row
+    against the reference `fuse(..., draft_valid=...)`; the drafter's tokens past draft_valid are junk."""
+    rng = np.random.default_rng(100 + sorted(FUSION_FAMILIES).index(family))
+    for _ in range(60):
+        config = FUSION_FAMILIES[family](rng)
+        k = int(rng.integers(1, 21))
+        batch = int(rng.integers(1, 17))
+        x = random_fusion_inputs(rng, config, batch, k, nmax=16)
+        head_len = min(config.draft_block, k)
+        dv = np.where(rng.random(batch) < 0.5, 0, rng.integers(0, head_len + 1, batch)).astype(np.int32)
+        want = {"tokens": np.full((batch, k), PAD, dtype=np.int64),
+                "sources": np.full((batch, k), SOURCE_NONE, dtype=np.int8), "n_proposed": np.zeros(batch, np.int32),
+                "take_flag": np.zeros(batch, bool), "head_taken": np.zeros(batch, bool),
+                "tail_taken": np.zeros(batch, bool)}
+        for i in range(batch):
+            score = None if x.scores is None else float(x.scores[i])
+            f = fuse(x.draft[i], x.lookup[i], int(x.match_len[i]), int(x.valid[i]), k, config, score,
+                     draft_valid=int(dv[i]))
+            n = f.tokens.shape[0]
+            want["tokens"][i, :n], want["sources"][i, :n], want["n_proposed"][i] = f.tokens, f.sources, n
+            want["take_flag"][i], want["head_taken"][i], want["tail_taken"][i] = f.take_flag, f.head_taken, f.tail_taken
+        got = fuse_tensors(as_tensor(x.draft, torch.int64), as_tensor(x.lookup, torch.int64),
+                           as_tensor(x.valid, torch.int32), as_tensor(x.match_len, torch.int32), config,
+                           None if x.scores is None else as_tensor(x.scores, torch.float64), pad_token=PAD,
+                           draft_valid=as_tensor(dv, torch.int32))
+        assert_same_fusion({name: value.cpu().numpy() for name, value in got._asdict().items()}, want, x, config)
+
+
 def test_fusion_examples_from_the_spec():
     """A few rows written out: the drafter head D, lookups agreeing on 0, 2 or all 7 head positions."""
     d = [10, 11, 12, 13, 14, 15, 16]

@@ -127,6 +127,7 @@ class Stats:
     dirty_reuses: int = 0  # fresh requests in a slot whose state was not the initial one
     long_shared: int = 0  # steps that verified the long block for more than one sampling request
     take_flags: set[bool] = field(default_factory=set)
+    skipped: int = 0  # request steps that `skip` spared the drafter
 
 
 def simulate(config: FusedConfig, *, max_num_reqs: int, requests: int, seed: int,
@@ -220,8 +221,12 @@ def simulate(config: FusedConfig, *, max_num_reqs: int, requests: int, seed: int
             for flag in ("take_flag", "head_taken", "tail_taken"):
                 assert bool(row[flag]) == p.extra[flag], f"{flag} at {where}"
             lk, dr = looked[r.name], drafted[r.name]
-            f = fuse(dr.tokens, lk.tokens, lk.match_len, lk.valid, k, config.fusion_config())
+            skipped = p.extra["drafted"] == 0  # `skip`: the reference ran no drafter for this step
+            f = fuse(dr.tokens, lk.tokens, lk.match_len, lk.valid, k, config.fusion_config(),
+                     draft_valid=0 if skipped else None)
             assert row["n_proposed"] == f.tokens.shape[0], where
+            assert driver.draft_valid[i] == p.extra["drafted"], where
+            stats.skipped += skipped
             s = reference.states[r.name][0]
             assert [int(x[r.slot]) for x in state] == [s.run, s.hold, int(s.long), int(s.pending)], where
             if fresh[i]:
@@ -252,6 +257,7 @@ def simulate(config: FusedConfig, *, max_num_reqs: int, requests: int, seed: int
 MIXED = {"copy": (40, 90), "prose": (15, 45)}
 MOSTLY_COPY = {"copy": (150, 300), "prose": (3, 10)}
 
+# (names sort after the older cases: each case's seed is its place in sorted(CASES))
 CASES = {
     "shipped": (FusedConfig(), MIXED),
     "stale": (FusedConfig(stale=1), MIXED),
@@ -266,6 +272,9 @@ CASES = {
     "short": (FusedConfig(schedule="short"), MIXED),
     "long": (FusedConfig(schedule="long"), MIXED),
     "k10-block4": (FusedConfig(k=10, draft_block=4, nmax=8, sticky=2), MIXED),
+    "with-skip-long-1": (FusedConfig(skip=1), MIXED),
+    "with-skip-head-2": (FusedConfig(skip=2, skip_on="head"), MIXED),
+    "with-skip-long-3-unanimous": (FusedConfig(skip=3, batch_mode="unanimous"), MOSTLY_COPY),
 }
 
 
@@ -286,6 +295,7 @@ def test_matches_fused_proposer_step_for_step(case, batch):
             assert batch == 1 or stats.long_shared > 0, "the long block never ran for several requests at once"
     else:
         assert stats.blocks == {longest}, stats.blocks
+    assert (stats.skipped > 0) == (config.skip > 0), stats.skipped
 
 
 def test_budget_zero_rows_leave_every_slot_alone():
