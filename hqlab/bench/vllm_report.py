@@ -162,15 +162,20 @@ def cost_model_check(steps: pl.DataFrame, runs: list[str], *, name: str | None =
                           (pl.col("measured_s") / pl.col("predicted_s") - 1).alias("error")))
 
 
-def _fused_shape(config: str) -> tuple[int, int]:
-    """(drafter passes per step, k) of a gpu-fused config: its draft_block and verify width, defaults filled in."""
+def _fused_settings(config: str, *names: str) -> tuple:
+    """Settings of a (gpu-)fused spec, the fused proposer's own defaults filled in for keys the spec leaves out."""
     from dataclasses import fields
 
     from hqlab.proposers.fused import FusedConfig
 
     defaults = {f.name: f.default for f in fields(FusedConfig)}
     _, values = parse_spec(config)
-    return int(values.get("draft_block", defaults["draft_block"])), int(values.get("k", defaults["k"]))
+    return tuple(type(defaults[n])(values.get(n, defaults[n])) for n in names)
+
+
+def _fused_shape(config: str) -> tuple[int, int]:
+    """(drafter passes per step, k) of a gpu-fused config: its draft_block and verify width."""
+    return _fused_settings(config, "draft_block", "k")
 
 
 def drafter_pass_fit(steps: pl.DataFrame, run: str) -> tuple[pl.DataFrame, dict[str, float]]:
@@ -247,14 +252,11 @@ def skip_what_if(replayed: pl.DataFrame, table: pl.DataFrame, fit: dict[str, flo
     price = fit["per_pass_ms"] if per_pass_ms is None else per_pass_ms
     lookup = table.group_by("request").agg(pl.col("lookup_step_ms").first(),
                                            pl.col("lookup_tokens_per_step").first())
-    values = {spec: parse_spec(spec)[1] for spec in replayed["config"].unique().to_list()}
+    settings = {spec: _fused_settings(spec, "draft_block", "skip", "skip_on")
+                for spec in replayed["config"].unique().to_list()}
     out = (replayed.join(lookup, left_on="prompt_id", right_on="request", how="inner")
-           .with_columns(
-               pl.col("config").replace_strict({k: int(v.get("draft_block", 7)) for k, v in values.items()})
-               .alias("passes"),
-               pl.col("config").replace_strict({k: int(v.get("skip", 0)) for k, v in values.items()}).alias("skip"),
-               pl.col("config").replace_strict({k: str(v.get("skip_on", "long")) for k, v in values.items()})
-               .alias("skip_on"))
+           .with_columns(*[pl.col("config").replace_strict({spec: v[i] for spec, v in settings.items()}).alias(name)
+                           for i, name in enumerate(("passes", "skip", "skip_on"))])
            .with_columns((pl.col("lookup_step_ms") + fit["fixed_ms"] + pl.col("passes") * price).alias("drafting_ms")))
     skipped = 1 - pl.col("drafter_share")
     lookup_rate = pl.col("lookup_tokens_per_step") / pl.col("lookup_step_ms")

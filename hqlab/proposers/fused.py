@@ -183,7 +183,6 @@ class FusedProposer:
             new_states, blocks = [p[0] for p in pairs], [p[1] for p in pairs]
         self.states = {key: (s, len(h)) for key, s, h in zip(keys, new_states, histories)}  # absent keys: gone
         if c.skip:
-            head_len = min(c.draft_block, c.k)
             marks = [f is not None and (block == c.k and c.k > c.draft_block if c.skip_on == "long" else
                                         f.head_taken and len(f.tokens) >= head_len and
                                         bool((f.sources[:head_len] == SOURCE_LOOKUP).all()))
