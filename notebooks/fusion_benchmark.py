@@ -37,6 +37,8 @@ published_dir = "data/results"  # where committed results are read from when not
 fused_vllm_file = "data/results/vllm_fused_h200.parquet"  # benchmarks/vllm_gpu.py (`hqlab bench` rows)
 fused_run = "fb"  # the acceptance pair: target Qwen2.5-Coder-1.5B, drafter 0.5B ("fa": both the 0.5B, first run)
 fused_profile_file = "data/results/fused_drafter_profile_h200_fb.json"  # benchmarks/fused_drafter_profile.py
+# the same profile run with --variants --autotune: FlashAttention splits, plan once, torch.compile max-autotune
+kernel_settings_file = "data/results/fused_drafter_profile_h200_fc.json"
 
 # %%
 import json
@@ -290,6 +292,35 @@ drafting = drafting.with_columns(
 chart = plots.lines(drafting, "history", "graph_step_ms", "batch", x_title="tokens of history per request",
                     y_title="ms per drafting step (CUDA graph)")
 plots.save(chart, figures / "vllm_fused_h200_drafting_step.svg")
+chart
+
+# %% [markdown]
+# ### Kernel settings of the drafting step: none pays
+#
+# The same profile again (`--variants --autotune`, `kernel_settings_file`): the whole 7-pass step replayed from its
+# CUDA graph under the drafter's kernel settings (`drafter.StaticQwen2`): `no split` (`splits=1`: FlashAttention
+# does not split the key length, so no combine kernel per layer), `plan once` (one FA3 scheduling call per pass
+# instead of one per layer), both, and both under torch.compile's `max-autotune-no-cudagraphs` mode (`autotuned`).
+# At 1 request the default compiled step costs 9.02-9.38 ms from 512 to 3,900 tokens of history; `plan once`
+# 8.91-9.29 ms, 0.9-1.2 % less; `no split` 9.09 ms at 512 tokens (0.8 % more) rising with the history to 13.71 ms
+# at 3,900 (+46 %), and with `plan once` on top 9.03-13.62 ms; autotuned 11.94-16.59 ms (+32-77 %). At 8 requests
+# the same pattern: default 9.75-10.46 ms, `plan once` 9.63-10.37 ms (0.9-1.2 % less), `no split` 0.7 % less at 512
+# tokens (9.68 ms) but 14.07 ms (+35 %) at 3,900, autotuned 17.56-22.08 ms (+80-111 %). (Eager, without
+# torch.compile: 16.8-17.1 and 18.5-19.3 ms.) None of the three makes a drafter pass cheaper in a way that matters:
+# `plan once` saves ~0.1 ms of a ~9 ms step, ~15 µs a pass, where a pass would have to shed a large part of its
+# ~1.2 ms; the defaults (the split heuristic, a plan per layer, the default compile mode) stay.
+
+# %%
+settings = (pl.DataFrame(json.loads(Path(kernel_settings_file).read_text())["rows"])
+            .with_columns(pl.format("n={}", "n").alias("requests"))
+            .with_columns((pl.col("graph_step_ms") / pl.col("graph_step_ms").filter(pl.col("variant") == "compiled")
+                           .first().over("requests", "history")).alias("vs_compiled")))
+chart = plots.lines(settings, "history", "graph_step_ms", "variant", facet="requests",
+                    x_title="tokens of history per request", y_title="ms per drafting step (CUDA graph)")
+plots.save(chart, figures / "vllm_fused_h200_kernel_settings.svg")
+display(settings.group_by("requests", "variant", maintain_order=True).agg(  # noqa: F821
+    *[getattr(pl.col(c), f)().alias(f"{f}_{c}") for c in ("graph_step_ms", "vs_compiled") for f in ("min", "max")])
+    .sort("requests", maintain_order=True))
 chart
 
 # %% [markdown]

@@ -26,9 +26,10 @@ results_file = "data/results/vllm_gpu_h200.parquet"
 figures_dir = "figures"
 results_dir = "data/results"
 focus_run = "j"  # the run whose per-class bars are drawn (the current code, k = 15/31 and the adapter at both)
-current_runs = ["e", "f", "g", "h", "j", "k", "l", "l2", "m", "n"]  # hqlab's current code; vLLM's own: every run
-host_runs = ["j", "l", "l2", "m", "n"]  # sequential runs whose per-request step times show the host's speed
-cost_runs = [["l", "l2"], ["j"], ["k"], ["l"], ["m"], ["n"]]  # each checked on its own V2 configs
+current_runs = ["e", "f", "g", "h", "j", "k", "l", "l2", "m", "n", "o", "p"]  # hqlab's current code; vLLM's: all
+host_runs = ["j", "l", "l2", "m", "n", "o", "p"]  # sequential runs whose per-request step times show the host's speed
+cost_runs = [["l", "l2"], ["j"], ["k"], ["l"], ["m"], ["n"], ["o"], ["p"]]  # each checked on its own V2 configs
+probe_runs = ["o", "p"]  # runs with the CPU speed probe around each request (`--pin-threads`, host_unit_ms)
 probe_file = "data/results/host_threads_h200.parquet"  # benchmarks/vllm_host_threads.py
 cpu_file = "data/results/host_speed_h200.parquet"  # benchmarks/host_speed.py: plain Python, no GPU
 
@@ -152,6 +153,33 @@ if Path(probe_file).exists():
         pl.col("step_ms").min().alias("min"), pl.col("step_ms").median().alias("median"),
         pl.col("step_ms").max().alias("max"), pl.len().alias("requests")))
     display(chart)  # noqa: F821
+
+# %% [markdown]
+# ### A CPU probe around each request: does it predict the request's step time?
+#
+# Runs o and p pinned the engine core's thread to a CPU (`--pin-threads`) and timed a fixed piece of Python on that
+# CPU just before and after each request (`host_unit_ms`, median over the three repeats). Below, every request at
+# batch 1: its wall time per decode step (1000 × tokens/step ÷ decode tok/s) against its probe
+# (`vllm_report.host_probe`, `probe_correlation`). The probe predicts little. Over all 112 requests Pearson r = 0.30
+# (run o 0.13, run p 0.40); per run and config (14 requests each) r = 0.06-0.83: gpu-lookup k=31 0.24 and 0.06,
+# k=15 0.38 and 0.35, `none` 0.40 and 0.74, the custom_class adapter 0.39 and 0.83. The probe moves much more than
+# the steps: in run o gpu-lookup k=15's probe spans 1.13-2.17 ms (1.9x) and its steps 2.44-3.15 ms (1.3x); in run p
+# the same config's probe stays within 1.78-1.88 ms while its steps still span 2.66-3.18 ms (1.2x); `none`'s median
+# probe is 1.52x slower in run o than in run p (1.77 against 1.16 ms), its median step only 1.15x (2.12 against
+# 1.84 ms). The adapter's r = 0.83 in run p is its prompts: its chat requests (1.6 tokens/step, 4.3-5.9 ms a step)
+# happened to run while the probe read 1.87-2.07 ms, its document requests (3.4-4.3 ms) while it read 1.16-1.59 ms.
+
+# %%
+probed = vllm_report.host_probe(data["results"], probe_runs)
+chart = (plots.lines(probed, "host_unit_ms", "step_ms", "label", x_title="CPU probe (ms per unit)",
+                     y_title="ms per decode step (batch 1)")
+         .mark_circle(size=40, opacity=0.8)
+         .encode(color=alt.Color("label:N", title="config", sort=None),
+                 tooltip=["run", "label", "request", "host_unit_ms", "step_ms"])
+         .facet(column=alt.Column("run:N", title=None)))
+plots.save(chart, Path(figures_dir) / "vllm_gpu_host_probe.svg")
+display(vllm_report.probe_correlation(probed))  # noqa: F821
+chart
 
 # %% [markdown]
 # ### The machine itself: plain Python, no GPU

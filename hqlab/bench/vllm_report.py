@@ -139,6 +139,35 @@ def request_step_ms(steps: pl.DataFrame, *, load: str = "alone") -> pl.DataFrame
             .with_columns(pl.col("config").map_elements(short_label, return_dtype=pl.String).alias("label")))
 
 
+def host_probe(results: pl.DataFrame, runs: list[str]) -> pl.DataFrame:
+    """Each request run alone in `runs` with its CPU speed probe (`host_unit_ms`: ms of a fixed piece of Python on
+    the engine core's CPU, just before and after the request; runs with `--pin-threads`) next to its wall time per
+    decode step, 1000 * tokens_per_step / decode_tok_s. Requests without a probe (older runs) are left out."""
+    if "host_unit_ms" not in results.columns:
+        raise ConfigError("these results have no host_unit_ms column (runs before the CPU speed probe)")
+    alone = results.filter(pl.col("run").is_in(runs) & (pl.col("concurrency") == 1)
+                           & pl.col("host_unit_ms").is_not_null() & pl.col("host_unit_ms").is_not_nan())
+    if alone.is_empty():
+        raise ConfigError(f"runs {runs}: no request at batch 1 has a CPU speed probe (host_unit_ms)")
+    return alone.select("run", "config", "category", pl.col("prompt_id").alias("request"), "host_unit_ms",
+                        (1e3 * pl.col("tokens_per_step") / pl.col("decode_tok_s")).alias("step_ms"),
+                        "tokens_per_step",
+                        pl.col("config").map_elements(short_label, return_dtype=pl.String).alias("label"))
+
+
+def probe_correlation(probed: pl.DataFrame) -> pl.DataFrame:
+    """Pearson r of step_ms against host_unit_ms (`host_probe` rows) per (run, config), per run, and over all
+    rows (`label`/`run` "all"), with the number of requests and each side's median and range."""
+    stats = [pl.len().alias("requests"), pl.corr("host_unit_ms", "step_ms").alias("r"),
+             *[getattr(pl.col(column), stat)().alias(f"{name}_{stat}")
+               for column, name in (("host_unit_ms", "probe"), ("step_ms", "step"))
+               for stat in ("min", "median", "max")]]
+    per = probed.group_by("run", "label", maintain_order=True).agg(*stats)
+    runs = probed.group_by("run", maintain_order=True).agg(*stats).with_columns(pl.lit("all").alias("label"))
+    both = probed.select(*stats).with_columns(pl.lit("all").alias("run"), pl.lit("all").alias("label"))
+    return pl.concat([per, runs.select(per.columns), both.select(per.columns)])
+
+
 def cost_model_check(steps: pl.DataFrame, runs: list[str], *, name: str | None = None) -> pl.DataFrame:
     """The step-cost model on one run's (or several adjacent calls') V2 engines at batch 1: each `gpu-lookup`
     config's decode time predicted by a model fitted on the *other* V2 configs' steps (`none` and the other
@@ -281,5 +310,5 @@ def load(results_path: str | Path) -> dict[str, pl.DataFrame]:
 
 
 __all__ = ["short_label", "run_ratios", "summary", "concurrency", "step_breakdown", "request_step_ms",
-           "cost_model_check", "load", "family", "PARTS", "drafter_pass_fit", "fused_what_if",
-           "skip_what_if"]
+           "cost_model_check", "host_probe", "probe_correlation", "load", "family", "PARTS", "drafter_pass_fit",
+           "fused_what_if", "skip_what_if"]
