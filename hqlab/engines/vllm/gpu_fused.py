@@ -20,6 +20,16 @@ length bucket). The width vLLM verifies is fixed at k (its asynchronous schedule
 drafts exist); a request's block length is applied by padding, decided on the GPU in the same step (stale = 0 is
 possible, stale = 1 stays a setting).
 
+Skipping the drafter (`skip=L`, HyperQwen's rule: no drafter on a step whose request's step L earlier met
+`skip_on`) is decided on the GPU by `FusedStep`, decision for decision with the lab's `fused` proposer. What saves
+the time is the host's choice of graph, which can only use marks it already has: after each step the marks are
+copied to pinned host memory without waiting; at a later step the host takes the newest copy that has arrived and
+runs a drafter-free graph only if it proves that every request in the batch skips. Otherwise it runs the whole
+drafting step, whose result is the same (a skipping request's drafts are ignored by the fusion rule), so a late copy
+costs time, never a different decision. Drafter-free steps run the lookup and the rule only ("lookup"), and after
+SKIP_RUN of them in a row a request's drafter catches up on what it missed in one wider pass ("catch_up"). Under
+asynchronous scheduling the host is about a step ahead, so L >= 2 is what lets it know in time.
+
 The drafter (`drafter.StaticQwen2`) keeps its own KV cache, one row per request slot, outside vLLM's paged cache:
 vLLM 0.26's V2 runner has no plain draft-model path, and a cache of its own needs no attention metadata, block-table
 lookahead or scheduler change (docs/vllm-fused-design.md discusses the in-cache alternative). Its size is
@@ -45,6 +55,11 @@ CLASS_PATH = "hqlab.engines.vllm.gpu_fused.GpuFusedSpeculator"
 PREFILL_CHUNK = 1024  # prompt tokens fed to the drafter per eager call (bounds its activation memory)
 GRAPH_MAX_BATCH = 16  # batch sizes above this draft eagerly
 RECORD_CAPACITY = 4096
+# With `skip`, at most this many drafter-free steps in a row per request before a catch-up pass: the catch-up pass
+# then feeds up to (SKIP_RUN + 1) * (k + 1) tokens, so its width, not a host read, bounds how far the drafter lags.
+SKIP_RUN = 3
+SNAPSHOTS = 4  # pinned host copies of the skip marks in flight (the host runs up to three steps ahead)
+KINDS = ("full", "catch_up", "lookup")  # what a drafting step runs of the drafter: all passes, the catch-up, none
 
 
 @dataclass(frozen=True)
@@ -71,11 +86,6 @@ class GpuFusedConfig(FusedConfig):
                               f"(got {self.compile_mode!r})")
         if self.splits < 0:
             raise ConfigError(f"{NAME}: splits must be >= 0 (0: FlashAttention decides; got {self.splits})")
-        if self.skip:
-            raise ConfigError(f"{NAME}: skip={self.skip} (no drafter on some steps) runs in the lab's `fused` "
-                              f"proposer; inside vLLM its rule is decided on the GPU (FusedStep) but the drafter-free "
-                              f"graph that would make it save time is not built yet (docs/vllm-fused-design.md, "
-                              f"option D)")
         if self.temperature != 0:
             raise ConfigError(f"{NAME}: the drafter drafts greedily inside vLLM (temperature=0); got "
                               f"temperature={self.temperature}")
@@ -110,15 +120,26 @@ def attention_buckets(max_len: int, smallest: int = 512) -> list[int]:
 
 
 class FusedRecorder(RecordRing):
-    """Per-step fused blocks and their decisions, kept on the GPU and read back in one copy by `take`."""
+    """Per-step fused blocks and their decisions, kept on the GPU and read back in one copy by `take`; the host adds
+    each step's kind of drafting run (`KINDS`)."""
 
-    FIELDS = ("context_len", "match_len", "valid", "block", "proposed", "take_flag", "head_taken", "tail_taken")
+    FIELDS = ("context_len", "match_len", "valid", "block", "proposed", "take_flag", "head_taken", "tail_taken",
+              "draft_valid")
 
     def __init__(self, capacity: int, max_reqs: int, k: int, device: torch.device) -> None:
         super().__init__(capacity, device)
         self.meta = torch.zeros(capacity, max_reqs, len(self.FIELDS), dtype=torch.int32, device=device)
         self.tokens = torch.zeros(capacity, max_reqs, k, dtype=torch.int64, device=device)
         self.sources = torch.zeros(capacity, max_reqs, k, dtype=torch.int8, device=device)
+        self.kinds: list[str] = []  # per noted step, beside RecordRing.steps
+
+    def note(self, req_ids: list[str], host_s: float, kind: str = "full") -> None:
+        super().note(req_ids, host_s)
+        self.kinds.append(kind)
+
+    def restart(self) -> None:
+        super().restart()
+        self.kinds = []
 
     def write(self, meta: torch.Tensor, tokens: torch.Tensor, sources: torch.Tensor) -> None:
         m = meta.shape[0]
@@ -129,12 +150,12 @@ class FusedRecorder(RecordRing):
 
     def take(self) -> list[dict[str, Any]]:
         """Every step since the last call, one dict per (step, request); clears them."""
-        steps = self.drain()
+        steps, kinds, self.kinds = self.drain(), self.kinds, []
         if not steps:
             return []
         meta, tokens, sources = self.meta.cpu().numpy(), self.tokens.cpu().numpy(), self.sources.cpu().numpy()
         out = []
-        for slot, req_ids, host_s in steps:
+        for (slot, req_ids, host_s), kind in zip(steps, kinds):
             for i, rid in enumerate(req_ids):
                 row = dict(zip(self.FIELDS, (int(x) for x in meta[slot, i])))
                 n = row["proposed"]  # the block's real tokens; pad follows up to k
@@ -143,7 +164,7 @@ class FusedRecorder(RecordRing):
                             "sources": [int(s) for s in sources[slot, i, :n]], "propose_s": host_s,
                             "batch": len(req_ids), "block": row["block"], "take_flag": bool(row["take_flag"]),
                             "head_taken": bool(row["head_taken"]), "tail_taken": bool(row["tail_taken"]),
-                            "lookup_valid": row["valid"]})
+                            "lookup_valid": row["valid"], "draft_valid": row["draft_valid"], "drafter": kind})
         return out
 
 
@@ -196,11 +217,13 @@ class GpuFusedSpeculator:
 
         c = self.config
         self.k, self.block = c.k, c.draft_block
-        self.q = c.k + 1  # a step emits at most k + 1 tokens: the catch-up pass's width
+        self.q = c.k + 1  # a step emits at most k + 1 tokens
+        # the catch-up pass's width: one step's tokens, or with `skip` those of SKIP_RUN drafter-free steps too
+        self.width = self.q * (SKIP_RUN + 1 if c.skip else 1)
         self.device, self.dtype, self.pad = torch.device(device), dtype, pad
         self.max_num_reqs, self.max_model_len = max_num_reqs, max_model_len
-        # Catch-up writes up to q - 1 positions past a history and the head passes block - 1 more.
-        self.cache_len = max_model_len + self.q + self.block
+        # Catch-up writes up to width - 1 positions past a history and the head passes block - 1 more.
+        self.cache_len = max_model_len + self.width + self.block
         lk = c.lookup_config()
         self.matcher = SuffixMatcher(max_num_reqs, c.k, nmin=lk.nmin, nmax=lk.nmax, search=lk.search, full=lk.full,
                                      policy=lk.policy, max_len=max_model_len, device=self.device)
@@ -217,7 +240,7 @@ class GpuFusedSpeculator:
         self.dlen = torch.zeros(max_num_reqs, dtype=torch.int64, device=dev)  # drafter KV written per slot
         self.drafts = torch.zeros(max_num_reqs, self.block, dtype=torch.int64, device=dev)
         self.out = torch.full((max_num_reqs, c.k), pad, dtype=torch.int64, device=dev)
-        self.arange_q = torch.arange(self.q, dtype=torch.int64, device=dev)
+        self.arange_w = torch.arange(self.width, dtype=torch.int64, device=dev)
         self.zeros = torch.zeros(max_num_reqs, dtype=torch.int64, device=dev)
         self.prefilled: dict[str, int] = {}  # request id -> prompt tokens the drafter has seen (mid-prefill only)
         self.owner: dict[int, str] = {}  # slot -> the request whose tokens the drafter's cache row holds
@@ -227,7 +250,22 @@ class GpuFusedSpeculator:
         self.recorder = FusedRecorder(RECORD_CAPACITY, max_num_reqs, c.k, dev) if record else None
         self.buckets = attention_buckets(self.cache_len)
         self.use_graphs = False
-        self.graphs: dict[tuple[int, int], Any] = {}
+        self.graphs: dict[tuple[int, int, str], Any] = {}
+        self.kinds = KINDS if c.skip else KINDS[:1]
+        self.steps_by_kind = dict.fromkeys(KINDS, 0)  # plain counters: drafting steps per kind of graph run
+        self._step = 0  # drafting steps so far (the host's clock for the skip marks' copies)
+        # host-side skip bookkeeping: per slot the step at which its current request sampled first (marks copied
+        # before it belong to an earlier request) and the drafter-free steps it has had since its last catch-up
+        self._since = np.zeros(max_num_reqs, dtype=np.int64)
+        self._behind = np.zeros(max_num_reqs, dtype=np.int64)
+        self._snapshots: list[dict[str, Any]] = []
+        if c.skip:
+            lag = self.step_rule._marks.shape[1]
+            for _ in range(SNAPSHOTS):
+                self._snapshots.append({
+                    "marks": torch.zeros(max_num_reqs, lag, dtype=torch.bool, pin_memory=pin),
+                    "marked": torch.zeros(max_num_reqs, dtype=torch.int32, pin_memory=pin),
+                    "event": torch.cuda.Event() if pin else None, "step": -1})
         # What vLLM's V2 runner reads from a speculator.
         self.draft_logits = None
         self.supports_mm_inputs = False
@@ -264,8 +302,8 @@ class GpuFusedSpeculator:
         self.use_graphs = getattr(cudagraph_mode, "name", "NONE") != "NONE"
 
     def capture(self) -> None:
-        """One CUDA graph per (batch size, attention bucket): the catch-up pass, the head passes, the lookup and the
-        fusion/schedule rule, launched as one graph per step."""
+        """One CUDA graph per (batch size, attention bucket, kind): the catch-up pass, the head passes, the lookup and
+        the fusion/schedule rule, launched as one graph per step (with `skip` also the drafter-free kinds)."""
         if not (self.use_graphs and self.config.graphs and self.ready and self.device.type == "cuda"):
             return
         pool = torch.cuda.graph_pool_handle()
@@ -275,15 +313,16 @@ class GpuFusedSpeculator:
                 self.num_sampled.zero_()  # inactive rows: no state changes while capturing
                 self.fresh.zero_()
                 for bucket in self.buckets:
-                    stream = torch.cuda.Stream(self.device)
-                    stream.wait_stream(torch.cuda.current_stream(self.device))
-                    with torch.cuda.stream(stream):
-                        self._draft(m, bucket)
-                    torch.cuda.current_stream(self.device).wait_stream(stream)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        self._draft(m, bucket)
-                    self.graphs[(m, bucket)] = graph
+                    for kind in self.kinds:
+                        stream = torch.cuda.Stream(self.device)
+                        stream.wait_stream(torch.cuda.current_stream(self.device))
+                        with torch.cuda.stream(stream):
+                            self._draft(m, bucket, kind)
+                        torch.cuda.current_stream(self.device).wait_stream(stream)
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=pool):
+                            self._draft(m, bucket, kind)
+                        self.graphs[(m, bucket, kind)] = graph
         except RuntimeError as e:
             self.graphs.clear()
             warnings.warn(f"{NAME}: capturing the drafting step failed ({e}); it runs eagerly", RuntimeWarning,
@@ -303,14 +342,10 @@ class GpuFusedSpeculator:
         n = int(input_batch.num_reqs)
         if dummy_run or not self.ready or num_sampled is None:
             return self.out[:n]
-        start = time.perf_counter()
         b = input_batch
-        out = self.step(b.req_ids[:n], b.idx_mapping[:n], b.idx_mapping_np[:n], num_sampled[:n],
-                        b.is_prefilling_np[:n], b.num_computed_prefill_tokens_np[:n], b.num_scheduled_tokens[:n],
-                        b.prefill_len_np[:n], b.num_computed_tokens_np[:n])
-        if self.recorder is not None:
-            self.recorder.note(list(b.req_ids[:n]), time.perf_counter() - start)
-        return out
+        return self.step(b.req_ids[:n], b.idx_mapping[:n], b.idx_mapping_np[:n], num_sampled[:n],
+                         b.is_prefilling_np[:n], b.num_computed_prefill_tokens_np[:n], b.num_scheduled_tokens[:n],
+                         b.prefill_len_np[:n], b.num_computed_tokens_np[:n])
 
     def step(self, req_ids: list[str], slots: torch.Tensor, slots_np: np.ndarray, num_sampled: torch.Tensor,
              prefilling: np.ndarray, computed_prefill: np.ndarray, scheduled: np.ndarray, prefill_len: np.ndarray,
@@ -318,6 +353,7 @@ class GpuFusedSpeculator:
         """One drafting step for the batch: host arrays are vLLM's input-batch mirrors, `slots` and `num_sampled`
         device tensors. Returns [n, k] drafts (a view of a persistent buffer)."""
         assert self.ready, "bind() vLLM's request state and load_drafter() first"
+        start = time.perf_counter()
         n = len(req_ids)
         fresh = np.zeros(n, dtype=bool)
         for i in np.flatnonzero(prefilling):
@@ -332,13 +368,68 @@ class GpuFusedSpeculator:
         self.fresh[:n].copy_(host[:n], non_blocking=True)
         # The longest history this step can reach (vLLM's host mirrors are upper bounds), plus what the passes add.
         reach = int(max(prefill_len.max(initial=0), (computed + scheduled).max(initial=0))) + 1
-        bucket = next((x for x in self.buckets if x >= reach + self.q + self.block), self.buckets[-1])
-        graph = self.graphs.get((n, bucket))
+        bucket = next((x for x in self.buckets if x >= reach + self.width + self.block), self.buckets[-1])
+        sampling = ~(prefilling & ~fresh)  # rows that may sample this step (a prompt's inner chunk does not)
+        kind = self._choose_kind(slots_np, fresh, sampling)
+        graph = self.graphs.get((n, bucket, kind))
         if graph is not None:
             graph.replay()
         else:
-            self._draft(n, bucket)
+            self._draft(n, bucket, kind)
+        self._after_step(slots_np, fresh, sampling, kind)
+        if self.recorder is not None:
+            self.recorder.note(list(req_ids), time.perf_counter() - start, kind)
         return self.out[:n]
+
+    def _choose_kind(self, slots: np.ndarray, fresh: np.ndarray, sampling: np.ndarray) -> str:
+        """The drafting step's kind: "full" unless the newest skip marks on the host prove that every row that may
+        sample skips the drafter (then "lookup", or "catch_up" once a row has had SKIP_RUN drafter-free steps).
+
+        At step t the device skips a row when the oldest of its L marks is set and all L are real (`FusedStep`).
+        Marks copied after step s < t hold steps s-L+1..s; between s and t the row sampled c <= t-s-1 times, so the
+        mark it reads is the copy's c-th; if the first t-s marks are all set (t-s <= L), it skips whatever c is."""
+        if not self.config.skip:
+            return "full"
+        snap = self._newest_snapshot()
+        if snap is None:
+            return "full"
+        j = self._step - snap["step"] - 1  # steps between the copy and now
+        lag = snap["marks"].shape[1]
+        rows = slots[sampling].astype(np.int64)
+        if j >= lag or fresh.any() or (self._since[rows] > snap["step"]).any():
+            return "full"
+        marks, marked = snap["marks"].numpy(), snap["marked"].numpy()
+        if not ((marked[rows] >= self.config.skip).all() and marks[rows, :j + 1].all()):
+            return "full"
+        return "catch_up" if (self._behind[rows] >= SKIP_RUN).any() else "lookup"
+
+    def _newest_snapshot(self) -> dict[str, Any] | None:
+        """The newest copy of the skip marks that has reached the host (None: none yet); never waits."""
+        for snap in sorted(self._snapshots, key=lambda x: -x["step"]):
+            if snap["step"] < 0:
+                return None
+            if snap["event"] is None or snap["event"].query():
+                return snap
+        return None
+
+    def _after_step(self, slots: np.ndarray, fresh: np.ndarray, sampling: np.ndarray, kind: str) -> None:
+        """Host bookkeeping after a drafting step was launched; with `skip`, copy its marks to the host."""
+        self.steps_by_kind[kind] += 1
+        if self.config.skip:
+            rows = slots[sampling].astype(np.int64)
+            self._since[slots[fresh].astype(np.int64)] = self._step
+            if kind == "lookup":
+                self._behind[rows] += 1
+            else:
+                self._behind[rows] = 0
+            snap = min(self._snapshots, key=lambda x: x["step"])  # the oldest copy: its turn to be rewritten
+            rule = self.step_rule
+            snap["marks"].copy_(rule._marks[:self.max_num_reqs], non_blocking=True)
+            snap["marked"].copy_(rule._marked[:self.max_num_reqs], non_blocking=True)
+            if snap["event"] is not None:
+                snap["event"].record()
+            snap["step"] = self._step
+        self._step += 1
 
     def _prefill(self, req_id: str, slot: int, end: int, *, done: bool) -> None:
         """Feed the drafter the prompt tokens [seen, end) of one request (eager, host-known bounds); `done`: this
@@ -361,26 +452,29 @@ class GpuFusedSpeculator:
         if not done:
             self.prefilled[req_id] = end
 
-    def _draft(self, m: int, attn_len: int) -> None:
-        """Rows [0, m) of the step buffers -> `out[:m]`. Static shapes, no host reads: the captured graphs' body."""
+    def _draft(self, m: int, attn_len: int, kind: str = "full") -> None:
+        """Rows [0, m) of the step buffers -> `out[:m]`. Static shapes, no host reads: the captured graphs' body.
+        `kind` "catch_up" runs only the catch-up pass, "lookup" no drafter pass (the host chose them because every
+        row skips the drafter: the fusion rule ignores `drafts`)."""
         assert self.state is not None and self.row_offsets is not None
         all_ids, total_len = self.state
         slots, ns = self.slots[:m], self.num_sampled[:m]
         total = total_len[slots].long()
-        dlen = self.dlen[slots]
         sampled = ns > 0
-        # Catch-up: the tokens emitted since the drafter last saw this request (<= k + 1), at their own positions.
-        count = torch.where(sampled, total - dlen, 0).clamp(0, self.q)
-        pos = (dlen[:, None] + self.arange_q).clamp(max=self.max_model_len - 1)
-        tokens = all_ids[slots[:, None], pos].long()
-        last = (count - 1).clamp(min=0)
-        first = self.drafter.extend(slots, tokens, dlen, last, attn_len)
-        self.dlen[slots] = torch.where(sampled, total, dlen)
-        self.drafts[:m, 0] = first
-        cur = first
-        for j in range(1, self.block):  # the head: one token per pass, each at its own position
-            cur = self.drafter.extend(slots, cur[:, None], total + (j - 1), self.zeros[:m], attn_len)
-            self.drafts[:m, j] = cur
+        if kind != "lookup":
+            # Catch-up: the tokens emitted since the drafter last saw this request (<= width), at their positions.
+            dlen = self.dlen[slots]
+            count = torch.where(sampled, total - dlen, 0).clamp(0, self.width)
+            pos = (dlen[:, None] + self.arange_w).clamp(max=self.max_model_len - 1)
+            tokens = all_ids[slots[:, None], pos].long()
+            last = (count - 1).clamp(min=0)
+            first = self.drafter.extend(slots, tokens, dlen, last, attn_len)
+            self.dlen[slots] = torch.where(sampled, total, dlen)
+            self.drafts[:m, 0] = first
+            cur = first
+            for j in range(1, self.block if kind == "full" else 1):  # the head: one token per pass
+                cur = self.drafter.extend(slots, cur[:, None], total + (j - 1), self.zeros[:m], attn_len)
+                self.drafts[:m, j] = cur
         lengths = torch.where(sampled, total, 0).to(torch.int32)
         proposals, match_len, valid = self.matcher(all_ids.view(-1), self.row_offsets[slots], lengths)
         lookup = proposals.masked_fill(proposals < 0, self.pad)
@@ -390,7 +484,8 @@ class GpuFusedSpeculator:
             meta = torch.stack([lengths, match_len.to(torch.int32), valid.to(torch.int32),
                                 r.block_len[:m].to(torch.int32), r.num_tokens[:m].to(torch.int32),
                                 r.take_flag[:m].to(torch.int32),
-                                r.head_taken[:m].to(torch.int32), r.tail_taken[:m].to(torch.int32)], 1)
+                                r.head_taken[:m].to(torch.int32), r.tail_taken[:m].to(torch.int32),
+                                r.draft_valid[:m]], 1)
             self.recorder.write(meta, self.out[:m], r.sources[:m])
 
     def take_records(self) -> list[dict[str, Any]]:

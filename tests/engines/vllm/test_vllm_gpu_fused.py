@@ -24,7 +24,7 @@ pytest.importorskip("vllm", reason="the vllm extra is not installed (make setup 
 from hqlab.config import ConfigError  # noqa: E402
 from hqlab.engines.vllm import gpu_fused, plugin  # noqa: E402
 from hqlab.engines.vllm.engine import setting_for  # noqa: E402
-from hqlab.engines.vllm.gpu_fused import GpuFusedSpeculator, fused_config  # noqa: E402
+from hqlab.engines.vllm.gpu_fused import SKIP_RUN, GpuFusedSpeculator, fused_config  # noqa: E402
 from hqlab.proposers.fused import FusedConfig, FusedProposer  # noqa: E402
 from hqlab.rules.fusion import SOURCE_DRAFT, SOURCE_LOOKUP  # noqa: E402
 
@@ -53,9 +53,13 @@ def requests(tok) -> dict[str, tuple[list[int], list[int], int]]:
             "prose": (prose[:100], prose[100:160], 64)}
 
 
-def test_fused_blocks_equal_the_reference_step_for_step(tokenizer):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the suffix-match kernel in Triton's interpreter on CPU "
+                    "tensors (tests/conftest.py turns it on only without a GPU); on a GPU the bench's replay check "
+                    "compares the same blocks")
+@pytest.mark.parametrize("skip", ["", ",skip=1,skip_on=head"], ids=["every-step", "skip"])
+def test_fused_blocks_equal_the_reference_step_for_step(tokenizer, skip):
     # a short head (3 drafter passes per step) keeps the two 0.5B drafters' CPU time to about a minute
-    config = fused_config("gpu-fused:k=7,draft_block=3,nmax=32,policy=earliest,dtype=float32,device=cpu")
+    config = fused_config(f"gpu-fused:k=7,draft_block=3,nmax=32,policy=earliest,dtype=float32,device=cpu{skip}")
     spec = GpuFusedSpeculator.standalone(config, max_num_reqs=SLOTS, max_model_len=WIDTH, pad=VOCAB - 1,
                                          device="cpu", dtype=torch.float32, record=True)
     reference = FusedProposer(FusedConfig(**{f: getattr(config, f) for f in FusedConfig.__dataclass_fields__}))
@@ -113,7 +117,6 @@ def test_fused_blocks_equal_the_reference_step_for_step(tokenizer):
         out = spec.step(rows, torch.tensor(slots, dtype=torch.int32), np.array(slots, dtype=np.int32),
                         torch.tensor(num_sampled, dtype=torch.int32), np.array(prefilling),
                         np.array(computed_prefill), np.array(scheduled), np.array(prefill_len), np.array(computed))
-        spec.recorder.note(rows, 0.0)
         sampling = [i for i, n in enumerate(num_sampled) if n > 0]
         histories = [ids[slots[i], :int(total[slots[i]])].numpy().astype(np.int64) for i in sampling]
         want = reference.propose(histories, [config.k] * len(sampling), keys=[rows[i] for i in sampling])
@@ -128,6 +131,8 @@ def test_fused_blocks_equal_the_reference_step_for_step(tokenizer):
     records = spec.take_records()
     assert compared >= 8 and SOURCE_DRAFT in sources and SOURCE_LOOKUP in sources  # both proposers exercised
     assert any(r["block"] == config.k for r in records)  # the copy request reached the long block
+    if skip:  # and skipped its drafter on some steps, as the reference did
+        assert any(r["draft_valid"] == 0 and r["request"] == "copy" for r in records)
     assert state["copy"]["computed"] > len(reqs["copy"][0]) + 25  # and its long blocks were accepted
 
 
@@ -152,9 +157,12 @@ def test_spec_and_engine_setting():
         fused_config("gpu-fused:splits=-1")
     with pytest.raises(ConfigError, match="compile_mode must be one of"):
         fused_config("gpu-fused:compile_mode=fastest")
-    # the lab's fused proposer has `skip`; inside vLLM the rule runs on the GPU, the time-saving graph does not yet
-    with pytest.raises(ConfigError, match="skip=2 .*drafter-free graph .* not built yet"):
-        fused_config("gpu-fused:skip=2")
+    # `skip` as in the lab's fused proposer, validated the same way
+    assert (fused_config("gpu-fused:skip=2,skip_on=head").skip, fused_config("gpu-fused:skip=2").skip_on) == (2, "long")
+    with pytest.raises(ConfigError, match="skip must be 0"):
+        fused_config("gpu-fused:skip=9")
+    with pytest.raises(ConfigError, match="skip_on must be one of"):
+        fused_config("gpu-fused:skip=2,skip_on=always")
 
 
 def test_the_drafter_refuses_kernel_settings_it_cannot_run():
@@ -307,3 +315,82 @@ def test_a_prompt_resumed_in_a_slot_another_request_used_is_prefilled_again():
     want = fresh.logits(torch.tensor([1]), ids[1, 39:40].long()[None], torch.tensor([39]), torch.tensor([0]), 64)
     assert torch.allclose(row(1, 40), want, atol=1e-5)
     assert "a" not in spec.prefilled and "c" not in spec.prefilled  # finished prompts are forgotten
+
+
+def drive(spec: GpuFusedSpeculator, reqs: dict[str, tuple[list[int], list[int]]], slot_of: dict[str, int],
+          ids: torch.Tensor, total: torch.Tensor, k: int) -> list[dict[str, list[int]]]:
+    """Step `spec` the way vLLM's runner does (whole-prompt prefill, then decode steps verified against each
+    request's fixed target output) until every target is emitted; each step's drafts per request."""
+    state = {r: {"out": [], "drafts": None, "fresh": True} for r in reqs}
+    for r, (prompt, _) in reqs.items():
+        ids[slot_of[r], :len(prompt)] = torch.tensor(prompt, dtype=torch.int32)
+        total[slot_of[r]] = len(prompt)
+    steps = []
+    while rows := [r for r in reqs if len(state[r]["out"]) < len(reqs[r][1]) - k - 1]:
+        num_sampled, prefilling = [], []
+        for r in rows:
+            prompt, target = reqs[r]
+            st, done = state[r], len(state[r]["out"])
+            if st["fresh"]:  # the prompt's only chunk: it samples the first output token
+                emitted = [target[0]]
+            else:
+                accepted = 0
+                for d, t in zip(st["drafts"], target[done:]):
+                    if d != t:
+                        break
+                    accepted += 1
+                emitted = target[done:done + accepted + 1]
+            prefilling.append(st["fresh"])
+            start = len(prompt) + done
+            ids[slot_of[r], start:start + len(emitted)] = torch.tensor(emitted, dtype=torch.int32)
+            total[slot_of[r]] = start + len(emitted)
+            st["out"] += emitted
+            num_sampled.append(len(emitted))
+        slots = np.array([slot_of[r] for r in rows], dtype=np.int32)
+        plen = np.array([len(reqs[r][0]) for r in rows])
+        computed = np.array([len(reqs[r][0]) + len(state[r]["out"]) - n for r, n in zip(rows, num_sampled)])
+        out = spec.step(rows, torch.from_numpy(slots), slots, torch.tensor(num_sampled, dtype=torch.int32),
+                        np.array(prefilling), np.where(prefilling, 0, plen), np.where(prefilling, plen, 1 + k), plen,
+                        computed)
+        steps.append({r: out[i].tolist() for i, r in enumerate(rows)})
+        for i, r in enumerate(rows):
+            state[r]["drafts"], state[r]["fresh"] = out[i].tolist(), False
+    return steps
+
+
+@pytest.mark.parametrize("skip, skip_on", [(1, "head"), (2, "head"), (2, "long")])
+def test_drafter_free_steps_change_no_draft(skip, skip_on):
+    """With `skip`, the host runs the drafter-free graph kinds only where every row skips the drafter: each step's
+    drafts equal those of the same speculator made to run every drafter pass, while the copying request's steps
+    mostly run without the drafter (and with the catch-up pass after SKIP_RUN of them)."""
+    g = torch.Generator().manual_seed(3)
+    passage = torch.randint(0, 60, (120,), generator=g).tolist()
+    reqs = {"copy": (torch.randint(0, 60, (30,), generator=g).tolist() + passage + [61],
+                     passage[:90] + torch.randint(0, 60, (30,), generator=g).tolist()),
+            "prose": (torch.randint(0, 60, (50,), generator=g).tolist(),
+                      torch.randint(0, 60, (20,), generator=g).tolist())}
+    slot_of = {"copy": 1, "prose": 0}
+    config = fused_config(f"gpu-fused:k=7,draft_block=3,nmax=8,skip={skip},skip_on={skip_on}")
+    runs = []
+    for choose in (True, False):
+        spec = GpuFusedSpeculator.standalone(config, max_num_reqs=2, max_model_len=320, pad=63, device="cpu",
+                                             dtype=torch.float32, record=True)
+        ids, total = torch.zeros(2, 320, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+        spec.bind(ids, total)
+        spec.drafter = tiny_qwen2(2, spec.cache_len)
+        if not choose:
+            spec._choose_kind = lambda *args: "full"  # every drafter pass, every step: the drafts to match
+        steps = drive(spec, reqs, slot_of, ids, total, config.k)
+        runs.append((steps, spec.steps_by_kind, spec.take_records()))
+    (fast, kinds, records), (slow, slow_kinds, _) = runs
+    assert fast == slow
+    assert slow_kinds["lookup"] == slow_kinds["catch_up"] == 0
+    skipped = [r for r in records if r["draft_valid"] == 0 and r["request"] == "copy"]
+    assert skipped, "the copy request never skipped the drafter"
+    assert kinds["lookup"] > 0 and kinds["full"] > 0
+    if kinds["lookup"] > SKIP_RUN:
+        assert kinds["catch_up"] > 0
+    # drafter-free kinds only where the device decided that every sampling row skips
+    for r in records:
+        if r["drafter"] != "full":
+            assert r["draft_valid"] == 0, r
