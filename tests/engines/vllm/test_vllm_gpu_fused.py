@@ -13,6 +13,7 @@ The GPU run (graphs, vLLM itself) is benchmarks/vllm_gpu.py; the config plumbing
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -175,8 +176,6 @@ def test_the_drafter_refuses_kernel_settings_it_cannot_run():
 
 
 def test_the_plugin_puts_gpu_fused_on_model_runner_v2_with_async_scheduling():
-    from types import SimpleNamespace
-
     from vllm.config import DeviceConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
 
     plugin.register()
@@ -213,8 +212,6 @@ def test_a_burst_can_mix_named_categories_and_ids():
 
 
 def test_a_drafter_with_another_vocabulary_is_refused():
-    from types import SimpleNamespace
-
     from vllm.config import DeviceConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
 
     config = VllmConfig(device_config=DeviceConfig(device="cpu"),
@@ -394,3 +391,37 @@ def test_drafter_free_steps_change_no_draft(skip, skip_on):
     for r in records:
         if r["drafter"] != "full":
             assert r["draft_valid"] == 0, r
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and FlashAttention need a CUDA device")
+def test_drafter_free_graphs_change_no_draft_on_the_gpu():
+    """The same comparison with every kind of drafting step captured in CUDA graphs (bf16, FlashAttention, a tiny
+    random-weight drafter): the host learns the skip marks through asynchronous copies, so it may choose the
+    drafter-free graphs later than on the CPU, but never where a row drafts, and the drafts stay equal."""
+    g = torch.Generator().manual_seed(3)
+    passage = torch.randint(0, 60, (120,), generator=g).tolist()
+    reqs = {"copy": (torch.randint(0, 60, (30,), generator=g).tolist() + passage + [61],
+                     passage[:90] + torch.randint(0, 60, (30,), generator=g).tolist()),
+            "prose": (torch.randint(0, 60, (50,), generator=g).tolist(),
+                      torch.randint(0, 60, (20,), generator=g).tolist())}
+    config = fused_config("gpu-fused:k=7,draft_block=3,nmax=8,skip=2,skip_on=head")
+    runs = []
+    for choose in (True, False):
+        spec = GpuFusedSpeculator.standalone(config, max_num_reqs=2, max_model_len=320, pad=63, device="cuda",
+                                             dtype=torch.bfloat16, record=True)
+        ids = torch.zeros(2, 320, dtype=torch.int32, device="cuda")
+        total = torch.zeros(2, dtype=torch.int32, device="cuda")
+        spec.bind(ids, total)
+        spec.drafter = tiny_qwen2(2, spec.cache_len, device="cuda", dtype=torch.bfloat16, attention="flash")
+        spec.buckets = [spec.cache_len]  # as load_drafter sets it for FlashAttention
+        spec.init_cudagraph_manager(SimpleNamespace(name="FULL"))
+        spec.capture()
+        assert {kind for _, _, kind in spec.graphs} == set(gpu_fused.KINDS)
+        if not choose:
+            spec._choose_kind = lambda *args: "full"
+        steps = drive(spec, reqs, {"copy": 1, "prose": 0}, ids, total, config.k)
+        runs.append((steps, spec.steps_by_kind, spec.take_records()))
+    (fast, kinds, records), (slow, _, _) = runs
+    assert fast == slow
+    assert kinds["lookup"] > 0
+    assert all(r["draft_valid"] == 0 for r in records if r["drafter"] != "full")
