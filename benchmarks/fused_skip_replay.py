@@ -9,6 +9,9 @@ run's own greedy outputs, with teacher-forced drafts of the real drafter on the 
   steps (skip_on=long, lag 0 = never to 3) or after steps whose head the lookup filled (skip_on=head, lag 1 and 2):
   tokens/step and the share of steps that ran the drafter, per prompt. `hqlab.bench.vllm_report.skip_what_if`
   prices them with the run's measured drafter pass (notebooks/fusion_benchmark.py).
+  --schedule long replays the same grid with the scheduler fixed to the long block (`schedule=long`): inside vLLM
+  every step verifies k positions whatever the block (gpu-fused pads after it), so a block shorter than k saves no
+  verify time there, and the lookup's tail fills positions an adaptive short block leaves to the pad.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--drafter", default="qwen2.5-coder-0.5b")
     ap.add_argument("--dtype", default="float32", help="the replay drafter's dtype on the CPU")
+    ap.add_argument("--schedule", default="adaptive", choices=["adaptive", "long"],
+                    help="the fused scheduler's mode (SPEC §2.5 adaptive, or always the long block)")
     args = ap.parse_args(argv)
 
     meta = json.loads(Path(args.raw).with_suffix(".json").read_text())
@@ -55,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer, load_workload(meta["suite"], doc_tokens=meta["doc_tokens"], tokenizer=tokenizer))}
     traces = [Trace.of(prompts[r.prompt_id][1], list(r.generation.output_ids), meta["max_new_tokens"], r.prompt_id,
                        prompts[r.prompt_id][0]) for r in runs]
-    specs = [f"fused:{SETTINGS},draft_block={b},skip={s},skip_on={on}" for b in BLOCKS for on, lags in SKIPS.items()
-             for s in lags]
+    mode = "" if args.schedule == "adaptive" else f",schedule={args.schedule}"
+    specs = [f"fused:{SETTINGS},draft_block={b},skip={s},skip_on={on}{mode}" for b in BLOCKS
+             for on, lags in SKIPS.items() for s in lags]
     table = replay_fused_grid(traces, load_drafter(args.drafter, device="cpu", dtype=args.dtype), specs)
     table = table.with_columns(pl.lit(meta["model"]).alias("target"), pl.lit(args.drafter).alias("drafter"),
                                pl.lit(Path(args.raw).name).alias("source"))

@@ -15,6 +15,9 @@ import polars as pl
 from hqlab.config import ConfigError, parse_spec
 
 CUSTOM_CLASS = "lookup:"  # configs run through the host-side custom_class adapter start with this
+# gpu-fused with `skip`: drafter-free steps in a row before a catch-up pass (hqlab.engines.vllm.gpu_fused.SKIP_RUN, kept
+# equal by a test; this module stays free of torch)
+GPU_FUSED_SKIP_RUN = 3
 
 
 def family(config: str) -> str:
@@ -271,32 +274,37 @@ def fused_what_if(table: pl.DataFrame, fit: dict[str, float], per_pass_ms: list[
 
 
 def skip_what_if(replayed: pl.DataFrame, table: pl.DataFrame, fit: dict[str, float], *,
-                 per_pass_ms: float | None = None) -> pl.DataFrame:
+                 per_pass_ms: float | None = None, skip_run: int = GPU_FUSED_SKIP_RUN) -> pl.DataFrame:
     """Replayed `fused` configs (`hqlab.replay.teacher.replay_fused_grid` rows: the spec with its draft_block and
     skip, prompt_id, tokens_per_step, drafter_share) priced with a run's drafter-pass fit (`drafter_pass_fit`, the
     same prompts): a step that runs the drafter costs the prompt's gpu-lookup step + fixed_ms + draft_block passes,
     a step that skips it either the lookup step alone (`lookup_only_ms`: the drafter catches up later, off this
-    step) or the lookup step + fixed_ms + one pass (`catch_up_ms`: the catch-up pass still runs every step). Returns
-    per (config, prompt) both predicted tok/s and their ratios to the lookup's tokens/step / step ms."""
+    step), the lookup step + fixed_ms + one pass (`catch_up_ms`: the catch-up pass still runs every step), or what
+    gpu-fused does at batch 1 (`built_ms`): the lookup step, and the catch-up pass once per `skip_run` + 1 skipped
+    steps (an upper bound on its share: runs of fewer skipped steps need no catch-up of their own). Returns per
+    (config, prompt) the predicted tok/s and their ratios to the lookup's tokens/step / step ms."""
     price = fit["per_pass_ms"] if per_pass_ms is None else per_pass_ms
     lookup = table.group_by("request").agg(pl.col("lookup_step_ms").first(),
                                            pl.col("lookup_tokens_per_step").first())
-    settings = {spec: _fused_settings(spec, "draft_block", "skip", "skip_on")
+    names = ("passes", "skip", "skip_on", "schedule")
+    settings = {spec: _fused_settings(spec, "draft_block", "skip", "skip_on", "schedule")
                 for spec in replayed["config"].unique().to_list()}
     out = (replayed.join(lookup, left_on="prompt_id", right_on="request", how="inner")
            .with_columns(*[pl.col("config").replace_strict({spec: v[i] for spec, v in settings.items()}).alias(name)
-                           for i, name in enumerate(("passes", "skip", "skip_on"))])
+                           for i, name in enumerate(names)])
            .with_columns((pl.col("lookup_step_ms") + fit["fixed_ms"] + pl.col("passes") * price).alias("drafting_ms")))
     skipped = 1 - pl.col("drafter_share")
     lookup_rate = pl.col("lookup_tokens_per_step") / pl.col("lookup_step_ms")
     return (out.with_columns(
         (pl.col("drafter_share") * pl.col("drafting_ms") + skipped * pl.col("lookup_step_ms")).alias("lookup_only_ms"),
         (pl.col("drafter_share") * pl.col("drafting_ms")
-         + skipped * (pl.col("lookup_step_ms") + fit["fixed_ms"] + price)).alias("catch_up_ms"))
-        .with_columns((1e3 * pl.col("tokens_per_step") / pl.col("lookup_only_ms")).alias("lookup_only_tok_s"),
-                      (1e3 * pl.col("tokens_per_step") / pl.col("catch_up_ms")).alias("catch_up_tok_s"))
-        .with_columns((pl.col("lookup_only_tok_s") / (1e3 * lookup_rate)).alias("lookup_only_vs_lookup"),
-                      (pl.col("catch_up_tok_s") / (1e3 * lookup_rate)).alias("catch_up_vs_lookup")))
+         + skipped * (pl.col("lookup_step_ms") + fit["fixed_ms"] + price)).alias("catch_up_ms"),
+        (pl.col("drafter_share") * pl.col("drafting_ms")
+         + skipped * (pl.col("lookup_step_ms") + (fit["fixed_ms"] + price) / (skip_run + 1))).alias("built_ms"))
+        .with_columns(*[(1e3 * pl.col("tokens_per_step") / pl.col(f"{way}_ms")).alias(f"{way}_tok_s")
+                        for way in ("lookup_only", "catch_up", "built")])
+        .with_columns(*[(pl.col(f"{way}_tok_s") / (1e3 * lookup_rate)).alias(f"{way}_vs_lookup")
+                        for way in ("lookup_only", "catch_up", "built")]))
 
 
 def load(results_path: str | Path) -> dict[str, pl.DataFrame]:

@@ -425,3 +425,9 @@ def test_drafter_free_graphs_change_no_draft_on_the_gpu():
     assert fast == slow
     assert kinds["lookup"] > 0
     assert all(r["draft_valid"] == 0 for r in records if r["drafter"] != "full")
+
+
+def test_the_report_prices_skipping_with_the_engines_catch_up_run():
+    from hqlab.bench import vllm_report
+
+    assert vllm_report.GPU_FUSED_SKIP_RUN == gpu_fused.SKIP_RUN
