@@ -18,6 +18,9 @@ from hqlab.provenance import machine_description
 from hqlab.trace import Generation
 from hqlab.workloads import Prompt
 
+# a fused config's drafter settings: the replay brings its own drafter (teacher-forced, on the CPU)
+DRAFTER_KEYS = ("model", "dtype", "device", "temperature", "vocab")
+
 
 def frames_from_raw(runs: Sequence[Run], decode: DecodeConfig, meta: dict[str, Any],
                     engines: Sequence[dict[str, Any]] = ()):
@@ -105,7 +108,10 @@ def fused_replay_check(runs: Sequence[Run], prompts: Sequence[tuple[str, str, li
     teacher-forced drafts of `drafter` (`hqlab.replay.teacher`). `prompts` are the run's (id, category, token ids),
     encoded as the bench encoded them. The two agree step for step when the drafter's greedy tokens agree; a
     difference comes from the drafter's numerics (vLLM's GPU kernels in bf16 against the replay's), or from EOS."""
+    from dataclasses import fields
+
     from hqlab.engines.vllm.gpu_fused import NAME, fused_config
+    from hqlab.proposers.fused import FusedConfig
     from hqlab.replay.teacher import replay_fused_grid
     from hqlab.replay.traces import Trace
 
@@ -113,9 +119,8 @@ def fused_replay_check(runs: Sequence[Run], prompts: Sequence[tuple[str, str, li
     rows = []
     for config in dict.fromkeys(r.config for r in runs if r.config.startswith(NAME + ":")):
         c = fused_config(config)
-        keys = {f: getattr(c, f) for f in ("k", "draft_block", "nmax", "policy", "search", "nstrong", "nmin", "agree",
-                                           "nmin_tail", "longmin", "rule", "schedule", "sticky", "entry_steps",
-                                           "stale", "batch_mode")}
+        # every rule setting of the lab's proposer (skip included); the drafter's own keys are the replay's
+        keys = {f.name: getattr(c, f.name) for f in fields(FusedConfig) if f.name not in DRAFTER_KEYS}
         spec = "fused:" + ",".join(f"{k}={v}" for k, v in keys.items())
         alone = {r.prompt_id: r for r in runs if r.config == config and r.concurrency <= 1 and r.repeat == 0}
         missing = sorted(set(alone) - set(ids))

@@ -40,13 +40,18 @@ def test_the_replay_check_finds_live_fused_runs_equal_and_a_mislabelled_one_not(
         return Generation("copy-1", len(prompt), list(output), "length", 0.0, 1.0, 1.0, records)
 
     adaptive = live("fused:k=7,draft_block=3,nmax=32,policy=earliest")
+    skipping = live("fused:k=7,draft_block=3,nmax=32,policy=earliest,skip=1,skip_on=head")
     runs = [Run("gpu-fused:k=7,draft_block=3,nmax=32,policy=earliest", "copy-1", "copy", 0, adaptive),
             Run("gpu-fused:k=7,draft_block=3,nmax=32,policy=earliest,schedule=short", "copy-1", "copy", 0, adaptive),
-            Run("none", "copy-1", "copy", 0, adaptive)]
+            Run("none", "copy-1", "copy", 0, adaptive),
+            Run("gpu-fused:k=7,draft_block=3,nmax=32,policy=earliest,skip=1,skip_on=head", "copy-1", "copy", 0,
+                skipping)]
     table = fused_replay_check(runs, [("copy-1", "copy", prompt)], drafter, max_new_tokens=len(output),
                                progress=False)
     by_config = {row["config"]: row for row in table.iter_rows(named=True)}
-    assert set(by_config) == {runs[0].config, runs[1].config}  # `none` is not a fused config
+    assert set(by_config) == {runs[0].config, runs[1].config, runs[3].config}  # `none` is not a fused config
+    assert by_config[runs[3].config]["difference"] == 0  # skipping replayed with its skip setting
+    assert by_config[runs[3].config]["drafter_share"] < 1 == by_config[runs[0].config]["drafter_share"]
     assert by_config[runs[0].config]["difference"] == 0  # the same rule over the same outputs
     assert by_config[runs[0].config]["tokens_per_step"] > 2  # fusion helped: more than a token and a half a step
     # the adaptive run's records under the label of schedule=short: the check tells them apart
