@@ -12,6 +12,8 @@ run's own greedy outputs, with teacher-forced drafts of the real drafter on the 
   --schedule long replays the same grid with the scheduler fixed to the long block (`schedule=long`): inside vLLM
   every step verifies k positions whatever the block (gpu-fused pads after it), so a block shorter than k saves no
   verify time there, and the lookup's tail fills positions an adaptive short block leaves to the pad.
+  --blocks 1,2 picks the drafter head lengths; --vary nmin_tail=1,4 (repeatable) replays every combination of those
+  fusion settings too; --no-skip replays skip=0 only.
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--drafter", default="qwen2.5-coder-0.5b")
     ap.add_argument("--dtype", default="float32", help="the replay drafter's dtype on the CPU")
+    ap.add_argument("--blocks", default=",".join(map(str, BLOCKS)),
+                    help="drafter head lengths (draft_block) to replay, comma-separated")
+    ap.add_argument("--vary", action="append", default=[], metavar="KEY=V1,V2",
+                    help="a fused setting to replay at each of these values (repeatable: every combination)")
+    ap.add_argument("--no-skip", action="store_true", help="replay skip=0 only (the drafter every step)")
     ap.add_argument("--schedule", default="adaptive", choices=["adaptive", "long"],
                     help="the fused scheduler's mode (SPEC §2.5 adaptive, or always the long block)")
     args = ap.parse_args(argv)
@@ -61,8 +68,19 @@ def main(argv: list[str] | None = None) -> int:
     traces = [Trace.of(prompts[r.prompt_id][1], list(r.generation.output_ids), meta["max_new_tokens"], r.prompt_id,
                        prompts[r.prompt_id][0]) for r in runs]
     mode = "" if args.schedule == "adaptive" else f",schedule={args.schedule}"
-    specs = [f"fused:{SETTINGS},draft_block={b},skip={s},skip_on={on}{mode}" for b in BLOCKS
-             for on, lags in SKIPS.items() for s in lags]
+    try:
+        blocks = [int(b) for b in args.blocks.split(",")]
+    except ValueError:
+        raise ConfigError(f"--blocks: comma-separated draft_block values, e.g. 1,2 (got {args.blocks!r})") from None
+    varied = [""]
+    for item in args.vary:
+        key, _, values = item.partition("=")
+        if not key or not values:
+            raise ConfigError(f"--vary: expected KEY=V1,V2 (got {item!r})")
+        varied = [f"{v},{key}={x}" for v in varied for x in values.split(",")]
+    skips = {"long": (0,)} if args.no_skip else SKIPS
+    specs = [f"fused:{SETTINGS},draft_block={b},skip={s},skip_on={on}{mode}{v}" for b in blocks
+             for on, lags in skips.items() for s in lags for v in varied]
     table = replay_fused_grid(traces, load_drafter(args.drafter, device="cpu", dtype=args.dtype), specs)
     table = table.with_columns(pl.lit(meta["model"]).alias("target"), pl.lit(args.drafter).alias("drafter"),
                                pl.lit(Path(args.raw).name).alias("source"))

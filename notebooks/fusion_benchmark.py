@@ -242,17 +242,16 @@ pl.concat([vllm_report.fused_what_if(table.filter(pl.col("category") == c), fit,
 # `data/results/fused_skip_replay.parquet`; with `--schedule long`, `fused_long_replay.parquet`) and
 # `vllm_report.skip_what_if` prices each replay with the run's fitted drafter pass. A skipped step costs the lookup's
 # step if the drafter catches up later (`lookup only`); gpu-fused as built adds its catch-up pass once per
-# SKIP_RUN + 1 = 4 skipped steps (`as built`).
+# SKIP_RUN + 1 = 8 skipped steps (`as built`).
 #
 # Two schedules. The adaptive one (SPEC §2.5) verifies the short block (the drafter's head) until a copy is
 # confirmed, then the long one. Inside vLLM that shortness saves nothing: every step verifies k positions whatever the
 # block (gpu-fused pads after it), so `schedule=long` fills with the lookup's tail what the short block leaves to the
 # pad. Below: the predicted gpu-fused ÷ gpu-lookup for the best draft_block per class and setting. With the adaptive
-# schedule, skipping after a head the lookup filled, one step late, is best (copy 0.77×, edit 0.74×, quote 0.71-0.75×,
-# code 0.68× as built, against 0.54-0.57× without skipping). With the long block every document class gains: copy
-# 0.87×, edit 0.85×, quote 0.93×, summary 0.77×, qa 0.76×, code 0.72×; chat 1.00×. No setting reaches the issue's
-# 0.95× on every class at this pass price (1.24 ms): the steps before a skip takes effect, and those where the lookup
-# stops deciding, still pay the drafter.
+# schedule, skipping after a head the lookup filled is best (as built, lag 2: copy 0.76×, edit 0.74×, quote 0.69×,
+# code 0.67×, against 0.54-0.57× without skipping). With the long block every document class gains (lag 2 or no
+# skipping: copy 0.89×, edit 0.86×, quote 0.84×, summary 0.75×, qa 0.76×, code 0.72×; chat 1.00×). With HyperQwen's
+# fusion thresholds no setting reaches the issue's 0.95× at this pass price (1.24 ms); the next section changes them.
 
 # %%
 skip_files = [Path(published_dir) / name for name in ("fused_skip_replay.parquet", "fused_long_replay.parquet")]
@@ -276,6 +275,48 @@ chart
 # %%
 best.sort("built_vs_lookup", descending=True).group_by("category", maintain_order=True).first().select(
     "category", "skipping", "passes", "tokens_per_step", "drafter_share", "built_vs_lookup", "lookup_only_vs_lookup"
+).sort(pl.col("category").cast(pl.Enum(classes)))
+
+# %% [markdown]
+# ### One drafter pass and a drafter-confirmed lookup tail (thresholds, replayed and priced)
+#
+# The fusion thresholds were HyperQwen's (nstrong 6, nmin_tail 4: the lookup's tail only after a match of 4 tokens).
+# Inside vLLM a drafter pass costs ~1.24 ms, so the cheapest drafter is one pass: `draft_block=1`, the catch-up pass
+# alone, a head of one token. With the long block always and `nmin_tail=1`, a step proposes the lookup's whole
+# continuation whenever the drafter's token equals the lookup's first (or the match is strong), else the drafter's
+# one token: the drafter confirms the lookup instead of competing with it. `benchmarks/fused_skip_replay.py
+# --schedule long --blocks 1,2 --no-skip --vary nmin_tail=1,2,4 --vary nstrong=4,6` replayed it over run `fb`'s
+# outputs (`data/results/fused_threshold_replay.parquet`, with `--blocks 1 --vary nmin_tail=1 --vary nstrong=6`
+# for the skip settings too), priced as above. Predicted gpu-fused ÷ gpu-lookup with one pass, nmin_tail 1 and
+# nstrong 6: chat 1.17x, summary 1.14x, qa 1.10x, quote 0.93x, copy 0.86x, edit 0.83x, code 0.82x; with HyperQwen's
+# nmin_tail 4, chat 1.04x, summary 0.86x, qa 0.81x. Two passes lose everywhere. Adding the skip after a lookup-filled
+# head (lag 2, as built): chat 1.16x, summary 1.12x, qa 1.10x, quote 0.99x, copy 0.98x, edit 0.94x, code 0.82x, which
+# meets the issue's targets on every class but edit (0.95x) and code. This is a prediction from the fitted pass
+# price (one pass lies below the 2-7 passes it was fitted on): the next GPU run measures it.
+
+# %%
+threshold_file = Path(published_dir) / "fused_threshold_replay.parquet"
+thresholds = (vllm_report.skip_what_if(pl.read_parquet(threshold_file), table, fit)
+              .with_columns(pl.col("config").str.extract(r"nmin_tail=(\d+)").cast(pl.Int64).alias("nmin_tail"),
+                            pl.col("config").str.extract(r"nstrong=(\d+)").cast(pl.Int64).alias("nstrong"))
+              .with_columns(pl.format("{} pass{}, skip {}{}, nmin_tail {}, nstrong {}", "passes",
+                                      pl.when(pl.col("passes") > 1).then(pl.lit("es")).otherwise(pl.lit("")),
+                                      "skip", pl.when(pl.col("skip") > 0).then(pl.format(" after {}", "skip_on"))
+                                      .otherwise(pl.lit("")), "nmin_tail", "nstrong").alias("setting")))
+by_setting = (thresholds.group_by("category", "setting", "passes", "skip", "nmin_tail", "nstrong")
+              .agg(pl.col("tokens_per_step").median(), pl.col("built_vs_lookup").median(),
+                   pl.col("drafter_share").median())
+              .sort(pl.col("category").cast(pl.Enum(classes)), "passes", "skip", "nmin_tail", "nstrong"))
+# the figure: HyperQwen's tail threshold against 1, without skipping and with lag 2 (the table below has them all)
+shown = by_setting.filter((pl.col("nstrong") == 6) & pl.col("nmin_tail").is_in([1, 4]) & pl.col("skip").is_in([0, 2]))
+chart = plots.bar_panels(shown, "category", "setting", {"built_vs_lookup": "÷ gpu-lookup (predicted)",
+                                                        "tokens_per_step": "tokens per step"})
+plots.save(chart, figures / "vllm_fused_h200_thresholds.svg")
+chart
+
+# %%
+by_setting.sort("built_vs_lookup", descending=True).group_by("category", maintain_order=True).first().select(
+    "category", "setting", "tokens_per_step", "drafter_share", "built_vs_lookup"
 ).sort(pl.col("category").cast(pl.Enum(classes)))
 
 # %% [markdown]

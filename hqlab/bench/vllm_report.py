@@ -17,7 +17,7 @@ from hqlab.config import ConfigError, parse_spec
 CUSTOM_CLASS = "lookup:"  # configs run through the host-side custom_class adapter start with this
 # gpu-fused with `skip`: drafter-free steps in a row before a catch-up pass (hqlab.engines.vllm.gpu_fused.SKIP_RUN, kept
 # equal by a test; this module stays free of torch)
-GPU_FUSED_SKIP_RUN = 3
+GPU_FUSED_SKIP_RUN = 7
 
 
 def family(config: str) -> str:

@@ -55,9 +55,10 @@ CLASS_PATH = "hqlab.engines.vllm.gpu_fused.GpuFusedSpeculator"
 PREFILL_CHUNK = 1024  # prompt tokens fed to the drafter per eager call (bounds its activation memory)
 GRAPH_MAX_BATCH = 16  # batch sizes above this draft eagerly
 RECORD_CAPACITY = 4096
-# With `skip`, at most this many drafter-free steps in a row per request before a catch-up pass: the catch-up pass
-# then feeds up to (SKIP_RUN + 1) * (k + 1) tokens, so its width, not a host read, bounds how far the drafter lags.
-SKIP_RUN = 3
+# With `skip`, at most this many drafter-free steps in a row per request before a catch-up pass: a catch-up pass
+# after drafter-free steps feeds up to (SKIP_RUN + 1) * (k + 1) tokens, so its width, not a host read, bounds how far
+# the drafter lags. Steps where no row is behind keep the narrow pass (k + 1 positions).
+SKIP_RUN = 7
 SNAPSHOTS = 4  # pinned host copies of the skip marks in flight (the host runs up to three steps ahead)
 KINDS = ("full", "catch_up", "lookup")  # what a drafting step runs of the drafter: all passes, the catch-up, none
 
@@ -217,8 +218,8 @@ class GpuFusedSpeculator:
 
         c = self.config
         self.k, self.block = c.k, c.draft_block
-        self.q = c.k + 1  # a step emits at most k + 1 tokens
-        # the catch-up pass's width: one step's tokens, or with `skip` those of SKIP_RUN drafter-free steps too
+        self.q = c.k + 1  # a step emits at most k + 1 tokens: the catch-up pass's width
+        # with `skip`, the wide catch-up pass after drafter-free steps: SKIP_RUN steps' tokens and this step's
         self.width = self.q * (SKIP_RUN + 1 if c.skip else 1)
         self.device, self.dtype, self.pad = torch.device(device), dtype, pad
         self.max_num_reqs, self.max_model_len = max_num_reqs, max_model_len
@@ -250,8 +251,11 @@ class GpuFusedSpeculator:
         self.recorder = FusedRecorder(RECORD_CAPACITY, max_num_reqs, c.k, dev) if record else None
         self.buckets = attention_buckets(self.cache_len)
         self.use_graphs = False
-        self.graphs: dict[tuple[int, int, str], Any] = {}
-        self.kinds = KINDS if c.skip else KINDS[:1]
+        self.graphs: dict[tuple[int, int, str, int], Any] = {}
+        # (kind, catch-up width) of each graph: with `skip` a whole step narrow or wide (after drafter-free steps),
+        # the catch-up pass alone (always wide) and no drafter pass
+        self.variants = [("full", self.q), ("full", self.width), ("catch_up", self.width), ("lookup", 0)] \
+            if c.skip else [("full", self.q)]
         self.steps_by_kind = dict.fromkeys(KINDS, 0)  # plain counters: drafting steps per kind of graph run
         self._step = 0  # drafting steps so far (the host's clock for the skip marks' copies)
         # host-side skip bookkeeping: per slot the step at which its current request sampled first (marks copied
@@ -302,8 +306,9 @@ class GpuFusedSpeculator:
         self.use_graphs = getattr(cudagraph_mode, "name", "NONE") != "NONE"
 
     def capture(self) -> None:
-        """One CUDA graph per (batch size, attention bucket, kind): the catch-up pass, the head passes, the lookup and
-        the fusion/schedule rule, launched as one graph per step (with `skip` also the drafter-free kinds)."""
+        """One CUDA graph per (batch size, attention bucket, kind, catch-up width): the catch-up pass, the head passes,
+        the lookup and the fusion/schedule rule, launched as one graph per step (with `skip` also the drafter-free kinds
+        and the wide catch-up)."""
         if not (self.use_graphs and self.config.graphs and self.ready and self.device.type == "cuda"):
             return
         pool = torch.cuda.graph_pool_handle()
@@ -313,16 +318,16 @@ class GpuFusedSpeculator:
                 self.num_sampled.zero_()  # inactive rows: no state changes while capturing
                 self.fresh.zero_()
                 for bucket in self.buckets:
-                    for kind in self.kinds:
+                    for kind, width in self.variants:
                         stream = torch.cuda.Stream(self.device)
                         stream.wait_stream(torch.cuda.current_stream(self.device))
                         with torch.cuda.stream(stream):
-                            self._draft(m, bucket, kind)
+                            self._draft(m, bucket, kind, width)
                         torch.cuda.current_stream(self.device).wait_stream(stream)
                         graph = torch.cuda.CUDAGraph()
                         with torch.cuda.graph(graph, pool=pool):
-                            self._draft(m, bucket, kind)
-                        self.graphs[(m, bucket, kind)] = graph
+                            self._draft(m, bucket, kind, width)
+                        self.graphs[(m, bucket, kind, width)] = graph
         except RuntimeError as e:
             self.graphs.clear()
             warnings.warn(f"{NAME}: capturing the drafting step failed ({e}); it runs eagerly", RuntimeWarning,
@@ -371,11 +376,14 @@ class GpuFusedSpeculator:
         bucket = next((x for x in self.buckets if x >= reach + self.width + self.block), self.buckets[-1])
         sampling = ~(prefilling & ~fresh)  # rows that may sample this step (a prompt's inner chunk does not)
         kind = self._choose_kind(slots_np, fresh, sampling)
-        graph = self.graphs.get((n, bucket, kind))
+        # the narrow catch-up unless a row missed drafter-free steps (the host counts them, `_behind`)
+        behind = bool(self._behind[slots_np[sampling].astype(np.int64)].any())
+        width = 0 if kind == "lookup" else self.width if kind == "catch_up" or behind else self.q
+        graph = self.graphs.get((n, bucket, kind, width))
         if graph is not None:
             graph.replay()
         else:
-            self._draft(n, bucket, kind)
+            self._draft(n, bucket, kind, width)
         self._after_step(slots_np, fresh, sampling, kind)
         if self.recorder is not None:
             self.recorder.note(list(req_ids), time.perf_counter() - start, kind)
@@ -452,10 +460,11 @@ class GpuFusedSpeculator:
         if not done:
             self.prefilled[req_id] = end
 
-    def _draft(self, m: int, attn_len: int, kind: str = "full") -> None:
+    def _draft(self, m: int, attn_len: int, kind: str = "full", width: int = 0) -> None:
         """Rows [0, m) of the step buffers -> `out[:m]`. Static shapes, no host reads: the captured graphs' body.
         `kind` "catch_up" runs only the catch-up pass, "lookup" no drafter pass (the host chose them because every
-        row skips the drafter: the fusion rule ignores `drafts`)."""
+        row skips the drafter: the fusion rule ignores `drafts`). `width`: the catch-up pass's positions (default
+        k + 1), at least the tokens each row emitted since its drafter last ran."""
         assert self.state is not None and self.row_offsets is not None
         all_ids, total_len = self.state
         slots, ns = self.slots[:m], self.num_sampled[:m]
@@ -463,9 +472,10 @@ class GpuFusedSpeculator:
         sampled = ns > 0
         if kind != "lookup":
             # Catch-up: the tokens emitted since the drafter last saw this request (<= width), at their positions.
+            width = width or self.q
             dlen = self.dlen[slots]
-            count = torch.where(sampled, total - dlen, 0).clamp(0, self.width)
-            pos = (dlen[:, None] + self.arange_w).clamp(max=self.max_model_len - 1)
+            count = torch.where(sampled, total - dlen, 0).clamp(0, width)
+            pos = (dlen[:, None] + self.arange_w[:width]).clamp(max=self.max_model_len - 1)
             tokens = all_ids[slots[:, None], pos].long()
             last = (count - 1).clamp(min=0)
             first = self.drafter.extend(slots, tokens, dlen, last, attn_len)

@@ -361,18 +361,18 @@ def test_drafter_free_steps_change_no_draft(skip, skip_on):
     drafts equal those of the same speculator made to run every drafter pass, while the copying request's steps
     mostly run without the drafter (and with the catch-up pass after SKIP_RUN of them)."""
     g = torch.Generator().manual_seed(3)
-    passage = torch.randint(0, 60, (120,), generator=g).tolist()
+    passage = torch.randint(0, 60, (200,), generator=g).tolist()
     reqs = {"copy": (torch.randint(0, 60, (30,), generator=g).tolist() + passage + [61],
-                     passage[:90] + torch.randint(0, 60, (30,), generator=g).tolist()),
+                     passage[:170] + torch.randint(0, 60, (30,), generator=g).tolist()),
             "prose": (torch.randint(0, 60, (50,), generator=g).tolist(),
                       torch.randint(0, 60, (20,), generator=g).tolist())}
     slot_of = {"copy": 1, "prose": 0}
     config = fused_config(f"gpu-fused:k=7,draft_block=3,nmax=8,skip={skip},skip_on={skip_on}")
     runs = []
     for choose in (True, False):
-        spec = GpuFusedSpeculator.standalone(config, max_num_reqs=2, max_model_len=320, pad=63, device="cpu",
+        spec = GpuFusedSpeculator.standalone(config, max_num_reqs=2, max_model_len=480, pad=63, device="cpu",
                                              dtype=torch.float32, record=True)
-        ids, total = torch.zeros(2, 320, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+        ids, total = torch.zeros(2, 480, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
         spec.bind(ids, total)
         spec.drafter = tiny_qwen2(2, spec.cache_len)
         if not choose:
@@ -384,9 +384,7 @@ def test_drafter_free_steps_change_no_draft(skip, skip_on):
     assert slow_kinds["lookup"] == slow_kinds["catch_up"] == 0
     skipped = [r for r in records if r["draft_valid"] == 0 and r["request"] == "copy"]
     assert skipped, "the copy request never skipped the drafter"
-    assert kinds["lookup"] > 0 and kinds["full"] > 0
-    if kinds["lookup"] > SKIP_RUN:
-        assert kinds["catch_up"] > 0
+    assert kinds["lookup"] > SKIP_RUN and kinds["full"] > 0 and kinds["catch_up"] > 0  # every kind ran
     # drafter-free kinds only where the device decided that every sampling row skips
     for r in records:
         if r["drafter"] != "full":
@@ -399,31 +397,31 @@ def test_drafter_free_graphs_change_no_draft_on_the_gpu():
     random-weight drafter): the host learns the skip marks through asynchronous copies, so it may choose the
     drafter-free graphs later than on the CPU, but never where a row drafts, and the drafts stay equal."""
     g = torch.Generator().manual_seed(3)
-    passage = torch.randint(0, 60, (120,), generator=g).tolist()
+    passage = torch.randint(0, 60, (200,), generator=g).tolist()
     reqs = {"copy": (torch.randint(0, 60, (30,), generator=g).tolist() + passage + [61],
-                     passage[:90] + torch.randint(0, 60, (30,), generator=g).tolist()),
+                     passage[:170] + torch.randint(0, 60, (30,), generator=g).tolist()),
             "prose": (torch.randint(0, 60, (50,), generator=g).tolist(),
                       torch.randint(0, 60, (20,), generator=g).tolist())}
     config = fused_config("gpu-fused:k=7,draft_block=3,nmax=8,skip=2,skip_on=head")
     runs = []
     for choose in (True, False):
-        spec = GpuFusedSpeculator.standalone(config, max_num_reqs=2, max_model_len=320, pad=63, device="cuda",
+        spec = GpuFusedSpeculator.standalone(config, max_num_reqs=2, max_model_len=480, pad=63, device="cuda",
                                              dtype=torch.bfloat16, record=True)
-        ids = torch.zeros(2, 320, dtype=torch.int32, device="cuda")
+        ids = torch.zeros(2, 480, dtype=torch.int32, device="cuda")
         total = torch.zeros(2, dtype=torch.int32, device="cuda")
         spec.bind(ids, total)
         spec.drafter = tiny_qwen2(2, spec.cache_len, device="cuda", dtype=torch.bfloat16, attention="flash")
         spec.buckets = [spec.cache_len]  # as load_drafter sets it for FlashAttention
         spec.init_cudagraph_manager(SimpleNamespace(name="FULL"))
         spec.capture()
-        assert {kind for _, _, kind in spec.graphs} == set(gpu_fused.KINDS)
+        assert {kind for _, _, kind, _ in spec.graphs} == set(gpu_fused.KINDS)
         if not choose:
             spec._choose_kind = lambda *args: "full"
         steps = drive(spec, reqs, {"copy": 1, "prose": 0}, ids, total, config.k)
         runs.append((steps, spec.steps_by_kind, spec.take_records()))
     (fast, kinds, records), (slow, _, _) = runs
     assert fast == slow
-    assert kinds["lookup"] > 0
+    assert kinds["lookup"] > 0 and kinds["catch_up"] > 0
     assert all(r["draft_valid"] == 0 for r in records if r["drafter"] != "full")
 
 
