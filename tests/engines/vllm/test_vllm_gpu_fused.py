@@ -57,10 +57,12 @@ def requests(tok) -> dict[str, tuple[list[int], list[int], int]]:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs the suffix-match kernel in Triton's interpreter on CPU "
                     "tensors (tests/conftest.py turns it on only without a GPU); on a GPU the bench's replay check "
                     "compares the same blocks")
-@pytest.mark.parametrize("skip", ["", ",skip=1,skip_on=head"], ids=["every-step", "skip"])
-def test_fused_blocks_equal_the_reference_step_for_step(tokenizer, skip):
-    # a short head (3 drafter passes per step) keeps the two 0.5B drafters' CPU time to about a minute
-    config = fused_config(f"gpu-fused:k=7,draft_block=3,nmax=32,policy=earliest,dtype=float32,device=cpu{skip}")
+@pytest.mark.parametrize("settings", ["draft_block=3", "draft_block=3,skip=1,skip_on=head",
+                                      "draft_block=1,schedule=long,nmin_tail=1,skip=2,skip_on=head"],
+                         ids=["every-step", "skip", "one-pass-long-block"])
+def test_fused_blocks_equal_the_reference_step_for_step(tokenizer, settings):
+    # a short head (at most 3 drafter passes per step) keeps the two 0.5B drafters' CPU time to about a minute
+    config = fused_config(f"gpu-fused:k=7,nmax=32,policy=earliest,dtype=float32,device=cpu,{settings}")
     spec = GpuFusedSpeculator.standalone(config, max_num_reqs=SLOTS, max_model_len=WIDTH, pad=VOCAB - 1,
                                          device="cpu", dtype=torch.float32, record=True)
     reference = FusedProposer(FusedConfig(**{f: getattr(config, f) for f in FusedConfig.__dataclass_fields__}))
@@ -132,7 +134,7 @@ def test_fused_blocks_equal_the_reference_step_for_step(tokenizer, skip):
     records = spec.take_records()
     assert compared >= 8 and SOURCE_DRAFT in sources and SOURCE_LOOKUP in sources  # both proposers exercised
     assert any(r["block"] == config.k for r in records)  # the copy request reached the long block
-    if skip:  # and skipped its drafter on some steps, as the reference did
+    if config.skip:  # and skipped its drafter on some steps, as the reference did
         assert any(r["draft_valid"] == 0 and r["request"] == "copy" for r in records)
     assert state["copy"]["computed"] > len(reqs["copy"][0]) + 25  # and its long blocks were accepted
 
