@@ -217,8 +217,9 @@ def drafter_pass_fit(steps: pl.DataFrame, run: str) -> tuple[pl.DataFrame, dict[
     width k on that request plus a fixed drafting overhead plus one price per drafter pass (a step runs
     `draft_block` passes: the catch-up pass, then one per further drafted token):
     step_ms = lookup_step_ms + fixed_ms + passes * per_pass_ms, fitted by least squares over every (request,
-    config). Returns the per-(request, config) table (tokens per step and median step ms of the config and of the
-    lookup, passes) and the fit {fixed_ms, per_pass_ms, residual_ms}."""
+    config). Configs with `skip` are left out: their steps run a varying number of passes. Returns the per-(request,
+    config) table (tokens per step and median step ms of the config and of the lookup, passes) and the fit
+    {fixed_ms, per_pass_ms, residual_ms}."""
     import numpy as np
 
     alone = steps.filter((pl.col("run") == run) & (pl.col("load") == "alone"))
@@ -227,6 +228,8 @@ def drafter_pass_fit(steps: pl.DataFrame, run: str) -> tuple[pl.DataFrame, dict[
                 (pl.col("step_s").median() * 1e3).alias("step_ms")))
     lookups = per.filter(pl.col("config").str.starts_with("gpu-lookup"))
     fused = per.filter(pl.col("config").str.starts_with("gpu-fused"))
+    fused = fused.filter(pl.col("config").map_elements(lambda c: _fused_settings(c, "skip")[0] == 0,
+                                                       return_dtype=pl.Boolean))
     if lookups.is_empty() or fused.is_empty():
         raise ConfigError(f"run {run!r}: the drafter-pass fit needs gpu-lookup and gpu-fused steps at batch 1 "
                           f"(found configs {sorted(per['config'].unique().to_list())})")

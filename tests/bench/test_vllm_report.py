@@ -122,6 +122,17 @@ def test_drafter_pass_fit_names_the_run_that_has_no_fused_steps(fused):
 SKIP_REPLAY = RESULTS.with_name("fused_skip_replay.parquet")
 
 
+def test_drafter_pass_fit_leaves_out_configs_that_skip_the_drafter(fused):
+    """A skipping config's steps run 0, 1 or draft_block passes: relabelled as one, run fb's block-4 config drops
+    out of the fit, which then stands on blocks 2 and 7 alone."""
+    block4 = "gpu-fused:k=15,draft_block=4,nmax=32,policy=earliest,compile=true"
+    steps = fused["steps"].with_columns(pl.col("config").replace(block4, block4 + ",skip=2"))
+    table, fit = vllm_report.drafter_pass_fit(steps, "fb")
+    assert sorted(table["passes"].unique().to_list()) == [2, 7]
+    full, _ = vllm_report.drafter_pass_fit(fused["steps"], "fb")
+    assert table.height == full.filter(pl.col("passes") != 4).height
+
+
 def test_skip_replay_prices_agree_with_the_pass_fit_and_with_the_live_replay_check(fused):
     """benchmarks/fused_skip_replay.py over run fb's outputs, priced by `skip_what_if`: without skipping, its
     tokens/step are the replay check's for the same configs (same outputs, the run was lossless) and its prices are
