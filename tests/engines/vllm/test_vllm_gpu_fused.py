@@ -370,19 +370,31 @@ def test_drafter_free_steps_change_no_draft(skip, skip_on):
                       torch.randint(0, 60, (20,), generator=g).tolist())}
     slot_of = {"copy": 1, "prose": 0}
     config = fused_config(f"gpu-fused:k=7,draft_block=3,nmax=8,skip={skip},skip_on={skip_on}")
+
+    def late(spec: GpuFusedSpeculator) -> Any:
+        """The host sees the marks one copy late, as when the newest copy has not arrived (a GPU ahead of it)."""
+        def newest() -> Any:
+            arrived = sorted((x for x in spec._snapshots if x["step"] >= 0), key=lambda x: -x["step"])
+            return arrived[1] if len(arrived) > 1 else None
+        return newest
+
     runs = []
-    for choose in (True, False):
+    for how in ("choose", "every-pass", "late"):
         spec = GpuFusedSpeculator.standalone(config, max_num_reqs=2, max_model_len=480, pad=63, device="cpu",
                                              dtype=torch.float32, record=True)
         ids, total = torch.zeros(2, 480, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
         spec.bind(ids, total)
         spec.drafter = tiny_qwen2(2, spec.cache_len)
-        if not choose:
+        if how == "every-pass":
             spec._choose_kind = lambda *args: "full"  # every drafter pass, every step: the drafts to match
+        elif how == "late":
+            spec._newest_snapshot = late(spec)
         steps = drive(spec, reqs, slot_of, ids, total, config.k)
         runs.append((steps, spec.steps_by_kind, spec.take_records()))
-    (fast, kinds, records), (slow, slow_kinds, _) = runs
-    assert fast == slow
+    (fast, kinds, records), (slow, slow_kinds, _), (lagging, late_kinds, _) = runs
+    assert fast == slow == lagging
+    # a copy one step old proves a skip only with a lag of 2 or more: it then still saves passes
+    assert (late_kinds["lookup"] > 0) == (skip >= 2)
     assert slow_kinds["lookup"] == slow_kinds["catch_up"] == 0
     skipped = [r for r in records if r["draft_valid"] == 0 and r["request"] == "copy"]
     assert skipped, "the copy request never skipped the drafter"
