@@ -54,6 +54,17 @@ def requests(tok) -> dict[str, tuple[list[int], list[int], int]]:
             "prose": (prose[:100], prose[100:160], 64)}
 
 
+def verified(drafts: list[int], target: list[int], done: int) -> list[int]:
+    """What a greedy target emits after `done` tokens of `target` when it verifies `drafts`: the longest agreeing
+    prefix, then its own next token."""
+    accepted = 0
+    for d, t in zip(drafts, target[done:]):
+        if d != t:
+            break
+        accepted += 1
+    return target[done:done + accepted + 1]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs the suffix-match kernel in Triton's interpreter on CPU "
                     "tensors (tests/conftest.py turns it on only without a GPU); on a GPU the bench's replay check "
                     "compares the same blocks")
@@ -103,13 +114,7 @@ def test_fused_blocks_equal_the_reference_step_for_step(tokenizer, settings):
                 prefilling.append(False)
                 computed_prefill.append(len(prompt))
                 scheduled.append(1 + config.k)
-                done = len(st["out"])
-                accepted = 0
-                for d, t in zip(st["drafts"], target[done:]):
-                    if d != t:
-                        break
-                    accepted += 1
-                emitted = target[done:done + accepted + 1]
+                emitted = verified(st["drafts"], target, len(st["out"]))
                 st["computed"] += len(emitted)
             start = len(prompt) + len(st["out"])
             ids[s, start:start + len(emitted)] = torch.tensor(emitted, dtype=torch.int32)
@@ -333,12 +338,7 @@ def drive(spec: GpuFusedSpeculator, reqs: dict[str, tuple[list[int], list[int]]]
             if st["fresh"]:  # the prompt's only chunk: it samples the first output token
                 emitted = [target[0]]
             else:
-                accepted = 0
-                for d, t in zip(st["drafts"], target[done:]):
-                    if d != t:
-                        break
-                    accepted += 1
-                emitted = target[done:done + accepted + 1]
+                emitted = verified(st["drafts"], target, done)
             prefilling.append(st["fresh"])
             start = len(prompt) + done
             ids[slot_of[r], start:start + len(emitted)] = torch.tensor(emitted, dtype=torch.int32)
@@ -357,17 +357,23 @@ def drive(spec: GpuFusedSpeculator, reqs: dict[str, tuple[list[int], list[int]]]
     return steps
 
 
+def skip_requests() -> dict[str, tuple[list[int], list[int]]]:
+    """Tiny-vocabulary requests (prompt, the target's output): "copy" copies 170 tokens of a passage in its prompt,
+    then stops copying (the drafter runs again after drafter-free steps); "prose" is short and never copies."""
+    g = torch.Generator().manual_seed(3)
+    passage = torch.randint(0, 60, (200,), generator=g).tolist()
+    return {"copy": (torch.randint(0, 60, (30,), generator=g).tolist() + passage + [61],
+                     passage[:170] + torch.randint(0, 60, (30,), generator=g).tolist()),
+            "prose": (torch.randint(0, 60, (50,), generator=g).tolist(),
+                      torch.randint(0, 60, (20,), generator=g).tolist())}
+
+
 @pytest.mark.parametrize("skip, skip_on", [(1, "head"), (2, "head"), (2, "long")])
 def test_drafter_free_steps_change_no_draft(skip, skip_on):
     """With `skip`, the host runs the drafter-free graph kinds only where every row skips the drafter: each step's
     drafts equal those of the same speculator made to run every drafter pass, while the copying request's steps
     mostly run without the drafter (and with the catch-up pass after SKIP_RUN of them)."""
-    g = torch.Generator().manual_seed(3)
-    passage = torch.randint(0, 60, (200,), generator=g).tolist()
-    reqs = {"copy": (torch.randint(0, 60, (30,), generator=g).tolist() + passage + [61],
-                     passage[:170] + torch.randint(0, 60, (30,), generator=g).tolist()),
-            "prose": (torch.randint(0, 60, (50,), generator=g).tolist(),
-                      torch.randint(0, 60, (20,), generator=g).tolist())}
+    reqs = skip_requests()
     slot_of = {"copy": 1, "prose": 0}
     config = fused_config(f"gpu-fused:k=7,draft_block=3,nmax=8,skip={skip},skip_on={skip_on}")
 
@@ -410,12 +416,7 @@ def test_drafter_free_graphs_change_no_draft_on_the_gpu():
     """The same comparison with every kind of drafting step captured in CUDA graphs (bf16, FlashAttention, a tiny
     random-weight drafter): the host learns the skip marks through asynchronous copies, so it may choose the
     drafter-free graphs later than on the CPU, but never where a row drafts, and the drafts stay equal."""
-    g = torch.Generator().manual_seed(3)
-    passage = torch.randint(0, 60, (200,), generator=g).tolist()
-    reqs = {"copy": (torch.randint(0, 60, (30,), generator=g).tolist() + passage + [61],
-                     passage[:170] + torch.randint(0, 60, (30,), generator=g).tolist()),
-            "prose": (torch.randint(0, 60, (50,), generator=g).tolist(),
-                      torch.randint(0, 60, (20,), generator=g).tolist())}
+    reqs = skip_requests()
     config = fused_config("gpu-fused:k=7,draft_block=3,nmax=8,skip=2,skip_on=head")
     runs = []
     for choose in (True, False):
