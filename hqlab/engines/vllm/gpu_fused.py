@@ -122,7 +122,7 @@ def attention_buckets(max_len: int, smallest: int = 512) -> list[int]:
 
 class FusedRecorder(RecordRing):
     """Per-step fused blocks and their decisions, kept on the GPU and read back in one copy by `take`; the host adds
-    each step's kind of drafting run (`KINDS`)."""
+    each step's kind of drafting run (`KINDS`), with the drafter passes it ran and its catch-up pass's width."""
 
     FIELDS = ("context_len", "match_len", "valid", "block", "proposed", "take_flag", "head_taken", "tail_taken",
               "draft_valid")
@@ -132,11 +132,11 @@ class FusedRecorder(RecordRing):
         self.meta = torch.zeros(capacity, max_reqs, len(self.FIELDS), dtype=torch.int32, device=device)
         self.tokens = torch.zeros(capacity, max_reqs, k, dtype=torch.int64, device=device)
         self.sources = torch.zeros(capacity, max_reqs, k, dtype=torch.int8, device=device)
-        self.kinds: list[str] = []  # per noted step, beside RecordRing.steps
+        self.kinds: list[tuple[str, int, int]] = []  # per noted step, beside RecordRing.steps: (kind, passes, width)
 
-    def note(self, req_ids: list[str], host_s: float, kind: str = "full") -> None:
+    def note(self, req_ids: list[str], host_s: float, kind: str = "full", passes: int = 0, width: int = 0) -> None:
         super().note(req_ids, host_s)
-        self.kinds.append(kind)
+        self.kinds.append((kind, int(passes), int(width)))
 
     def restart(self) -> None:
         super().restart()
@@ -156,7 +156,7 @@ class FusedRecorder(RecordRing):
             return []
         meta, tokens, sources = self.meta.cpu().numpy(), self.tokens.cpu().numpy(), self.sources.cpu().numpy()
         out = []
-        for (slot, req_ids, host_s), kind in zip(steps, kinds):
+        for (slot, req_ids, host_s), (kind, passes, width) in zip(steps, kinds):
             for i, rid in enumerate(req_ids):
                 row = dict(zip(self.FIELDS, (int(x) for x in meta[slot, i])))
                 n = row["proposed"]  # the block's real tokens; pad follows up to k
@@ -165,7 +165,8 @@ class FusedRecorder(RecordRing):
                             "sources": [int(s) for s in sources[slot, i, :n]], "propose_s": host_s,
                             "batch": len(req_ids), "block": row["block"], "take_flag": bool(row["take_flag"]),
                             "head_taken": bool(row["head_taken"]), "tail_taken": bool(row["tail_taken"]),
-                            "lookup_valid": row["valid"], "draft_valid": row["draft_valid"], "drafter": kind})
+                            "lookup_valid": row["valid"], "draft_valid": row["draft_valid"], "drafter": kind,
+                            "drafter_passes": passes, "drafter_width": width})
         return out
 
 
@@ -386,7 +387,7 @@ class GpuFusedSpeculator:
             self._draft(n, bucket, kind, width)
         self._after_step(slots_np, fresh, sampling, kind)
         if self.recorder is not None:
-            self.recorder.note(list(req_ids), time.perf_counter() - start, kind)
+            self.recorder.note(list(req_ids), time.perf_counter() - start, kind, self.passes(kind), width)
         return self.out[:n]
 
     def _choose_kind(self, slots: np.ndarray, fresh: np.ndarray, sampling: np.ndarray) -> str:
@@ -419,6 +420,10 @@ class GpuFusedSpeculator:
             if snap["event"] is None or snap["event"].query():
                 return snap
         return None
+
+    def passes(self, kind: str) -> int:
+        """Drafter forward passes a step of this kind runs: the catch-up pass and the head's further tokens."""
+        return {"full": self.block, "catch_up": 1, "lookup": 0}[kind]
 
     def _after_step(self, slots: np.ndarray, fresh: np.ndarray, sampling: np.ndarray, kind: str) -> None:
         """Host bookkeeping after a drafting step was launched; with `skip`, copy its marks to the host."""

@@ -65,9 +65,12 @@ def verified(drafts: list[int], target: list[int], done: int) -> list[int]:
     return target[done:done + accepted + 1]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the suffix-match kernel in Triton's interpreter on CPU "
-                    "tensors (tests/conftest.py turns it on only without a GPU); on a GPU the bench's replay check "
-                    "compares the same blocks")
+# tests/conftest.py turns Triton's interpreter on only without a GPU
+INTERPRETER_ONLY = ("runs the suffix-match kernel in Triton's interpreter on CPU tensors; on a GPU the captured-graph "
+                    "test and the bench's replay check compare the same blocks")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason=INTERPRETER_ONLY)
 @pytest.mark.parametrize("settings", ["draft_block=3", "draft_block=3,skip=1,skip_on=head",
                                       "draft_block=1,schedule=long,nmin_tail=1,skip=2,skip_on=head"],
                          ids=["every-step", "skip", "one-pass-long-block"])
@@ -368,6 +371,7 @@ def skip_requests() -> dict[str, tuple[list[int], list[int]]]:
                       torch.randint(0, 60, (20,), generator=g).tolist())}
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason=INTERPRETER_ONLY)
 @pytest.mark.parametrize("skip, skip_on", [(1, "head"), (2, "head"), (2, "long")])
 def test_drafter_free_steps_change_no_draft(skip, skip_on):
     """With `skip`, the host runs the drafter-free graph kinds only where every row skips the drafter: each step's
@@ -409,24 +413,36 @@ def test_drafter_free_steps_change_no_draft(skip, skip_on):
     for r in records:
         if r["drafter"] != "full":
             assert r["draft_valid"] == 0, r
+        # the passes and catch-up width each step ran, as the engine's step records carry them
+        assert (r["drafter_passes"], r["drafter_width"] > 0) == {
+            "full": (config.draft_block, True), "catch_up": (1, True), "lookup": (0, False)}[r["drafter"]], r
+    assert {r["drafter_width"] for r in records} == {0, config.k + 1, (config.k + 1) * (SKIP_RUN + 1)}
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and FlashAttention need a CUDA device")
-def test_drafter_free_graphs_change_no_draft_on_the_gpu():
-    """The same comparison with every kind of drafting step captured in CUDA graphs (bf16, FlashAttention, a tiny
-    random-weight drafter): the host learns the skip marks through asynchronous copies, so it may choose the
-    drafter-free graphs later than on the CPU, but never where a row drafts, and the drafts stay equal."""
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("dtype, attention", [(torch.float32, "sdpa"), (torch.bfloat16, "flash")])
+def test_drafter_free_graphs_change_no_draft_on_the_gpu(dtype, attention):
+    """The same comparison with every kind of drafting step captured in CUDA graphs (a tiny random-weight drafter):
+    the host learns the skip marks through asynchronous copies, so it may choose the drafter-free graphs later than
+    on the CPU, but never where a row drafts.
+
+    In float32 the drafts equal those of the every-pass run. In bf16 they are not compared: after drafter-free steps
+    the catch-up pass runs 8 steps' positions at once where the every-pass run feeds them one step at a time, and
+    the GPU's matrix products round a row differently with the number of rows, which flips near-tied argmaxes of a
+    random-weight model (seen on the H200: 1 step in 48). The real drafter's runs are checked against the replay
+    instead (`benchmarks/vllm_gpu.py replay`)."""
     reqs = skip_requests()
     config = fused_config("gpu-fused:k=7,draft_block=3,nmax=8,skip=2,skip_on=head")
     runs = []
     for choose in (True, False):
         spec = GpuFusedSpeculator.standalone(config, max_num_reqs=2, max_model_len=480, pad=63, device="cuda",
-                                             dtype=torch.bfloat16, record=True)
+                                             dtype=dtype, record=True)
         ids = torch.zeros(2, 480, dtype=torch.int32, device="cuda")
         total = torch.zeros(2, dtype=torch.int32, device="cuda")
         spec.bind(ids, total)
-        spec.drafter = tiny_qwen2(2, spec.cache_len, device="cuda", dtype=torch.bfloat16, attention="flash")
-        spec.buckets = [spec.cache_len]  # as load_drafter sets it for FlashAttention
+        spec.drafter = tiny_qwen2(2, spec.cache_len, device="cuda", dtype=dtype, attention=attention)
+        if attention == "flash":
+            spec.buckets = [spec.cache_len]  # as load_drafter sets it for FlashAttention
         spec.init_cudagraph_manager(SimpleNamespace(name="FULL"))
         spec.capture()
         assert {kind for _, _, kind, _ in spec.graphs} == set(gpu_fused.KINDS)
@@ -435,12 +451,16 @@ def test_drafter_free_graphs_change_no_draft_on_the_gpu():
         steps = drive(spec, reqs, {"copy": 1, "prose": 0}, ids, total, config.k)
         runs.append((steps, spec.steps_by_kind, spec.take_records()))
     (fast, kinds, records), (slow, _, _) = runs
-    assert fast == slow
+    if dtype == torch.float32:
+        assert fast == slow
+    assert len(fast) == len(slow)
     assert kinds["lookup"] > 0 and kinds["catch_up"] > 0
     assert all(r["draft_valid"] == 0 for r in records if r["drafter"] != "full")
+    assert {r["drafter_passes"] for r in records} <= {0, 1, config.draft_block}
 
 
 def test_the_report_prices_skipping_with_the_engines_catch_up_run():
+    pytest.importorskip("polars")  # the report's frames (the GPU host's image has no polars)
     from hqlab.bench import vllm_report
 
     assert vllm_report.GPU_FUSED_SKIP_RUN == gpu_fused.SKIP_RUN

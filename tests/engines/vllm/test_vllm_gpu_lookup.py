@@ -229,13 +229,15 @@ def test_fixed_width_steps_count_what_was_emitted_and_verified():
               StepEvent(0.016, 1, 7, 5)]  # vLLM's counters lag a step under async scheduling: ignored here
     made = [{"context_len": 101, "tokens": [5, 6, 7], "sources": [1, 1, 1], "match_len": 4, "propose_s": 1e-4,
              "batch": 1},
-            {"context_len": 105, "tokens": [], "sources": [], "match_len": 0, "propose_s": 1e-4, "batch": 1}]
+            {"context_len": 105, "tokens": [], "sources": [], "match_len": 0, "propose_s": 1e-4, "batch": 1,
+             "drafter_passes": 0, "drafter_width": 0}]  # gpu-fused's records say how much of its drafter ran
     ttft, records = step_records("p", 100, events, k=7, adapter=made, fixed_width=True)
     assert ttft == 0.010
     assert [r.verify_len for r in records] == [8, 8, 8]  # k + 1 positions verified every step
     assert [r.accepted for r in records] == [3, 0, 0] and [r.emitted for r in records] == [4, 1, 1]
     assert records[0].proposed == [5, 6, 7] and records[1].proposed == [] and records[2].proposed == []
     assert records[2].match_len == 0 and math.isnan(records[2].propose_s)  # no record for that history length
+    assert [r.drafter_passes for r in records] == [-1, 0, -1]  # -1: not recorded (the lookup's, or none at all)
 
 
 def _gen(ids, records=(), margins=(), total=1.0):
