@@ -54,6 +54,7 @@ def bench(args: argparse.Namespace) -> int:
     from hqlab import models, provenance
     from hqlab.config import DecodeConfig
     from hqlab.engines import vllm as hv
+    from hqlab.trace import drafter_pass_shares
     from hqlab.workloads import load_workload
 
     machine = provenance.machine_description(vllm=True)  # before any CUDA call: vLLM forks its engine processes then
@@ -151,9 +152,12 @@ def bench(args: argparse.Namespace) -> int:
         alone = [r for r in more if r.concurrency <= 1 and r.repeat >= 0]
         rate = sorted(r.generation.decode_tok_s() for r in alone)
         tps = sorted(r.generation.tokens_per_step() for r in alone)
+        shares = drafter_pass_shares([rec for r in alone for rec in r.generation.records])
+        passes = ", drafter passes per step " + ", ".join(f"{n}: {100 * x:.0f} %" for n, x in shares.items()) \
+            if shares else ""
         log(f"{setting.label}: {time.time() - t:.0f} s, runner {description['model_runner']}, async "
             f"{description['async_scheduling']}, median decode {rate[len(rate) // 2]:.0f} tok/s, "
-            f"median tokens/step {tps[len(tps) // 2]:.2f}")
+            f"median tokens/step {tps[len(tps) // 2]:.2f}{passes}")
     return 1 if failed else 0
 
 

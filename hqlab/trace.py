@@ -140,6 +140,13 @@ def tokens_per_step(records: list[StepRecord]) -> float:
     return float(np.mean([r.accepted + 1 for r in records]))
 
 
+def drafter_pass_shares(records: list[StepRecord]) -> dict[int, float]:
+    """Share of the steps that recorded their drafter passes, by the number of passes ({} when none recorded):
+    how often an engine that skips the drafter actually skipped it."""
+    passes = [r.drafter_passes for r in records if r.drafter_passes >= 0]
+    return {n: passes.count(n) / len(passes) for n in sorted(set(passes))}
+
+
 def acceptance_curve(accepted: np.ndarray, width: int) -> np.ndarray:
     """acc[i] = share of drafts whose accepted count exceeds i (the one definition of per-position acceptance)."""
     accepted = np.asarray(accepted)

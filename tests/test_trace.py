@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from hqlab.proposers import Proposal
-from hqlab.trace import (Source, StepRecord, acceptance_histogram, budget, per_position_acceptance, step_record,
-                         tokens_per_step)
+from hqlab.trace import (Source, StepRecord, acceptance_histogram, budget, drafter_pass_shares,
+                         per_position_acceptance, step_record, tokens_per_step)
 
 HQLAB = Path(__file__).resolve().parents[1] / "hqlab"
 
@@ -22,6 +22,10 @@ def test_metrics_helpers():
     # drafts = 3 non-empty proposals; accepted > 0: 2 of 3; > 1: 1 of 3; > 2: 1 of 3
     assert per_position_acceptance(recs, 3).tolist() == pytest.approx([2 / 3, 1 / 3, 1 / 3])
     assert acceptance_histogram(recs) == {0: 2, 1: 1, 3: 1}
+    assert drafter_pass_shares(recs) == {}  # no drafter passes recorded (-1)
+    counted = [step_record("r", i, context_len=9, accepted=0, emitted=1, drafter_passes=n, drafter_width=16 * (n > 0))
+               for i, n in enumerate([0, 0, 1, 3, -1])]
+    assert drafter_pass_shares(counted) == {0: 0.5, 1: 0.25, 3: 0.25}  # the unrecorded step is left out
 
 
 def test_budget_leaves_room_for_the_targets_own_token():
