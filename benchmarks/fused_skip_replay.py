@@ -13,7 +13,8 @@ run's own greedy outputs, with teacher-forced drafts of the real drafter on the 
   every step verifies k positions whatever the block (gpu-fused pads after it), so a block shorter than k saves no
   verify time there, and the lookup's tail fills positions an adaptive short block leaves to the pad.
   --blocks 1,2 picks the drafter head lengths; --vary nmin_tail=1,4 (repeatable) replays every combination of those
-  fusion settings too; --no-skip replays skip=0 only.
+  fusion settings too; --no-skip replays skip=0 only; --skips head=2,3,4 (repeatable) replays those lags instead of
+  the default ones.
 """
 
 from __future__ import annotations
@@ -53,9 +54,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vary", action="append", default=[], metavar="KEY=V1,V2",
                     help="a fused setting to replay at each of these values (repeatable: every combination)")
     ap.add_argument("--no-skip", action="store_true", help="replay skip=0 only (the drafter every step)")
+    ap.add_argument("--skips", action="append", default=[], metavar="ON=L1,L2",
+                    help="the lags to replay after `long` or `head` steps instead of the default ones (repeatable, "
+                         "e.g. --skips head=2,3,4)")
     ap.add_argument("--schedule", default="adaptive", choices=["adaptive", "long"],
                     help="the fused scheduler's mode (SPEC §2.5 adaptive, or always the long block)")
     args = ap.parse_args(argv)
+
+    skips = {"long": (0,)} if args.no_skip else SKIPS
+    if args.skips:
+        skips = {}
+        for item in args.skips:
+            on, _, lags = item.partition("=")
+            try:
+                skips[on] = tuple(int(x) for x in lags.split(","))
+            except ValueError:
+                lags = ""
+            if on not in SKIPS or not lags:
+                raise ConfigError(f"--skips: expected long=L1,L2 or head=L1,L2 with integer lags (got {item!r})")
 
     meta = json.loads(Path(args.raw).with_suffix(".json").read_text())
     runs = [r for r in hv.runs_from_raw(pl.read_parquet(args.raw))
@@ -78,7 +94,6 @@ def main(argv: list[str] | None = None) -> int:
         if not key or not values:
             raise ConfigError(f"--vary: expected KEY=V1,V2 (got {item!r})")
         varied = [f"{v},{key}={x}" for v in varied for x in values.split(",")]
-    skips = {"long": (0,)} if args.no_skip else SKIPS
     specs = [f"fused:{SETTINGS},draft_block={b},skip={s},skip_on={on}{mode}{v}" for b in blocks
              for on, lags in skips.items() for s in lags for v in varied]
     table = replay_fused_grid(traces, load_drafter(args.drafter, device="cpu", dtype=args.dtype), specs)

@@ -382,6 +382,23 @@ chart
 measured.select("category", "config", "decode_tok_s", "tokens_per_step", "ms_per_step", "vs_none", "vs_gpu_lookup")
 
 # %% [markdown]
+# How much a longer lag would leave to skip, replayed over run `fd`'s outputs (`benchmarks/fused_skip_replay.py
+# RAW --schedule long --blocks 1 --vary nmin_tail=1 --vary nstrong=6 --skips head=2,3,4,6`,
+# `data/results/fused_lag_replay.parquet`), priced as above. A longer lag gives the host's copies of the marks more
+# time to arrive, but every request drafts its first `skip` steps, and a document answer here is only ~17 steps
+# long: the drafter's share of steps on copy grows from 24 % at lag 2 to 35 % at lag 4, on edit from 19 % to 31 %,
+# and code loses tokens (13.4 → 12.1 per step) because fewer steps have the drafter's token to confirm the lookup's
+# tail. Priced as built, lag 4 still predicts copy 0.96x and edit 0.92x, but the same pricing predicted 0.98x for
+# lag 2 where run `fd` measured 0.83x: the price of a drafter-free step inside vLLM is what the next run must measure.
+
+# %%
+lags = (vllm_report.skip_what_if(pl.read_parquet(Path(published_dir) / "fused_lag_replay.parquet"), table, fit)
+        .group_by("category", "skip").agg(pl.col("tokens_per_step").median(), pl.col("drafter_share").median(),
+                                          pl.col("built_vs_lookup").median())
+        .sort(pl.col("category").cast(pl.Enum(classes)), "skip"))
+lags.pivot("skip", index="category", values="drafter_share")
+
+# %% [markdown]
 # ### The drafting step outside vLLM
 #
 # `benchmarks/fused_drafter_profile.py` timed the drafting step on the same H200 outside vLLM, with the same
