@@ -375,24 +375,27 @@ class GpuFusedSpeculator:
         # The longest history this step can reach (vLLM's host mirrors are upper bounds), plus what the passes add.
         reach = int(max(prefill_len.max(initial=0), (computed + scheduled).max(initial=0))) + 1
         bucket = next((x for x in self.buckets if x >= reach + self.width + self.block), self.buckets[-1])
-        sampling = ~(prefilling & ~fresh)  # rows that may sample this step (a prompt's inner chunk does not)
-        kind = self._choose_kind(slots_np, fresh, sampling)
+        # the slots of the rows that may sample this step (a prompt's inner chunk does not), and of fresh rows
+        rows = slots_np[~(prefilling & ~fresh)].astype(np.int64)
+        started = slots_np[fresh].astype(np.int64)
+        kind = self._choose_kind(rows, started)
         # the narrow catch-up unless a row missed drafter-free steps (the host counts them, `_behind`)
-        behind = bool(self._behind[slots_np[sampling].astype(np.int64)].any())
+        behind = bool(self.config.skip) and bool(self._behind[rows].any())
         width = 0 if kind == "lookup" else self.width if kind == "catch_up" or behind else self.q
         graph = self.graphs.get((n, bucket, kind, width))
         if graph is not None:
             graph.replay()
         else:
             self._draft(n, bucket, kind, width)
-        self._after_step(slots_np, fresh, sampling, kind)
+        self._after_step(rows, started, kind)
         if self.recorder is not None:
             self.recorder.note(list(req_ids), time.perf_counter() - start, kind, self.passes(kind), width)
         return self.out[:n]
 
-    def _choose_kind(self, slots: np.ndarray, fresh: np.ndarray, sampling: np.ndarray) -> str:
+    def _choose_kind(self, rows: np.ndarray, started: np.ndarray) -> str:
         """The drafting step's kind: "full" unless the newest skip marks on the host prove that every row that may
-        sample skips the drafter (then "lookup", or "catch_up" once a row has had SKIP_RUN drafter-free steps).
+        sample (slots `rows`) skips the drafter (then "lookup", or "catch_up" once a row has had SKIP_RUN
+        drafter-free steps). `started`: the slots of rows that sampled their first token this step.
 
         At step t the device skips a row when the oldest of its L marks is set and all L are real (`FusedStep`).
         Marks copied after step s < t hold steps s-L+1..s; between s and t the row sampled c <= t-s-1 times, so the
@@ -404,8 +407,7 @@ class GpuFusedSpeculator:
             return "full"
         j = self._step - snap["step"] - 1  # steps between the copy and now
         lag = snap["marks"].shape[1]
-        rows = slots[sampling].astype(np.int64)
-        if j >= lag or fresh.any() or (self._since[rows] > snap["step"]).any():
+        if j >= lag or started.size or (self._since[rows] > snap["step"]).any():
             return "full"
         marks, marked = snap["marks"].numpy(), snap["marked"].numpy()
         if not ((marked[rows] >= self.config.skip).all() and marks[rows, :j + 1].all()):
@@ -425,12 +427,12 @@ class GpuFusedSpeculator:
         """Drafter forward passes a step of this kind runs: the catch-up pass and the head's further tokens."""
         return {"full": self.block, "catch_up": 1, "lookup": 0}[kind]
 
-    def _after_step(self, slots: np.ndarray, fresh: np.ndarray, sampling: np.ndarray, kind: str) -> None:
-        """Host bookkeeping after a drafting step was launched; with `skip`, copy its marks to the host."""
+    def _after_step(self, rows: np.ndarray, started: np.ndarray, kind: str) -> None:
+        """Host bookkeeping after a drafting step was launched (`rows`, `started`: as for `_choose_kind`); with
+        `skip`, copy its marks to the host."""
         self.steps_by_kind[kind] += 1
         if self.config.skip:
-            rows = slots[sampling].astype(np.int64)
-            self._since[slots[fresh].astype(np.int64)] = self._step
+            self._since[started] = self._step
             if kind == "lookup":
                 self._behind[rows] += 1
             else:
