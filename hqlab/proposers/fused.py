@@ -17,9 +17,9 @@ reads the drafted head, which precedes the tail. With agree > 0 the head decisio
 the very positions it then keeps or replaces, which biases the output; that combination is refused (the sampling
 test shows the bias).
 
-Lookup matching length: the fusion rules read matches as short as min(nstrong, nmin, nmin_tail, longmin), so the
-lookup runs with that as its cheap-reject length (with HyperQwen's lookup nmin 6 the tail rule's 4 could never
-fire); `nmax` caps the match as usual.
+Lookup matching length: the fusion rules read matches as short as min(nstrong, nmin, nmin_tail, longmin, and
+nmin_alone when set), so the lookup runs with that as its cheap-reject length (with HyperQwen's lookup nmin 6 the
+tail rule's 4 could never fire); `nmax` caps the match as usual.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ class FusedConfig:
     """k: the long block (lookup k); draft_block: the drafter's width = the short block.
     Drafter: model, dtype, device, temperature, vocab. Lookup: nmax, policy, search.
     Fusion (SPEC §2.4): nstrong, nmin, agree, nmin_tail, longmin, rule ("threshold" | "score");
-    shipped defaults 6/6/0/4/6, the articles' set is nstrong=8,agree=2.
+    shipped defaults 6/6/0/4/6, the articles' set is nstrong=8,agree=2; nmin_alone (0 = off): a step that skipped
+    the drafter takes the lookup's head at a match this long (hqlab's addition, `hqlab.rules.fusion`).
     Scheduler (SPEC §2.5): schedule ("adaptive" | "short" | "long"), sticky, entry_steps, stale (0 | 1),
     batch_mode ("per-request" | "unanimous").
     skip: 0 = the drafter drafts every step; L >= 1 = a request skips the drafter on a step when its step L steps
@@ -73,6 +74,7 @@ class FusedConfig:
     nmin_tail: int = FusionConfig.nmin_tail
     longmin: int = FusionConfig.longmin
     rule: str = FusionConfig.rule
+    nmin_alone: int = FusionConfig.nmin_alone
     schedule: str = ScheduleConfig.mode
     sticky: int = ScheduleConfig.sticky
     entry_steps: int = ScheduleConfig.entry_steps
@@ -98,7 +100,7 @@ class FusedConfig:
             raise ConfigError(f"fused: {e}") from None
 
     def lookup_config(self) -> LookupConfig:
-        n = max(1, min(self.nstrong, self.nmin, self.nmin_tail, self.longmin))
+        n = max(1, min(self.nstrong, self.nmin, self.nmin_tail, self.longmin, self.nmin_alone or self.nstrong))
         return LookupConfig(nmin=min(n, self.nmax), nmax=self.nmax, k=self.k, search=self.search, policy=self.policy)
 
     def draft_config(self) -> DraftConfig:
@@ -107,7 +109,8 @@ class FusedConfig:
 
     def fusion_config(self) -> FusionConfig:
         return FusionConfig(nstrong=self.nstrong, nmin=self.nmin, agree=self.agree, nmin_tail=self.nmin_tail,
-                            longmin=self.longmin, draft_block=self.draft_block, rule=self.rule)
+                            longmin=self.longmin, draft_block=self.draft_block, rule=self.rule,
+                            nmin_alone=self.nmin_alone)
 
     def schedule_config(self) -> ScheduleConfig:
         return ScheduleConfig(short=self.draft_block, long=self.k, sticky=self.sticky, entry_steps=self.entry_steps,

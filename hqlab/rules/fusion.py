@@ -50,6 +50,12 @@ after them), an untaken head keeps the drafter's `draft_valid` tokens; `agree_co
 positions, so without the drafter only the nstrong branch (or agree = 0) can take the head. With `draft_valid`
 None (the default) the drafter supplied the whole head and nothing above changes.
 
+`nmin_alone` (0 = off, the default): a step whose drafter supplied nothing (`draft_valid` = 0) also takes the head
+at a match of at least `nmin_alone`. The head rule weighs the lookup against the drafter; with no drafter token
+there is nothing to weigh it against, and an engine that verifies a fixed width (vLLM's asynchronous path) pays for
+every position whether proposed or not, so a short match's tokens cost nothing there. hqlab's addition, not
+HyperQwen's: with it a skipped step after a copy breaks still proposes what the lookup finds.
+
 Source codes: `hqlab.trace.Source` (the step contract, a floor below the rules); `SOURCE_LOOKUP` and
 `SOURCE_DRAFT` are its two codes as plain ints, for the int8 arrays here and the GPU twin's tensors.
 """
@@ -82,6 +88,7 @@ class FusionConfig:
     longmin:     shortest match for which the take flag can be set.
     draft_block: the drafter's width = head length (the short block of the scheduler).
     rule:        "threshold" (HyperQwen, the rules above) or "score" (Arctic, see the module docstring).
+    nmin_alone:  0 = off; else a step without any drafter token takes the head at a match this long (threshold rule).
     """
 
     nstrong: int = 6
@@ -91,9 +98,10 @@ class FusionConfig:
     longmin: int = 6
     draft_block: int = 7
     rule: str = "threshold"
+    nmin_alone: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("nstrong", "nmin", "agree", "nmin_tail", "longmin"):
+        for name in ("nstrong", "nmin", "agree", "nmin_tail", "longmin", "nmin_alone"):
             value = getattr(self, name)
             require(value >= 0, f"{name} must be >= 0 (got {value}); it is a minimum match or agreement length")
         require(self.draft_block >= 1, f"draft_block must be >= 1 (got {self.draft_block}): the drafter's width")
@@ -206,7 +214,8 @@ def fuse(
         take = match_len >= config.longmin and valid > config.draft_block and keep_lookup
         return Fused(tokens, sources, head_len, agreed, keep_lookup, keep_lookup, bool(take), supplied)
 
-    head_taken = match_len >= config.nstrong or (match_len >= config.nmin and agreed >= config.agree)
+    head_taken = match_len >= config.nstrong or (match_len >= config.nmin and agreed >= config.agree) or (
+        config.nmin_alone > 0 and supplied == 0 and match_len >= config.nmin_alone)
     tail_taken = match_len >= config.nmin_tail and (head_taken or agreed == head_len)
     take = match_len >= config.longmin and valid > config.draft_block and tail_taken
 

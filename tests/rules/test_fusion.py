@@ -167,7 +167,7 @@ def test_source_codes_match_proposal_sources():
 @pytest.mark.parametrize(
     "kwargs",
     [dict(nstrong=-1), dict(nmin=-1), dict(agree=-1), dict(nmin_tail=-1), dict(longmin=-1), dict(draft_block=0),
-     dict(agree=8), dict(rule="vote")],
+     dict(agree=8), dict(rule="vote"), dict(nmin_alone=-1)],
 )
 def test_config_rejects(kwargs):
     with pytest.raises(ConfigError):
@@ -278,6 +278,14 @@ SKIP_TABLE = [
     ("skip-articles-needs-nstrong", ARTICLES, LA, 7, 15, 0, [], "", False, False, False),
     # the score rule keeps the drafter's supplied tokens when the lookup's score is below the head
     ("skip-score-rule-partial-draft", FusionConfig(rule="score"), L0, 8, 6, 3, D[:3], "DDD", False, False, False),
+    # nmin_alone: without the drafter a match of 3 takes the head (nothing competes with it), and the tail follows
+    ("alone-short-match-keeps-lookup", FusionConfig.shipped(nmin_alone=1, nmin_tail=1), L0, 3, 15, 0, L0, "L" * 15,
+     True, True, False),
+    # ... but not below nmin_alone
+    ("alone-below-its-minimum", FusionConfig.shipped(nmin_alone=4), L0, 3, 15, 0, [], "", False, False, False),
+    # ... and never where the drafter supplied a token: then the head rule weighs the two as always
+    ("alone-not-with-a-drafter-token", FusionConfig.shipped(nmin_alone=1), L0, 3, 15, 1, D[:1], "D", False, False,
+     False),
 ]
 
 

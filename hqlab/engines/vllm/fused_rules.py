@@ -133,6 +133,8 @@ def fuse_tensors(
 
     if config.rule == "threshold":
         head_taken = (match_len >= config.nstrong) | ((match_len >= config.nmin) & (agreed >= config.agree))
+        if config.nmin_alone > 0:  # a step without any drafter token
+            head_taken = head_taken | ((dv == 0) & (match_len >= config.nmin_alone))
         tail_taken = (match_len >= config.nmin_tail) & (head_taken | (agreed == head_len))
         n_proposed = torch.where(tail_taken, valid.clamp(min=head_len), head_len)
         # the head ends where nobody filled it (after the lookup's or the drafter's tokens, whichever is longer)

@@ -72,7 +72,8 @@ def random_fusion_config(rng: np.random.Generator) -> FusionConfig:
     draft_block = int(rng.integers(1, 17))
     return FusionConfig(nstrong=int(rng.integers(0, 17)), nmin=int(rng.integers(0, 17)),
                         agree=int(rng.integers(0, draft_block + 1)), nmin_tail=int(rng.integers(0, 17)),
-                        longmin=int(rng.integers(0, 17)), draft_block=draft_block, rule=str(rng.choice(RULES)))
+                        longmin=int(rng.integers(0, 17)), draft_block=draft_block, rule=str(rng.choice(RULES)),
+                        nmin_alone=int(rng.choice([0, int(rng.integers(1, 17))])))
 
 
 def random_fusion_inputs(rng: np.random.Generator, config: FusionConfig, batch: int, k: int,
@@ -151,6 +152,7 @@ FUSION_FAMILIES = {
     "articles": lambda rng: FusionConfig.articles(),
     "score": lambda rng: FusionConfig(rule="score"),
     "random": random_fusion_config,
+    "alone": lambda rng: FusionConfig.shipped(nmin_alone=int(rng.integers(1, 8)), nmin_tail=int(rng.integers(0, 5))),
 }
 
 
@@ -171,11 +173,11 @@ def test_fusion_matches_reference_on_random_batches(family):
 
 
 fusion_configs = st.builds(
-    lambda block, nstrong, nmin, agree, nmin_tail, longmin, rule: FusionConfig(
+    lambda block, nstrong, nmin, agree, nmin_tail, longmin, rule, alone: FusionConfig(
         nstrong=nstrong, nmin=nmin, agree=min(agree, block), nmin_tail=nmin_tail, longmin=longmin,
-        draft_block=block, rule=rule),
+        draft_block=block, rule=rule, nmin_alone=alone),
     st.integers(1, 9), st.integers(0, 10), st.integers(0, 10), st.integers(0, 9), st.integers(0, 10),
-    st.integers(0, 10), st.sampled_from(RULES))
+    st.integers(0, 10), st.sampled_from(RULES), st.integers(0, 6))
 
 
 @settings(max_examples=150, deadline=None)

@@ -274,6 +274,7 @@ CASES = {
     "k10-block4": (FusedConfig(k=10, draft_block=4, nmax=8, sticky=2), MIXED),
     "with-skip-long-1": (FusedConfig(skip=1), MIXED),
     "with-skip-head-2": (FusedConfig(skip=2, skip_on="head"), MIXED),
+    "with-skip-head-2-alone": (FusedConfig(skip=2, skip_on="head", nmin_alone=1, nmin_tail=1), MIXED),
     "with-skip-long-3-unanimous": (FusedConfig(skip=3, batch_mode="unanimous"), MOSTLY_COPY),
 }
 
