@@ -16,6 +16,8 @@ tools/gpu_host/vllm_host.py run (it converts the 0.5B):
 
 writes $OUT/fused_skip_host_<tag>.json (kept as data/results/fused_skip_host_h200_<tag>.json). `--device cpu --steps
 3 --repeats 1` runs the same code on the CPU (no graphs, no stand-ins): a check of the script, not a measurement.
+Here (CPU): `python benchmarks/fused_skip_host.py --fold data/results/fused_skip_host_h200_a.json` writes the medians
+over repeats to data/results/fused_skip_host_h200.parquet and figures/fused_skip_host_h200.svg.
 """
 
 from __future__ import annotations
@@ -171,7 +173,39 @@ def workload(kind: str, *, edit_every: int) -> tuple[list[int], list[int]]:
     return prompt, out
 
 
+def fold(raw: Path) -> None:
+    """Medians over repeats of a GPU run's rows -> parquet under data/results and a figure under figures."""
+    import polars as pl
+
+    from hqlab import plots
+    from hqlab.io import write_atomic
+
+    data = json.loads(raw.read_text())
+    rows = pl.DataFrame(data["rows"])
+    if rows.is_empty():
+        raise SystemExit(f"{raw}: no rows (did the GPU run finish a config?)")
+    skip = pl.col("config").str.extract(r"skip=(\d)").fill_null("0")
+    table = (rows.with_columns(pl.when(skip == "0").then(pl.lit("no skip")).otherwise("skip=" + skip).alias("skip"),
+                               (pl.col("share_lookup") * 100).alias("drafter_free_pct"))
+             .group_by("skip", "task", "ahead").agg(pl.len().alias("repeats"), pl.exclude("config", "repeat").median())
+             .sort("task", "ahead", "skip")
+             .with_columns(pl.lit(data["device"]).alias("device"), pl.lit(data["base"]).alias("base"),
+                           pl.lit(data["target_ms"]).alias("target_ms"), pl.lit(data["host_ms"]).alias("host_ms")))
+    out = ROOT / "data" / "results" / "fused_skip_host_h200.parquet"
+    write_atomic(out, lambda tmp: table.write_parquet(tmp))
+    chart = plots.bar_panels(
+        table.with_columns((pl.col("task") + ", host <= " + pl.col("ahead").cast(pl.Utf8) + " ahead").alias("case")),
+        "case", "skip", {"drafter_free_pct": "steps without drafter %", "gpu_ms_per_step": "GPU ms / step",
+                         "tokens_per_step": "tokens / step", "host_step_ms": "host ms in step()"})
+    plots.save(chart.properties(title=f"gpu-fused's drafter skip outside vLLM ({data['device']})"),
+               ROOT / "figures" / "fused_skip_host_h200.svg")
+    print(table)
+
+
 def main() -> None:
+    if "--fold" in sys.argv:
+        fold(Path(sys.argv[sys.argv.index("--fold") + 1]))
+        return
     import torch
 
     from hqlab.engines.vllm.gpu_fused import GpuFusedSpeculator, fused_config
@@ -186,6 +220,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=60, help="steps per request (a copy emits at most 16 a step)")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--fold", metavar="JSON", help="(CPU) a GPU run's JSON -> parquet and figure, see above")
     args = p.parse_args()
     cuda = args.device == "cuda"
     out = Path(os.environ.get("OUT", "."))
