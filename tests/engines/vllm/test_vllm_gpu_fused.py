@@ -360,13 +360,23 @@ def drive(spec: GpuFusedSpeculator, reqs: dict[str, tuple[list[int], list[int]]]
     return steps
 
 
+def by_step(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """A speculator's records (`take_records`, one per step and row, in step order) grouped into steps."""
+    steps, i = [], 0
+    while i < len(records):
+        steps.append(records[i:i + records[i]["batch"]])
+        i += records[i]["batch"]
+    return steps
+
+
 def skip_requests() -> dict[str, tuple[list[int], list[int]]]:
-    """Tiny-vocabulary requests (prompt, the target's output): "copy" copies 170 tokens of a passage in its prompt,
-    then stops copying (the drafter runs again after drafter-free steps); "prose" is short and never copies."""
+    """Tiny-vocabulary requests (prompt, the target's output): "copy" copies 170 tokens of a passage in its prompt
+    with one foreign token after the first 80 (the copy breaks and resumes), then stops copying (the drafter runs
+    again after drafter-free steps); "prose" is short and never copies."""
     g = torch.Generator().manual_seed(3)
     passage = torch.randint(0, 60, (200,), generator=g).tolist()
     return {"copy": (torch.randint(0, 60, (30,), generator=g).tolist() + passage + [61],
-                     passage[:170] + torch.randint(0, 60, (30,), generator=g).tolist()),
+                     passage[:80] + [62] + passage[80:170] + torch.randint(0, 60, (30,), generator=g).tolist()),
             "prose": (torch.randint(0, 60, (50,), generator=g).tolist(),
                       torch.randint(0, 60, (20,), generator=g).tolist())}
 
@@ -401,10 +411,14 @@ def test_drafter_free_steps_change_no_draft(skip, skip_on):
             spec._newest_snapshot = late(spec)
         steps = drive(spec, reqs, slot_of, ids, total, config.k)
         runs.append((steps, spec.steps_by_kind, spec.take_records()))
-    (fast, kinds, records), (slow, slow_kinds, _), (lagging, late_kinds, _) = runs
+    (fast, kinds, records), (slow, slow_kinds, _), (lagging, late_kinds, late_records) = runs
     assert fast == slow == lagging
     # a copy one step old proves a skip only with a lag of 2 or more: it then still saves passes
     assert (late_kinds["lookup"] > 0) == (skip >= 2)
+    if skip >= 2:  # ... and the host then decides as the device: every step where the device skips every row
+        missed = [step for step in by_step(late_records)
+                  if all(r["draft_valid"] == 0 for r in step) and step[0]["drafter"] == "full"]
+        assert not missed, f"{len(missed)} steps ran the drafter though the device skipped every row"
     assert slow_kinds["lookup"] == slow_kinds["catch_up"] == 0
     skipped = [r for r in records if r["draft_valid"] == 0 and r["request"] == "copy"]
     assert skipped, "the copy request never skipped the drafter"
