@@ -409,8 +409,8 @@ class GpuFusedSpeculator:
         sampled, and the real ones number `marked` + c. The host counts the steps at which a row could sample
         (`_count`); a row that could sample does (a decode row samples at least its bonus token, a prompt's last
         chunk its first token), so that count is c: the host decides exactly as the device, one copy late.
-        (The rule before, which run `fe` ran, required the copy's first t-s marks all set: true whatever c is, but it
-        drafted on the device's skipped steps right after a copy broke, 10-12 % of the document classes' steps.)"""
+        (The rule before, which run `fe` ran, required the copy's first t-s marks all set: true whatever c is, but
+        stricter than the device right after a copy breaks and resumes.)"""
         if not self.config.skip:
             return "full"
         snap = self._newest_snapshot()
