@@ -26,7 +26,7 @@ results_file = "data/results/vllm_gpu_h200.parquet"
 figures_dir = "figures"
 results_dir = "data/results"
 focus_run = "j"  # the run whose per-class bars are drawn (the current code, k = 15/31 and the adapter at both)
-current_runs = ["e", "f", "g", "h", "j", "k", "l", "l2", "m", "n", "o", "p", "q"]  # hqlab's current code; vLLM's: all
+current_runs = ["e", "f", "g", "h", "j", "k", "l", "l2", "m", "n", "o", "p", "q", "r"]  # hqlab's current code; vLLM's: all
 host_runs = ["j", "l", "l2", "m", "n", "o", "p"]  # sequential runs whose per-request step times show the host's speed
 cost_runs = [["l", "l2"], ["j"], ["k"], ["l"], ["m"], ["n"], ["o"], ["p"]]  # each checked on its own V2 configs
 probe_runs = ["o", "p"]  # runs with the CPU speed probe around each request (`--pin-threads`, host_unit_ms)
