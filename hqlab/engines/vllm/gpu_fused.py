@@ -244,6 +244,8 @@ class GpuFusedSpeculator:
         self.out = torch.full((max_num_reqs, c.k), pad, dtype=torch.int64, device=dev)
         self.arange_w = torch.arange(self.width, dtype=torch.int64, device=dev)
         self.zeros = torch.zeros(max_num_reqs, dtype=torch.int64, device=dev)
+        # slot and position indices as device views: a tensor built from a host list would wait for the GPU's queue
+        self.index = torch.arange(max(max_num_reqs, max_model_len), dtype=torch.int64, device=dev)
         self.prefilled: dict[str, int] = {}  # request id -> prompt tokens the drafter has seen (mid-prefill only)
         self.owner: dict[int, str] = {}  # slot -> the request whose tokens the drafter's cache row holds
         self.drafter: Any = None
@@ -473,11 +475,10 @@ class GpuFusedSpeculator:
             seen = 0
         self.owner[slot] = req_id
         tokens = self.state[0][slot]
-        slot_t = torch.tensor([slot], dtype=torch.int64, device=self.device)
+        slot_t = self.index[slot:slot + 1]
         for a in range(seen, end, PREFILL_CHUNK):
             e = min(end, a + PREFILL_CHUNK)
-            self.drafter.hidden_states(slot_t, tokens[a:e].long()[None],
-                                       torch.tensor([a], dtype=torch.int64, device=self.device), attn_len=e)
+            self.drafter.hidden_states(slot_t, tokens[a:e].long()[None], self.index[a:a + 1], attn_len=e)
         self.dlen[slot] = end
         if not done:
             self.prefilled[req_id] = end

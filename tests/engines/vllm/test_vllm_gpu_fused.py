@@ -296,6 +296,27 @@ def test_flash_and_masked_attention_agree_on_the_gpu_for_a_tiny_model(compile, o
             assert torch.equal(a, b)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host-device synchronisation exists on CUDA only")
+def test_the_drafter_prefill_never_waits_for_the_gpu():
+    """Feeding a prompt to the drafter (two chunks) queues its work without a host-device synchronisation: it runs
+    in vLLM's step, and a wait there would hold the first token until the GPU drained its queue."""
+    config = fused_config("gpu-fused:k=7,draft_block=2,nmax=8")
+    spec = GpuFusedSpeculator.standalone(config, max_num_reqs=2, max_model_len=2 * gpu_fused.PREFILL_CHUNK + 64,
+                                         pad=63, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, 60, (2, spec.max_model_len), dtype=torch.int32, device="cuda")
+    spec.bind(ids, torch.zeros(2, dtype=torch.int32, device="cuda"))
+    spec.drafter = tiny_qwen2(2, spec.cache_len, device="cuda", dtype=torch.bfloat16)
+    spec._prefill("warm", 1, 40, done=True)  # first calls may allocate or compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        spec._prefill("a", 1, gpu_fused.PREFILL_CHUNK + 40, done=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert int(spec.dlen[1]) == gpu_fused.PREFILL_CHUNK + 40
+
+
 def test_a_prompt_resumed_in_a_slot_another_request_used_is_prefilled_again():
     """Chunked prefill continues where the drafter stopped only while its cache row still holds the request; after
     another request took the slot (preemption, then resumption), the drafter starts the prompt over."""
