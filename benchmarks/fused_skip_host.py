@@ -17,7 +17,8 @@ tools/gpu_host/vllm_host.py run (it converts the 0.5B):
 writes $OUT/fused_skip_host_<tag>.json (kept as data/results/fused_skip_host_h200_<tag>.json). `--device cpu --steps
 3 --repeats 1` runs the same code on the CPU (no graphs, no stand-ins): a check of the script, not a measurement.
 Here (CPU): `python benchmarks/fused_skip_host.py --fold data/results/fused_skip_host_h200_a.json` writes the medians
-over repeats to data/results/fused_skip_host_h200.parquet and figures/fused_skip_host_h200.svg.
+over repeats to data/results/fused_skip_host_h200.parquet (the fusion benchmark notebook draws
+figures/fused_skip_host_h200.svg from it).
 """
 
 from __future__ import annotations
@@ -174,10 +175,9 @@ def workload(kind: str, *, edit_every: int) -> tuple[list[int], list[int]]:
 
 
 def fold(raw: Path) -> None:
-    """Medians over repeats of a GPU run's rows -> parquet under data/results and a figure under figures."""
+    """Medians over repeats of a GPU run's rows -> a parquet under data/results."""
     import polars as pl
 
-    from hqlab import plots
     from hqlab.io import write_atomic
 
     data = json.loads(raw.read_text())
@@ -193,13 +193,8 @@ def fold(raw: Path) -> None:
                            pl.lit(data["target_ms"]).alias("target_ms"), pl.lit(data["host_ms"]).alias("host_ms")))
     out = ROOT / "data" / "results" / "fused_skip_host_h200.parquet"
     write_atomic(out, lambda tmp: table.write_parquet(tmp))
-    chart = plots.bar_panels(
-        table.with_columns((pl.col("task") + ", host <= " + pl.col("ahead").cast(pl.Utf8) + " ahead").alias("case")),
-        "case", "skip", {"drafter_free_pct": "steps without drafter %", "gpu_ms_per_step": "GPU ms / step",
-                         "tokens_per_step": "tokens / step", "host_step_ms": "host ms in step()"})
-    plots.save(chart.properties(title=f"gpu-fused's drafter skip outside vLLM ({data['device']})"),
-               ROOT / "figures" / "fused_skip_host_h200.svg")
     print(table)
+    print(f"wrote {out} (notebooks/fusion_benchmark.py plots it)")
 
 
 def main() -> None:

@@ -40,6 +40,7 @@ measured_run = "fe"  # the same pair with the one-pass configs the replay below 
 fused_profile_file = "data/results/fused_drafter_profile_h200_fb.json"  # benchmarks/fused_drafter_profile.py
 # the same profile run with --variants --autotune: FlashAttention splits, plan once, torch.compile max-autotune
 kernel_settings_file = "data/results/fused_drafter_profile_h200_fc.json"
+fused_skip_host_file = "data/results/fused_skip_host_h200.parquet"  # benchmarks/fused_skip_host.py --fold
 
 # %%
 import json
@@ -380,6 +381,22 @@ chart
 
 # %%
 measured.select("category", "config", "decode_tok_s", "tokens_per_step", "ms_per_step", "vs_none", "vs_gpu_lookup")
+
+# %% [markdown]
+# The host's side of the skip, outside vLLM (`benchmarks/fused_skip_host.py`: the real drafter, the lookup kernel and
+# the rule in their CUDA graphs on the H200, one request copying a passage or copying it with one token in 40
+# changed, a stand-in for the target's forward of 1.9 ms and for vLLM's host work of 2.3 ms a step, the host at most
+# one or two steps ahead of the GPU): the host proves the skip on 76-80 % of the copy's steps, and the skip's
+# bookkeeping costs 0.10-0.17 ms of host time a step (choosing the graph 0.04-0.07 ms, copying the marks 0.05-0.10 ms).
+
+# %%
+skip_host = pl.read_parquet(fused_skip_host_file)
+chart = plots.bar_panels(
+    skip_host.with_columns(pl.format("{}, host <= {} ahead", "task", "ahead").alias("case")),
+    "case", "skip", {"drafter_free_pct": "steps without drafter %", "gpu_ms_per_step": "GPU ms / step",
+                     "tokens_per_step": "tokens / step", "host_step_ms": "host ms in step()"})
+plots.save(chart, figures / "fused_skip_host_h200.svg")
+chart
 
 # %% [markdown]
 # How much a longer lag would leave to skip, replayed over run `fd`'s outputs (`benchmarks/fused_skip_replay.py
