@@ -59,7 +59,7 @@ class FusedStep:
     """
 
     def __init__(self, config: FusedConfig, *, max_num_reqs: int, pad_token: int,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, compile: bool = False) -> None:
         require(max_num_reqs >= 1, f"fused step: max_num_reqs must be >= 1 (got {max_num_reqs}); it is the number "
                                    f"of request slots")
         require(pad_token >= 0, f"fused step: pad_token must be a token id >= 0 (got {pad_token})")
@@ -87,6 +87,10 @@ class FusedStep:
         self._marks = torch.zeros(max_num_reqs + 1, lag, dtype=torch.bool, device=device)
         self._marked = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=device)
         self.draft_valid = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+        # `compile`: the rule is ~100 small tensor operations a step, each its own kernel inside a captured graph;
+        # torch.compile fuses them into a few (one graph, no break). The same operations, so the same decisions
+        # (test_vllm_fused_step.py compares both).
+        self._run = torch.compile(self._step, dynamic=None) if compile else self._step
 
     def __call__(self, slots: torch.Tensor, num_sampled: torch.Tensor, fresh: torch.Tensor,
                  lookup_tokens: torch.Tensor, lookup_valid: torch.Tensor, match_len: torch.Tensor,
@@ -110,7 +114,12 @@ class FusedStep:
                              f"got {tuple(lookup_tokens.shape)}")
         if slots.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"fused step: slots must be int32 or int64, got {slots.dtype}")
+        return self._run(slots, num_sampled, fresh, lookup_tokens, lookup_valid, match_len, draft_tokens)
 
+    def _step(self, slots: torch.Tensor, num_sampled: torch.Tensor, fresh: torch.Tensor, lookup_tokens: torch.Tensor,
+              lookup_valid: torch.Tensor, match_len: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
+        """The step itself, on checked inputs (`__call__`); with `compile`, run through torch.compile."""
+        n = slots.shape[0]
         active = num_sampled > 0
         # the reference's emitted count is the history's growth since the last call, 0 at a request's first one
         emitted = torch.where(fresh, 0, num_sampled)

@@ -70,13 +70,15 @@ class GpuFusedConfig(FusedConfig):
     drafter layers' elementwise work (fewer kernels per pass; compiles on the first steps); compile_mode: the
     torch.compile mode ("default" or "max-autotune-no-cudagraphs", which also tunes the small matrix products);
     splits and plan_once: the drafter's FlashAttention calls (`drafter.StaticQwen2`: 1 = no key-length split and so
-    no combine kernel; plan_once = one FA3 scheduling call per pass instead of one per layer)."""
+    no combine kernel; plan_once = one FA3 scheduling call per pass instead of one per layer); compile_rule:
+    torch.compile the fusion and schedule rule (`FusedStep`: ~100 small operations a step into a few kernels)."""
 
     graphs: bool = True
     compile: bool = False
     compile_mode: str = "default"
     splits: int = 0
     plan_once: bool = False
+    compile_rule: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -229,7 +231,8 @@ class GpuFusedSpeculator:
         lk = c.lookup_config()
         self.matcher = SuffixMatcher(max_num_reqs, c.k, nmin=lk.nmin, nmax=lk.nmax, search=lk.search, full=lk.full,
                                      policy=lk.policy, max_len=max_model_len, device=self.device)
-        self.step_rule = FusedStep(c, max_num_reqs=max_num_reqs, pad_token=pad, device=self.device)
+        self.step_rule = FusedStep(c, max_num_reqs=max_num_reqs, pad_token=pad, device=self.device,
+                                   compile=c.compile_rule)
         dev = self.device
         self.slots = torch.zeros(max_num_reqs, dtype=torch.int64, device=dev)
         self.num_sampled = torch.zeros(max_num_reqs, dtype=torch.int32, device=dev)

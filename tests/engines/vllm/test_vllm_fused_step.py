@@ -362,23 +362,57 @@ def test_config_errors_name_the_problem():
                args[4][:2], args[5][:2])
 
 
+def test_the_compiled_rule_decides_as_the_eager_one():
+    """`compile=True` (gpu-fused's `compile_rule`) runs the same operations through torch.compile: over random steps
+    of changing batches every buffer and the slot state equal the eager driver's."""
+    config = FusedConfig(k=8, draft_block=2, stale=1, sticky=2, skip=2, skip_on="head", nmin_alone=1, nmin_tail=1)
+    eager = FusedStep(config, max_num_reqs=4, pad_token=PAD, device="cpu")
+    compiled = FusedStep(config, max_num_reqs=4, pad_token=PAD, device="cpu", compile=True)
+    names = ("tokens", "sources", "num_tokens", "block_len", "n_proposed", "take_flag", "head_taken", "tail_taken",
+             "draft_valid")
+    rng = np.random.default_rng(5)
+    started: set[int] = set()
+    for t in range(40):
+        n = int(rng.choice([3, 1, 4]))
+        slots = rng.permutation(4)[:n]
+        fresh = np.array([int(s) not in started for s in slots])
+        started |= {int(s) for s in slots}
+        sampled = np.where(rng.random(n) < 0.15, 0, rng.integers(1, config.k + 2, n))
+        match_len = rng.choice([0, 1, 3, 6, 12], n)
+        valid = np.where(match_len > 0, rng.integers(0, config.k + 1, n), 0)
+        args = (torch.tensor(slots), torch.tensor(sampled, dtype=torch.int32), torch.tensor(fresh),
+                torch.tensor(rng.integers(0, 4, (n, config.k))), torch.tensor(valid, dtype=torch.int32),
+                torch.tensor(match_len, dtype=torch.int32), torch.tensor(rng.integers(0, 4, (n, config.draft_block))))
+        want, got = eager(*args), compiled(*args)
+        assert torch.equal(got, want), t
+        for name in names:
+            assert torch.equal(getattr(compiled, name)[:n], getattr(eager, name)[:n]), (t, name)
+        for a, b in zip(state_fields(compiled.state), state_fields(eager.state)):
+            assert torch.equal(a, b), t
+        assert torch.equal(compiled._marks, eager._marks) and torch.equal(compiled._marked, eager._marked), t
+
+
 # The host-read check of fused_step.py is test_vllm_fused_rules.py::test_module_source_has_no_host_reads.
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("batch_mode", ["per-request", "unanimous"])
-def test_cuda_graph_replays_the_eager_decisions(batch_mode):
+@pytest.mark.parametrize("batch_mode, compile", [("per-request", False), ("unanimous", False),
+                                                 ("per-request", True)])
+def test_cuda_graph_replays_the_eager_decisions(batch_mode, compile):
     """On the GPU, under sync-debug "error": the step, captured once, replays what the driver run eagerly on the
-    CPU decides, step after step, with the slot state carried in the captured buffers."""
+    CPU decides, step after step, with the slot state carried in the captured buffers (also compiled,
+    gpu-fused's `compile_rule`)."""
     config = FusedConfig(stale=1, sticky=2, batch_mode=batch_mode)
     device = torch.device("cuda")
     eager = FusedStep(config, max_num_reqs=4, pad_token=PAD, device="cpu")
-    graphed = FusedStep(config, max_num_reqs=4, pad_token=PAD, device=device)
+    graphed = FusedStep(config, max_num_reqs=4, pad_token=PAD, device=device, compile=compile)
     n, k, width = 4, config.k, config.draft_block
     inputs = [torch.zeros(n, dtype=torch.int64, device=device), torch.zeros(n, dtype=torch.int32, device=device),
               torch.zeros(n, dtype=torch.bool, device=device), torch.zeros(n, k, dtype=torch.int64, device=device),
               torch.zeros(n, dtype=torch.int32, device=device), torch.zeros(n, dtype=torch.int32, device=device),
               torch.zeros(n, width, dtype=torch.int64, device=device)]
+    if compile:
+        graphed(*inputs)  # compiling may read values back; the compiled step itself must not
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
