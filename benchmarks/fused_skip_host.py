@@ -14,8 +14,9 @@ tools/gpu_host/vllm_host.py run (it converts the 0.5B):
 
     python3 benchmarks/fused_skip_host.py [--tag a]
 
-writes $OUT/fused_skip_host_<tag>.json (kept as data/results/fused_skip_host_h200_<tag>.json). `--device cpu --steps
-3 --repeats 1` runs the same code on the CPU (no graphs, no stand-ins): a check of the script, not a measurement.
+writes $OUT/fused_skip_host_<tag>.json (kept as data/results/fused_skip_host_h200_<tag>.json).
+`TRITON_INTERPRET=1 python benchmarks/fused_skip_host.py --device cpu --steps 3 --repeats 1` runs the same code on
+the CPU (the kernel in Triton's interpreter; no graphs, no stand-ins): a check of the script, not a measurement.
 Here (CPU): `python benchmarks/fused_skip_host.py --fold data/results/fused_skip_host_h200_a.json` writes the medians
 over repeats to data/results/fused_skip_host_h200.parquet (the fusion benchmark notebook draws
 figures/fused_skip_host_h200.svg from it).
@@ -90,9 +91,9 @@ def run(spec: Any, prompt: list[int], target: list[int], *, steps: int, target_m
     slots_np = np.zeros(1, dtype=np.int32)
     ar = torch.arange(k + 1, device=dev)
     parts: dict[str, list[float]] = {"choose": [], "replay": [], "after": []}
-    spec._choose_kind = timed(type(spec)._choose_kind.__get__(spec), parts["choose"])
-    spec._after_step = timed(type(spec)._after_step.__get__(spec), parts["after"])
-    spec.graphs = {key: TimedGraph(getattr(g, "graph", g), parts["replay"]) for key, g in spec.graphs.items()}
+    spec._choose_kind = timed(spec._choose_kind, parts["choose"])  # a fresh speculator per run: wrapped once
+    spec._after_step = timed(spec._after_step, parts["after"])
+    spec.graphs = {key: TimedGraph(g, parts["replay"]) for key, g in spec.graphs.items()}
     events: list[Any] = []
     step_host: list[float] = []
     sync = torch.cuda.synchronize if cuda else (lambda: None)
