@@ -38,6 +38,39 @@ def test_parts_round_trip_and_refuse_damage(tmp_path):
         pack_parts.stash(arrived / "manifest.json", [arrived / "part-002.bin"], tmp_path / "elsewhere")
 
 
+def test_a_host_given_some_parts_unpacks_the_files_they_complete(tmp_path):
+    """Staging only the wheels and the small model (a GPU call that needs no other) unpacks those files; a file whose
+    parts have not all arrived is named and refused, never half-written."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pack_parts", ROOT / "tools" / "gpu_host" / "pack_parts.py")
+    pack_parts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pack_parts)
+    rng = np.random.default_rng(2)
+    files = []
+    for name, size in (("a.whl", 1_500_000), ("small.gguf", 1_000_000), ("large.gguf", 2_700_000)):
+        files.append(tmp_path / name)
+        files[-1].write_bytes(rng.integers(0, 256, size, dtype=np.uint8).tobytes())
+    manifest = pack_parts.pack(files, tmp_path / "parts", 1 << 20)
+    parts = sorted((tmp_path / "parts").glob("part-*.bin"))
+    assert len(parts) == len(manifest["parts"]) == 5
+    arrived = tmp_path / "arrived"
+    pack_parts.stash(tmp_path / "parts" / "manifest.json", parts[:3], arrived)  # bytes [0, 3 MiB): a.whl, small.gguf
+    assert pack_parts.complete_files(arrived) == {"a.whl", "small.gguf"}
+    out = pack_parts.unpack(arrived, tmp_path / "out", only={"a.whl", "small.gguf"})
+    assert [p.read_bytes() for p in out] == [f.read_bytes() for f in files[:2]]
+    with pytest.raises(pack_parts.PartsError, match="part-003.bin, part-004.bin"):
+        pack_parts.unpack(arrived, tmp_path / "out", only={"large.gguf"})
+    with pytest.raises(pack_parts.PartsError, match="missing"):
+        pack_parts.unpack(arrived, tmp_path / "all")
+    with pytest.raises(pack_parts.PartsError, match="not in the manifest: typo.gguf"):
+        pack_parts.unpack(arrived, tmp_path / "out", only={"typo.gguf"})
+    assert not (tmp_path / "out" / "large.gguf").exists()
+    pack_parts.stash(tmp_path / "parts" / "manifest.json", parts[3:], arrived)
+    assert pack_parts.complete_files(arrived) == {f.name for f in files}
+    assert pack_parts.unpack(arrived, tmp_path / "out", only={"large.gguf"})[0].read_bytes() == files[2].read_bytes()
+
+
 def test_parts_are_sized_to_travel_beside_this_working_tree():
     """A call to the GPU host carries the working tree plus one part: the automatic part size must fit, and the tree
     must leave room for parts worth the calls (it grows with every committed result)."""

@@ -135,20 +135,36 @@ def stash(manifest_path: Path, parts: list[Path], dest: Path) -> None:
     print(f"{len(have)}/{len(manifest['parts'])} parts in {dest}")
 
 
-def unpack(parts_dir: Path, out: Path, only: set[str] | None = None) -> list[Path]:
-    """Check all parts, then cut out every file (or those named in `only`), each verified before it is kept."""
+def parts_of(manifest: dict, entry: dict) -> list[str]:
+    """The names of the parts that hold one file of the manifest."""
+    size = manifest["part_bytes"]
+    first, last = entry["offset"] // size, (entry["offset"] + max(entry["size"], 1) - 1) // size
+    return [part_name(i) for i in range(first, last + 1)]
+
+
+def complete_files(parts_dir: Path) -> set[str]:
+    """The files of the manifest in `parts_dir` whose parts have all arrived (a host may get only some models)."""
     manifest = read_manifest(parts_dir / MANIFEST)
-    missing = [p["name"] for p in manifest["parts"] if not (parts_dir / p["name"]).is_file()]
+    return {e["name"] for e in manifest["files"] if all((parts_dir / n).is_file() for n in parts_of(manifest, e))}
+
+
+def unpack(parts_dir: Path, out: Path, only: set[str] | None = None) -> list[Path]:
+    """Check the parts, then cut out every file (or those named in `only`, needing only their parts), each verified
+    before it is kept."""
+    manifest = read_manifest(parts_dir / MANIFEST)
+    if only is not None and (unknown := only - {e["name"] for e in manifest["files"]}):
+        raise PartsError(f"not in the manifest: {', '.join(sorted(unknown))}")
+    entries = [e for e in manifest["files"] if only is None or e["name"] in only]
+    needed = sorted({n for e in entries for n in parts_of(manifest, e)})
+    missing = [n for n in needed if not (parts_dir / n).is_file()]
     if missing:
         raise PartsError(f"{len(missing)} part(s) missing in {parts_dir}: {', '.join(missing)}")
-    for p in manifest["parts"]:
-        check_part(manifest, parts_dir / p["name"])
+    for name in needed:
+        check_part(manifest, parts_dir / name)
     out.mkdir(parents=True, exist_ok=True)
     part_bytes = manifest["part_bytes"]
     written = []
-    for entry in manifest["files"]:
-        if only is not None and entry["name"] not in only:
-            continue
+    for entry in entries:
         final = out / entry["name"]
         tmp = out / (entry["name"] + ".tmp")
         digest, left, pos = hashlib.sha256(), entry["size"], entry["offset"]

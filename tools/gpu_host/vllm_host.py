@@ -189,23 +189,37 @@ def gpu_env() -> dict[str, str]:
 def setup_gpu() -> None:
     """Reassemble, verify and install once per warm machine (a second run skips what is done)."""
     from hqlab import models
-    from tools.gpu_host.pack_parts import read_manifest, unpack
+    from tools.gpu_host.pack_parts import complete_files, read_manifest, unpack
 
+    # A call may carry only some models' parts (the 0.5B alone stages in a third of the time): unpack the files whose
+    # parts have all arrived, the wheels once, a model once; a later run picks up a model whose parts came since.
     done = GPU_SITE / ".hqlab-installed"
+    manifest = read_manifest(GPU_PARTS / "manifest.json")
+    names = [e["name"] for e in manifest["files"]]
+    ready = complete_files(GPU_PARTS)
+    wheels_ready = all(n in ready for n in names if n.endswith(".whl"))
+    if not done.exists() and not wheels_ready:
+        raise SystemExit(f"the wheels' parts have not all arrived in {GPU_PARTS}: stash them first")
+    if waiting := [n for n in names if n not in ready]:
+        log(f"not unpacked (parts missing): {', '.join(waiting)}")
+    ggufs = {n for n in ready if n.endswith(".gguf") and not (GPU_CACHE / "gguf" / n).exists()}
+    if ggufs:
+        log(f"unpacking {', '.join(sorted(ggufs))}")
+        unpack(GPU_PARTS, GPU_FILES, only=ggufs)
     if not done.exists():
-        manifest = read_manifest(GPU_PARTS / "manifest.json")
-        log(f"unpacking {len(manifest['parts'])} parts")
-        unpack(GPU_PARTS, GPU_FILES)
+        wheel_names = {n for n in names if n.endswith(".whl")}
+        log(f"unpacking {len(wheel_names)} wheels")
+        unpack(GPU_PARTS, GPU_FILES, only=wheel_names)
         wheels = sorted(str(p) for p in GPU_FILES.glob("*.whl"))
         log(f"installing {len(wheels)} wheels into {GPU_SITE}")
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                         "--no-cache-dir", "--upgrade", "--target", str(GPU_SITE), *wheels], check=True)
-        (GPU_CACHE / "gguf").mkdir(parents=True, exist_ok=True)
-        for gguf in GPU_FILES.glob("*.gguf"):
-            shutil.move(str(gguf), GPU_CACHE / "gguf" / gguf.name)
         done.touch()
     else:
         log(f"{GPU_SITE} already installed")
+    (GPU_CACHE / "gguf").mkdir(parents=True, exist_ok=True)
+    for gguf in GPU_FILES.glob("*.gguf"):
+        shutil.move(str(gguf), GPU_CACHE / "gguf" / gguf.name)
     install_checkout(GPU_SITE)
 
 

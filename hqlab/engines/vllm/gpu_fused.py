@@ -482,7 +482,7 @@ class GpuFusedSpeculator:
         for a in range(seen, end, PREFILL_CHUNK):
             e = min(end, a + PREFILL_CHUNK)
             self.drafter.hidden_states(slot_t, tokens[a:e].long()[None], self.index[a:a + 1], attn_len=e)
-        self.dlen[slot] = end
+        self.dlen[slot:slot + 1].fill_(end)  # a kernel with a scalar argument: `dlen[slot] = end` copies from the host
         if not done:
             self.prefilled[req_id] = end
 
