@@ -37,6 +37,7 @@ published_dir = "data/results"  # where committed results are read from when not
 fused_vllm_file = "data/results/vllm_fused_h200.parquet"  # benchmarks/vllm_gpu.py (`hqlab bench` rows)
 fused_run = "fb"  # the acceptance pair: target Qwen2.5-Coder-1.5B, drafter 0.5B ("fa": both the 0.5B, first run)
 measured_run = "fe"  # the same pair with the one-pass configs the replay below predicted ("fd": their first run)
+compiled_run = "ff"  # the skip with nmin_alone, the fusion rule eager and compiled (torch.compile, compile_rule)
 fused_profile_file = "data/results/fused_drafter_profile_h200_fb.json"  # benchmarks/fused_drafter_profile.py
 # the same profile run with --variants --autotune: FlashAttention splits, plan once, torch.compile max-autotune
 kernel_settings_file = "data/results/fused_drafter_profile_h200_fc.json"
@@ -444,6 +445,50 @@ chart
 
 # %%
 alone.pivot("setting", index="category", values="tokens_per_step")
+
+# %% [markdown]
+# ### `nmin_alone` and the compiled rule, measured (run `ff`)
+#
+# Run `ff` (code cce1839; the same pair, suite and settings) measured the lag-2 skip with `nmin_alone=1`, its fusion
+# rule eager and compiled (`compile_rule=true`: torch.compile fuses the rule's many small kernels inside the step's
+# CUDA graph), next to `none` and gpu-lookup k=15 (it ran no vLLM draft model: the device session ended first).
+# `nmin_alone` did what the replay said: code keeps 15.0 tokens/step (13.4 in run `fe`). The compiled rule made every
+# step without the drafter cost what a lookup step costs (1.9-2.2 ms on copy, code, quote and summary against
+# 3.6-3.7 ms with the eager rule in the same run), and gpu-fused ÷ gpu-lookup reached chat 1.05, summary 1.00, qa
+# 1.16, copy 0.97, code 1.05, quote 0.93 and edit 0.80 (1.28-1.36x `none` on chat). The eager config measured 0.59-0.69x
+# on the documents, slower than the same rule in run `fe` (whose drafter-free steps cost 2.3-2.5 ms): runs of whole
+# configs minutes apart still move with the host. Lossless; the replay agrees on every prompt but the near-tied chat
+# step.
+
+# %%
+compiled = (vllm_report.fused_ratios(pl.read_parquet(fused_vllm_file), compiled_run)
+            .filter(pl.col("config").str.starts_with("gpu-fused"))
+            .with_columns(pl.when(pl.col("config").str.contains("compile_rule=true"))
+                          .then(pl.lit("skip 2, nmin_alone 1, compiled rule"))
+                          .otherwise(pl.lit("skip 2, nmin_alone 1, eager rule")).alias("setting"))
+            .sort(pl.col("category").cast(pl.Enum(classes)), "setting"))
+chart = plots.grouped_bars(compiled, "category", "vs_best_gpu_lookup", "setting",
+                           y_title="gpu-fused ÷ gpu-lookup (batch 1)", rule_at=1.0)
+plots.save(chart, figures / "vllm_fused_h200_compiled.svg")
+chart
+
+# %%
+fused_steps = pl.read_parquet(Path(fused_vllm_file).with_suffix(".steps.parquet"))
+by_passes = (vllm_report.step_ms_by_passes(fused_steps, compiled_run)
+             .filter(pl.col("config").str.starts_with("gpu-fused") | pl.col("config").str.starts_with("gpu-lookup"))
+             .with_columns(pl.when(pl.col("config").str.starts_with("gpu-lookup")).then(pl.lit("gpu-lookup"))
+                           .when(pl.col("config").str.contains("compile_rule=true")).then(pl.lit("compiled rule"))
+                           .otherwise(pl.lit("eager rule")).alias("rule"))
+             .with_columns(pl.when(pl.col("drafter_passes") < 0).then(pl.col("rule"))
+                           .otherwise(pl.format("{}, {} drafter pass(es)", "rule", "drafter_passes")).alias("step"))
+             .sort(pl.col("category").cast(pl.Enum(classes)), "step"))
+chart = plots.grouped_bars(by_passes, "category", "step_ms", "step", y_title="median ms per step (batch 1)")
+plots.save(chart, figures / "vllm_fused_h200_compiled_steps.svg")
+chart
+
+# %%
+compiled.select("category", "setting", "decode_tok_s", "tokens_per_step", "vs_none", "vs_best_gpu_lookup",
+                "step_efficiency")
 
 # %% [markdown]
 # ### The drafting step outside vLLM

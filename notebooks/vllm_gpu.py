@@ -26,9 +26,9 @@ results_file = "data/results/vllm_gpu_h200.parquet"
 figures_dir = "figures"
 results_dir = "data/results"
 focus_run = "j"  # the run whose per-class bars are drawn (the current code, k = 15/31 and the adapter at both)
-current_runs = ["e", "f", "g", "h", "j", "k", "l", "l2", "m", "n", "o", "p", "q", "r"]  # hqlab's current code; vLLM's: all
+current_runs = ["e", "f", "g", "h", "j", "k", "l", "l2", "m", "n", "o", "p", "q", "r", "s"]  # hqlab's current code; vLLM's: all
 host_runs = ["j", "l", "l2", "m", "n", "o", "p"]  # sequential runs whose per-request step times show the host's speed
-cost_runs = [["l", "l2"], ["j"], ["k"], ["l"], ["m"], ["n"], ["o"], ["p"]]  # each checked on its own V2 configs
+cost_runs = [["l", "l2"], ["j"], ["k"], ["l"], ["m"], ["n"], ["o"], ["p"], ["s"]]  # each checked on its own V2 configs
 probe_runs = ["o", "p"]  # runs with the CPU speed probe around each request (`--pin-threads`, host_unit_ms)
 probe_file = "data/results/host_threads_h200.parquet"  # benchmarks/vllm_host_threads.py
 cpu_file = "data/results/host_speed_h200.parquet"  # benchmarks/host_speed.py: plain Python, no GPU
@@ -206,7 +206,11 @@ if Path(cpu_file).exists():
 #
 # Each `gpu-lookup` config of a run predicted by the step model fitted on the run's other V2 configs (`none` and
 # the other widths), pooled per task class (`vllm_report.cost_model_check`). Runs l and l2 are two calls four
-# minutes apart that together hold `none` and four widths (k = 3, 7, 15, 31).
+# minutes apart that together hold `none` and four widths (k = 3, 7, 15, 31). Run s ran its engines interleaved
+# (every config's engine alive, each prompt on all of them in turn, seconds apart) with two widths only, so each is
+# predicted from `none` and the other width by a straight line, without the jump that every speculative step pays:
+# its k = 15 and k = 31 steps cost the same (class medians 2.9-3.1 and 2.8-3.2 ms, copy 2.2 and 2.3, `none` 2.0-2.5),
+# though k = 31 verifies twice the positions. A run that checks the model needs three widths or more.
 
 # %%
 checks = pl.concat([vllm_report.cost_model_check(data["steps"], runs) for runs in cost_runs])

@@ -310,6 +310,40 @@ def skip_what_if(replayed: pl.DataFrame, table: pl.DataFrame, fit: dict[str, flo
                         for way in ("lookup_only", "catch_up", "built")]))
 
 
+def fused_ratios(results: pl.DataFrame, run: str) -> pl.DataFrame:
+    """Per (category, config) of one fused run at batch 1: median decode tok/s over the class's prompts, tokens/step,
+    step efficiency, and the ratios the fused issue asks for: to `none`, to the run's best gpu-lookup config and to
+    its best vLLM draft-model config (null where the run has none of them)."""
+    rows = results.filter((pl.col("run") == run) & (pl.col("concurrency") <= 1))
+    if rows.is_empty():
+        raise ConfigError(f"run {run!r}: no batch-1 rows (runs here: {sorted(results['run'].unique().to_list())})")
+    per = (rows.group_by(["category", "config"], maintain_order=True)
+           .agg(pl.col("decode_tok_s").median(), pl.col("tokens_per_step").median(),
+                pl.col("step_efficiency").median(), (pl.col("divergence") == "mismatch").sum().alias("mismatches")))
+
+    def best(prefix: str, name: str) -> pl.DataFrame:
+        return (per.filter(pl.col("config").str.starts_with(prefix) if prefix != "none" else pl.col("config") == "none")
+                .group_by("category").agg(pl.col("decode_tok_s").max().alias(name)))
+
+    out = per
+    for prefix, name in (("none", "none"), ("gpu-lookup", "best_gpu_lookup"), ("vllm-draft", "best_vllm_draft")):
+        out = out.join(best(prefix, name), on="category", how="left")
+    return out.with_columns(*[(pl.col("decode_tok_s") / pl.col(name)).alias(f"vs_{name}")
+                              for name in ("none", "best_gpu_lookup", "best_vllm_draft")])
+
+
+def step_ms_by_passes(steps: pl.DataFrame, run: str) -> pl.DataFrame:
+    """What a step costs by the drafter passes it ran, per (category, config) of one run at batch 1: the share of
+    steps and the median step ms for each `drafter_passes` value (-1: a config without a drafter)."""
+    alone = steps.filter((pl.col("run") == run) & (pl.col("load") == "alone"))
+    if alone.is_empty():
+        raise ConfigError(f"run {run!r}: no batch-1 step records")
+    return (alone.group_by(["category", "config", "drafter_passes"], maintain_order=True)
+            .agg(pl.len().alias("steps"), (1e3 * pl.col("step_s").median()).alias("step_ms"))
+            .with_columns((pl.col("steps") / pl.col("steps").sum().over(["category", "config"])).alias("share"))
+            .sort("category", "config", "drafter_passes"))
+
+
 def load(results_path: str | Path) -> dict[str, pl.DataFrame]:
     """The results and, where the run was profiled, its phases and profiled steps (empty frames otherwise)."""
     path = Path(results_path)
@@ -322,4 +356,4 @@ def load(results_path: str | Path) -> dict[str, pl.DataFrame]:
 
 __all__ = ["short_label", "run_ratios", "summary", "concurrency", "step_breakdown", "request_step_ms",
            "cost_model_check", "host_probe", "probe_correlation", "load", "family", "PARTS", "drafter_pass_fit",
-           "fused_what_if", "skip_what_if"]
+           "fused_what_if", "skip_what_if", "fused_ratios", "step_ms_by_passes"]

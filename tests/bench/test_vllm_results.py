@@ -172,3 +172,46 @@ def test_request_step_ms_is_each_requests_median_step():
     mine = alone.filter((pl.col("config") == "none") & (pl.col("request") == "copy"))
     assert row["step_ms"] == pytest.approx(1e3 * mine["step_s"].median()) and row["steps"] == mine.height
     assert row["label"] == "none"
+
+
+def test_fused_ratios_compare_each_config_with_the_runs_best_baselines():
+    """vllm_report.fused_ratios on the committed fused runs: fe (with vLLM's draft model) and ff (without)."""
+    import polars as pl
+
+    from hqlab.bench import vllm_report
+    from hqlab.config import ConfigError
+
+    results = pl.read_parquet(ROOT / "data" / "results" / "vllm_fused_h200.parquet")
+    fe = vllm_report.fused_ratios(results, "fe")
+    rows = results.filter((pl.col("run") == "fe") & (pl.col("concurrency") <= 1))
+    assert fe.height == rows.select("category", "config").n_unique()
+    copy = fe.filter(pl.col("category") == "copy")
+    lookups = copy.filter(pl.col("config").str.starts_with("gpu-lookup"))
+    assert (copy["best_gpu_lookup"] == lookups["decode_tok_s"].max()).all()
+    assert copy.filter(pl.col("config") == "none")["vs_none"].item() == pytest.approx(1.0)
+    mine = rows.filter((pl.col("category") == "copy") & (pl.col("config") == lookups["config"][0]))
+    assert lookups["decode_tok_s"][0] == pytest.approx(mine["decode_tok_s"].median())
+    assert fe["vs_best_vllm_draft"].is_not_null().all()
+    assert vllm_report.fused_ratios(results, "ff")["vs_best_vllm_draft"].is_null().all()  # ff ran no draft model
+    with pytest.raises(ConfigError, match="run 'zz': no batch-1 rows"):
+        vllm_report.fused_ratios(results, "zz")
+
+
+def test_step_ms_by_passes_splits_steps_by_the_drafters_passes():
+    import polars as pl
+
+    from hqlab.bench import vllm_report
+
+    steps = pl.read_parquet(ROOT / "data" / "results" / "vllm_fused_h200.steps.parquet")
+    split = vllm_report.step_ms_by_passes(steps, "ff")
+    alone = steps.filter((pl.col("run") == "ff") & (pl.col("load") == "alone"))
+    assert split["steps"].sum() == alone.height
+    shares = split.group_by("category", "config").agg(pl.col("share").sum())
+    assert shares["share"].to_numpy() == pytest.approx(1.0)
+    assert set(split.filter(pl.col("config") == "none")["drafter_passes"].to_list()) == {-1}
+    fused = split.filter(pl.col("config").str.starts_with("gpu-fused") & (pl.col("category") == "copy"))
+    assert set(fused["drafter_passes"].to_list()) <= {0, 1}
+    row = fused.filter(pl.col("drafter_passes") == 0).row(0, named=True)
+    mine = alone.filter((pl.col("config") == row["config"]) & (pl.col("category") == "copy")
+                        & (pl.col("drafter_passes") == 0))
+    assert row["step_ms"] == pytest.approx(1e3 * mine["step_s"].median()) and row["steps"] == mine.height
