@@ -22,8 +22,9 @@ a fixed piece of Python on that CPU around every timed request (`host_unit_ms`: 
 episodes of seconds on the lent H200; docs/vllm.md).
 --interleave starts every config's engine at once and runs each prompt on all of them in turn, so the ratios
 compare runs seconds apart (a host-bound step drifts by tens of percent over minutes); its first try on the H200
-stalled after the first prompt (data/results/vllm_gpu_h200_i.log) and it now starts engine processes with spawn,
-not yet measured. `none` always runs first in a call unless --skip-reference; a failing config is logged and the
+stalled after the first prompt (data/results/vllm_gpu_h200_i.log), so engine processes now start with spawn: run s
+(data/results/vllm_gpu_h200_s.log) started four 0.5B engines in six minutes, then ran 22 s per round of the suite.
+`none` always runs first in a call unless --skip-reference; a failing config is logged and the
 others still run (--fail-fast stops at the first failure instead, to save device time while a new path is brought
 up).
 """
