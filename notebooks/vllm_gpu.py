@@ -210,7 +210,8 @@ if Path(cpu_file).exists():
 # (every config's engine alive, each prompt on all of them in turn, seconds apart) with two widths only, so each is
 # predicted from `none` and the other width by a straight line, without the jump that every speculative step pays:
 # its k = 15 and k = 31 steps cost the same (class medians 2.9-3.1 and 2.8-3.2 ms, copy 2.2 and 2.3, `none` 2.0-2.5),
-# though k = 31 verifies twice the positions. A run that checks the model needs three widths or more.
+# though k = 31 verifies twice the positions. A width-flat form (one price for any verify) does no better on any run
+# (1-7 of 14 pairs; tried, not kept): the engines' host speeds differ even when their requests run seconds apart.
 
 # %%
 checks = pl.concat([vllm_report.cost_model_check(data["steps"], runs) for runs in cost_runs])
