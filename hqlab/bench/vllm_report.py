@@ -138,8 +138,20 @@ def request_step_ms(steps: pl.DataFrame, *, load: str = "alone") -> pl.DataFrame
     spread of these across requests of one config is the host's, not the prompt's (docs/vllm.md, "Host speed")."""
     alone = steps.filter(pl.col("load") == load) if "load" in steps.columns else steps
     return (alone.group_by(["run", "config", "request", "category"], maintain_order=True)
-            .agg((pl.col("step_s").median() * 1e3).alias("step_ms"), pl.len().alias("steps"))
+            .agg((pl.col("step_s").median() * 1e3).alias("step_ms"), pl.len().alias("steps"),
+                 (pl.col("propose_s").median() * 1e3).alias("host_ms"))
             .with_columns(pl.col("config").map_elements(short_label, return_dtype=pl.String).alias("label")))
+
+
+def host_level_correlation(per_request: pl.DataFrame, *, min_steps: int = 5) -> pl.DataFrame:
+    """Per run: Pearson r between a gpu-lookup request's median speculator host time (`host_ms`, the host's level
+    as the speculator met it) and its median step ms, over the requests of `request_step_ms` with at least
+    `min_steps` steps (shorter ones give no stable median)."""
+    rows = per_request.filter(pl.col("config").str.starts_with("gpu-lookup") & (pl.col("steps") >= min_steps))
+    return (rows.group_by("run", maintain_order=True)
+            .agg(pl.len().alias("requests"), pl.corr("host_ms", "step_ms").alias("r"),
+                 pl.col("host_ms").min().alias("host_ms_min"), pl.col("host_ms").max().alias("host_ms_max"))
+            .sort("run"))
 
 
 def host_probe(results: pl.DataFrame, runs: list[str]) -> pl.DataFrame:
@@ -171,11 +183,14 @@ def probe_correlation(probed: pl.DataFrame) -> pl.DataFrame:
     return pl.concat([per, runs.select(per.columns), both.select(per.columns)])
 
 
-def cost_model_check(steps: pl.DataFrame, runs: list[str], *, name: str | None = None) -> pl.DataFrame:
+def cost_model_check(steps: pl.DataFrame, runs: list[str], *, name: str | None = None,
+                     host_level: bool = False) -> pl.DataFrame:
     """The step-cost model on one run's (or several adjacent calls') V2 engines at batch 1: each `gpu-lookup`
     config's decode time predicted by a model fitted on the *other* V2 configs' steps (`none` and the other
     widths; `costmodel.holdout_predictions`), pooled per (config, task class). The V1 paths cost differently
-    and stay out of the fit. Returns measured and predicted tok/s and the error (measured / predicted - 1)."""
+    and stay out of the fit. `host_level`: the model prices each request's host level, measured by the
+    speculator's own host time (`costmodel.host_levels`; `none` has none and stays out). Returns measured and
+    predicted tok/s and the error (measured / predicted - 1), and the model form (`model`)."""
     from hqlab.replay import costmodel
 
     v2 = steps.filter(pl.col("run").is_in(runs) & (pl.col("load") == "alone")
@@ -185,10 +200,11 @@ def cost_model_check(steps: pl.DataFrame, runs: list[str], *, name: str | None =
                           f"(each is predicted from the others)")
     # a request name is per run: prompts of different calls are different requests
     v2 = v2.with_columns(pl.format("{}/{}", "run", "request").alias("request"))
-    held = costmodel.holdout_predictions(v2).filter(pl.col("config") != "none")
+    held = costmodel.holdout_predictions(v2, host_level=host_level).filter(pl.col("config") != "none")
     return (held.group_by(["config", "category"], maintain_order=True)
             .agg(pl.col("tokens").sum(), pl.col("measured_s").sum(), pl.col("predicted_s").sum())
             .with_columns(pl.lit(name or "+".join(runs)).alias("run"),
+                          pl.lit("host level" if host_level else "fixed prices").alias("model"),
                           (pl.col("tokens") / pl.col("measured_s")).alias("measured_tok_s"),
                           (pl.col("tokens") / pl.col("predicted_s")).alias("predicted_tok_s"),
                           (pl.col("measured_s") / pl.col("predicted_s") - 1).alias("error")))
@@ -356,4 +372,4 @@ def load(results_path: str | Path) -> dict[str, pl.DataFrame]:
 
 __all__ = ["short_label", "run_ratios", "summary", "concurrency", "step_breakdown", "request_step_ms",
            "cost_model_check", "host_probe", "probe_correlation", "load", "family", "PARTS", "drafter_pass_fit",
-           "fused_what_if", "skip_what_if", "fused_ratios", "step_ms_by_passes"]
+           "fused_what_if", "skip_what_if", "fused_ratios", "step_ms_by_passes", "host_level_correlation"]

@@ -14,6 +14,19 @@ it extrapolates along straight lines instead of clamping to the nearest measured
 The proposer's own time is a second, linear model of the history length (`ProposalCost`), fitted from timed
 `propose` calls. A replayed run's predicted decode time = sum over its steps of step price + proposal price.
 
+Inside vLLM on a GPU a small model's step is host-bound, and the host runs at different speeds from one request to
+the next (1.4-2.4x on the lent H200). A fixed price per step cannot follow that. Measured runs carry their own gauge
+of the host's speed: the speculator's host time per step (`propose_s`). The speculator's host time in a request
+(its median) tracks the request's median step time at r = 0.88-0.99 in every gpu-lookup run. With `host_ms` the
+model prices a step as
+
+    step_ms(v, host) = a + h·host + b·(v - 1)
+
+(+ the jump when the data can tell it apart), without the context terms: on a host-bound step the context's price
+is within the noise (fitted -0.04 to +0.14 ms per 1k tokens), and where long prompts met a slow host it would absorb
+the host's level instead (run m). h comes out at 36-40 in every run: vLLM's host work per step is ~38 times the
+speculator's.
+
 Measure the step the way the engine runs it (`measure_step_times`: the engine's forward, its greedy verdict and
 its cache crop), in shuffled rounds so that a slow spell of a shared machine spreads over all cells instead of
 looking like a property of one context length.
@@ -34,7 +47,7 @@ from tqdm.auto import tqdm
 
 from hqlab.trace import StepRecord
 
-TERMS = ("fixed", "verify_jump", "per_position", "per_1k_context", "per_position_1k_context")
+TERMS = ("fixed", "verify_jump", "per_position", "per_1k_context", "per_position_1k_context", "per_host_ms")
 
 
 def measure_step_times(engine: Any, context_lens: Sequence[int], verify_lens: Sequence[int], *,
@@ -84,11 +97,13 @@ def measure_step_times(engine: Any, context_lens: Sequence[int], verify_lens: Se
                           "spread_ms": 1e3 * (max(s) - min(s)), "samples": len(s)} for (c, v), s in samples.items()])
 
 
-def _design(verify_len: np.ndarray, context_len: np.ndarray, terms: Sequence[str]) -> np.ndarray:
+def _design(verify_len: np.ndarray, context_len: np.ndarray, terms: Sequence[str],
+            host_ms: np.ndarray | None = None) -> np.ndarray:
     v = np.asarray(verify_len, dtype=np.float64)
     c = np.asarray(context_len, dtype=np.float64) / 1000.0
     cols = {"fixed": np.ones_like(v), "verify_jump": (v > 1).astype(np.float64), "per_position": v - 1,
-            "per_1k_context": c, "per_position_1k_context": (v - 1) * c}
+            "per_1k_context": c, "per_position_1k_context": (v - 1) * c,
+            "per_host_ms": np.zeros_like(v) if host_ms is None else np.asarray(host_ms, dtype=np.float64)}
     return np.stack([cols[t] for t in terms], axis=1)
 
 
@@ -155,27 +170,37 @@ class CostModel:
                               frame["step_ms"].to_numpy(), source="grid")
 
     @classmethod
-    def fit_steps(cls, steps: pl.DataFrame) -> "CostModel":
-        """Fit engine step records (`hqlab.trace.records_frame`): the step's time less its proposal time."""
+    def fit_steps(cls, steps: pl.DataFrame, *, host_ms: np.ndarray | None = None) -> "CostModel":
+        """Fit engine step records (`hqlab.trace.records_frame`): the step's time less its proposal time.
+        `host_ms`: each step's host level (see `fit_points`), e.g. from `host_levels`."""
         y = 1e3 * (steps["step_s"] - steps["propose_s"]).to_numpy()
-        return cls.fit_points(steps["verify_len"].to_numpy(), steps["context_len"].to_numpy(), y, source="steps")
+        return cls.fit_points(steps["verify_len"].to_numpy(), steps["context_len"].to_numpy(), y, source="steps",
+                              host_ms=host_ms)
 
     @classmethod
     def fit_points(cls, verify_len: np.ndarray, context_len: np.ndarray, step_ms: np.ndarray, *,
-                   source: str = "") -> "CostModel":
+                   source: str = "", host_ms: np.ndarray | None = None) -> "CostModel":
+        """Fit step prices (module docstring). `host_ms`: a measure of the host's speed at each step (ms of a fixed
+        piece of host work; e.g. the speculator's median host time in the step's request): the model then prices
+        the host's level instead of the context (`per_host_ms`), and predicting needs it too."""
         v = np.asarray(verify_len)
         c = np.asarray(context_len)
         terms = ["fixed"]
-        if np.unique(c).size > 1:
+        if host_ms is not None:
+            host_ms = np.asarray(host_ms, dtype=np.float64)
+            if host_ms.shape != v.shape or not np.isfinite(host_ms).all() or (host_ms <= 0).any():
+                raise ValueError("host_ms must hold one positive, finite host level per step")
+            terms.append("per_host_ms")
+        elif np.unique(c).size > 1:
             terms.append("per_1k_context")
         longer = np.unique(v[v > 1])
         if np.unique(v).size > 1:  # a slope needs two verify lengths; the jump, two beyond one and one itself
             terms.append("per_position")
-            if np.unique(c[v > 1]).size > 1:
+            if host_ms is None and np.unique(c[v > 1]).size > 1:
                 terms.append("per_position_1k_context")
             if longer.size >= 2 and (v == 1).any():
                 terms.append("verify_jump")
-        x = _design(v, c, terms)
+        x = _design(v, c, terms, host_ms)
         beta = robust_lstsq(x, np.asarray(step_ms, dtype=np.float64))
         r = np.asarray(step_ms) - x @ beta
         coef = {t: 0.0 for t in TERMS} | {t: float(b) for t, b in zip(terms, beta)}
@@ -184,9 +209,15 @@ class CostModel:
     def with_proposal(self, proposal: ProposalCost | None) -> "CostModel":
         return CostModel(self.coef, proposal, self.source, self.residual_ms, dict(self.extra))
 
-    def step_ms(self, verify_len: int | np.ndarray, context_len: int | np.ndarray) -> float | np.ndarray:
-        x = _design(np.atleast_1d(verify_len), np.atleast_1d(context_len), TERMS)
-        out = x @ np.array([self.coef[t] for t in TERMS])
+    def step_ms(self, verify_len: int | np.ndarray, context_len: int | np.ndarray,
+                host_ms: float | np.ndarray | None = None) -> float | np.ndarray:
+        """Predicted ms of steps verifying `verify_len` positions on `context_len` tokens; a model fitted with the
+        host's level (`per_host_ms`) needs that level (`host_ms`) too."""
+        if self.coef.get("per_host_ms", 0.0) and host_ms is None:
+            raise ValueError("this model prices the host's speed (fitted with host_ms): pass host_ms")
+        v, c = np.atleast_1d(verify_len), np.atleast_1d(context_len)
+        host = None if host_ms is None else np.broadcast_to(np.asarray(host_ms, dtype=np.float64), v.shape)
+        out = _design(v, c, TERMS, host) @ np.array([self.coef.get(t, 0.0) for t in TERMS])
         return float(out[0]) if np.ndim(verify_len) == 0 and np.ndim(context_len) == 0 else out
 
     def propose_ms(self, history_len: int | np.ndarray) -> float | np.ndarray:
@@ -223,30 +254,52 @@ class CostModel:
         c = self.coef
         text = (f"step ≈ {c['fixed']:.2f} ms + {c['verify_jump']:.2f} ms if v > 1 + {c['per_position']:.3f} ms/position"
                 f" + {c['per_1k_context']:.2f} ms per 1k context + {c['per_position_1k_context']:.3f} ms per position"
-                f" per 1k context (robust residual {self.residual_ms:.2f} ms)")
+                f" per 1k context" + (f" + {c['per_host_ms']:.1f} × host ms" if c.get("per_host_ms") else "")
+                + f" (robust residual {self.residual_ms:.2f} ms)")
         if self.proposal is not None:
             text += f"; proposal ≈ {self.proposal.fixed_ms:.3f} + {self.proposal.per_1k_ms:.3f} ms per 1k history"
         return text
 
 
-def holdout_predictions(steps: pl.DataFrame, *, by: str = "config", reference: str = "none") -> pl.DataFrame:
+def host_levels(steps: pl.DataFrame, *, by: str = "config") -> pl.Series:
+    """Each step's host level in ms: the median of the speculator's host time (`propose_s`) over the steps of its
+    (config, request). A request's level tracks its step time (r = 0.88-0.99 in every gpu-lookup run on the H200)."""
+    missing = steps.group_by(by).agg((pl.col("propose_s") > 0).all().alias("timed")).filter(~pl.col("timed"))
+    if missing.height:
+        raise ValueError(f"no speculator host time on every step of {sorted(missing[by].to_list())}: their host "
+                         f"level is not measured (a config without a speculator, such as none, has none)")
+    return (1e3 * steps.select(pl.col("propose_s").median().over([by, "request"])).to_series()).alias("host_ms")
+
+
+def holdout_predictions(steps: pl.DataFrame, *, by: str = "config", reference: str = "none",
+                        host_level: bool = False) -> pl.DataFrame:
     """Check the model form on live engine runs without judging it on data it saw: for each configuration,
     fit the step model on the *other* configurations' steps, and the proposal model on this configuration's
     proposal timings (the proposer's own cost, which a sweep measures by timing it), then predict this
     configuration's decode time for every request. One row per (config, request): measured and predicted decode
-    seconds, and the same-prompt reference run's, so speedups can be compared as well."""
+    seconds, and the same-prompt reference run's, so speedups can be compared as well.
+
+    host_level: price each step by its request's host level (`host_levels`, the model's `per_host_ms`), measured
+    in the predicted run as its proposal timings are; the reference config (no speculator, no level) is left out."""
     rows = []
+    if host_level:
+        steps = steps.filter(pl.col(by) != reference)
+        steps = steps.with_columns(host_levels(steps, by=by))
     configs = steps[by].unique(maintain_order=True).to_list()
     for config in configs:
         train = steps.filter(pl.col(by) != config)
         test = steps.filter(pl.col(by) == config)
-        model = CostModel.fit_steps(train)
+        if train.is_empty():
+            raise ValueError(f"no configuration but {config!r} to fit the step model on")
+        model = CostModel.fit_steps(train, host_ms=train["host_ms"].to_numpy() if host_level else None)
         drafts = test.filter(pl.col("verify_len") > 1)
         if config != reference and drafts.height:
             model = model.with_proposal(ProposalCost.fit(test["context_len"].to_numpy() + 1,
                                                          1e3 * test["propose_s"].to_numpy()))
         for (request,), run in test.group_by(["request"], maintain_order=True):
-            pred = float(np.sum(model.step_ms(run["verify_len"].to_numpy(), run["context_len"].to_numpy()))) / 1e3
+            host = run["host_ms"].to_numpy() if host_level else None
+            pred = float(np.sum(model.step_ms(run["verify_len"].to_numpy(), run["context_len"].to_numpy(),
+                                              host))) / 1e3
             pred += float(np.sum(model.propose_ms(run["context_len"].to_numpy() + 1))) / 1e3 if model.proposal \
                 else float(run["propose_s"].sum())
             rows.append({by: config, "request": request, "category": run["category"][0], "steps": run.height,

@@ -215,3 +215,38 @@ def test_step_ms_by_passes_splits_steps_by_the_drafters_passes():
     mine = alone.filter((pl.col("config") == row["config"]) & (pl.col("category") == "copy")
                         & (pl.col("drafter_passes") == 0))
     assert row["step_ms"] == pytest.approx(1e3 * mine["step_s"].median()) and row["steps"] == mine.height
+
+
+def test_pricing_the_hosts_level_predicts_the_committed_runs_better_than_fixed_prices():
+    """Each gpu-lookup config of each committed run predicted from the run's other configs, with fixed step prices
+    and with the host's level (the speculator's own host time in each request) priced: the step of a host-bound
+    0.5B follows the host's speed, which fixed prices cannot see."""
+    import polars as pl
+
+    from hqlab.bench import vllm_report
+
+    steps = pl.read_parquet(ROOT / "data" / "results" / "vllm_gpu_h200.steps.parquet")
+    runs = [["l", "l2"], ["j"], ["k"], ["m"], ["n"], ["o"], ["p"], ["s"]]
+    fixed = pl.concat([vllm_report.cost_model_check(steps, r) for r in runs])
+    host = pl.concat([vllm_report.cost_model_check(steps, r, host_level=True) for r in runs])
+    assert fixed["model"].unique().to_list() == ["fixed prices"] and host["model"].unique().to_list() == ["host level"]
+    assert host.height == fixed.height and not host["config"].str.starts_with("none").any()
+    within = {name: int((t["error"].abs() <= 0.1).sum()) for name, t in (("fixed", fixed), ("host", host))}
+    assert within["host"] > 2 * within["fixed"], within
+    assert host["error"].abs().median() < fixed["error"].abs().median() / 2
+
+
+def test_host_level_correlation_is_pearson_r_over_each_runs_lookup_requests():
+    import numpy as np
+    import polars as pl
+
+    from hqlab.bench import vllm_report
+
+    steps = pl.read_parquet(ROOT / "data" / "results" / "vllm_gpu_h200.steps.parquet")
+    per = vllm_report.request_step_ms(steps)
+    table = vllm_report.host_level_correlation(per)
+    assert table["run"].to_list() == sorted(table["run"].to_list()) and table["r"].is_between(-1, 1).all()
+    mine = per.filter((pl.col("run") == "s") & pl.col("config").str.starts_with("gpu-lookup") & (pl.col("steps") >= 5))
+    row = table.filter(pl.col("run") == "s").row(0, named=True)
+    assert row["requests"] == mine.height
+    assert row["r"] == pytest.approx(np.corrcoef(mine["host_ms"], mine["step_ms"])[0, 1])

@@ -9,7 +9,8 @@ import numpy as np
 import polars as pl
 import pytest
 
-from hqlab.replay.costmodel import CostModel, ProposalCost, holdout_predictions, robust_lstsq, suite_errors
+from hqlab.replay.costmodel import (CostModel, ProposalCost, holdout_predictions, host_levels, robust_lstsq,
+                                    suite_errors)
 from hqlab.trace import StepRecord
 
 RESULTS = Path(__file__).resolve().parents[2] / "data" / "results"
@@ -147,3 +148,35 @@ def test_cost_model_interpolates_both_axes():
     assert cm.decode_tok_s(recs) == pytest.approx(11 / 0.022)
     with pytest.raises(ValueError, match="complete"):
         CostModel.fit(frame.head(3))
+
+
+def test_a_host_level_is_priced_instead_of_the_context_and_is_needed_to_predict():
+    """Steps that follow the host's speed (ms of the speculator's host time), with a few slowed further."""
+    rng = np.random.default_rng(3)
+    v = rng.choice([16, 32], 2000)
+    c = rng.integers(100, 3000, 2000)
+    host = rng.choice([0.04, 0.08], 2000) * rng.uniform(0.95, 1.05, 2000)  # the host's two speeds
+    y = 0.6 + 38.0 * host + 0.004 * (v - 1) + rng.normal(0, 0.05, v.size)
+    y[rng.random(v.size) < 0.05] *= 1.8
+    model = CostModel.fit_points(v, c, y, host_ms=host)
+    assert model.coef["per_host_ms"] == pytest.approx(38.0, rel=0.03)
+    assert model.coef["fixed"] == pytest.approx(0.6, abs=0.1)
+    assert model.coef["per_1k_context"] == 0.0 and model.coef["per_position_1k_context"] == 0.0
+    assert model.step_ms(32, 500, 0.08) == pytest.approx(0.6 + 38 * 0.08 + 0.004 * 31, rel=0.03)
+    with pytest.raises(ValueError, match="pass host_ms"):
+        model.step_ms(32, 500)
+    with pytest.raises(ValueError, match="one positive, finite host level per step"):
+        CostModel.fit_points(v, c, y, host_ms=host[:10])
+    assert CostModel.fit_points(v, c, y).coef["per_host_ms"] == 0.0  # without a level: the old form
+    assert np.isfinite(CostModel.fit_points(v, c, y).step_ms(32, 500))
+
+
+def test_host_levels_are_each_requests_median_speculator_time_and_none_has_none():
+    steps = pl.read_parquet(RESULTS / "vllm_gpu_h200.steps.parquet").filter(
+        (pl.col("run") == "s") & (pl.col("load") == "alone"))
+    lookups = steps.filter(pl.col("config").str.starts_with("gpu-lookup"))
+    levels = lookups.with_columns(host_levels(lookups))
+    one = levels.filter((pl.col("config") == lookups["config"][0]) & (pl.col("request") == "copy"))
+    assert one["host_ms"].unique().to_list() == [pytest.approx(1e3 * one["propose_s"].median())]
+    with pytest.raises(ValueError, match=r"\['none'\]: their host level is not measured"):
+        host_levels(steps.filter(pl.col("config").is_in(["none", lookups["config"][0]])))
