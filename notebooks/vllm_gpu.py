@@ -255,6 +255,6 @@ display(pl.concat([checks, host_checks]).group_by("model", "run", maintain_order
 shown = host_checks.with_columns(pl.col("config").map_elements(vllm_report.short_label, return_dtype=pl.String),
                                  (100 * pl.col("error")).alias("error %"))
 chart = plots.grouped_bars(shown, "category", "error %", "config", facet="run", rule_at=0.0,
-                           y_title="measured ÷ predicted − 1 (%), host level priced")
+                           y_title="measured ÷ predicted − 1 (%)")
 plots.save(chart, Path(figures_dir) / "vllm_gpu_costmodel_host.svg")
 chart
