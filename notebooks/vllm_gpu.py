@@ -243,9 +243,9 @@ chart
 # %% [markdown]
 # Priced with that level (`cost_model_check(..., host_level=True)`: step = a + h × host ms + b × (positions − 1),
 # `costmodel.host_levels`; `none`, which has no speculator, stays out), the same held-out predictions fall within
-# ±10 % on 129 of 140 (config, class) pairs over the nine checks, every pair in runs o and p; h comes out at 36-40
-# in every run (vLLM's host work per step ~38 times the speculator's). The level is measured in the run it predicts,
-# as the proposal timings are: the model says what a config costs on a host of a given speed.
+# ±10 % on 129 of 140 (config, class) pairs over the nine checks, every pair in runs o and p; h comes out at 39-44
+# in each checked run (vLLM's host work per step ~40 times the speculator's). The level is measured in the run it
+# predicts, as the proposal timings are: the model says what a config costs on a host of a given speed.
 
 # %%
 host_checks = pl.concat([vllm_report.cost_model_check(data["steps"], runs, host_level=True) for runs in cost_runs])
