@@ -212,13 +212,18 @@ if Path(cpu_file).exists():
 # the next. A width-flat form (one price for any verify) does no better (1-7 of 14 pairs; tried, not kept).
 
 # %%
+def error_bars(checks: pl.DataFrame, figure: str) -> alt.TopLevelMixin:
+    """Each held-out (config, class) error of a `cost_model_check` table, one panel per run, saved as `figure`."""
+    shown = checks.with_columns(pl.col("config").map_elements(vllm_report.short_label, return_dtype=pl.String),
+                                (100 * pl.col("error")).alias("error %"))
+    chart = plots.grouped_bars(shown, "category", "error %", "config", facet="run", rule_at=0.0,
+                               y_title="measured ÷ predicted − 1 (%)")
+    plots.save(chart, Path(figures_dir) / figure)
+    return chart
+
+
 checks = pl.concat([vllm_report.cost_model_check(data["steps"], runs) for runs in cost_runs])
-shown = checks.with_columns(pl.col("config").map_elements(vllm_report.short_label, return_dtype=pl.String),
-                            (100 * pl.col("error")).alias("error %"))
-chart = plots.grouped_bars(shown, "category", "error %", "config", facet="run", rule_at=0.0,
-                           y_title="measured ÷ predicted − 1 (%)")
-plots.save(chart, Path(figures_dir) / "vllm_gpu_costmodel.svg")
-chart
+error_bars(checks, "vllm_gpu_costmodel.svg")
 
 # %% [markdown]
 # ### The host's level, measured by the speculator itself
@@ -252,9 +257,4 @@ host_checks = pl.concat([vllm_report.cost_model_check(data["steps"], runs, host_
 display(pl.concat([checks, host_checks]).group_by("model", "run", maintain_order=True).agg(  # noqa: F821
     pl.len().alias("pairs"), (pl.col("error").abs() <= 0.1).sum().alias("within_10pct"),
     pl.col("error").min().alias("worst_low"), pl.col("error").max().alias("worst_high")))
-shown = host_checks.with_columns(pl.col("config").map_elements(vllm_report.short_label, return_dtype=pl.String),
-                                 (100 * pl.col("error")).alias("error %"))
-chart = plots.grouped_bars(shown, "category", "error %", "config", facet="run", rule_at=0.0,
-                           y_title="measured ÷ predicted − 1 (%)")
-plots.save(chart, Path(figures_dir) / "vllm_gpu_costmodel_host.svg")
-chart
+error_bars(host_checks, "vllm_gpu_costmodel_host.svg")

@@ -337,13 +337,12 @@ def fused_ratios(results: pl.DataFrame, run: str) -> pl.DataFrame:
            .agg(pl.col("decode_tok_s").median(), pl.col("tokens_per_step").median(),
                 pl.col("step_efficiency").median(), (pl.col("divergence") == "mismatch").sum().alias("mismatches")))
 
-    def best(prefix: str, name: str) -> pl.DataFrame:
-        return (per.filter(pl.col("config").str.starts_with(prefix) if prefix != "none" else pl.col("config") == "none")
-                .group_by("category").agg(pl.col("decode_tok_s").max().alias(name)))
-
+    baselines = {"none": pl.col("config") == "none", "best_gpu_lookup": pl.col("config").str.starts_with("gpu-lookup"),
+                 "best_vllm_draft": pl.col("config").str.starts_with("vllm-draft")}
     out = per
-    for prefix, name in (("none", "none"), ("gpu-lookup", "best_gpu_lookup"), ("vllm-draft", "best_vllm_draft")):
-        out = out.join(best(prefix, name), on="category", how="left")
+    for name, which in baselines.items():  # the fastest config of each kind, per class
+        best = per.filter(which).group_by("category").agg(pl.col("decode_tok_s").max().alias(name))
+        out = out.join(best, on="category", how="left")
     return out.with_columns(*[(pl.col("decode_tok_s") / pl.col(name)).alias(f"vs_{name}")
                               for name in ("none", "best_gpu_lookup", "best_vllm_draft")])
 
