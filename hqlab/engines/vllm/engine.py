@@ -614,6 +614,14 @@ def interleaved_order(n_engines: int, n_items: int) -> list[tuple[int, int]]:
     return [(i, (i + j) % n_engines) for i in range(n_items) for j in range(n_engines)]
 
 
+def round_plan(repeats: int, *, burst: bool = False, sustained: bool = False) -> list[tuple[int, str]]:
+    """(round, load) in the order an interleaved call runs them: each round runs the suite alone, then the burst,
+    then the sustained load, before the next round starts. A call cut short by its time limit (the runs are saved
+    after each) so keeps as many repeats of each load, not three alone and no burst."""
+    loads = ["alone", *(["burst"] if burst else []), *(["sustained"] if sustained else [])]
+    return [(r, load) for r in range(repeats) for load in loads]
+
+
 def run_interleaved(options: VLLMOptions, settings: Sequence[EngineSetting],
                     prompts: Sequence[tuple[str, str, list[int]]], decode: DecodeConfig, *, repeats: int = 1,
                     concurrency: int = 0, sustained: bool = False, profile: bool = False,
@@ -625,8 +633,8 @@ def run_interleaved(options: VLLMOptions, settings: Sequence[EngineSetting],
     few minutes on a shared host; one engine after another turns that drift into differences between configs.
     Here each round runs prompt 1 on every engine, then prompt 2 on every engine, ..., so the runs that a ratio
     compares are seconds apart. GPU memory is split between the engines (`options.gpu_memory_utilization` is the
-    total). Then, with `concurrency` > 1, the first `concurrency` prompts as a burst on each engine in turn, and
-    with `sustained` the whole suite with `concurrency` requests kept in flight; each `repeats` rounds. `profile`:
+    total). With `concurrency` > 1 each round then runs the first `concurrency` prompts as a burst on each engine in
+    turn, and with `sustained` the whole suite with `concurrency` requests kept in flight (`round_plan`). `profile`:
     then every prompt once more per engine with the worker's phases timed (kept under "profile"). `saved(runs,
     descriptions, what)` is called after every round, so a call cut short keeps what it measured."""
     if repeats < 1:
@@ -661,23 +669,21 @@ def run_interleaved(options: VLLMOptions, settings: Sequence[EngineSetting],
                 runs += [Run("none", pid, category, -1, engine.generate(ids, decode=decode, request=pid, margins=True))
                          for pid, category, ids in prompts]
         save("engines started")
-        for r in range(repeats):
-            for i, e in interleaved_order(len(engines), len(prompts)):
-                pid, category, ids = prompts[i]
-                runs.append(Run(engines[e].setting.label, pid, category, r,
-                                engines[e].generate(ids, decode=decode, request=pid)))
-            save(f"round {r + 1} of {repeats} alone")
-        loads = [("burst", group, 0)] if group else []
-        if sustained:
-            loads.append(("sustained", list(prompts), concurrency))
-        for load, group, in_flight in loads:
-            for r in range(repeats):
+        loads = {"burst": (group, 0), "sustained": (list(prompts), concurrency)}
+        for r, load in round_plan(repeats, burst=bool(group), sustained=sustained):
+            if load == "alone":
+                for i, e in interleaved_order(len(engines), len(prompts)):
+                    pid, category, ids = prompts[i]
+                    runs.append(Run(engines[e].setting.label, pid, category, r,
+                                    engines[e].generate(ids, decode=decode, request=pid)))
+            else:
+                together, in_flight = loads[load]
                 for e in ((r + j) % len(engines) for j in range(len(engines))):  # who goes first rotates
-                    gens, wall = engines[e].generate_concurrent([ids for _, _, ids in group], decode,
-                                                                [pid for pid, _, _ in group], in_flight=in_flight)
+                    gens, wall = engines[e].generate_concurrent([ids for _, _, ids in together], decode,
+                                                                [pid for pid, _, _ in together], in_flight=in_flight)
                     runs += [Run(engines[e].setting.label, pid, category, r, g, concurrency, wall, load)
-                             for (pid, category, _), g in zip(group, gens)]
-                save(f"round {r + 1} of {repeats} {load}")
+                             for (pid, category, _), g in zip(together, gens)]
+            save(f"round {r + 1} of {repeats} {load}")
         if profile:
             for engine, description in zip(engines, described):
                 description["profile"] = _profiled(engine, prompts, decode)
@@ -761,6 +767,6 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[Any]) -> list[tuple[str, st
 
 __all__ = ["VLLMOptions", "EngineSetting", "setting_for", "settings_for", "StepEvent", "step_records", "VLLMEngine",
            "burst_group",
-           "Run", "check_prompts", "run_setting", "run_configs", "run_interleaved", "interleaved_order",
+           "Run", "check_prompts", "run_setting", "run_configs", "run_interleaved", "interleaved_order", "round_plan",
            "encode_prompts", "raw_table", "runs_from_raw",
            "records_from_workers", "NATIVE", "UNKNOWN_TOKEN"]

@@ -88,14 +88,21 @@ def test_cli_vllm_engine_checks_specs_and_gpu_before_loading_anything(capsys):
 
 def test_interleaved_runs_visit_every_engine_once_per_prompt_and_check_their_limits_before_starting():
     """benchmarks/vllm_gpu.py --interleave: each prompt runs on every engine before the next prompt, the engine that
-    goes first rotates, and impossible settings fail before an engine starts (no GPU is touched)."""
+    goes first rotates, each round runs every load, and impossible settings fail before an engine starts (no GPU is
+    touched)."""
     from hqlab.config import DecodeConfig
-    from hqlab.engines.vllm import VLLMOptions, interleaved_order, run_interleaved, settings_for
+    from hqlab.engines.vllm import VLLMOptions, interleaved_order, round_plan, run_interleaved, settings_for
 
     order = interleaved_order(3, 4)
     assert [i for i, _ in order] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
     assert all(sorted(e for i, e in order if i == item) == [0, 1, 2] for item in range(4))
     assert [e for i, e in order if order.index((i, e)) % 3 == 0] == [0, 1, 2, 0]  # who goes first rotates
+    # each round runs every load before the next round: a call cut short keeps as many bursts as rounds alone
+    assert round_plan(3, burst=True) == [(0, "alone"), (0, "burst"), (1, "alone"), (1, "burst"), (2, "alone"),
+                                         (2, "burst")]
+    assert round_plan(2, burst=True, sustained=True) == [(0, "alone"), (0, "burst"), (0, "sustained"),
+                                                         (1, "alone"), (1, "burst"), (1, "sustained")]
+    assert round_plan(2) == [(0, "alone"), (1, "alone")]
     options = VLLMOptions(model="unused", gpu_memory_utilization=0.5)
     settings = settings_for(["lookup:k=7"])
     with pytest.raises(ConfigError, match="sustained load needs concurrency >= 2"):
