@@ -347,6 +347,32 @@ def fused_ratios(results: pl.DataFrame, run: str) -> pl.DataFrame:
                               for name in ("none", "best_gpu_lookup", "best_vllm_draft")])
 
 
+def fused_ratios_across(results: pl.DataFrame, configs: dict[str, str]) -> pl.DataFrame:
+    """`fused_ratios` of one gpu-fused config per run (`configs`: run -> config), stacked with a `run` column:
+    how the same settings fared in runs taken at different times or in different ways (sequential, interleaved)."""
+    parts = []
+    for run, config in configs.items():
+        table = fused_ratios(results, run)
+        if table.filter(pl.col("config") == config).is_empty():
+            raise ConfigError(f"run {run!r} has no config {config!r} at batch 1 (its configs: "
+                              f"{sorted(table['config'].unique().to_list())})")
+        parts.append(table.filter(pl.col("config") == config).with_columns(pl.lit(run).alias("run")))
+    return pl.concat(parts, how="diagonal_relaxed")
+
+
+def speculator_host_ms(steps: pl.DataFrame, runs: list[str]) -> pl.DataFrame:
+    """Per (run, category, config) at batch 1: the median of the speculator's own host time per step (ms) and of
+    the step. For one config's code the first is the gauge of the host's speed that request met (docs/vllm.md,
+    "Pricing the host's level"); `none` proposes nothing and is left out."""
+    alone = steps.filter(pl.col("run").is_in(runs) & (pl.col("load") == "alone") & (pl.col("config") != "none"))
+    if alone.is_empty():
+        raise ConfigError(f"runs {runs}: no batch-1 step records of a speculating config")
+    return (alone.group_by(["run", "category", "config"], maintain_order=True)
+            .agg((1e3 * pl.col("propose_s").median()).alias("speculator_host_ms"),
+                 (1e3 * pl.col("step_s").median()).alias("step_ms"), pl.len().alias("steps"))
+            .sort("run", "category", "config"))
+
+
 def step_ms_by_passes(steps: pl.DataFrame, run: str) -> pl.DataFrame:
     """What a step costs by the drafter passes it ran, per (category, config) of one run at batch 1: the share of
     steps and the median step ms for each `drafter_passes` value (-1: a config without a drafter)."""

@@ -197,6 +197,39 @@ def test_fused_ratios_compare_each_config_with_the_runs_best_baselines():
         vllm_report.fused_ratios(results, "zz")
 
 
+def test_one_fused_config_compared_across_runs_and_the_host_time_its_speculator_met():
+    """fused_ratios_across stacks one config per run (here the compiled skip config of the sequential run ff and the
+    interleaved run fg); speculator_host_ms gives each config's own host time per step, the host-level gauge."""
+    import polars as pl
+
+    from hqlab.bench import vllm_report
+    from hqlab.config import ConfigError
+
+    results = pl.read_parquet(ROOT / "data" / "results" / "vllm_fused_h200.parquet")
+    config = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,skip=2,"
+              "skip_on=head,nmin_alone=1,compile_rule=true")
+    both = vllm_report.fused_ratios_across(results, {"ff": config, "fg": config})
+    assert both["run"].to_list() == ["ff"] * 7 + ["fg"] * 7 and set(both["config"]) == {config}
+    fg = vllm_report.fused_ratios(results, "fg").filter(pl.col("config") == config)
+    assert both.filter(pl.col("run") == "fg")["vs_best_gpu_lookup"].to_list() == fg["vs_best_gpu_lookup"].to_list()
+    with pytest.raises(ConfigError, match="run 'fe' has no config"):
+        vllm_report.fused_ratios_across(results, {"fe": config})
+
+    steps = pl.read_parquet(ROOT / "data" / "results" / "vllm_fused_h200.steps.parquet")
+    host = vllm_report.speculator_host_ms(steps, ["ff", "fg"])
+    assert "none" not in host["config"].to_list()
+    mine = steps.filter((pl.col("run") == "fg") & (pl.col("load") == "alone") & (pl.col("category") == "copy")
+                        & (pl.col("config") == config))
+    row = host.filter((pl.col("run") == "fg") & (pl.col("category") == "copy") & (pl.col("config") == config))
+    assert row["speculator_host_ms"].item() == pytest.approx(1e3 * mine["propose_s"].median())
+    # the fused step does more host work than the lookup's: its speculator takes longer on every class of run fg
+    lookup = host.filter((pl.col("run") == "fg") & pl.col("config").str.starts_with("gpu-lookup"))
+    fused = host.filter((pl.col("run") == "fg") & (pl.col("config") == config))
+    assert (fused.sort("category")["speculator_host_ms"] > lookup.sort("category")["speculator_host_ms"]).all()
+    with pytest.raises(ConfigError, match="no batch-1 step records"):
+        vllm_report.speculator_host_ms(steps, ["zz"])
+
+
 def test_step_ms_by_passes_splits_steps_by_the_drafters_passes():
     import polars as pl
 

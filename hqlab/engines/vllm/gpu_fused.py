@@ -242,6 +242,11 @@ class GpuFusedSpeculator:
         # up to three steps ahead, so a buffer must not be rewritten before its copy ran.
         self._fresh_host = [torch.zeros(max_num_reqs, dtype=torch.bool, pin_memory=pin) for _ in range(4)]
         self._fresh_turn = 0
+        # What the host knows the device buffers hold, so that a decode step whose batch did not change launches no
+        # copy for them (each CUDA call is host time on the step's critical path, docs/vllm.md): the slots last
+        # copied to `slots` (None: unknown) and how many leading rows of `fresh` are known to be False.
+        self._slots_host: np.ndarray | None = None
+        self._fresh_clear = max_num_reqs
         self.dlen = torch.zeros(max_num_reqs, dtype=torch.int64, device=dev)  # drafter KV written per slot
         self.drafts = torch.zeros(max_num_reqs, self.block, dtype=torch.int64, device=dev)
         self.out = torch.full((max_num_reqs, c.k), pad, dtype=torch.int64, device=dev)
@@ -276,11 +281,13 @@ class GpuFusedSpeculator:
         if c.skip:
             lag = self.step_rule._marks.shape[1]
             self._marks_now = (self.step_rule._marks[:max_num_reqs], self.step_rule._marked[:max_num_reqs])
+            # the marks and their counts packed in one buffer by the drafting step itself, so one copy brings both
+            self._packed = torch.zeros(max_num_reqs, lag + 1, dtype=torch.int32, device=dev)
             for _ in range(SNAPSHOTS):
-                marks = torch.zeros(max_num_reqs, lag, dtype=torch.bool, pin_memory=pin)
-                marked = torch.zeros(max_num_reqs, dtype=torch.int32, pin_memory=pin)
-                self._snapshots.append({"marks": marks, "marked": marked, "marks_np": marks.numpy(),
-                                        "marked_np": marked.numpy(), "count": np.zeros(max_num_reqs, np.int64),
+                packed = torch.zeros(max_num_reqs, lag + 1, dtype=torch.int32, pin_memory=pin)
+                view = packed.numpy()
+                self._snapshots.append({"packed": packed, "marks_np": view[:, :lag], "marked_np": view[:, lag],
+                                        "count": np.zeros(max_num_reqs, np.int64),
                                         "event": torch.cuda.Event() if pin else None, "step": -1})
         # What vLLM's V2 runner reads from a speculator.
         self.draft_logits = None
@@ -344,6 +351,7 @@ class GpuFusedSpeculator:
             self.graphs.clear()
             warnings.warn(f"{NAME}: capturing the drafting step failed ({e}); it runs eagerly", RuntimeWarning,
                           stacklevel=2)
+        self._slots_host, self._fresh_clear = None, self.max_num_reqs  # capturing wrote `slots`, zeroed `fresh`
         if self.recorder is not None:
             self.recorder.restart()
 
@@ -377,12 +385,17 @@ class GpuFusedSpeculator:
             end = int(computed_prefill[i]) + int(scheduled[i])
             fresh[i] = end >= int(prefill_len[i])  # the prompt is done: this step sampled the request's first token
             self._prefill(req_ids[i], int(slots_np[i]), end, done=bool(fresh[i]))
-        self.slots[:n].copy_(slots)
+        if self._slots_host is None or not np.array_equal(self._slots_host, slots_np):
+            self.slots[:n].copy_(slots)
+            self._slots_host = np.array(slots_np, copy=True)
         self.num_sampled[:n].copy_(num_sampled)
-        self._fresh_turn = (self._fresh_turn + 1) % len(self._fresh_host)
-        host = self._fresh_host[self._fresh_turn]
-        host[:n] = torch.from_numpy(fresh)
-        self.fresh[:n].copy_(host[:n], non_blocking=True)
+        hit = np.flatnonzero(fresh)
+        if hit.size or n > self._fresh_clear:  # else rows [0, n) of `fresh` are False already
+            self._fresh_turn = (self._fresh_turn + 1) % len(self._fresh_host)
+            host = self._fresh_host[self._fresh_turn]
+            host[:n] = torch.from_numpy(fresh)
+            self.fresh[:n].copy_(host[:n], non_blocking=True)
+            self._fresh_clear = int(hit[0]) if hit.size else max(n, self._fresh_clear)
         # The longest history this step can reach (vLLM's host mirrors are upper bounds), plus what the passes add.
         reach = int(max(prefill_len.max(initial=0), (computed + scheduled).max(initial=0))) + 1
         bucket = next((x for x in self.buckets if x >= reach + self.width + self.block), self.buckets[-1])
@@ -457,9 +470,7 @@ class GpuFusedSpeculator:
                 self._behind[rows] = 0
             self._turn = (self._turn + 1) % len(self._snapshots)
             snap = self._snapshots[self._turn]  # the oldest copy: its turn to be rewritten
-            marks, marked = self._marks_now
-            snap["marks"].copy_(marks, non_blocking=True)
-            snap["marked"].copy_(marked, non_blocking=True)
+            snap["packed"].copy_(self._packed, non_blocking=True)
             if snap["event"] is not None:
                 snap["event"].record()
             snap["count"][:] = self._count
@@ -515,6 +526,9 @@ class GpuFusedSpeculator:
         proposals, match_len, valid = self.matcher(all_ids.view(-1), self.row_offsets[slots], lengths)
         lookup = proposals.masked_fill(proposals < 0, self.pad)
         self.out[:m] = self.step_rule(slots, ns, self.fresh[:m], lookup, valid, match_len, self.drafts[:m])
+        if self.config.skip:  # the skip marks for the host's copy (`_after_step`), in one buffer
+            marks, marked = self._marks_now
+            torch.cat((marks.to(torch.int32), marked[:, None]), dim=1, out=self._packed)
         if self.recorder is not None:
             r = self.step_rule
             meta = torch.stack([lengths, match_len.to(torch.int32), valid.to(torch.int32),

@@ -403,6 +403,45 @@ def skip_requests() -> dict[str, tuple[list[int], list[int]]]:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason=INTERPRETER_ONLY)
+def test_a_step_copies_slots_and_fresh_marks_only_when_they_change():
+    """Each CUDA call is host time on the step's critical path, so a decode step whose batch is the one before copies
+    neither its slots nor its (all False) fresh marks; whatever the batch does (grows, shrinks, reorders, a request
+    samples its first token), the device buffers the drafting step reads hold what the host passed."""
+    config = fused_config("gpu-fused:k=3,draft_block=1,nmax=8,skip=2,skip_on=head")
+    spec = GpuFusedSpeculator.standalone(config, max_num_reqs=4, max_model_len=256, pad=63, device="cpu",
+                                         dtype=torch.float32)
+    ids = torch.from_numpy(np.random.default_rng(1).integers(0, 60, size=(4, 256)).astype(np.int32))
+    total = torch.full((4,), 40, dtype=torch.int32)
+    spec.bind(ids, total)
+    spec.drafter = tiny_qwen2(4, spec.cache_len)
+    # (slots, which rows sampled their first token) per step: fresh requests, steady decode, a new request joins,
+    # the batch reorders, shrinks, then repeats itself
+    batches = [([0, 1], [True, True]), ([0, 1], [False, False]), ([0, 1], [False, False]),
+               ([0, 1, 3], [False, False, True]), ([0, 1, 3], [False, False, False]), ([3, 0, 1], [False] * 3),
+               ([3, 1], [False, False]), ([3, 1], [False, False]), ([2], [True]), ([2], [False])]
+    kept, turns = [], []
+    for slots, fresh in batches:
+        n = len(slots)
+        slots_np = np.array(slots, dtype=np.int32)
+        fresh_np = np.array(fresh)
+        total[slots_np] += 2
+        spec.step([f"r{s}" for s in slots], torch.from_numpy(slots_np), slots_np,
+                  torch.full((n,), 2, dtype=torch.int32), fresh_np, np.where(fresh_np, 0, 40),
+                  np.where(fresh_np, 40, 4), np.full(n, 40), np.where(fresh_np, 0, total[slots_np].numpy() - 2))
+        assert spec.slots[:n].tolist() == slots
+        assert spec.fresh[:n].tolist() == fresh
+        assert not spec.fresh[:spec._fresh_clear].any()  # the rows the host counts on being False are False
+        kept.append(spec._slots_host)
+        turns.append(spec._fresh_turn)
+    # the unchanged batches reused the slots already on the device: no new copy was made for them
+    assert [kept[i] is kept[i - 1] for i in range(1, len(batches))] == [
+        True, True, False, True, False, False, True, False, True]
+    # the fresh marks went to the device where a row was fresh or a row not known False joined (a new ring buffer)
+    copied = [i for i in range(len(batches)) if turns[i] != (turns[i - 1] if i else 0)]
+    assert copied == [0, 1, 3, 4, 8, 9]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason=INTERPRETER_ONLY)
 @pytest.mark.parametrize("skip, skip_on", [(1, "head"), (2, "head"), (2, "long")])
 def test_drafter_free_steps_change_no_draft(skip, skip_on):
     """With `skip`, the host runs the drafter-free graph kinds only where every row skips the drafter: each step's
