@@ -207,10 +207,11 @@ if Path(cpu_file).exists():
 #
 # Each `gpu-lookup` config of a run predicted by the step model fitted on the run's other V2 configs (`none` and
 # the other widths), pooled per task class (`vllm_report.cost_model_check`). Runs l and l2 are two calls four
-# minutes apart that together hold `none` and four widths (k = 3, 7, 15, 31). Run s ran its engines interleaved
-# (every config's engine alive, each prompt on all of them in turn, seconds apart). With fixed prices per step the
-# model misses most pairs in every run: a request's step follows the host's speed, which changes from one request to
-# the next. A width-flat form (one price for any verify) does no better (1-7 of 14 pairs; tried, not kept).
+# minutes apart that together hold `none` and four widths (k = 3, 7, 15, 31). Runs s and t ran their engines
+# interleaved (every config's engine alive, each prompt on all of them in turn, seconds apart). With fixed prices the
+# model misses most pairs in every run (35 of 154 within ±10 %): a request's step follows the host's speed, which
+# changes from one request to the next. A width-flat form (one price for any verify) does no better (1-7 of 14
+# pairs; tried, not kept).
 
 # %%
 def error_bars(checks: pl.DataFrame, figure: str) -> alt.TopLevelMixin:
@@ -249,7 +250,7 @@ chart
 # %% [markdown]
 # Priced with that level (`cost_model_check(..., host_level=True)`: step = a + h × host ms + b × (positions − 1),
 # `costmodel.host_levels`; `none`, which has no speculator, stays out), the same held-out predictions fall within
-# ±10 % on 129 of 140 (config, class) pairs over the nine checks, every pair in runs o and p; h comes out at 39-44
+# ±10 % on 141 of 154 (config, class) pairs over the ten checks, every pair in runs o and p; h comes out at 39-44
 # in each checked run (vLLM's host work per step ~40 times the speculator's). The level is measured in the run it
 # predicts, as the proposal timings are: the model says what a config costs on a host of a given speed.
 
