@@ -15,6 +15,9 @@ run's own greedy outputs, with teacher-forced drafts of the real drafter on the 
   --blocks 1,2 picks the drafter head lengths; --vary nmin_tail=1,4 (repeatable) replays every combination of those
   fusion settings too; --no-skip replays skip=0 only; --skips head=2,3,4 (repeatable) replays those lags instead of
   the default ones.
+  --settings k=31,nmax=32,policy=earliest replays other base settings than run fb's (e.g. a longer block), and
+  --lookup-k 15,31 adds the lookup alone (`lookup:nmin=1,nmax=32,k=K,policy=earliest`, what gpu-lookup runs) at
+  those widths, the rows the fused configs are compared with (drafter_share 0).
 """
 
 from __future__ import annotations
@@ -40,7 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     from hqlab import models
     from hqlab.config import ConfigError
     from hqlab.engines import vllm as hv
+    from hqlab.config import resolve_spec
+    from hqlab.proposers import make_proposer
+    from hqlab.proposers.fused import FusedConfig
+    from hqlab.replay import replay
     from hqlab.replay.teacher import load_drafter, replay_fused_grid
+    from hqlab.trace import tokens_per_step
     from hqlab.replay.traces import Trace
     from hqlab.workloads import load_workload
 
@@ -59,7 +67,13 @@ def main(argv: list[str] | None = None) -> int:
                          "e.g. --skips head=2,3,4)")
     ap.add_argument("--schedule", default="adaptive", choices=["adaptive", "long"],
                     help="the fused scheduler's mode (SPEC §2.5 adaptive, or always the long block)")
+    ap.add_argument("--settings", default=SETTINGS, help=f"the fused configs' base settings (default {SETTINGS})")
+    ap.add_argument("--lookup-k", default="", help="also replay the lookup alone at these k (comma-separated)")
     args = ap.parse_args(argv)
+    try:
+        lookup_ks = [int(x) for x in args.lookup_k.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--lookup-k: comma-separated integers, e.g. 15,31 (got {args.lookup_k!r})") from None
 
     skips = {"long": (0,)} if args.no_skip else SKIPS
     if args.skips:
@@ -94,9 +108,24 @@ def main(argv: list[str] | None = None) -> int:
         if not key or not values:
             raise ConfigError(f"--vary: expected KEY=V1,V2 (got {item!r})")
         varied = [f"{v},{key}={x}" for v in varied for x in values.split(",")]
-    specs = [f"fused:{SETTINGS},draft_block={b},skip={s},skip_on={on}{mode}{v}" for b in blocks
+    specs = [f"fused:{args.settings},draft_block={b},skip={s},skip_on={on}{mode}{v}" for b in blocks
              for on, lags in skips.items() for s in lags for v in varied]
+    for spec in specs:  # a bad setting fails here, before the drafter loads
+        resolve_spec(spec, {"fused": FusedConfig}, context="fused")
     table = replay_fused_grid(traces, load_drafter(args.drafter, device="cpu", dtype=args.dtype), specs)
+    if lookup_ks:
+        lookups = []
+        for k in lookup_ks:
+            spec = f"lookup:nmin=1,nmax=32,k={k},policy=earliest"
+            proposer = make_proposer(spec)
+            for t in traces:
+                records = replay(t.prompt_ids, t.output_ids, proposer, max_new_tokens=t.max_new_tokens,
+                                 request=t.prompt_id)
+                lookups.append({"config": spec, "prompt_id": t.prompt_id, "category": t.category,
+                                "steps": len(records), "tokens_per_step": tokens_per_step(records),
+                                "verify_positions": sum(r.verify_len for r in records) / max(len(records), 1),
+                                "drafter_share": 0.0})
+        table = pl.concat([table, pl.DataFrame(lookups)], how="diagonal_relaxed")
     table = table.with_columns(pl.lit(meta["model"]).alias("target"), pl.lit(args.drafter).alias("drafter"),
                                pl.lit(Path(args.raw).name).alias("source"))
     out = Path(args.out)

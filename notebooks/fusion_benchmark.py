@@ -46,6 +46,8 @@ fused_profile_file = "data/results/fused_drafter_profile_h200_fb.json"  # benchm
 # the same profile run with --variants --autotune: FlashAttention splits, plan once, torch.compile max-autotune
 kernel_settings_file = "data/results/fused_drafter_profile_h200_fc.json"
 fused_skip_host_file = "data/results/fused_skip_host_h200.parquet"  # benchmarks/fused_skip_host.py --fold
+# benchmarks/fused_skip_replay.py over run fg's outputs: the skip config at k = 15 and 31, the lookup alone at both
+width_replay_file = "data/results/fused_width_replay.parquet"
 
 # %%
 import json
@@ -534,6 +536,26 @@ chart
 draft_model = vllm_report.fused_ratios(pl.read_parquet(fused_vllm_file), draft_model_run)
 draft_model.filter(pl.col("config") != "none").select("category", "config", "decode_tok_s", "tokens_per_step",
                                                        "vs_none", "vs_best_vllm_draft", "step_efficiency")
+
+# %% [markdown]
+# ### A longer block: k = 31, replayed
+#
+# Every fused run so far compared the fused config with the GPU lookup at k = 15 only. Over run `fg`'s own outputs
+# (`benchmarks/fused_skip_replay.py ... --settings k=31,nmax=32,policy=earliest --lookup-k 15,31`, the 0.5B drafter
+# teacher-forced on the CPU) the lookup at k = 31 takes 25.5-31.9 tokens a step on copy, code and edit (14.2-15.9 at
+# k = 15), so it is the best gpu-lookup config there, and the fused config at k = 15 could reach only about half of
+# it. The same fused settings at k = 31 keep up (28.3-31.9) and stay ahead on prose (chat 2.29 against 1.57, qa 4.8
+# against 3.4, summary 5.8 against 4.1). The next GPU run measures both widths.
+
+# %%
+widths = (pl.read_parquet(width_replay_file)
+          .with_columns(pl.format("{} k={}", pl.col("config").str.extract(r"^(\w+):"),
+                                  pl.col("config").str.extract(r"k=(\d+)")).alias("replayed"))
+          .group_by("category", "replayed").agg(pl.col("tokens_per_step").median(), pl.col("drafter_share").median())
+          .sort(pl.col("category").cast(pl.Enum(classes)), "replayed"))
+chart = plots.grouped_bars(widths, "category", "tokens_per_step", "replayed", y_title="tokens per step (replayed)")
+plots.save(chart, figures / "vllm_fused_h200_widths.svg")
+chart
 
 # %% [markdown]
 # ### The drafting step outside vLLM

@@ -192,3 +192,27 @@ def test_host_probe_pairs_each_probed_request_with_its_step_time(data):
 def test_host_probe_names_runs_without_a_probe(data):
     with pytest.raises(ConfigError, match="host_unit_ms"):
         vllm_report.host_probe(data["results"], ["n"])
+
+
+def test_width_replay_agrees_with_the_live_run_it_replays():
+    """benchmarks/fused_skip_replay.py --settings k=31 --lookup-k 15,31 over run fg's outputs: its k = 15 rows are
+    what vLLM measured in run fg (the lookup exactly, the fused config as the replay check found it), and at k = 31
+    the lookup and the fused config take more tokens a step where the lookup copies."""
+    widths = pl.read_parquet(RESULTS.with_name("fused_width_replay.parquet"))
+    live = pl.read_parquet(FUSED).filter((pl.col("run") == "fg") & (pl.col("concurrency") == 1))
+    lookup15 = widths.filter(pl.col("config") == "lookup:nmin=1,nmax=32,k=15,policy=earliest")
+    measured = (live.filter(pl.col("config") == "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest")
+                .group_by("prompt_id").agg(pl.col("tokens_per_step").first()))
+    both = lookup15.join(measured, on="prompt_id", suffix="_vllm")
+    assert both.height == 14 and (both["tokens_per_step"] - both["tokens_per_step_vllm"]).abs().max() < 1e-9
+    check = pl.read_parquet(FUSED.with_name("vllm_fused_h200.replay.parquet")).filter(pl.col("run") == "fg")
+    fused15 = widths.filter(pl.col("config").str.starts_with("fused:k=15"))
+    same = fused15.join(check.select("prompt_id", "tokens_per_step"), on="prompt_id", suffix="_check")
+    assert same.height == 14 and (same["tokens_per_step"] - same["tokens_per_step_check"]).abs().max() < 1e-9
+    per = widths.with_columns(pl.col("config").str.extract(r"^(\w+):").alias("family"),
+                              pl.col("config").str.extract(r"k=(\d+)").cast(pl.Int64).alias("k"))
+    copying = per.filter(pl.col("category").is_in(["copy", "code", "edit"]))
+    for family in ("lookup", "fused"):
+        wide = copying.filter((pl.col("family") == family) & (pl.col("k") == 31)).sort("prompt_id")
+        narrow = copying.filter((pl.col("family") == family) & (pl.col("k") == 15)).sort("prompt_id")
+        assert (wide["tokens_per_step"] > narrow["tokens_per_step"] * 1.7).all()
