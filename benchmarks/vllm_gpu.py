@@ -10,7 +10,9 @@
     merges the raw runs of several calls into one run (the `none` reference may come from an earlier call), writes
     the results with the columns `hqlab bench` writes (+ concurrency, batch_tok_s, step_efficiency, vllm_runner,
     async_scheduling, run) and `<out>.steps.parquet`, and the phase timings to `<out>.phases.parquet`;
-    `--run NAME --append` adds another run (its own reference) to the same files.
+    `--run NAME --append` adds another run (its own reference) to the same files; a call run with
+    --skip-reference that repeats a config of the earlier call is finished as a run of its own with
+    `--reference EARLIER.parquet` (the earlier call's `none` rows; run fg2 was finished so).
       python benchmarks/vllm_gpu.py replay RETURNED/vllm_gpu_*.parquet --out data/results/<name>.replay.parquet \\
           --run NAME [--append]
     replays every gpu-fused config over the run's own outputs with the lab's `fused` proposer (teacher-forced
@@ -172,16 +174,23 @@ def finish(args: argparse.Namespace) -> None:
 
     runs, metas = [], []
     source: dict[str, str] = {}
-    for path in args.raw:
+    for path in [*args.raw, *([args.reference] if args.reference else [])]:
         more = hv.runs_from_raw(pl.read_parquet(path))
+        meta = json.loads(Path(path).with_suffix(".json").read_text())
+        if path == args.reference:  # only its `none` rows: the reference of a call run with --skip-reference
+            more = [r for r in more if r.config == "none"]
+            if not more:
+                raise SystemExit(f"--reference {path}: it holds no `none` run")
+            meta["engines"] = [e for e in meta["engines"] if e["config"] == "none"]
         for config in dict.fromkeys(r.config for r in more):
             if config in source:  # its repeats and batches would be pooled across calls (batch throughput doubled)
                 raise SystemExit(f"config {config!r} is in both {source[config]} and {path}: one run holds each "
-                                 f"config once; finish the calls as separate runs (--run), or run the later "
-                                 f"call with --skip-reference")
+                                 f"config once; finish the calls as separate runs (--run, the later one with "
+                                 f"--reference EARLIER if it skipped `none`), or run the later call with "
+                                 f"--skip-reference")
             source[config] = str(path)
         runs += more
-        metas.append(json.loads(Path(path).with_suffix(".json").read_text()))
+        metas.append(meta)
     keys = ("machine", "model", "dtype", "doc_tokens", "suite", "tensor_parallel_size", "pipeline_parallel_size")
     meta = {k: metas[0][k] for k in keys if k in metas[0]}
     decode = DecodeConfig(max_new_tokens=metas[0]["max_new_tokens"])
@@ -297,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--run", default="a", help="name of this run (one GPU session's reference and configs)")
     f.add_argument("--append", action="store_true", help="keep the other runs already in --out")
     f.add_argument("--commit", default=None, help="the commit whose code ran on the host (default: this checkout's)")
+    f.add_argument("--reference", default=None,
+                   help="a raw file whose `none` runs are this run's reference (for a call run with --skip-reference "
+                        "whose configs another call ran too)")
     r = sub.add_parser("replay", help="CPU: gpu-fused configs of a raw run against the lab's replay")
     r.add_argument("raw")
     r.add_argument("--out", required=True, help="parquet to write (e.g. data/results/vllm_fused_h200.replay.parquet)")

@@ -95,6 +95,16 @@ def test_gpu_finish_turns_returned_raw_runs_into_bench_results(tmp_path):
     with pytest.raises(SystemExit, match="'none' is in both .*vllm_gpu_a.parquet and .*vllm_gpu_c.parquet"):
         script.main(["finish", *map(str, raw), str(again), "--out", str(out)])
     assert out.read_bytes() == before
+    # a later call with --skip-reference finished as a run of its own: `none` taken from the earlier call's file
+    script.main(["finish", str(raw[1]), "--reference", str(raw[0]), "--out", str(out), "--run", "b2", "--append"])
+    both = pl.read_parquet(out)
+    assert both.filter(pl.col("run") == "b2")["config"].to_list() == ["none", "lookup:k=7"]
+    assert both.filter(pl.col("run") == "b2")["speedup_e2e"][1] == pytest.approx(2.0)
+    lookups = tmp_path / "vllm_gpu_d.parquet"  # a file without `none` cannot be the reference
+    pq.write_table(raw_table(parts["b"]), lookups)
+    lookups.with_suffix(".json").write_text(raw[1].with_suffix(".json").read_text())
+    with pytest.raises(SystemExit, match="--reference .*vllm_gpu_d.parquet: it holds no `none` run"):
+        script.main(["finish", str(raw[1]), "--reference", str(lookups), "--out", str(out), "--run", "b3"])
 
 
 def test_burst_and_sustained_loads_are_kept_apart_and_old_tables_read_as_burst():
