@@ -385,6 +385,21 @@ def step_ms_by_passes(steps: pl.DataFrame, run: str) -> pl.DataFrame:
             .sort("category", "config", "drafter_passes"))
 
 
+def exact_skip_share(steps: pl.DataFrame, run: str, *, nstrong: int = 6) -> pl.DataFrame:
+    """Per (category, config) of a run's gpu-fused configs at batch 1: the share of steps whose lookup match was at
+    least `nstrong` (with draft_block = 1 the lookup then takes head and tail whatever the drafter says, so the
+    drafter's pass could be skipped at that very step without changing a decision), next to the share of steps
+    that ran without the drafter (`drafter_passes` = 0, the host-proven lag-L skip)."""
+    fused = steps.filter((pl.col("run") == run) & (pl.col("load") == "alone")
+                         & pl.col("config").str.starts_with("gpu-fused"))
+    if fused.is_empty():
+        raise ConfigError(f"run {run!r}: no batch-1 step records of a gpu-fused config")
+    return (fused.group_by(["category", "config"], maintain_order=True)
+            .agg(pl.len().alias("steps"), (pl.col("match_len") >= nstrong).mean().alias("strong_share"),
+                 (pl.col("drafter_passes") == 0).mean().alias("skipped_share"))
+            .sort("category", "config"))
+
+
 def load(results_path: str | Path) -> dict[str, pl.DataFrame]:
     """The results and, where the run was profiled, its phases and profiled steps (empty frames otherwise)."""
     path = Path(results_path)

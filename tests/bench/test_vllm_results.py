@@ -240,6 +240,28 @@ def test_one_fused_config_compared_across_runs_and_the_host_time_its_speculator_
         vllm_report.speculator_host_ms(steps, ["zz"])
 
 
+def test_exact_skip_share_counts_the_steps_a_strong_lookup_decides_alone():
+    """In run fg the lookup's match reached nstrong = 6 on most document steps, more than the host proved skippable
+    two steps back, and on few chat steps."""
+    import polars as pl
+
+    from hqlab.bench import vllm_report
+    from hqlab.config import ConfigError
+
+    steps = pl.read_parquet(ROOT / "data" / "results" / "vllm_fused_h200.steps.parquet")
+    share = vllm_report.exact_skip_share(steps, "fg")
+    mine = steps.filter((pl.col("run") == "fg") & (pl.col("load") == "alone") & (pl.col("category") == "copy")
+                        & pl.col("config").str.starts_with("gpu-fused"))
+    copy = share.filter(pl.col("category") == "copy")
+    assert copy["steps"].item() == mine.height
+    assert copy["strong_share"].item() == pytest.approx((mine["match_len"] >= 6).mean())
+    documents = share.filter(pl.col("category").is_in(["copy", "code", "edit"]))
+    assert (documents["strong_share"] > documents["skipped_share"]).all()
+    assert share.filter(pl.col("category") == "chat")["strong_share"].item() < 0.1
+    with pytest.raises(ConfigError, match="no batch-1 step records of a gpu-fused config"):
+        vllm_report.exact_skip_share(steps, "t")
+
+
 def test_step_ms_by_passes_splits_steps_by_the_drafters_passes():
     import polars as pl
 
