@@ -100,6 +100,7 @@ def capture(layers: int, flag, x, weights, out, kernel, pool, body_pool, *, cond
             h = torch.nn.functional.linear(h, w).relu_()
         out.add_(h.sum())
 
+    torch.cuda.synchronize()  # the inputs were made on the default stream
     for stream in (main, side):  # warm up the kernels (and cuBLAS's per-stream workspace) outside capture
         with torch.cuda.stream(stream):
             body()
