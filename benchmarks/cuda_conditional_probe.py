@@ -24,8 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
+import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 # cuda_runtime.h hides the device runtime's declarations from NVRTC; its own header has them. Compiled here (NVRTC
 # on the CPU, sm_90) the call is a driver syscall in the cubin (EIATTR_SYSCALL_OFFSETS): no cudadevrt link needed.
@@ -141,26 +144,13 @@ def capture(layers: int, flag, x, weights, out, kernel, pool, body_pool, *, cond
     return graph
 
 
-def timed(graph, repeats: int = 200) -> float:
-    """Median ms per replay."""
-    import torch
-
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=24, help="matrix products in the body (the 0.5B has 24 layers)")
     args = ap.parse_args(argv)
     import torch
+
+    from benchmarks.step_cost_gpu import median_replay_ms
 
     if not torch.cuda.is_available():
         raise SystemExit("cuda_conditional_probe needs a CUDA GPU")
@@ -188,10 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         report["body_ran_only_when_set"] = all(v == 1.0 for v in runs[0]) and all(v != 1.0 for v in runs[1])
         report["outputs"] = runs
         flag.fill_(0)
-        report["ms_conditional_skipped"] = timed(cond)
+        report["ms_conditional_skipped"] = median_replay_ms(cond, 200)
         flag.fill_(1)
-        report["ms_conditional_taken"] = timed(cond)
-        report["ms_plain_graph"] = timed(plain)
+        report["ms_conditional_taken"] = median_replay_ms(cond, 200)
+        report["ms_plain_graph"] = median_replay_ms(plain, 200)
     except Exception as e:  # noqa: BLE001 - the probe reports whatever stopped it
         report["error"] = f"{type(e).__name__}: {e}"
     print(json.dumps(report))

@@ -246,16 +246,22 @@ def time_graph(model, batch: int, ctx: int, n: int, reps: int, device: str) -> f
             dec.step(ids, ctx)
         graph.replay()
         torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+        ms = median_replay_ms(graph, reps)
         del graph
-        return statistics.median(times)
+        return ms
+
+
+def median_replay_ms(graph, reps: int) -> float:
+    """Median GPU ms of `reps` replays of a captured CUDA graph, each timed by a pair of events."""
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def time_eager(model, batch: int, ctx: int, n: int, reps: int, device: str) -> float:
