@@ -41,9 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from hqlab import models
-    from hqlab.config import ConfigError
+    from hqlab.config import ConfigError, resolve_spec
     from hqlab.engines import vllm as hv
-    from hqlab.config import resolve_spec
     from hqlab.proposers import make_proposer
     from hqlab.proposers.fused import FusedConfig
     from hqlab.replay import replay

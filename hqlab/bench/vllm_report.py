@@ -385,17 +385,21 @@ def step_ms_by_passes(steps: pl.DataFrame, run: str) -> pl.DataFrame:
             .sort("category", "config", "drafter_passes"))
 
 
-def exact_skip_share(steps: pl.DataFrame, run: str, *, nstrong: int = 6) -> pl.DataFrame:
-    """Per (category, config) of a run's gpu-fused configs at batch 1: the share of steps whose lookup match was at
-    least `nstrong` (with draft_block = 1 the lookup then takes head and tail whatever the drafter says, so the
-    drafter's pass could be skipped at that very step without changing a decision), next to the share of steps
-    that ran without the drafter (`drafter_passes` = 0, the host-proven lag-L skip)."""
+def exact_skip_share(steps: pl.DataFrame, run: str) -> pl.DataFrame:
+    """Per (category, config) of a run's one-pass gpu-fused configs (`draft_block` = 1) at batch 1: the share of steps
+    whose lookup match reached the config's own `nstrong` (the lookup then takes head and tail whatever the drafter
+    says, so the drafter's pass could be skipped at that very step without changing a decision), next to the share
+    of steps that ran without the drafter (`drafter_passes` = 0, the host-proven lag-L skip)."""
     fused = steps.filter((pl.col("run") == run) & (pl.col("load") == "alone")
                          & pl.col("config").str.starts_with("gpu-fused"))
-    if fused.is_empty():
-        raise ConfigError(f"run {run!r}: no batch-1 step records of a gpu-fused config")
-    return (fused.group_by(["category", "config"], maintain_order=True)
-            .agg(pl.len().alias("steps"), (pl.col("match_len") >= nstrong).mean().alias("strong_share"),
+    configs = [c for c in fused["config"].unique(maintain_order=True) if _fused_settings(c, "draft_block")[0] == 1]
+    if not configs:
+        raise ConfigError(f"run {run!r}: no batch-1 step records of a one-pass gpu-fused config (draft_block=1)")
+    strong = {c: _fused_settings(c, "nstrong")[0] for c in configs}
+    return (fused.filter(pl.col("config").is_in(configs))
+            .with_columns(pl.col("config").replace_strict(strong, return_dtype=pl.Int64).alias("nstrong"))
+            .group_by(["category", "config"], maintain_order=True)
+            .agg(pl.len().alias("steps"), (pl.col("match_len") >= pl.col("nstrong")).mean().alias("strong_share"),
                  (pl.col("drafter_passes") == 0).mean().alias("skipped_share"))
             .sort("category", "config"))
 
@@ -412,4 +416,5 @@ def load(results_path: str | Path) -> dict[str, pl.DataFrame]:
 
 __all__ = ["short_label", "run_ratios", "summary", "concurrency", "step_breakdown", "request_step_ms",
            "cost_model_check", "host_probe", "probe_correlation", "load", "family", "PARTS", "drafter_pass_fit",
-           "fused_what_if", "skip_what_if", "fused_ratios", "step_ms_by_passes", "host_level_correlation"]
+           "fused_what_if", "skip_what_if", "fused_ratios", "step_ms_by_passes", "host_level_correlation",
+           "fused_ratios_across", "speculator_host_ms", "exact_skip_share"]

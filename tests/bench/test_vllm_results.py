@@ -241,8 +241,8 @@ def test_one_fused_config_compared_across_runs_and_the_host_time_its_speculator_
 
 
 def test_exact_skip_share_counts_the_steps_a_strong_lookup_decides_alone():
-    """In run fg the lookup's match reached nstrong = 6 on most document steps, more than the host proved skippable
-    two steps back, and on few chat steps."""
+    """In run fg the lookup's match reached nstrong (6, the config's default) on most document steps, more than the
+    host proved skippable two steps back, and on few chat steps."""
     import polars as pl
 
     from hqlab.bench import vllm_report
@@ -258,7 +258,7 @@ def test_exact_skip_share_counts_the_steps_a_strong_lookup_decides_alone():
     documents = share.filter(pl.col("category").is_in(["copy", "code", "edit"]))
     assert (documents["strong_share"] > documents["skipped_share"]).all()
     assert share.filter(pl.col("category") == "chat")["strong_share"].item() < 0.1
-    with pytest.raises(ConfigError, match="no batch-1 step records of a gpu-fused config"):
+    with pytest.raises(ConfigError, match="no batch-1 step records of a one-pass gpu-fused config"):
         vllm_report.exact_skip_share(steps, "t")
 
 
