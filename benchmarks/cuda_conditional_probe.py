@@ -30,10 +30,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# cuda_runtime.h hides the device runtime's declarations from NVRTC; its own header has them. Compiled here (NVRTC
-# on the CPU, sm_90) the call is a driver syscall in the cubin (EIATTR_SYSCALL_OFFSETS): no cudadevrt link needed.
+# The device runtime's one call, declared here instead of through cuda_device_runtime_api.h: that header includes
+# crt/host_defines.h, which the GPU image's CUDA wheels lack (its first run failed there). The attribute is what the
+# header's __cudart_builtin__ expands to under NVRTC. The call compiles to a driver syscall in the cubin
+# (EIATTR_SYSCALL_OFFSETS), no cudadevrt link needed; the test checks the cubin is byte for byte the header's.
 SET_IF = r"""
-#include <cuda_device_runtime_api.h>
+typedef unsigned long long cudaGraphConditionalHandle;
+extern "C" __device__ __attribute__((cudart_builtin)) void cudaGraphSetConditional(cudaGraphConditionalHandle handle,
+                                                                                   unsigned int value);
 extern "C" __global__ void set_if(cudaGraphConditionalHandle handle, const int* flag) {
     cudaGraphSetConditional(handle, *flag != 0 ? 1u : 0u);
 }
@@ -48,15 +52,14 @@ def ok(result, what: str):
     return values[0] if len(values) == 1 else values
 
 
-def set_if_cubin(major: int, minor: int) -> bytes:
-    """The condition-setting kernel compiled by NVRTC for sm_<major><minor> (no GPU needed)."""
+def set_if_cubin(major: int, minor: int, *, source: str = SET_IF, include: str | None = None) -> bytes:
+    """The condition-setting kernel compiled by NVRTC for sm_<major><minor> (no GPU, no CUDA headers needed)."""
     from cuda.bindings import nvrtc
-    from cuda.pathfinder import find_nvidia_header_directory
 
-    include = find_nvidia_header_directory("cudart")
-    prog = ok(nvrtc.nvrtcCreateProgram(SET_IF.encode(), b"set_if.cu", 0, [], []), "nvrtcCreateProgram")
-    opts = [f"--gpu-architecture=sm_{major}{minor}".encode(), f"-I{include}".encode(), b"-std=c++17",
-            b"-diag-suppress=1105"]  # the header's note that it includes an internal one
+    prog = ok(nvrtc.nvrtcCreateProgram(source.encode(), b"set_if.cu", 0, [], []), "nvrtcCreateProgram")
+    opts = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"-std=c++17"]
+    if include:
+        opts += [f"-I{include}".encode(), b"-diag-suppress=1105"]  # the header's note that it includes an internal one
     err = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     if int(err[0]) != 0:
         size = ok(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
