@@ -168,7 +168,7 @@ def finish(args: argparse.Namespace) -> None:
     import polars as pl
 
     from hqlab import bench as hb
-    from hqlab.bench.vllm import frames_from_raw
+    from hqlab.bench.vllm import frames_from_raw, repeat_rows
     from hqlab.config import DecodeConfig
     from hqlab.engines import vllm as hv
 
@@ -209,7 +209,7 @@ def finish(args: argparse.Namespace) -> None:
     profile_steps = [{"config": e["config"], "prompt_id": p["prompt_id"], "category": p["category"], **st}
                      for e in engines for p in e.get("profile", []) for st in p["steps"]]
     out = Path(args.out)
-    parts = {"": results, "steps": steps, "phases": pl.DataFrame(phases),
+    parts = {"": results, "steps": steps, "repeats": repeat_rows(runs), "phases": pl.DataFrame(phases),
              "profile_steps": pl.DataFrame(profile_steps).drop("proposed", "sources", strict=False)}
     for part, frame in parts.items():
         path = hb.part_path(out, part) if part else out
@@ -222,7 +222,7 @@ def finish(args: argparse.Namespace) -> None:
     hb.write_results(out, parts.pop(""), **parts)
     with pl.Config(tbl_rows=100, tbl_cols=20, tbl_width_chars=220):
         print(hb.summarize(results.filter(pl.col("concurrency") == 1)))
-    print(f"wrote run {args.run!r} into {out} (+ .steps{', .phases, .profile_steps' if phases else ''})")
+    print(f"wrote run {args.run!r} into {out} (+ .steps, .repeats{', .phases, .profile_steps' if phases else ''})")
 
 
 def replay(args: argparse.Namespace) -> None:

@@ -347,6 +347,29 @@ def fused_ratios(results: pl.DataFrame, run: str) -> pl.DataFrame:
                               for name in ("none", "best_gpu_lookup", "best_vllm_draft")])
 
 
+def round_ratios(repeats: pl.DataFrame, run: str, config: str, *, against: str = "gpu-lookup") -> pl.DataFrame:
+    """Per task class of one interleaved run: `config`'s decode tok/s over the class's fastest config whose name
+    starts with `against` (fastest by the median over all its requests), request by request in the same round
+    (`repeats`: the `.repeats` frame `benchmarks/vllm_gpu.py finish` writes). The median of these paired ratios, and
+    their low and high, show how far the ratio of medians can be trusted where a request decodes in a few dozen ms."""
+    rows = repeats.filter(pl.col("run") == run)
+    if rows.filter(pl.col("config") == config).is_empty():
+        raise ConfigError(f"run {run!r} has no per-repeat rows of {config!r}")
+    rivals = (rows.filter(pl.col("config").str.starts_with(against) & (pl.col("config") != config))
+              .group_by("category", "config").agg(pl.col("decode_tok_s").median().alias("rate"))
+              .sort("rate", descending=True).unique("category", keep="first"))
+    if rivals.is_empty():
+        raise ConfigError(f"run {run!r} has no config starting with {against!r} to compare {config!r} with")
+    theirs = rows.join(rivals.select("category", "config"), on=["category", "config"])
+    mine = rows.filter(pl.col("config") == config)
+    paired = mine.join(theirs, on=["prompt_id", "repeat"], suffix="_against")
+    return (paired.with_columns((pl.col("decode_tok_s") / pl.col("decode_tok_s_against")).alias("ratio"))
+            .group_by("category", maintain_order=True)
+            .agg(pl.col("config_against").first().alias("against"), pl.len().alias("pairs"),
+                 pl.col("ratio").median().alias("median"), pl.col("ratio").min().alias("low"),
+                 pl.col("ratio").max().alias("high")))
+
+
 def fused_ratios_across(results: pl.DataFrame, configs: dict[str, str]) -> pl.DataFrame:
     """`fused_ratios` of one gpu-fused config per run (`configs`: run -> config), stacked with a `run` column:
     how the same settings fared in runs taken at different times or in different ways (sequential, interleaved)."""
@@ -408,7 +431,7 @@ def load(results_path: str | Path) -> dict[str, pl.DataFrame]:
     """The results and, where the run was profiled, its phases and profiled steps (empty frames otherwise)."""
     path = Path(results_path)
     out = {"results": pl.read_parquet(path)}
-    for part in ("phases", "profile_steps", "steps"):
+    for part in ("phases", "profile_steps", "steps", "repeats"):
         side = path.with_name(f"{path.stem}.{part}.parquet")
         out[part] = pl.read_parquet(side) if side.exists() else pl.DataFrame()
     return out
@@ -417,4 +440,4 @@ def load(results_path: str | Path) -> dict[str, pl.DataFrame]:
 __all__ = ["short_label", "run_ratios", "summary", "concurrency", "step_breakdown", "request_step_ms",
            "cost_model_check", "host_probe", "probe_correlation", "load", "family", "PARTS", "drafter_pass_fit",
            "fused_what_if", "skip_what_if", "fused_ratios", "step_ms_by_passes", "host_level_correlation",
-           "fused_ratios_across", "speculator_host_ms", "exact_skip_share"]
+           "fused_ratios_across", "speculator_host_ms", "exact_skip_share", "round_ratios"]

@@ -86,6 +86,11 @@ def test_gpu_finish_turns_returned_raw_runs_into_bench_results(tmp_path):
     assert results["vllm_runner"].to_list() == ["v2", "v1"] and results["speedup_e2e"][1] == pytest.approx(2.0)
     assert results["machine"][0].startswith("NVIDIA H200") and results["engine"][0] == "vllm"
     assert pl.read_parquet(tmp_path / "core_vllm-h200.steps.parquet").height == 6
+    # each timed request's own rate (the margins pass is not timed): the spread the medians hide
+    repeats = pl.read_parquet(tmp_path / "core_vllm-h200.repeats.parquet")
+    assert repeats["config"].to_list() == ["none", "lookup:k=7"] and repeats["repeat"].to_list() == [0, 0]
+    assert repeats["decode_tok_s"].to_list() == pytest.approx(
+        [run.generation.decode_tok_s() for run in (parts["a"][1], parts["b"][0])])
     # a config in two calls (each call ran its own `none`) would pool their repeats and batches: refused, and the
     # results already written stay as they were
     again = tmp_path / "vllm_gpu_c.parquet"
@@ -260,6 +265,32 @@ def test_exact_skip_share_counts_the_steps_a_strong_lookup_decides_alone():
     assert share.filter(pl.col("category") == "chat")["strong_share"].item() < 0.1
     with pytest.raises(ConfigError, match="no batch-1 step records of a one-pass gpu-fused config"):
         vllm_report.exact_skip_share(steps, "t")
+
+
+def test_round_ratios_pair_each_request_with_the_best_lookup_in_the_same_round():
+    """Run fh (interleaved, 3 rounds): the fused config's decode tok/s over the fastest gpu-lookup config of each
+    class, request by request within a round; the ratio of medians lies inside the paired ratios' range."""
+    import polars as pl
+
+    from hqlab.bench import vllm_report
+    from hqlab.config import ConfigError
+
+    repeats = pl.read_parquet(ROOT / "data" / "results" / "vllm_fused_h200.repeats.parquet")
+    fused = repeats.filter((pl.col("run") == "fh") & pl.col("config").str.starts_with("gpu-fused"))["config"][0]
+    table = vllm_report.round_ratios(repeats, "fh", fused)
+    assert sorted(table["category"]) == sorted(["copy", "code", "edit", "quote", "summary", "qa", "chat"])
+    code = table.filter(pl.col("category") == "code").row(0, named=True)
+    assert code["against"] == "gpu-lookup:nmin=1,nmax=32,k=31,policy=earliest" and code["pairs"] == 3
+    run = repeats.filter((pl.col("run") == "fh") & (pl.col("prompt_id") == "code"))
+    mine = run.filter(pl.col("config") == fused).sort("repeat")["decode_tok_s"]
+    theirs = run.filter(pl.col("config") == code["against"]).sort("repeat")["decode_tok_s"]
+    assert code["median"] == pytest.approx((mine / theirs).median())
+    assert code["low"] <= mine.median() / theirs.median() <= code["high"]
+    assert table.filter(pl.col("category") == "chat")["pairs"].item() == 24  # 8 prompts x 3 rounds
+    with pytest.raises(ConfigError, match="no config starting with 'vllm-draft'"):
+        vllm_report.round_ratios(repeats, "fh", fused, against="vllm-draft")
+    with pytest.raises(ConfigError, match="run 'zz' has no per-repeat rows"):
+        vllm_report.round_ratios(repeats, "zz", fused)
 
 
 def test_step_ms_by_passes_splits_steps_by_the_drafters_passes():
