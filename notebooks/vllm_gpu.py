@@ -26,9 +26,11 @@ results_file = "data/results/vllm_gpu_h200.parquet"
 figures_dir = "figures"
 results_dir = "data/results"
 focus_run = "j"  # the run whose per-class bars are drawn (the current code, k = 15/31 and the adapter at both)
-current_runs = ["e", "f", "g", "h", "j", "k", "l", "l2", "m", "n", "o", "p", "q", "r", "s", "t"]  # hqlab current code
+# runs of hqlab's current code
+current_runs = ["e", "f", "g", "h", "j", "k", "l", "l2", "m", "n", "o", "p", "q", "r", "s", "t", "u"]
 host_runs = ["j", "l", "l2", "m", "n", "o", "p"]  # sequential runs whose per-request step times show the host's speed
 # each checked on its own V2 configs
+# (run u is not among them: its one gpu-lookup config has nothing to be predicted from)
 cost_runs = [["l", "l2"], ["j"], ["k"], ["l"], ["m"], ["n"], ["o"], ["p"], ["s"], ["t"]]
 probe_runs = ["o", "p"]  # runs with the CPU speed probe around each request (`--pin-threads`, host_unit_ms)
 probe_file = "data/results/host_threads_h200.parquet"  # benchmarks/vllm_host_threads.py
