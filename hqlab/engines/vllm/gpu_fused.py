@@ -52,7 +52,9 @@ from hqlab.proposers.fused import FusedConfig
 
 NAME = "gpu-fused"
 CLASS_PATH = "hqlab.engines.vllm.gpu_fused.GpuFusedSpeculator"
-PREFILL_CHUNK = 1024  # prompt tokens fed to the drafter per eager call (bounds its activation memory)
+# prompt tokens fed to the drafter per eager call by default (`prefill_chunk`: bounds its activation memory; each call
+# pays the host cost of 24 eager layers, which shows in the first token's time)
+PREFILL_CHUNK = 1024
 GRAPH_MAX_BATCH = 16  # batch sizes above this draft eagerly
 RECORD_CAPACITY = 4096
 # With `skip`, at most this many drafter-free steps in a row per request before a catch-up pass: a catch-up pass
@@ -71,7 +73,9 @@ class GpuFusedConfig(FusedConfig):
     torch.compile mode ("default" or "max-autotune-no-cudagraphs", which also tunes the small matrix products);
     splits and plan_once: the drafter's FlashAttention calls (`drafter.StaticQwen2`: 1 = no key-length split and so
     no combine kernel; plan_once = one FA3 scheduling call per pass instead of one per layer); compile_rule:
-    torch.compile the fusion and schedule rule (`FusedStep`: ~100 small operations a step into a few kernels)."""
+    torch.compile the fusion and schedule rule (`FusedStep`: ~100 small operations a step into a few kernels);
+    prefill_chunk: prompt tokens the drafter reads per eager call (vLLM prefills up to max_num_batched_tokens, 2,048
+    by default, per step: one call per vLLM chunk at 2048)."""
 
     graphs: bool = True
     compile: bool = False
@@ -79,9 +83,13 @@ class GpuFusedConfig(FusedConfig):
     splits: int = 0
     plan_once: bool = False
     compile_rule: bool = False
+    prefill_chunk: int = PREFILL_CHUNK
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.prefill_chunk < 1:
+            raise ConfigError(f"{NAME}: prefill_chunk must be >= 1 prompt token per drafter call "
+                              f"(got {self.prefill_chunk})")
         from hqlab.engines.vllm.drafter import COMPILE_MODES
 
         if self.compile_mode not in COMPILE_MODES:
@@ -490,8 +498,9 @@ class GpuFusedSpeculator:
         self.owner[slot] = req_id
         tokens = self.state[0][slot]
         slot_t = self.index[slot:slot + 1]
-        for a in range(seen, end, PREFILL_CHUNK):
-            e = min(end, a + PREFILL_CHUNK)
+        chunk = self.config.prefill_chunk
+        for a in range(seen, end, chunk):
+            e = min(end, a + chunk)
             self.drafter.hidden_states(slot_t, tokens[a:e].long()[None], self.index[a:a + 1], attn_len=e)
         self.dlen[slot:slot + 1].fill_(end)  # a kernel with a scalar argument: `dlen[slot] = end` copies from the host
         if not done:

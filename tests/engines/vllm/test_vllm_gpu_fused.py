@@ -174,6 +174,11 @@ def test_spec_and_engine_setting():
         fused_config("gpu-fused:skip=9")
     with pytest.raises(ConfigError, match="skip_on must be one of"):
         fused_config("gpu-fused:skip=2,skip_on=always")
+    # how many prompt tokens the drafter reads per call: a host-side setting, not a rule of the lab's proposer
+    assert fused_config("gpu-fused:prefill_chunk=2048").prefill_chunk == 2048
+    assert fused_config("gpu-fused:k=7").prefill_chunk == gpu_fused.PREFILL_CHUNK
+    with pytest.raises(ConfigError, match="prefill_chunk must be >= 1"):
+        fused_config("gpu-fused:prefill_chunk=0")
 
 
 def test_the_drafter_refuses_kernel_settings_it_cannot_run():
@@ -315,6 +320,32 @@ def test_the_drafter_prefill_never_waits_for_the_gpu():
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert int(spec.dlen[1]) == gpu_fused.PREFILL_CHUNK + 40
+
+
+def test_the_prefill_chunk_changes_the_calls_not_what_the_drafter_knows():
+    """A prompt fed in chunks of 7 tokens or in one call leaves the drafter with the same cache: the same next-token
+    logits (float32 on the CPU), in 6 calls against 1."""
+    ids = torch.randint(0, 63, (1, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(2))
+    logits, calls = [], []
+    for chunk in (7, 1024):
+        config = fused_config(f"gpu-fused:k=3,draft_block=2,nmax=4,prefill_chunk={chunk}")
+        spec = GpuFusedSpeculator.standalone(config, max_num_reqs=1, max_model_len=64, pad=63, device="cpu",
+                                             dtype=torch.float32)
+        spec.bind(ids, torch.full((1,), 40, dtype=torch.int32))
+        spec.drafter = tiny_qwen2(1, spec.cache_len)  # seeded: the same weights for both
+        feed, seen = spec.drafter.hidden_states, []
+
+        def counted(*args, feed=feed, seen=seen, **kwargs):
+            seen.append(args[1].shape[1])
+            return feed(*args, **kwargs)
+
+        spec.drafter.hidden_states = counted
+        spec._prefill("a", 0, 40, done=True)
+        calls.append(list(seen))  # (the logits below feed one more token)
+        logits.append(spec.drafter.logits(torch.tensor([0]), ids[0, 39:40].long()[None], torch.tensor([39]),
+                                          torch.tensor([0]), 64))
+    assert calls == [[7, 7, 7, 7, 7, 5], [40]]
+    assert torch.allclose(logits[0], logits[1], atol=1e-5)
 
 
 def test_a_prompt_resumed_in_a_slot_another_request_used_is_prefilled_again():
