@@ -349,13 +349,15 @@ def fused_ratios(results: pl.DataFrame, run: str) -> pl.DataFrame:
 
 def round_ratios(repeats: pl.DataFrame, run: str, config: str, *, against: str = "gpu-lookup") -> pl.DataFrame:
     """Per task class of one interleaved run: `config`'s decode tok/s over the class's fastest config whose name
-    starts with `against` (fastest by the median over all its requests), request by request in the same round
+    starts with `against` (fastest as `fused_ratios` picks it: the class median of per-prompt medians), request by
+    request in the same round
     (`repeats`: the `.repeats` frame `benchmarks/vllm_gpu.py finish` writes). The median of these paired ratios, and
     their low and high, show how far the ratio of medians can be trusted where a request decodes in a few dozen ms."""
     rows = repeats.filter(pl.col("run") == run)
     if rows.filter(pl.col("config") == config).is_empty():
         raise ConfigError(f"run {run!r} has no per-repeat rows of {config!r}")
     rivals = (rows.filter(pl.col("config").str.starts_with(against) & (pl.col("config") != config))
+              .group_by("category", "config", "prompt_id").agg(pl.col("decode_tok_s").median())
               .group_by("category", "config").agg(pl.col("decode_tok_s").median().alias("rate"))
               .sort("rate", descending=True).unique("category", keep="first"))
     if rivals.is_empty():
