@@ -50,15 +50,9 @@ def test_the_header_free_kernel_is_the_device_runtime_headers_kernel():
         from cuda.pathfinder import find_nvidia_header_directory
 
         include = find_nvidia_header_directory("cudart")
-        with_header = probe.set_if_cubin(9, 0, source=HEADER_SOURCE, include=include)
+        kernel = probe.SET_IF[probe.SET_IF.index('extern "C" __global__'):]  # the probe's kernel, through the header
+        with_header = probe.set_if_cubin(9, 0, source="#include <cuda_device_runtime_api.h>\n" + kernel,
+                                         include=include)
     except Exception as e:  # noqa: BLE001 - no NVRTC or no headers here: nothing to compare against
         pytest.skip(f"NVRTC or the CUDA runtime headers are not available here ({type(e).__name__}: {e})")
     assert probe.set_if_cubin(9, 0) == with_header
-
-
-HEADER_SOURCE = """
-#include <cuda_device_runtime_api.h>
-extern "C" __global__ void set_if(cudaGraphConditionalHandle handle, const int* flag) {
-    cudaGraphSetConditional(handle, *flag != 0 ? 1u : 0u);
-}
-"""
