@@ -26,6 +26,10 @@ episodes of seconds on the lent H200; docs/vllm.md).
 compare runs seconds apart (a host-bound step drifts by tens of percent over minutes); its first try on the H200
 stalled after the first prompt (data/results/vllm_gpu_h200_i.log), so engine processes now start with spawn: run s
 (data/results/vllm_gpu_h200_s.log) started four 0.5B engines in six minutes, then ran 22 s per round of the suite.
+--parallel-start (with --interleave) builds those engines at the same time, each in a thread of its own, with a
+4 GiB KV cache each (vLLM's memory profiling cannot tell engines starting together apart), then warms them up one
+at a time as before, so the start-up should take about as long as the slowest engine's (~100 s) rather than
+the sum (not measured on the GPU yet; hqlab/engines/vllm/engine.py says what was checked in vLLM for it).
 `none` always runs first in a call unless --skip-reference; a failing config is logged and the
 others still run (--fail-fast stops at the first failure instead, to save device time while a new path is brought
 up).
@@ -102,7 +106,7 @@ def bench(args: argparse.Namespace) -> int:
                 "suite": args.suite, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
                 "concurrency": args.concurrency, "tensor_parallel_size": args.tensor_parallel_size,
                 "pipeline_parallel_size": args.pipeline_parallel_size, "pin_threads": args.pin_threads,
-                "engines": described}
+                "parallel_start": args.parallel_start, "engines": described}
         tmp = meta_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(meta) + "\n")
         os.replace(tmp, meta_path)
@@ -127,7 +131,7 @@ def bench(args: argparse.Namespace) -> int:
 
         hv.run_interleaved(dataclasses.replace(options, gpu_memory_utilization=args.gpu_memory), settings, encoded,
                            decode, repeats=args.repeats, concurrency=args.concurrency, sustained=args.sustained,
-                           profile=args.profile, saved=saved, burst=burst)
+                           profile=args.profile, saved=saved, burst=burst, parallel_start=args.parallel_start)
         for setting in settings:
             alone = [r for r in runs if r.config == setting.label and r.concurrency <= 1 and r.repeat >= 0]
             rate = sorted(r.generation.decode_tok_s() for r in alone)
@@ -296,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also the whole suite with --concurrency requests kept in flight")
     b.add_argument("--gpu-memory", type=float, default=0.85,
                    help="with --interleave: GPU memory fraction shared by all engines")
+    b.add_argument("--parallel-start", action="store_true",
+                   help="with --interleave: build every engine at the same time (each with a 4 GiB KV cache), "
+                        "then warm them up one at a time")
     b.add_argument("--pin-threads", action="store_true",
                    help="pin the busy host threads to cores of their own after each engine's warm-up")
     b.add_argument("--skip-reference", action="store_true", help="leave out `none` (an earlier call ran it)")
@@ -320,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="keep the rows already in --out except this run's rows for the same configs")
     args = ap.parse_args(argv)
     if args.cmd == "bench":
+        if args.parallel_start and not args.interleave:  # before vLLM is imported or the model prepared
+            b.error("--parallel-start starts the engines of an --interleave call together: add --interleave, or "
+                    "drop --parallel-start (without --interleave one engine runs at a time)")
         return bench(args)
     if args.cmd == "replay":
         replay(args)
