@@ -75,7 +75,11 @@ class GpuFusedConfig(FusedConfig):
     no combine kernel; plan_once = one FA3 scheduling call per pass instead of one per layer); compile_rule:
     torch.compile the fusion and schedule rule (`FusedStep`: ~100 small operations a step into a few kernels);
     prefill_chunk: prompt tokens the drafter reads per eager call (vLLM prefills up to max_num_batched_tokens, 2,048
-    by default, per step: one call per vLLM chunk at 2048)."""
+    by default, per step: one call per vLLM chunk at 2048); device_skip: the drafting step itself skips the drafter's
+    pass where the lookup alone decides every sampling row's block (a match of at least nstrong with a token to
+    propose: with one drafter token a step and the threshold rule the block is then the lookup's whatever the drafter
+    says), decided on the device behind CUDA graph conditional nodes (`conditional.run_if`), with no host proof and
+    no lag; decision for decision the config without it (docs/vllm-fused-design.md §9)."""
 
     graphs: bool = True
     compile: bool = False
@@ -84,9 +88,22 @@ class GpuFusedConfig(FusedConfig):
     plan_once: bool = False
     compile_rule: bool = False
     prefill_chunk: int = PREFILL_CHUNK
+    device_skip: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.device_skip:
+            # the skip is exact only where the drafter's tokens cannot change the block: one head token, taken from
+            # the lookup at a strong match under the threshold rule, and no other skip rule beside it
+            if self.draft_block != 1:
+                raise ConfigError(f"{NAME}: device_skip needs draft_block=1 (one drafter token a step, which a strong "
+                                  f"match replaces); got draft_block={self.draft_block}")
+            if self.rule != "threshold":
+                raise ConfigError(f"{NAME}: device_skip needs the threshold fusion rule (rule=threshold); got "
+                                  f"rule={self.rule}")
+            if self.skip:
+                raise ConfigError(f"{NAME}: device_skip decides the skip on the device at the step itself; drop "
+                                  f"skip={self.skip} (the host-proven skip) or device_skip")
         if self.prefill_chunk < 1:
             raise ConfigError(f"{NAME}: prefill_chunk must be >= 1 prompt token per drafter call "
                               f"(got {self.prefill_chunk})")
@@ -135,7 +152,7 @@ class FusedRecorder(RecordRing):
     each step's kind of drafting run (`KINDS`), with the drafter passes it ran and its catch-up pass's width."""
 
     FIELDS = ("context_len", "match_len", "valid", "block", "proposed", "take_flag", "head_taken", "tail_taken",
-              "draft_valid")
+              "draft_valid", "ran_width")
 
     def __init__(self, capacity: int, max_reqs: int, k: int, device: torch.device) -> None:
         super().__init__(capacity, device)
@@ -169,6 +186,8 @@ class FusedRecorder(RecordRing):
         for (slot, req_ids, host_s), (kind, passes, width) in zip(steps, kinds):
             for i, rid in enumerate(req_ids):
                 row = dict(zip(self.FIELDS, (int(x) for x in meta[slot, i])))
+                if kind == "device":  # the device chose: one catch-up pass of `ran_width` positions, or none
+                    passes, width = int(row["ran_width"] > 0), row["ran_width"]
                 n = row["proposed"]  # the block's real tokens; pad follows up to k
                 out.append({"request": rid, "row": i, "context_len": row["context_len"],
                             "match_len": row["match_len"], "tokens": [int(t) for t in tokens[slot, i, :n]],
@@ -230,8 +249,9 @@ class GpuFusedSpeculator:
         c = self.config
         self.k, self.block = c.k, c.draft_block
         self.q = c.k + 1  # a step emits at most k + 1 tokens: the catch-up pass's width
-        # with `skip`, the wide catch-up pass after drafter-free steps: SKIP_RUN steps' tokens and this step's
-        self.width = self.q * (SKIP_RUN + 1 if c.skip else 1)
+        # with `skip` or `device_skip`, the wide catch-up pass after drafter-free steps: SKIP_RUN steps' tokens and
+        # this step's
+        self.width = self.q * (SKIP_RUN + 1 if c.skip or c.device_skip else 1)
         self.device, self.dtype, self.pad = torch.device(device), dtype, pad
         self.max_num_reqs, self.max_model_len = max_num_reqs, max_model_len
         # Catch-up writes up to width - 1 positions past a history and the head passes block - 1 more.
@@ -276,6 +296,15 @@ class GpuFusedSpeculator:
         self.variants = [("full", self.q), ("full", self.width), ("catch_up", self.width), ("lookup", 0)] \
             if c.skip else [("full", self.q)]
         self.steps_by_kind = dict.fromkeys(KINDS, 0)  # plain counters: drafting steps per kind of graph run
+        if c.device_skip:
+            self.steps_by_kind = {"device": 0}  # one kind of step: the device chooses what of the drafter runs
+        # with `device_skip`: whether this step runs the narrow or the wide catch-up pass (int32 flags the conditional
+        # nodes read), the catch-up width that ran (0: none), the IF bodies' memory pool (made at capture), and
+        # whether a warm-up is running (it runs both bodies, as the capture will record them)
+        self._run_pass = torch.zeros(2, dtype=torch.int32, device=dev)
+        self._ran_width = torch.zeros((), dtype=torch.int32, device=dev)
+        self._body_pool: Any = None
+        self._warming = False
         self._step = 0  # drafting steps so far (the host's clock for the skip marks' copies)
         # host-side skip bookkeeping: per slot the step at which its current request sampled first (marks copied
         # before it belong to an earlier request) and the drafter-free steps it has had since its last catch-up
@@ -339,6 +368,10 @@ class GpuFusedSpeculator:
         if not (self.use_graphs and self.config.graphs and self.ready and self.device.type == "cuda"):
             return
         pool = torch.cuda.graph_pool_handle()
+        if self.config.device_skip:
+            self._body_pool = torch.cuda.graph_pool_handle()  # the IF bodies' memory, alive as long as the graphs
+        # an IF body is captured on a side stream while the step's capture is open, which "global" mode forbids
+        mode = "thread_local" if self.config.device_skip else "global"
         try:
             for m in range(1, min(self.max_num_reqs, GRAPH_MAX_BATCH) + 1):
                 self.slots[:m] = torch.arange(m, device=self.device)
@@ -348,11 +381,15 @@ class GpuFusedSpeculator:
                     for kind, width in self.variants:
                         stream = torch.cuda.Stream(self.device)
                         stream.wait_stream(torch.cuda.current_stream(self.device))
-                        with torch.cuda.stream(stream):
-                            self._draft(m, bucket, kind, width)
+                        self._warming = True
+                        try:
+                            with torch.cuda.stream(stream):
+                                self._draft(m, bucket, kind, width)
+                        finally:
+                            self._warming = False
                         torch.cuda.current_stream(self.device).wait_stream(stream)
                         graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph, pool=pool):
+                        with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
                             self._draft(m, bucket, kind, width)
                         self.graphs[(m, bucket, kind, width)] = graph
         except RuntimeError as e:
@@ -410,11 +447,11 @@ class GpuFusedSpeculator:
         # the slots of the rows that may sample this step (a prompt's inner chunk does not), and of fresh rows
         rows = slots_np[~(prefilling & ~fresh)].astype(np.int64)
         started = slots_np[fresh].astype(np.int64)
-        kind = self._choose_kind(rows, started)
+        kind = "device" if self.config.device_skip else self._choose_kind(rows, started)
         # the narrow catch-up unless a row missed drafter-free steps (the host counts them, `_behind`)
         behind = bool(self.config.skip) and bool(self._behind[rows].any())
         width = 0 if kind == "lookup" else self.width if kind == "catch_up" or behind else self.q
-        graph = self.graphs.get((n, bucket, kind, width))
+        graph = self.graphs.get((n, bucket, "full" if kind == "device" else kind, width))
         if graph is not None:
             graph.replay()
         else:
@@ -463,7 +500,7 @@ class GpuFusedSpeculator:
 
     def passes(self, kind: str) -> int:
         """Drafter forward passes a step of this kind runs: the catch-up pass and the head's further tokens."""
-        return {"full": self.block, "catch_up": 1, "lookup": 0}[kind]
+        return {"full": self.block, "catch_up": 1, "lookup": 0, "device": -1}[kind]  # -1: the records say
 
     def _after_step(self, rows: np.ndarray, started: np.ndarray, kind: str) -> None:
         """Host bookkeeping after a drafting step was launched (`rows`, `started`: as for `_choose_kind`); with
@@ -516,23 +553,18 @@ class GpuFusedSpeculator:
         slots, ns = self.slots[:m], self.num_sampled[:m]
         total = total_len[slots].long()
         sampled = ns > 0
-        if kind != "lookup":
-            # Catch-up: the tokens emitted since the drafter last saw this request (<= width), at their positions.
-            width = width or self.q
-            dlen = self.dlen[slots]
-            count = torch.where(sampled, total - dlen, 0).clamp(0, width)
-            pos = (dlen[:, None] + self.arange_w[:width]).clamp(max=self.max_model_len - 1)
-            tokens = all_ids[slots[:, None], pos].long()
-            last = (count - 1).clamp(min=0)
-            first = self.drafter.extend(slots, tokens, dlen, last, attn_len)
-            self.dlen[slots] = torch.where(sampled, total, dlen)
-            self.drafts[:m, 0] = first
-            cur = first
+        lengths = torch.where(sampled, total, 0).to(torch.int32)
+        if self.config.device_skip:
+            # the lookup first: its match decides, on the device, whether the drafter's pass runs at all
+            proposals, match_len, valid = self.matcher(all_ids.view(-1), self.row_offsets[slots], lengths)
+            self._device_pass(m, attn_len, total, sampled, match_len, valid)
+        elif kind != "lookup":
+            cur = self._catch_up(m, attn_len, width or self.q)
             for j in range(1, self.block if kind == "full" else 1):  # the head: one token per pass
                 cur = self.drafter.extend(slots, cur[:, None], total + (j - 1), self.zeros[:m], attn_len)
                 self.drafts[:m, j] = cur
-        lengths = torch.where(sampled, total, 0).to(torch.int32)
-        proposals, match_len, valid = self.matcher(all_ids.view(-1), self.row_offsets[slots], lengths)
+        if not self.config.device_skip:
+            proposals, match_len, valid = self.matcher(all_ids.view(-1), self.row_offsets[slots], lengths)
         lookup = proposals.masked_fill(proposals < 0, self.pad)
         self.out[:m] = self.step_rule(slots, ns, self.fresh[:m], lookup, valid, match_len, self.drafts[:m])
         if self.config.skip:  # the skip marks for the host's copy (`_after_step`), in one buffer
@@ -540,12 +572,51 @@ class GpuFusedSpeculator:
             torch.cat((marks.to(torch.int32), marked[:, None]), dim=1, out=self._packed)
         if self.recorder is not None:
             r = self.step_rule
+            # the catch-up width this step ran (0: no drafter pass), as the device chose it or as the host did
+            ran = self._ran_width.expand(m) if self.config.device_skip else torch.full_like(
+                lengths, 0 if kind == "lookup" else width or self.q)
             meta = torch.stack([lengths, match_len.to(torch.int32), valid.to(torch.int32),
                                 r.block_len[:m].to(torch.int32), r.num_tokens[:m].to(torch.int32),
                                 r.take_flag[:m].to(torch.int32),
                                 r.head_taken[:m].to(torch.int32), r.tail_taken[:m].to(torch.int32),
-                                r.draft_valid[:m]], 1)
+                                r.draft_valid[:m], ran], 1)
             self.recorder.write(meta, self.out[:m], r.sources[:m])
+
+    def _catch_up(self, m: int, attn_len: int, width: int) -> torch.Tensor:
+        """The catch-up pass for rows [0, m): feeds each sampling row the tokens emitted since the drafter last saw
+        its request (at most `width`), at their positions, and gives the drafter's next token (`drafts[:, 0]`)."""
+        assert self.state is not None
+        all_ids, total_len = self.state
+        slots, sampled = self.slots[:m], self.num_sampled[:m] > 0
+        total, dlen = total_len[slots].long(), self.dlen[slots]
+        count = torch.where(sampled, total - dlen, 0).clamp(0, width)
+        pos = (dlen[:, None] + self.arange_w[:width]).clamp(max=self.max_model_len - 1)
+        tokens = all_ids[slots[:, None], pos].long()
+        last = (count - 1).clamp(min=0)
+        first = self.drafter.extend(slots, tokens, dlen, last, attn_len)
+        self.dlen[slots] = torch.where(sampled, total, dlen)
+        self.drafts[:m, 0] = first
+        return first
+
+    def _device_pass(self, m: int, attn_len: int, total: torch.Tensor, sampled: torch.Tensor,
+                     match_len: torch.Tensor, valid: torch.Tensor) -> None:
+        """`device_skip`: the drafter's one pass runs unless every sampling row's block is the lookup's whatever the
+        drafter says (a match of at least nstrong, with a token to propose), and then as the narrow catch-up (k + 1
+        positions) or, for a row whose drafter missed earlier steps, the wide one. A row skips only while the wide
+        pass can still catch it up after one more step (`lag` + k + 1 <= the wide width), so how far a drafter lags
+        is bounded on the device. Both passes sit behind conditional nodes: no host read, no host proof."""
+        from hqlab.engines.vllm import conditional
+
+        lag = torch.where(sampled, total - self.dlen[self.slots[:m]], 0)
+        decided = (match_len >= self.config.nstrong) & (valid >= 1) & (lag + self.q <= self.width)
+        skip = (~sampled | decided).all()
+        narrow = lag.max() <= self.q
+        self._run_pass[0] = (~skip & narrow).to(torch.int32)
+        self._run_pass[1] = (~skip & ~narrow).to(torch.int32)
+        self._ran_width.copy_(self._run_pass[0] * self.q + self._run_pass[1] * self.width)
+        for i, width in enumerate((self.q, self.width)):
+            conditional.run_if(self._run_pass[i:i + 1], lambda w=width: self._catch_up(m, attn_len, w),
+                               pool=self._body_pool, always=self._warming)
 
     def take_records(self) -> list[dict[str, Any]]:
         return self.recorder.take() if self.recorder is not None else []

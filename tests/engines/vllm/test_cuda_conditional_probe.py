@@ -1,25 +1,35 @@
-"""benchmarks/cuda_conditional_probe.py without a GPU: the kernel that sets a CUDA graph conditional node compiles
-with NVRTC and no CUDA headers (the GPU image lacks crt/host_defines.h), into the same cubin as through the device
-runtime's header, whose call is a driver syscall (nothing to link). The capture itself needs the GPU host
-(docs/vllm-fused-design.md §9)."""
+"""hqlab.engines.vllm.conditional without a GPU: the kernel that sets a CUDA graph conditional node compiles with
+NVRTC and no CUDA headers (the GPU image lacks crt/host_defines.h), into the same cubin as through the device
+runtime's header, whose call is a driver syscall (nothing to link); and `run_if` outside a capture runs its body
+exactly where the flag is set. The capture itself needs the GPU host (benchmarks/cuda_conditional_probe.py, which
+passed on the H200 with run fi1; docs/vllm-fused-design.md §9)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+import torch
 
-pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (a vLLM dependency) is not installed")
-
-SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "cuda_conditional_probe.py"
+from hqlab.engines.vllm import conditional
 
 
 def load_probe():
-    spec = importlib.util.spec_from_file_location("cuda_conditional_probe", SCRIPT)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    return probe
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (a vLLM dependency) is not installed")
+    return conditional
+
+
+def test_run_if_outside_a_capture_runs_the_body_where_the_flag_is_set():
+    ran = []
+    flag = torch.zeros(1, dtype=torch.int32)
+    for value in (0, 1, 0, 2):
+        flag.fill_(value)
+        conditional.run_if(flag, lambda: ran.append(int(flag)))
+    assert ran == [1, 2]
+    conditional.run_if(flag.zero_(), lambda: ran.append(-1), always=True)  # a warm-up runs it whatever the flag
+    assert ran == [1, 2, -1]
+    with pytest.raises(ValueError, match="one-element int32"):
+        conditional.run_if(torch.zeros(2, dtype=torch.int32), lambda: None)
+    with pytest.raises(ValueError, match="one-element int32"):
+        conditional.run_if(torch.zeros(1, dtype=torch.bool), lambda: None)
 
 
 def test_the_condition_setting_kernel_compiles_for_hopper():

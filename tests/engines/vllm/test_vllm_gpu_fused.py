@@ -524,6 +524,82 @@ def test_drafter_free_steps_change_no_draft(skip, skip_on):
     assert {r["drafter_width"] for r in records} == {0, config.k + 1, (config.k + 1) * (SKIP_RUN + 1)}
 
 
+def device_skip_runs(device: str, dtype: torch.dtype, attention: str = "sdpa", graphs: bool = False) -> list[Any]:
+    """The copy and prose requests through `device_skip` and through the same config without it (every step runs
+    the drafter's pass): per run, each step's drafts per request and the records."""
+    reqs = skip_requests()
+    runs = []
+    for spec_text in ("gpu-fused:k=7,draft_block=1,nmax=8,schedule=long,nmin_tail=1,device_skip=true",
+                      "gpu-fused:k=7,draft_block=1,nmax=8,schedule=long,nmin_tail=1"):
+        config = fused_config(spec_text)
+        spec = GpuFusedSpeculator.standalone(config, max_num_reqs=2, max_model_len=480, pad=63, device=device,
+                                             dtype=dtype, record=True)
+        ids = torch.zeros(2, 480, dtype=torch.int32, device=device)
+        total = torch.zeros(2, dtype=torch.int32, device=device)
+        spec.bind(ids, total)
+        spec.drafter = tiny_qwen2(2, spec.cache_len, device=device, dtype=dtype, attention=attention)
+        if attention == "flash":
+            spec.buckets = [spec.cache_len]  # as load_drafter sets it for FlashAttention
+        if graphs:
+            spec.init_cudagraph_manager(SimpleNamespace(name="FULL"))
+            spec.capture()
+            assert spec.graphs, "capturing the drafting step failed"
+        steps = drive(spec, reqs, {"copy": 1, "prose": 0}, ids, total, config.k)
+        runs.append((config, steps, spec.take_records()))
+    return runs
+
+
+def check_device_skip_records(config: Any, records: list[dict[str, Any]]) -> None:
+    """The device skipped the drafter's pass only on steps where every row's block is the lookup's whatever the
+    drafter says, did skip on the copy, and caught up with the wide pass after skipped steps."""
+    q, wide = config.k + 1, (config.k + 1) * (SKIP_RUN + 1)
+    steps = by_step(records)
+    skipped = [step for step in steps if step[0]["drafter_passes"] == 0]
+    assert skipped, "the device never skipped the drafter's pass"
+    for step in skipped:
+        assert all(r["match_len"] >= config.nstrong and r["lookup_valid"] >= 1 and r["head_taken"] for r in step), step
+    assert {r["drafter_width"] for r in records} == {0, q, wide}  # none, narrow and wide passes all ran
+    assert all(r["drafter"] == "device" and r["drafter_passes"] == int(r["drafter_width"] > 0) for r in records)
+    # at most SKIP_RUN skipped steps in a row per request: the wide pass bounds how far its drafter lags
+    run = 0
+    for step in steps:
+        run = run + 1 if step[0]["drafter_passes"] == 0 else 0
+        assert run <= SKIP_RUN
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason=INTERPRETER_ONLY)
+def test_the_device_skip_changes_no_draft():
+    """`device_skip`: the drafting step skips the drafter's pass where the lookup alone decides every row's block,
+    deciding on the device; each step's drafts equal those of the same config running the pass every step, and the
+    records show it skipped on the copy, only at strong matches, and caught up with the wide pass."""
+    (config, fast, records), (_, slow, every) = device_skip_runs("cpu", torch.float32)
+    assert fast == slow
+    check_device_skip_records(config, records)
+    assert all(r["drafter_passes"] == 1 for r in every)  # the config without it: a pass every step
+    assert len(records) == len(every)
+
+
+def test_the_device_skip_is_refused_where_it_would_change_decisions():
+    for bad, why in (("draft_block=3", "draft_block=1"), ("rule=score", "threshold"), ("skip=2", "skip=2")):
+        with pytest.raises(ConfigError, match=why):
+            fused_config(f"gpu-fused:k=7,draft_block=1,nmax=8,device_skip=true,{bad}")
+    assert fused_config("gpu-fused:k=7,draft_block=1,device_skip=true").device_skip
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("dtype, attention", [(torch.float32, "sdpa"), (torch.bfloat16, "flash")])
+def test_the_device_skip_in_cuda_graphs_changes_no_draft(dtype, attention):
+    """The same with the drafting step captured in CUDA graphs: the two catch-up passes sit behind conditional
+    nodes (`conditional.run_if`) that the step's own lookup sets. In float32 the drafts equal those of the
+    every-pass run; in bf16 only the records' decisions are checked (the wide pass's rounding can flip near-tied
+    argmaxes of a random-weight drafter, as for the host-proven skip)."""
+    (config, fast, records), (_, slow, _) = device_skip_runs("cuda", dtype, attention, graphs=True)
+    if dtype == torch.float32:
+        assert fast == slow
+    assert len(fast) == len(slow)
+    check_device_skip_records(config, records)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("dtype, attention", [(torch.float32, "sdpa"), (torch.bfloat16, "flash")])
 def test_drafter_free_graphs_change_no_draft_on_the_gpu(dtype, attention):
