@@ -639,6 +639,16 @@ vllm_report.step_ms_by_passes(pl.read_parquet(Path(fused_vllm_file).with_name(
     Path(fused_vllm_file).stem + ".steps.parquet")), two_configs_run)
 
 # %% [markdown]
+# What the device-decided skip (`device_skip=true`, built, not yet run on a GPU) should give the k = 31 config,
+# priced from the same records (`vllm_report.device_skip_what_if`): a step whose lookup match reaches `nstrong` is
+# priced at the fastest lookup's step, every other step at the config's own steps with a pass; tokens per step stay
+# (the skip is exact). `every_pass` is the same config with the pass on every step, `measured` run `fi1`'s ratio.
+
+# %%
+vllm_report.device_skip_what_if(pl.read_parquet(Path(fused_vllm_file).with_name(
+    Path(fused_vllm_file).stem + ".steps.parquet")), pl.read_parquet(fused_vllm_file), two_configs_run, skip_config_k31)
+
+# %% [markdown]
 # ### The drafting step outside vLLM
 #
 # `benchmarks/fused_drafter_profile.py` timed the drafting step on the same H200 outside vLLM, with the same

@@ -429,6 +429,44 @@ def exact_skip_share(steps: pl.DataFrame, run: str) -> pl.DataFrame:
             .sort("category", "config"))
 
 
+def device_skip_what_if(steps: pl.DataFrame, results: pl.DataFrame, run: str, config: str) -> pl.DataFrame:
+    """What `device_skip=true` should give a one-pass gpu-fused `config` of a run, per task class, from that run's
+    step records at batch 1. The skip is exact, so tokens/step stay the config's; a step whose lookup match reached
+    the config's `nstrong` (`strong_share` of the steps, as `exact_skip_share` counts them: where the device skips)
+    is priced as the class's fastest gpu-lookup step (median ms: the pass and the host's proof both gone, the
+    conditional nodes' ~0.01 ms left out), every other step as the config's own median step with a drafter pass.
+    Returns the measured and predicted ms a step and the predicted decode rate over the fastest lookup's, next to
+    the measured ratio of medians."""
+    (nstrong,) = _fused_settings(config, "nstrong")
+    alone = steps.filter((pl.col("run") == run) & (pl.col("load") == "alone"))
+    mine = alone.filter(pl.col("config") == config)
+    if mine.is_empty():
+        raise ConfigError(f"run {run!r} has no batch-1 step records of {config!r}")
+    table = fused_ratios(results, run)
+    best = (table.filter(pl.col("config").str.starts_with("gpu-lookup"))
+            .sort("decode_tok_s", descending=True).unique("category", keep="first")
+            .select("category", pl.col("config").alias("lookup"), pl.col("tokens_per_step").alias("lookup_tps")))
+    lookup_ms = (alone.join(best, left_on=["category", "config"], right_on=["category", "lookup"])
+                 .group_by("category").agg((1e3 * pl.col("step_s").median()).alias("lookup_step_ms")))
+    # a match is an earlier occurrence of the history's suffix, so it always has a token after it to propose
+    strong = pl.col("match_len") >= nstrong
+    per = mine.group_by("category").agg(
+        strong.mean().alias("strong_share"),
+        (1e3 * pl.col("step_s").filter(pl.col("drafter_passes") != 0).median()).alias("pass_step_ms"))
+    measured = table.filter(pl.col("config") == config).select(
+        "category", pl.col("tokens_per_step").alias("fused_tps"), pl.col("vs_best_gpu_lookup").alias("measured"))
+    return (per.join(lookup_ms, on="category").join(best, on="category").join(measured, on="category")
+            .with_columns((pl.col("strong_share") * pl.col("lookup_step_ms")
+                           + (1 - pl.col("strong_share")) * pl.col("pass_step_ms")).alias("predicted_step_ms"))
+            .with_columns(((pl.col("fused_tps") / pl.col("predicted_step_ms"))
+                           / (pl.col("lookup_tps") / pl.col("lookup_step_ms"))).alias("predicted"),
+                          ((pl.col("fused_tps") / pl.col("pass_step_ms"))
+                           / (pl.col("lookup_tps") / pl.col("lookup_step_ms"))).alias("every_pass"))
+            .select("category", "strong_share", "lookup_step_ms", "pass_step_ms", "predicted_step_ms", "fused_tps",
+                    "lookup_tps", "every_pass", "predicted", "measured")
+            .sort("category"))
+
+
 def load(results_path: str | Path) -> dict[str, pl.DataFrame]:
     """The results and, where the run was profiled, its phases and profiled steps (empty frames otherwise)."""
     path = Path(results_path)

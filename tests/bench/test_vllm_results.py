@@ -267,6 +267,40 @@ def test_exact_skip_share_counts_the_steps_a_strong_lookup_decides_alone():
         vllm_report.exact_skip_share(steps, "t")
 
 
+def test_device_skip_what_if_prices_the_strong_steps_at_the_lookups_step():
+    """Run fi1's k = 31 skip config: the steps the device would skip (match >= nstrong, as exact_skip_share counts
+    them) priced at the fastest lookup's step, the rest at the config's own steps with a pass."""
+    import polars as pl
+
+    from hqlab.bench import vllm_report
+    from hqlab.config import ConfigError
+
+    data = vllm_report.load(ROOT / "data" / "results" / "vllm_fused_h200.parquet")
+    steps, results = data["steps"], data["results"]
+    config = ("gpu-fused:k=31,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,skip=2,"
+              "skip_on=head,nmin_alone=1,compile_rule=true")
+    table = vllm_report.device_skip_what_if(steps, results, "fi1", config)
+    share = vllm_report.exact_skip_share(steps, "fi1").filter(pl.col("config") == config)
+    assert table.sort("category")["strong_share"].to_list() == pytest.approx(
+        share.sort("category")["strong_share"].to_list())
+    copy = table.filter(pl.col("category") == "copy").row(0, named=True)
+    mine = steps.filter((pl.col("run") == "fi1") & (pl.col("config") == config) & (pl.col("category") == "copy")
+                        & (pl.col("load") == "alone"))
+    lookup = steps.filter((pl.col("run") == "fi1") & (pl.col("category") == "copy") & (pl.col("load") == "alone")
+                          & (pl.col("config") == "gpu-lookup:nmin=1,nmax=32,k=31,policy=earliest"))
+    assert copy["lookup_step_ms"] == pytest.approx(1e3 * lookup["step_s"].median())
+    assert copy["pass_step_ms"] == pytest.approx(1e3 * mine.filter(pl.col("drafter_passes") != 0)["step_s"].median())
+    s = copy["strong_share"]
+    assert copy["predicted_step_ms"] == pytest.approx(s * copy["lookup_step_ms"] + (1 - s) * copy["pass_step_ms"])
+    # the lookup's steps are cheaper than the fused steps with a pass in every class of this run, so skipping helps
+    # wherever a step is strong, and changes nothing where none is (qa at k = 31)
+    assert (table["predicted"] >= table["every_pass"]).all()
+    qa = table.filter(pl.col("category") == "qa").row(0, named=True)
+    assert qa["strong_share"] == 0 and qa["predicted"] == pytest.approx(qa["every_pass"])
+    with pytest.raises(ConfigError, match="no batch-1 step records"):
+        vllm_report.device_skip_what_if(steps, results, "zz", config)
+
+
 def test_round_ratios_pair_each_request_with_the_best_lookup_in_the_same_round():
     """Run fh (interleaved, 3 rounds): the fused config's decode tok/s over the fastest gpu-lookup config of each
     class, request by request within a round; the ratio of medians lies inside the paired ratios' range."""
