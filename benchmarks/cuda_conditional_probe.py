@@ -13,7 +13,8 @@ exactly when the flag was set (its output changes only then) and times the graph
 graph of the same body. Prints one JSON line per check and writes $OUT/cuda_conditional_probe.json.
 
 The IF node is `hqlab.engines.vllm.conditional.run_if`, the one the fused speculator's device-decided skip uses, so
-this probe is its GPU test. What it relies on: `cudaStreamGetCaptureInfo` (the graph torch is capturing into), `cudaGraphConditionalHandleCreate`,
+this probe is its GPU test. What it relies on: `cudaStreamGetCaptureInfo` (the graph torch is capturing into),
+`cudaGraphConditionalHandleCreate`,
 `cudaGraphAddNode` with conditional parameters (its body graph), `cudaStreamBeginCaptureToGraph` on a side stream to
 fill the body with torch kernels (their memory from the step graph's private pool,
 `torch._C._cuda_beginAllocateCurrentThreadToPool`), and `cudaStreamUpdateCaptureDependencies` to continue the main

@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
@@ -40,6 +39,9 @@ from typing import Any, Callable, Sequence
 from hqlab.config import ConfigError, DecodeConfig, parse_spec, resolve_spec
 from hqlab.engines.vllm import adapter as vllm_proposer
 from hqlab.engines.vllm import gpu_fused, gpu_lookup
+from hqlab.engines.vllm.startup import (PARALLEL_START_KV_BYTES, check_parallel_start_environment,
+                                        kv_bytes_per_token, prepare_parallel_start, serial_prometheus_logger,
+                                        start_engines_together)
 from hqlab.proposers import REGISTRY
 from hqlab.trace import Generation, Source, StepRecord, step_record
 from hqlab.workloads import encode_chat
@@ -266,41 +268,6 @@ def _stat_logger_factory(sink: list) -> Callable[..., Any]:
     return StepStats
 
 
-_PROMETHEUS_LOCK = threading.Lock()
-CACHE_INFO_METRIC = "vllm:cache_config_info"  # the metric vLLM's Prometheus logger registers once the engine is up
-
-
-def _serial_prometheus_logger() -> type:
-    """vLLM's Prometheus stat logger, its registrations taking turns: for engines built in threads of one process.
-
-    Every vLLM engine registers its metrics in prometheus_client's process-wide registry: its PrometheusStatLogger
-    first unregisters every `vllm:` metric, then registers its own (vllm/v1/metrics/loggers.py:459), and
-    `log_engine_initialized` registers `vllm:cache_config_info` (loggers.py:1076-1093), both in the front end, in
-    the thread that builds the engine (vllm/v1/engine/llm_engine.py:113-121). Engines built one after another take
-    turns; engines finishing their start in threads at the same moment interleave these steps, and a name
-    registered twice raises ValueError ("Duplicated timeseries"). Here each step holds a lock, and the info metric
-    replaces one another engine left. Given as a custom stat logger it replaces vLLM's default Prometheus logger
-    (StatLoggerManager adds that one only when no custom logger is a PrometheusStatLogger, loggers.py:1351-1373),
-    so each engine keeps exactly one, and hqlab reads none of their metrics."""
-    from prometheus_client import REGISTRY
-    from vllm.v1.metrics.loggers import PrometheusStatLogger
-
-    class SerialPrometheusStatLogger(PrometheusStatLogger):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            with _PROMETHEUS_LOCK:
-                super().__init__(*args, **kwargs)
-
-        def log_engine_initialized(self) -> None:
-            with _PROMETHEUS_LOCK:
-                # the registry's own bookkeeping, as vLLM's unregister_vllm_metrics reads it
-                for collector in list(REGISTRY._collector_to_names):
-                    if getattr(collector, "_name", None) == CACHE_INFO_METRIC:
-                        REGISTRY.unregister(collector)
-                super().log_engine_initialized()
-
-    return SerialPrometheusStatLogger
-
-
 def engine_args(options: VLLMOptions, setting: EngineSetting) -> Any:
     """vLLM's EngineArgs for one config's engine (nothing is loaded: vLLM resolves them when the engine is built)."""
     from vllm import EngineArgs
@@ -346,7 +313,7 @@ class VLLMEngine:
             plugin.register()  # this process; vLLM's own processes load it through the entry point (or fork)
         self.options, self.setting = options, setting
         self._stats: list = []
-        stat_loggers = [_stat_logger_factory(self._stats), *([_serial_prometheus_logger()] if started_together else [])]
+        stat_loggers = [_stat_logger_factory(self._stats), *([serial_prometheus_logger()] if started_together else [])]
         self.engine = LLMEngine.from_engine_args(engine_args(options, setting), stat_loggers=stat_loggers)
         self._counter = 0
         self.speed_probe: Any = None  # an affinity.CpuSpeedProbe on the engine core's CPU (run_setting sets it)
@@ -676,137 +643,6 @@ def round_plan(repeats: int, *, burst: bool = False, sustained: bool = False) ->
     return [(r, load) for r in range(repeats) for load in loads]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Starting an interleaved call's engines at the same time (`run_interleaved(parallel_start=True)`)
-#
-# Building vLLM 0.26 engines in threads of one process, as checked in its sources (paths under vllm/): hqlab builds
-# one with LLMEngine.from_engine_args (v1/engine/llm_engine.py:161-186; vllm.LLM is not on the path), whose
-# LLMEngine.__init__ -> EngineCoreClient.make_client (v1/engine/core_client.py:83-105) -> SyncMPClient ->
-# MPClient.__init__ (core_client.py:480-) -> launch_core_engines (v1/engine/utils.py:1072-) -> CoreEngineProcManager
-# (utils.py:126-214) starts the engine core in a process of its own. Nothing on that path needs the main thread:
-# vLLM calls signal.signal only in its engine core's and workers' own processes (v1/engine/core.py:1320,
-# v1/executor/multiproc_executor.py:829), and each engine has its own ZMQ context, sockets, IPC paths (fresh
-# uuids) and processes. What the threads do share: prometheus_client's registry (`_serial_prometheus_logger`);
-# hqlab's plugin, which patches vLLM's classes, and the model cache draft models are converted into (both done
-# once in the calling thread first, `_prepare_parallel_start`, as are vLLM's first imports: two threads importing
-# the same modules for the first time can meet a circular import half done); and fork, which in a process with
-# other threads can copy a held lock into the child: engine processes start with spawn. `hqlab.engines.vllm.affinity`
-# is not involved: an engine is pinned, if at all, after its warm-up (`run_setting`), never while it is built,
-# and `run_interleaved` pins nothing.
-#
-# GPU memory: each worker measures free GPU memory before and after its profile run and takes every change for
-# its own (v1/worker/gpu_worker.py:484-545), so engines starting together would size their KV caches from each
-# other's allocations; with kv_cache_memory_bytes set it skips that (gpu_worker.py:462-480). What remains is the
-# check at start that free memory >= gpu_memory_utilization x total (v1/worker/utils.py:425-445, called at
-# gpu_worker.py:388-389): the engines' shares sum to the options' total (<= 0.95), so it holds while no engine
-# takes more than its share. With the KV cache below an engine of the 1.5B model takes about 10 GiB (4 GiB of KV,
-# 3.4 GiB of weights, 0.5 GiB of activations, up to 1.3 GiB of CUDA graphs, data/results/vllm_fused_h200_fh1.log,
-# plus the CUDA context and a fused drafter's own weights and cache), well under a share of 0.85 / 5 of an H200
-# (24 GiB).
-
-# KV cache per engine when engines start together. Ample: 8 requests (max_num_seqs) of 4096 tokens (max_model_len)
-# are 32,768 tokens, 0.375 GiB in Qwen2.5 0.5B (12 KiB a token) and 0.875 GiB in 1.5B (28 KiB; on the H200 vLLM
-# fit 956,960 tokens in 25.55 GiB); `_prepare_parallel_start` checks the model at hand (and a draft model's).
-PARALLEL_START_KV_BYTES = 4 << 30
-
-
-def kv_bytes_per_token(model: str, dtype: str = "bfloat16") -> int:
-    """KV-cache bytes one token takes in `model` (a folder with an HF config.json): keys and values of every layer's
-    key-value heads in `dtype`; 0 when there is no config to read (a hub id: vLLM checks it when it loads)."""
-    from pathlib import Path
-
-    try:
-        config = json.loads((Path(model) / "config.json").read_text())
-        heads = int(config["num_attention_heads"])
-        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        layers = int(config["num_hidden_layers"])
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
-        return 0
-    return 2 * layers * kv_heads * head_dim * (4 if dtype in ("float32", "fp32") else 2)
-
-
-def _check_parallel_start_environment() -> None:
-    """Engines started together need vLLM's engine cores in processes of their own, started with spawn."""
-    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1").strip() == "0":
-        raise ConfigError("parallel_start builds engines in threads, which needs vLLM's engine cores in processes "
-                          "of their own: unset VLLM_ENABLE_V1_MULTIPROCESSING=0 (or start the engines one at a time)")
-    # forking while another thread holds a lock (an import, a logging handler) copies the held lock into the child
-    method = os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    if method != "spawn":
-        raise ConfigError(f"parallel_start starts engine processes from several threads at once, which with "
-                          f"VLLM_WORKER_MULTIPROC_METHOD={method} can hang a child on a lock another thread held: set "
-                          f"it to spawn or unset it (or start the engines one at a time)")
-
-
-def _prepare_parallel_start(options: VLLMOptions, settings: Sequence[EngineSetting]) -> None:
-    """What every engine's construction would otherwise do in its own thread at once, done here first: vLLM's
-    imports, hqlab's plugin (it patches vLLM's classes) and the draft models' folders; then checks that the KV cache
-    each engine gets holds max_num_seqs requests of max_model_len tokens."""
-    # what building an engine imports in this process (the model's transformers modules the caller's tokenizer
-    # has usually imported already)
-    import vllm.v1.executor.multiproc_executor  # noqa: F401
-    from vllm import EngineArgs  # noqa: F401
-    from vllm.model_executor.models import ModelRegistry  # noqa: F401
-    from vllm.v1.engine.llm_engine import LLMEngine  # noqa: F401
-    from vllm.v1.metrics.loggers import PrometheusStatLogger  # noqa: F401
-
-    from hqlab import models
-
-    if any(s.gpu for s in settings):
-        from hqlab.engines.vllm import plugin
-
-        plugin.check_vllm_version()
-        plugin.register()
-    per_token = kv_bytes_per_token(options.model, options.dtype)
-    tokens = options.max_num_seqs * options.max_model_len
-    for setting in settings:
-        drafter = kv_bytes_per_token(models.prepare(setting.draft_model), options.dtype) if setting.draft_model else 0
-        need = (per_token + drafter) * tokens  # vLLM keeps a draft model's KV in the same cache
-        if need > options.kv_cache_bytes:
-            raise ConfigError(f"{setting.label!r}: {options.max_num_seqs} requests of {options.max_model_len} tokens "
-                              f"need {need / 2**30:.2f} GiB of KV cache, and engines started together get "
-                              f"{options.kv_cache_bytes / 2**30:.2f} GiB each: set kv_cache_bytes to at least {need} "
-                              f"(with room in each engine's share of gpu_memory_utilization), or lower max_num_seqs")
-
-
-def start_engines_together(settings: Sequence[EngineSetting], make: Callable[[EngineSetting], Any]) -> list[Any]:
-    """`make(setting)` for every setting at once, each in a thread of its own; the engines in the settings' order.
-
-    If a construction fails, the others are still waited for (none is left starting), every engine that did start
-    is closed, and the first failure in the settings' order is raised (failures to close are added to it as
-    notes). Interrupted while waiting, it closes the engines already built and re-raises."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    futures: list[Any] = []
-    try:
-        with ThreadPoolExecutor(max_workers=max(1, len(settings)), thread_name_prefix="hqlab-engine-start") as pool:
-            for setting in settings:
-                futures.append(pool.submit(make, setting))
-        # leaving the block waited for every construction
-    except BaseException as e:
-        _close_built(futures, e)
-        raise
-    failures = [f.exception() for f in futures if f.exception() is not None]
-    if failures:
-        _close_built(futures, failures[0])
-        raise failures[0]
-    return [f.result() for f in futures]
-
-
-def _close_built(futures: Sequence[Any], error: BaseException) -> None:
-    """Closes the engine of every construction that finished without error; a failure to close becomes a note."""
-    for future in futures:
-        if not future.done() or future.cancelled() or future.exception() is not None:
-            continue
-        engine = future.result()
-        try:
-            engine.close()
-        except Exception as e:  # the other engines must still be closed, and `error` stays what is raised
-            label = getattr(getattr(engine, "setting", None), "label", engine)
-            error.add_note(f"closing the engine of {label!r} failed too: {type(e).__name__}: {e}")
-
-
 def run_interleaved(options: VLLMOptions, settings: Sequence[EngineSetting],
                     prompts: Sequence[tuple[str, str, list[int]]], decode: DecodeConfig, *, repeats: int = 1,
                     concurrency: int = 0, sustained: bool = False, profile: bool = False,
@@ -842,9 +678,9 @@ def run_interleaved(options: VLLMOptions, settings: Sequence[EngineSetting],
                           f"gpu_memory_utilization or run fewer configs per call (each engine needs >= 0.05)")
     each = replace(options, gpu_memory_utilization=share)
     if parallel_start:
-        _check_parallel_start_environment()
+        check_parallel_start_environment()
         each = replace(each, kv_cache_bytes=options.kv_cache_bytes or PARALLEL_START_KV_BYTES)
-        _prepare_parallel_start(each, settings)
+        prepare_parallel_start(each, settings)
     engines: list[VLLMEngine] = []
     runs: list[Run] = []
     described: list[dict[str, Any]] = []

@@ -246,13 +246,13 @@ def test_vllms_own_prometheus_logger_fails_when_two_engines_start_together(vllm_
     the serialised one does not."""
     from vllm.v1.metrics.loggers import PrometheusStatLogger
 
-    from hqlab.engines.vllm.engine import _serial_prometheus_logger
+    from hqlab.engines.vllm.startup import serial_prometheus_logger
 
     first, second = PrometheusStatLogger(vllm_config), PrometheusStatLogger(vllm_config)
     first.log_engine_initialized()
     with pytest.raises(ValueError, match="Duplicated timeseries.*vllm:cache_config_info"):
         second.log_engine_initialized()
-    serial = _serial_prometheus_logger()
+    serial = serial_prometheus_logger()
     first, second = serial(vllm_config), serial(vllm_config)
     first.log_engine_initialized()
     second.log_engine_initialized()
@@ -262,11 +262,11 @@ def test_vllms_own_prometheus_logger_fails_when_two_engines_start_together(vllm_
 def test_the_serialised_prometheus_logger_waits_its_turn_and_replaces_vllms_own(vllm_config):
     from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerManager
 
-    from hqlab.engines.vllm import engine
+    from hqlab.engines.vllm import startup
 
-    serial = engine._serial_prometheus_logger()
+    serial = startup.serial_prometheus_logger()
     done = threading.Event()
-    with engine._PROMETHEUS_LOCK:  # another engine is registering its metrics
+    with startup._PROMETHEUS_LOCK:  # another engine is registering its metrics
         builder = threading.Thread(target=lambda: (serial(vllm_config), done.set()))
         builder.start()
         assert not done.wait(0.3)
