@@ -111,11 +111,14 @@ def run_if(flag: torch.Tensor, body: Callable[[], None], *, pool: Any = None, al
     While capturing: an IF node whose body graph holds what `body` launches (its memory from `pool`, a graph pool
     handle that must outlive the graph); the node waits for everything captured before it and everything captured
     after it waits for the node. Otherwise: `body()` if the flag is set (a host read), or whatever the flag when
-    `always` (warm-ups, which must run every kernel a capture will record)."""
+    `always` (warm-ups, which must run every kernel a capture will record, and on a GPU load the kernel that sets the
+    condition: a capture cannot load it)."""
     if flag.numel() != 1 or flag.dtype != torch.int32:
         raise ValueError(f"run_if needs a one-element int32 flag (got {flag.dtype}, {flag.numel()} elements)")
     if not capturing(flag):
         if always and flag.device.type == "cuda":  # a warm-up: on the stream the body will be captured on
+            # and load the condition-setting kernel now: loading a module while a stream captures is not allowed
+            set_if_kernel(flag.device.index if flag.device.index is not None else torch.cuda.current_device())
             current, side = torch.cuda.current_stream(flag.device), side_stream(flag.device)
             side.wait_stream(current)
             with torch.cuda.stream(side):
