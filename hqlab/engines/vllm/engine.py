@@ -33,6 +33,7 @@ import json
 import math
 import os
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
 
@@ -663,8 +664,9 @@ def run_interleaved(options: VLLMOptions, settings: Sequence[EngineSetting],
     `parallel_start`: the engines are built at the same time, each in a thread of its own (an engine takes ~100 s
     to start on the H200, most of it in its own processes), each with a KV cache of `options.kv_cache_bytes` or else
     `PARALLEL_START_KV_BYTES` (vLLM's memory profiling cannot tell engines starting together apart); then they warm
-    up one at a time in the settings' order, as without it. `make_engine(options, setting, **kwargs)` builds an engine
-    (tests pass a stand-in)."""
+    up one at a time in the settings' order, as without it. If starting them together fails, the engines it started
+    are closed, a warning says why, and they start one after another instead. `make_engine(options, setting,
+    **kwargs)` builds an engine (tests pass a stand-in)."""
     if repeats < 1:
         raise ConfigError(f"repeats must be >= 1 (got {repeats})")
     if concurrency < 0 or concurrency > options.max_num_seqs:
@@ -694,7 +696,16 @@ def run_interleaved(options: VLLMOptions, settings: Sequence[EngineSetting],
 
     try:
         if parallel_start:  # on failure it closes what it started itself; after it, `finally` closes them all
-            engines += start_engines_together(settings, build_together)
+            try:
+                engines += start_engines_together(settings, build_together)
+            except Exception as e:  # noqa: BLE001 - any failure: the call's time is better spent starting them in turn
+                # A GPU call is minutes of a small budget: rather than end it, start the engines one after another,
+                # as without parallel_start (vLLM sizing their caches again); a config that cannot start at all
+                # then fails there.
+                warnings.warn(f"starting the engines together failed ({type(e).__name__}: {e}); starting them one "
+                              f"after another", RuntimeWarning, stacklevel=2)
+                parallel_start = False
+                each = replace(each, kv_cache_bytes=options.kv_cache_bytes)
         for i, setting in enumerate(settings):
             if not parallel_start:
                 engines.append(make_engine(each, setting))

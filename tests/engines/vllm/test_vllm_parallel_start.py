@@ -35,10 +35,12 @@ def spawn(monkeypatch):
 class Recorder:
     """What stand-in engines did, in order: (event, config label, thread name)."""
 
-    def __init__(self, barrier: threading.Barrier | None = None, fail: str = "", fail_close: str = "") -> None:
+    def __init__(self, barrier: threading.Barrier | None = None, fail: str = "", fail_close: str = "",
+                 fail_together_only: bool = False) -> None:
         self.events: list[tuple[str, str, str]] = []
         self.lock = threading.Lock()
         self.barrier, self.fail, self.fail_close = barrier, fail, fail_close
+        self.fail_together_only = fail_together_only  # `fail` fails only when built together with the others
 
     def log(self, event: str, label: str) -> None:
         with self.lock:
@@ -59,7 +61,7 @@ def stand_in(recorder: Recorder):
             recorder.log("start", setting.label)
             if recorder.barrier is not None:
                 recorder.barrier.wait()
-            if setting.label == recorder.fail:
+            if setting.label == recorder.fail and (started_together or not recorder.fail_together_only):
                 raise RuntimeError(f"{setting.label} failed to start")
             time.sleep(0.05)  # the failing engine's error comes first: the others finish after it
             recorder.log("built", setting.label)
@@ -190,15 +192,45 @@ def test_interleaved_call_without_parallel_start_builds_and_warms_up_one_engine_
     assert all(not e.started_together and e.options.kv_cache_bytes == 0 for e in built)
 
 
-def test_a_failed_parallel_start_in_an_interleaved_call_closes_the_others(spawn):
+def test_an_interleaved_call_whose_engines_fail_to_start_together_starts_them_one_after_another(spawn):
+    """A GPU call is minutes of a small budget: when starting together fails, the engines that did start are closed
+    and the call starts them one after another, with vLLM sizing their caches as without parallel_start."""
     settings = settings_for(SPECS)
-    recorder = Recorder(threading.Barrier(len(settings), timeout=5), fail=settings[2].label)
+    labels = [s.label for s in settings]
+    recorder = Recorder(fail=labels[2], fail_together_only=True)
+    built: list = []
+
+    def make(*args, **kwargs):
+        built.append(stand_in(recorder)(*args, **kwargs))
+        return built[-1]
+
+    with pytest.warns(RuntimeWarning, match="starting the engines together failed .*failed to start.*one after"):
+        runs, described = run_interleaved(VLLMOptions(model="unused"), settings, [("p1", "copy", [1, 2, 3])],
+                                          DecodeConfig(max_new_tokens=8), parallel_start=True, make_engine=make)
+    assert [d["config"] for d in described] == labels
+    together = [e for e in built if e.started_together]
+    one_by_one = [e for e in built if not e.started_together]
+    assert sorted(e.setting.label for e in together) == sorted(labels[:2])
+    assert [e.setting.label for e in one_by_one] == labels and all(e.options.kv_cache_bytes == 0 for e in one_by_one)
+    # the two started together were closed before the others started; every engine built was closed once
+    closes = [label for label, _ in recorder.of("close")]
+    assert sorted(closes) == sorted(labels[:2] + labels)
+    assert {r.config for r in runs if r.repeat == 0} == set(labels)
+
+
+def test_a_config_that_cannot_start_fails_the_interleaved_call_and_closes_the_others(spawn):
+    settings = settings_for(SPECS)
+    labels = [s.label for s in settings]
+    recorder = Recorder(fail=labels[2])  # no barrier: the engines also start one after another here
     saved: list = []
-    with pytest.raises(RuntimeError, match="failed to start"):
-        run_interleaved(VLLMOptions(model="unused"), settings, [("p1", "copy", [1])], DecodeConfig(),
-                        parallel_start=True, make_engine=stand_in(recorder), saved=lambda *a: saved.append(a))
-    assert sorted(label for label, _ in recorder.of("close")) == sorted([settings[0].label, settings[1].label])
-    assert not recorder.of("generate warmup") and not saved
+    with pytest.warns(RuntimeWarning, match="starting the engines together failed"):
+        with pytest.raises(RuntimeError, match="failed to start"):
+            run_interleaved(VLLMOptions(model="unused"), settings, [("p1", "copy", [1])], DecodeConfig(),
+                            parallel_start=True, make_engine=stand_in(recorder), saved=lambda *a: saved.append(a))
+    # together: the first two started and were closed; one after another: they started again, warmed up, and were
+    # closed when the third failed again
+    assert sorted(label for label, _ in recorder.of("close")) == sorted(labels[:2] * 2)
+    assert [label for label, _ in recorder.of("generate warmup")] == labels[:2] and not saved
 
 
 def test_parallel_start_refuses_what_cannot_work_before_any_engine_starts(monkeypatch, tmp_path):
