@@ -554,17 +554,16 @@ class GpuFusedSpeculator:
         total = total_len[slots].long()
         sampled = ns > 0
         lengths = torch.where(sampled, total, 0).to(torch.int32)
+        # the lookup first (it reads only vLLM's histories): with device_skip its match decides, on the device,
+        # whether the drafter's pass runs at all
+        proposals, match_len, valid = self.matcher(all_ids.view(-1), self.row_offsets[slots], lengths)
         if self.config.device_skip:
-            # the lookup first: its match decides, on the device, whether the drafter's pass runs at all
-            proposals, match_len, valid = self.matcher(all_ids.view(-1), self.row_offsets[slots], lengths)
             self._device_pass(m, attn_len, total, sampled, match_len, valid)
         elif kind != "lookup":
             cur = self._catch_up(m, attn_len, width or self.q)
             for j in range(1, self.block if kind == "full" else 1):  # the head: one token per pass
                 cur = self.drafter.extend(slots, cur[:, None], total + (j - 1), self.zeros[:m], attn_len)
                 self.drafts[:m, j] = cur
-        if not self.config.device_skip:
-            proposals, match_len, valid = self.matcher(all_ids.view(-1), self.row_offsets[slots], lengths)
         lookup = proposals.masked_fill(proposals < 0, self.pad)
         self.out[:m] = self.step_rule(slots, ns, self.fresh[:m], lookup, valid, match_len, self.drafts[:m])
         if self.config.skip:  # the skip marks for the host's copy (`_after_step`), in one buffer

@@ -183,7 +183,5 @@ def _close_built(futures: Sequence[Any], error: BaseException) -> None:
             error.add_note(f"closing the engine of {label!r} failed too: {type(e).__name__}: {e}")
 
 
-
-
 __all__ = ["start_engines_together", "kv_bytes_per_token", "PARALLEL_START_KV_BYTES", "serial_prometheus_logger",
            "check_parallel_start_environment", "prepare_parallel_start"]
