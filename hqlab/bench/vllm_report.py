@@ -372,6 +372,37 @@ def round_ratios(repeats: pl.DataFrame, run: str, config: str, *, against: str =
                  pl.col("ratio").max().alias("high")))
 
 
+def best_fused(results: pl.DataFrame, repeats: pl.DataFrame, run: str) -> pl.DataFrame:
+    """The fused issue's table for one run at batch 1: per task class the fastest gpu-fused config, its decode tok/s
+    over the fastest gpu-lookup config's (ratio of medians, as `fused_ratios`; and paired round by round, as
+    `round_ratios`: median, low, high), over `none` and vLLM's draft model, and both configs' tokens/step, median
+    time to the first token (ms) and step efficiency."""
+    table = fused_ratios(results, run)
+    rows = results.filter((pl.col("run") == run) & (pl.col("concurrency") <= 1))
+    first = rows.group_by("category", "config").agg((1e3 * pl.col("ttft_s").median()).alias("ttft_ms"))
+    table = table.join(first, on=["category", "config"], how="left")
+
+    def fastest(prefix: str) -> pl.DataFrame:
+        return (table.filter(pl.col("config").str.starts_with(prefix))
+                .sort("decode_tok_s", descending=True).unique("category", keep="first"))
+
+    fused = fastest("gpu-fused")
+    if fused.is_empty():
+        raise ConfigError(f"run {run!r} has no batch-1 rows of a gpu-fused config")
+    lookup = fastest("gpu-lookup").select(
+        "category", pl.col("config").alias("lookup"), pl.col("tokens_per_step").alias("lookup_tokens_per_step"),
+        pl.col("ttft_ms").alias("lookup_ttft_ms"), pl.col("step_efficiency").alias("lookup_step_efficiency"))
+    paired = pl.concat([round_ratios(repeats, run, c).with_columns(pl.lit(c).alias("config"))
+                        for c in fused["config"].unique(maintain_order=True)])
+    order = pl.Enum(["chat", "summary", "qa", "quote", "copy", "code", "edit"])
+    return (fused.join(lookup, on="category").join(paired.drop("against"), on=["category", "config"])
+            .select("category", "config", "lookup", "vs_best_gpu_lookup", pl.col("median").alias("paired_median"),
+                    pl.col("low").alias("paired_low"), pl.col("high").alias("paired_high"), "vs_none",
+                    "vs_best_vllm_draft", "tokens_per_step", "lookup_tokens_per_step", "ttft_ms", "lookup_ttft_ms",
+                    "step_efficiency", "lookup_step_efficiency", "mismatches")
+            .sort(pl.col("category").cast(order, strict=False)))
+
+
 def fused_ratios_across(results: pl.DataFrame, configs: dict[str, str]) -> pl.DataFrame:
     """`fused_ratios` of one gpu-fused config per run (`configs`: run -> config), stacked with a `run` column:
     how the same settings fared in runs taken at different times or in different ways (sequential, interleaved)."""
@@ -480,4 +511,5 @@ def load(results_path: str | Path) -> dict[str, pl.DataFrame]:
 __all__ = ["short_label", "run_ratios", "summary", "concurrency", "step_breakdown", "request_step_ms",
            "cost_model_check", "host_probe", "probe_correlation", "load", "family", "PARTS", "drafter_pass_fit",
            "fused_what_if", "skip_what_if", "fused_ratios", "step_ms_by_passes", "host_level_correlation",
-           "fused_ratios_across", "speculator_host_ms", "exact_skip_share", "round_ratios"]
+           "fused_ratios_across", "speculator_host_ms", "exact_skip_share", "round_ratios", "best_fused",
+           "device_skip_what_if"]

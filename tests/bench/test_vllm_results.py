@@ -301,6 +301,67 @@ def test_device_skip_what_if_prices_the_strong_steps_at_the_lookups_step():
         vllm_report.device_skip_what_if(steps, results, "zz", config)
 
 
+DEVICE_SKIP_K31 = ("gpu-fused:k=31,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,"
+                   "compile_rule=true,device_skip=true")
+
+
+def test_best_fused_is_the_fastest_fused_config_of_each_class_against_the_fastest_lookup():
+    """Run fj1 (10 interleaved rounds, vLLM's draft model from a second call): per class the faster of the two fused
+    configs, its ratios as `fused_ratios` and `round_ratios` give them, and the lookup's side from the same run."""
+    import polars as pl
+
+    from hqlab.bench import vllm_report
+    from hqlab.config import ConfigError
+
+    data = vllm_report.load(ROOT / "data" / "results" / "vllm_fused_h200.parquet")
+    table = vllm_report.best_fused(data["results"], data["repeats"], "fj1")
+    assert table["category"].to_list() == ["chat", "summary", "qa", "quote", "copy", "code", "edit"]
+    ratios = vllm_report.fused_ratios(data["results"], "fj1")
+    for row in table.iter_rows(named=True):
+        mine = ratios.filter(pl.col("category") == row["category"])
+        fused = mine.filter(pl.col("config").str.starts_with("gpu-fused"))
+        assert row["config"] == fused.sort("decode_tok_s")["config"][-1]
+        assert row["vs_best_gpu_lookup"] == pytest.approx(fused["vs_best_gpu_lookup"].max())
+        lookup = mine.filter(pl.col("config") == row["lookup"])
+        assert lookup["decode_tok_s"].item() == mine.filter(pl.col("config").str.starts_with("gpu-lookup"))[
+            "decode_tok_s"].max()
+        assert row["lookup_tokens_per_step"] == lookup["tokens_per_step"].item()
+        assert row["paired_low"] <= row["paired_median"] <= row["paired_high"]
+        assert row["vs_best_vllm_draft"] > 2 and row["mismatches"] == 0
+        assert row["ttft_ms"] > row["lookup_ttft_ms"]  # the drafter's eager prompt prefill
+    # the device-decided skip is the faster config wherever the answer copies the prompt
+    documents = table.filter(pl.col("category").is_in(["copy", "code", "edit"]))
+    assert (documents["config"] == DEVICE_SKIP_K31).all()
+    paired = vllm_report.round_ratios(data["repeats"], "fj1", DEVICE_SKIP_K31).filter(pl.col("category") == "code")
+    assert table.filter(pl.col("category") == "code")["paired_median"].item() == paired["median"].item()
+    with pytest.raises(ConfigError, match=r"run 'w': no batch-1 rows \(runs here: \['fa'"):
+        vllm_report.best_fused(data["results"], data["repeats"], "w")  # a run of the GPU-lookup file
+
+
+def test_device_skip_ran_no_pass_exactly_where_every_row_had_a_strong_match():
+    """Run fj1's step records of the k = 31 device-skip config, at batch 1: the drafter's pass ran exactly on the
+    steps whose lookup match fell short of nstrong (at batch 1 over 256 tokens no drafter lags past what the wide
+    pass catches up), as the narrow catch-up or, after skipped steps, the wide one. The device skipped most
+    document steps and almost no prose ones."""
+    import polars as pl
+
+    from hqlab.proposers.fused import FusedConfig
+
+    steps = pl.read_parquet(ROOT / "data" / "results" / "vllm_fused_h200.steps.parquet")
+    mine = steps.filter((pl.col("run") == "fj1") & (pl.col("config") == DEVICE_SKIP_K31) & (pl.col("load") == "alone"))
+    assert mine.height > 0 and set(mine["drafter_passes"].unique()) == {0, 1}
+    nstrong = FusedConfig().nstrong
+    skipped = mine.filter(pl.col("drafter_passes") == 0)
+    assert (skipped["match_len"] >= nstrong).all() and (skipped["drafter_width"] == 0).all()
+    ran = mine.filter(pl.col("drafter_passes") == 1)
+    assert (ran["match_len"] < nstrong).all()
+    assert set(ran["drafter_width"].unique()) == {32, 256}  # the narrow catch-up is k + 1 positions, the wide 8 x
+    share = mine.group_by("category").agg((pl.col("drafter_passes") == 0).mean().alias("skipped"))
+    skipped_share = dict(share.iter_rows())
+    assert min(skipped_share[c] for c in ("copy", "code", "edit")) > 0.7
+    assert max(skipped_share[c] for c in ("chat", "qa", "summary")) < 0.1
+
+
 def test_round_ratios_pair_each_request_with_the_best_lookup_in_the_same_round():
     """Run fh (interleaved, 3 rounds): the fused config's decode tok/s over the fastest gpu-lookup config of each
     class, request by request within a round; the ratio of medians lies inside the paired ratios' range."""
