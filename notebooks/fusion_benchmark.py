@@ -607,9 +607,9 @@ both_widths.filter(pl.col("config") != "none").select("category", "config", "dec
 # (`vllm_report.round_ratios`), the median of its per-request ratios.
 
 # %%
-def fused_bars(run: str, names: dict[str, str]) -> alt.Chart:
+def fused_bars(run: str, names: dict[str, str], figure: str) -> alt.Chart:
     """Each fused config of `run` over the fastest gpu-lookup of each class: ratio of medians and paired by round
-    (`names`: short labels of the configs), saved as figures/vllm_fused_h200_<run>.svg."""
+    (`names`: short labels of the configs), saved as figures/`figure`."""
     ratios = vllm_report.fused_ratios(pl.read_parquet(fused_vllm_file), run)
     fused = ratios.filter(pl.col("config").str.starts_with("gpu-fused"))
     paired = pl.concat([vllm_report.round_ratios(fused_repeats, run, c)
@@ -619,16 +619,17 @@ def fused_bars(run: str, names: dict[str, str]) -> alt.Chart:
         fused.select("category", "config", pl.col("vs_best_gpu_lookup").alias("ratio"), pl.lit("medians").alias("how")),
         paired.select("category", "config", "ratio", pl.lit("paired").alias("how")),
     ]).with_columns(pl.format("{}, {}", pl.col("config").replace_strict(names, default=pl.col("config")), "how")
-                    .alias("fused config, ratio")).sort(pl.col("category").cast(pl.Enum(classes)), "fused config, ratio")
+                    .alias("fused config, ratio")).sort(pl.col("category").cast(pl.Enum(classes)),
+                                                        "fused config, ratio")
     chart = plots.grouped_bars(bars, "category", "ratio", "fused config, ratio",
                                y_title=f"gpu-fused ÷ fastest gpu-lookup, run {run}", rule_at=0.95)
-    plots.save(chart, figures / f"vllm_fused_h200_{run}.svg")
+    plots.save(chart, figures / figure)
     return chart
 
 
 two = vllm_report.fused_ratios(pl.read_parquet(fused_vllm_file), two_configs_run)
 fused_two = two.filter(pl.col("config").str.starts_with("gpu-fused"))
-fused_bars(two_configs_run, {skip_config_k31: "k=31 skip", one_pass_k15: "k=15 one pass"})
+fused_bars(two_configs_run, {skip_config_k31: "k=31 skip", one_pass_k15: "k=15 one pass"}, "vllm_fused_h200_fi1.svg")
 
 # %%
 best_fused = (fused_two.sort("decode_tok_s", descending=True).unique("category", keep="first")
@@ -668,7 +669,8 @@ vllm_report.device_skip_what_if(pl.read_parquet(Path(fused_vllm_file).with_name(
 # and qa above it (1.10, 1.15); chat is 1.08 (paired 1.12), short of the issue's 1.1.
 
 # %%
-fused_bars(device_skip_run, {device_skip_k31: "k=31 device skip", one_pass_k15: "k=15 one pass"})
+fused_bars(device_skip_run, {device_skip_k31: "k=31 device skip", one_pass_k15: "k=15 one pass"},
+           "vllm_fused_h200_fj1.svg")
 
 # %%
 # the issue's table: the faster fused config of each class against the fastest lookup, `none` and vLLM's draft model
