@@ -679,13 +679,18 @@ vllm_report.best_fused(pl.read_parquet(fused_vllm_file), fused_repeats, device_s
 # %% [markdown]
 # Where the device skipped the pass, and what the steps cost by the passes they ran: the pass runs exactly on the
 # steps whose match falls short of `nstrong` (78 % of copy and code steps skipped, 88 % of edit's, a third of
-# quote's, 0-4 % of the prose steps). The drafter-free steps still cost 0.5-0.7 ms more than the lookup's steps.
-# Next to them, what `device_skip_what_if` predicted from run `fi1`'s records and what `fj1` measured.
+# quote's, 0-4 % of the prose steps). The step records keep one round's steps; over all ten rounds
+# (`vllm_report.round_step_ms`: decode time over decode steps) the device-skip config's document steps cost what
+# the lookup's cost (-0.2 to +0.3 ms), its prose steps, with the pass, 0.5-0.9 ms more. Then what
+# `device_skip_what_if` predicted from run `fi1`'s records against what `fj1` measured.
 
 # %%
 fused_steps = pl.read_parquet(Path(fused_vllm_file).with_name(Path(fused_vllm_file).stem + ".steps.parquet"))
 vllm_report.step_ms_by_passes(fused_steps, device_skip_run).filter(pl.col("config").is_in(
     [device_skip_k31, "gpu-lookup:nmin=1,nmax=32,k=31,policy=earliest"]))
+
+# %%
+vllm_report.round_step_ms(fused_repeats, device_skip_run).filter(pl.col("config").str.starts_with("gpu-"))
 
 # %%
 predicted = vllm_report.device_skip_what_if(fused_steps, pl.read_parquet(fused_vllm_file), two_configs_run,

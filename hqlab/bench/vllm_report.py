@@ -372,6 +372,26 @@ def round_ratios(repeats: pl.DataFrame, run: str, config: str, *, against: str =
                  pl.col("ratio").max().alias("high")))
 
 
+def round_step_ms(repeats: pl.DataFrame, run: str) -> pl.DataFrame:
+    """Per (category, config) of one run at batch 1: the median over every round's requests of the ms a decode step
+    took (decode time ÷ (steps − 1): the first step is the prompt's), and that minus the class's fastest gpu-lookup
+    config's (`over_lookup_ms`; fastest by decode rate, as `round_ratios` picks it). The step records keep one
+    round's steps; this uses all rounds, so it is the price to compare configs by."""
+    rows = repeats.filter((pl.col("run") == run) & (pl.col("steps") > 1))
+    if rows.is_empty():
+        raise ConfigError(f"run {run!r} has no per-repeat rows")
+    per = (rows.with_columns((1e3 * pl.col("decode_s") / (pl.col("steps") - 1)).alias("step_ms"))
+           .group_by("category", "config", maintain_order=True)
+           .agg(pl.col("step_ms").median(), pl.col("steps").median(), pl.len().alias("requests")))
+    rate = (rows.filter(pl.col("config").str.starts_with("gpu-lookup"))
+            .group_by("category", "config", "prompt_id").agg(pl.col("decode_tok_s").median())
+            .group_by("category", "config").agg(pl.col("decode_tok_s").median())
+            .sort("decode_tok_s", descending=True).unique("category", keep="first").select("category", "config"))
+    lookup = per.join(rate, on=["category", "config"]).select("category", pl.col("step_ms").alias("lookup_ms"))
+    return (per.join(lookup, on="category", how="left")
+            .with_columns((pl.col("step_ms") - pl.col("lookup_ms")).alias("over_lookup_ms")).drop("lookup_ms"))
+
+
 def best_fused(results: pl.DataFrame, repeats: pl.DataFrame, run: str) -> pl.DataFrame:
     """The fused issue's table for one run at batch 1: per task class the fastest gpu-fused config, its decode tok/s
     over the fastest gpu-lookup config's (ratio of medians, as `fused_ratios`; and paired round by round, as
@@ -512,4 +532,4 @@ __all__ = ["short_label", "run_ratios", "summary", "concurrency", "step_breakdow
            "cost_model_check", "host_probe", "probe_correlation", "load", "family", "PARTS", "drafter_pass_fit",
            "fused_what_if", "skip_what_if", "fused_ratios", "step_ms_by_passes", "host_level_correlation",
            "fused_ratios_across", "speculator_host_ms", "exact_skip_share", "round_ratios", "best_fused",
-           "device_skip_what_if"]
+           "device_skip_what_if", "round_step_ms"]

@@ -338,6 +338,34 @@ def test_best_fused_is_the_fastest_fused_config_of_each_class_against_the_fastes
         vllm_report.best_fused(data["results"], data["repeats"], "w")  # a run of the GPU-lookup file
 
 
+def test_round_step_ms_prices_every_rounds_steps_against_the_fastest_lookup():
+    """Run fj1, all 10 rounds: decode time over decode steps per request, median per class and config, and its
+    excess over the class's fastest lookup. Where the device skips the pass (the documents) a fused step costs within
+    ~0.3 ms of the lookup's; on prose, where the pass runs every step, 0.5-0.9 ms more."""
+    import polars as pl
+
+    from hqlab.bench import vllm_report
+    from hqlab.config import ConfigError
+
+    repeats = pl.read_parquet(ROOT / "data" / "results" / "vllm_fused_h200.repeats.parquet")
+    table = vllm_report.round_step_ms(repeats, "fj1")
+    mine = repeats.filter((pl.col("run") == "fj1") & (pl.col("config") == DEVICE_SKIP_K31)
+                          & (pl.col("category") == "code"))
+    code = table.filter((pl.col("config") == DEVICE_SKIP_K31) & (pl.col("category") == "code")).row(0, named=True)
+    assert code["requests"] == mine.height == 10
+    assert code["step_ms"] == pytest.approx((1e3 * mine["decode_s"] / (mine["steps"] - 1)).median())
+    lookup = table.filter((pl.col("config") == "gpu-lookup:nmin=1,nmax=32,k=31,policy=earliest")
+                          & (pl.col("category") == "code")).row(0, named=True)
+    assert lookup["over_lookup_ms"] == 0
+    assert code["over_lookup_ms"] == pytest.approx(code["step_ms"] - lookup["step_ms"])
+    fused = table.filter(pl.col("config") == DEVICE_SKIP_K31)
+    documents = fused.filter(pl.col("category").is_in(["copy", "code", "edit"]))["over_lookup_ms"]
+    prose = fused.filter(pl.col("category").is_in(["chat", "summary", "qa"]))["over_lookup_ms"]
+    assert documents.abs().max() < 0.35 and prose.min() > 0.5 and prose.max() < 0.9
+    with pytest.raises(ConfigError, match="run 'zz' has no per-repeat rows"):
+        vllm_report.round_step_ms(repeats, "zz")
+
+
 def test_device_skip_ran_no_pass_exactly_where_every_row_had_a_strong_match():
     """Run fj1's step records of the k = 31 device-skip config, at batch 1: the drafter's pass ran exactly on the
     steps whose lookup match fell short of nstrong (at batch 1 over 256 tokens no drafter lags past what the wide
