@@ -347,6 +347,14 @@ def fused_ratios(results: pl.DataFrame, run: str) -> pl.DataFrame:
                               for name in ("none", "best_gpu_lookup", "best_vllm_draft")])
 
 
+def _fastest_per_class(repeats: pl.DataFrame) -> pl.DataFrame:
+    """(category, config) of each class's fastest config among per-repeat `repeats`: the class median of per-prompt
+    median decode tok/s, as `fused_ratios` ranks them."""
+    return (repeats.group_by("category", "config", "prompt_id").agg(pl.col("decode_tok_s").median())
+            .group_by("category", "config").agg(pl.col("decode_tok_s").median())
+            .sort("decode_tok_s", descending=True).unique("category", keep="first").select("category", "config"))
+
+
 def round_ratios(repeats: pl.DataFrame, run: str, config: str, *, against: str = "gpu-lookup") -> pl.DataFrame:
     """Per task class of one interleaved run: `config`'s decode tok/s over the class's fastest config whose name
     starts with `against` (fastest as `fused_ratios` picks it: the class median of per-prompt medians), request by
@@ -356,10 +364,7 @@ def round_ratios(repeats: pl.DataFrame, run: str, config: str, *, against: str =
     rows = repeats.filter(pl.col("run") == run)
     if rows.filter(pl.col("config") == config).is_empty():
         raise ConfigError(f"run {run!r} has no per-repeat rows of {config!r}")
-    rivals = (rows.filter(pl.col("config").str.starts_with(against) & (pl.col("config") != config))
-              .group_by("category", "config", "prompt_id").agg(pl.col("decode_tok_s").median())
-              .group_by("category", "config").agg(pl.col("decode_tok_s").median().alias("rate"))
-              .sort("rate", descending=True).unique("category", keep="first"))
+    rivals = _fastest_per_class(rows.filter(pl.col("config").str.starts_with(against) & (pl.col("config") != config)))
     if rivals.is_empty():
         raise ConfigError(f"run {run!r} has no config starting with {against!r} to compare {config!r} with")
     theirs = rows.join(rivals.select("category", "config"), on=["category", "config"])
@@ -383,11 +388,8 @@ def round_step_ms(repeats: pl.DataFrame, run: str) -> pl.DataFrame:
     per = (rows.with_columns((1e3 * pl.col("decode_s") / (pl.col("steps") - 1)).alias("step_ms"))
            .group_by("category", "config", maintain_order=True)
            .agg(pl.col("step_ms").median(), pl.col("steps").median(), pl.len().alias("requests")))
-    rate = (rows.filter(pl.col("config").str.starts_with("gpu-lookup"))
-            .group_by("category", "config", "prompt_id").agg(pl.col("decode_tok_s").median())
-            .group_by("category", "config").agg(pl.col("decode_tok_s").median())
-            .sort("decode_tok_s", descending=True).unique("category", keep="first").select("category", "config"))
-    lookup = per.join(rate, on=["category", "config"]).select("category", pl.col("step_ms").alias("lookup_ms"))
+    fastest = _fastest_per_class(rows.filter(pl.col("config").str.starts_with("gpu-lookup")))
+    lookup = per.join(fastest, on=["category", "config"]).select("category", pl.col("step_ms").alias("lookup_ms"))
     return (per.join(lookup, on="category", how="left")
             .with_columns((pl.col("step_ms") - pl.col("lookup_ms")).alias("over_lookup_ms")).drop("lookup_ms"))
 
