@@ -192,8 +192,7 @@ def run_bench(engine: Any, prompts: Sequence[Prompt], specs: Sequence[str | RunC
                 bar.set_postfix_str(f"{prompt.id} · {config.label}")
                 runs[config.label].append(_run_one(engine, config, ids, decode, prompt.id))
                 bar.update()
-        prompt_result, prompt_steps = prompt_rows(prompt, len(ids), runs, runs["none"][0], decode, tol, base_meta,
-                                                  repeats)
+        prompt_result, prompt_steps = prompt_rows(prompt, len(ids), runs, runs["none"][0], decode, tol, base_meta)
         rows += prompt_result
         steps += prompt_steps
     bar.close()
@@ -203,10 +202,11 @@ def run_bench(engine: Any, prompts: Sequence[Prompt], specs: Sequence[str | RunC
 
 
 def prompt_rows(prompt: Prompt, prompt_tokens: int, runs: dict[str, list[Generation]], reference: Generation,
-                decode: DecodeConfig, tol: float, base_meta: dict[str, Any],
-                repeats: int) -> tuple[list[dict[str, Any]], list[pl.DataFrame]]:
+                decode: DecodeConfig, tol: float,
+                base_meta: dict[str, Any]) -> tuple[list[dict[str, Any]], list[pl.DataFrame]]:
     """One prompt's result rows (one per config in `runs`, which holds the `none` reference's timed runs) and step
-    frames; greedy outputs are checked against `reference` (ids + margins). Shared by every engine's benchmark."""
+    frames; greedy outputs are checked against `reference` (ids + margins). `repeats` counts each config's own timed
+    runs (calls finished together can hold different counts). Shared by every engine's benchmark."""
     rows, steps = [], []
     ref_total = statistics.median(g.total_s for g in runs["none"])
     ref_decode = statistics.median(g.decode_tok_s() for g in runs["none"])
@@ -230,7 +230,7 @@ def prompt_rows(prompt: Prompt, prompt_tokens: int, runs: dict[str, list[Generat
             "propose_ms_per_step": 1e3 * sum(r.propose_s for r in g0.records) / n_steps,
             "verify_ms_per_step": 1e3 * sum(r.step_s - r.propose_s for r in g0.records) / n_steps,
             "speedup_e2e": ref_total / total, "speedup_decode": decode_rate / ref_decode,
-            "repeats": repeats, **_lossless_columns(worst),
+            "repeats": len(gens), **_lossless_columns(worst),
         })
         _append_steps(steps, g0.records, label, prompt.category)
     return rows, steps

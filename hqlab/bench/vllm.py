@@ -53,8 +53,7 @@ def frames_from_raw(runs: Sequence[Run], decode: DecodeConfig, meta: dict[str, A
         reference = margins_pass[0] if margins_pass else timed["none"][0]
         references[pid] = reference
         prompt = Prompt(pid, mine[0].category, ())
-        repeats = max(len(g) for g in timed.values())
-        r, s = prompt_rows(prompt, reference.prompt_len, timed, reference, decode, tol, base_meta, repeats)
+        r, s = prompt_rows(prompt, reference.prompt_len, timed, reference, decode, tol, base_meta)
         speed = {label: [x.host_unit_ms for x in mine if x.config == label and x.repeat >= 0
                          and not math.isnan(x.host_unit_ms)] for label in timed}
         rows += [{**row, "concurrency": 1, "load": "alone",

@@ -51,6 +51,22 @@ def test_raw_runs_round_trip_and_become_bench_rows():
     assert by["pld:k=3"]["divergence"] == "mismatch" and by["pld:k=3"]["divergence_margin"] == 4.0
     assert steps.height == 4 * 3 and set(steps["config"]) == set(by)
     assert by["none"]["host_unit_ms"] == pytest.approx(1.35) and math.isnan(by["lookup:k=7"]["host_unit_ms"])
+    # each config's own timed runs: calls finished together can hold different counts (the margins pass is untimed)
+    assert by["none"]["repeats"] == 2 and by["lookup:k=7"]["repeats"] == 1
+
+
+@pytest.mark.parametrize("name", ["vllm_gpu_h200", "vllm_fused_h200"])
+def test_committed_rows_count_the_repeats_behind_their_medians(name):
+    """Every committed batch-1 row's `repeats` is the number of timed runs of that (run, config, prompt) in the
+    `.repeats` frame, where the run kept one."""
+    import polars as pl
+
+    results = pl.read_parquet(ROOT / "data" / "results" / f"{name}.parquet").filter(pl.col("concurrency") <= 1)
+    counts = (pl.read_parquet(ROOT / "data" / "results" / f"{name}.repeats.parquet")
+              .group_by("run", "config", "prompt_id").agg(pl.len().alias("timed")))
+    joined = results.join(counts, on=["run", "config", "prompt_id"])
+    assert joined.height > 200
+    assert joined.filter(pl.col("repeats") != pl.col("timed")).select("run", "config").unique().height == 0
 
 
 def test_gpu_finish_turns_returned_raw_runs_into_bench_results(tmp_path):
