@@ -1,0 +1,136 @@
+"""Where one gpu-fused drafting step's GPU time goes, kernel by kernel, outside vLLM: the one-pass configs of the
+fused benchmark on vLLM-shaped state (random histories, so no lookup match and the drafter's pass always runs), each
+piece captured in a CUDA graph of its own (the lookup, the drafter's catch-up pass, the fusion/schedule rule) next to
+the whole step's graph, and a torch.profiler table of the whole step's kernels over graph replays.
+
+  GPU (through tools/gpu_host/vllm_host.py run, which converts the 0.5B):
+      python3 benchmarks/fused_pass_kernels.py [--tag a] [--config SPEC ...]
+  writes $OUT/fused_pass_kernels_<tag>.json and prints one JSON row per (config, history) and the kernel table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# the one-pass configs of runs fj1 and fk1 (docs/vllm.md)
+CONFIGS = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,"
+           "compile_rule=true",
+           "gpu-fused:k=31,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,"
+           "compile_rule=true,device_skip=true")
+HISTORIES = (512, 1024, 2048, 3900)
+
+
+def graph_ms(fn, repeats: int = 50) -> float:
+    """Median-free mean over `repeats` replays of `fn` captured in its own CUDA graph (after one warm-up)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return replay_ms(graph.replay, repeats)
+
+
+def replay_ms(fn, repeats: int = 50) -> float:
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def main() -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from hqlab.engines.vllm.gpu_fused import GpuFusedSpeculator, fused_config
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--tag", default="a")
+    p.add_argument("--config", action="append", default=None, help="gpu-fused spec (repeatable); default: "
+                   "the one-pass configs of the fused benchmark")
+    args = p.parse_args()
+    out = Path(os.environ.get("OUT", "."))
+    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": [], "kernels": {}}
+    slots_n, width = 4, 4096
+    for spec_text in args.config or CONFIGS:
+        config = fused_config(spec_text)
+        spec = GpuFusedSpeculator.standalone(config, max_num_reqs=slots_n, max_model_len=width, pad=151935,
+                                             device="cuda", dtype=torch.bfloat16)
+        ids = torch.randint(0, 150000, (slots_n, width), dtype=torch.int32, device="cuda")
+        total = torch.zeros((slots_n,), dtype=torch.int32, device="cuda")
+        spec.bind(ids, total)
+        spec.load_drafter()
+        spec.use_graphs = True
+        spec.capture()
+        n = 1
+        spec.slots[:n] = 0
+        spec.num_sampled[:n] = 3  # a chat step: a few tokens emitted since the drafter last ran
+        spec.fresh[:n] = False
+        slots = spec.slots[:n]
+        for history in HISTORIES:
+            bucket = next(b for b in spec.buckets if b >= history + spec.width + spec.block)
+            total.fill_(history)
+            key = next(k for k in spec.graphs if k[0] == n and k[1] == bucket)
+
+            def whole() -> None:
+                spec.dlen[:n] = history - 3
+                spec.graphs[key].replay()
+
+            all_ids, total_len = spec.state
+            lengths = total_len[slots].to(torch.int32)
+            proposals, match_len, valid = spec.matcher(all_ids.view(-1), spec.row_offsets[slots], lengths)
+            lookup = proposals.masked_fill(proposals < 0, spec.pad)
+            ns, fresh, drafts = spec.num_sampled[:n], spec.fresh[:n], spec.drafts[:n]
+
+            def catch_up() -> None:
+                spec.dlen[:n] = history - 3
+                spec._catch_up(n, bucket, spec.q)
+
+            row = {"config": spec_text, "n": n, "history": history, "attn_len": bucket, "width": spec.q,
+                   "step_ms": replay_ms(whole),
+                   "lookup_ms": graph_ms(lambda: spec.matcher(all_ids.view(-1), spec.row_offsets[slots], lengths)),
+                   "catch_up_pass_ms": graph_ms(catch_up),
+                   "rule_ms": graph_ms(lambda: spec.step_rule(slots, ns, fresh, lookup, valid, match_len, drafts)),
+                   "empty_graph_ms": graph_ms(lambda: spec.dlen[:n].fill_(history - 3))}
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        history = 2048
+        bucket = next(b for b in spec.buckets if b >= history + spec.width + spec.block)
+        total.fill_(history)
+        key = next(k for k in spec.graphs if k[0] == n and k[1] == bucket)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                spec.dlen[:n] = history - 3
+                spec.graphs[key].replay()
+            torch.cuda.synchronize()
+        kernels = [{"name": e.key[:120], "calls": e.count // 20, "us_per_step": e.device_time_total / 20}
+                   for e in prof.key_averages() if e.device_time_total > 0]
+        kernels.sort(key=lambda r: -r["us_per_step"])
+        result["kernels"][spec_text] = {"history": history, "attn_len": bucket, "steps": 20, "rows": kernels}
+        print(f"{spec_text} @ history {history}: {sum(r['us_per_step'] for r in kernels):.1f} us of kernels a step")
+        for r in kernels[:25]:
+            print(f"  {r['us_per_step']:8.1f} us  x{r['calls']:<4d} {r['name']}")
+        del spec
+        torch.cuda.empty_cache()
+    (out / f"fused_pass_kernels_{args.tag}.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
