@@ -58,6 +58,10 @@ one_pass_k15 = (
 device_skip_run = "fj1"  # none, the lookup at k = 31 and 15, the one-pass config at k = 15 and at k = 31 with
 # the skip decided on the device, interleaved (10 rounds, the burst of four; vLLM's draft model from a second call)
 device_skip_k31 = one_pass_k15.replace("k=15,", "k=31,", 1) + ",device_skip=true"
+profiled_run = "fk1"  # fj1's five configs again, 8 interleaved rounds, then one profiled pass (GPU time by phase)
+# benchmarks/fused_pass_kernels.py: the one-pass drafting step outside vLLM, kernel by kernel (fk2: FlashAttention
+# settings plan_once and splits=1)
+pass_kernels_files = ["data/results/fused_pass_kernels_h200_fk.json", "data/results/fused_pass_kernels_h200_fk2.json"]
 
 # %%
 import json
@@ -203,17 +207,10 @@ burst = fused_rows.filter(pl.col("concurrency") > 1).with_columns(label)
 # the target's 28. vLLM's `draft_model` proposes in 45 ms a step, most of it on the host.
 
 # %%
-phases = (pl.read_parquet(fused_vllm_file.replace(".parquet", ".phases.parquet"))
-          .filter(pl.col("run") == fused_run).with_columns(label)
-          .with_columns(pl.col("phase").replace({"execute_model": "target forward", "sample_tokens": "sample + accept",
-                                                 "propose (speculator)": "propose", "propose (drafter)": "propose"}))
-          .group_by("config", "phase").agg(pl.col("gpu_ms").median())
-          .pivot("phase", index="config", values="gpu_ms").fill_null(0.0))
-# vLLM's own timers put `propose` inside `sample_tokens`: the accept part is what is left
-phases = phases.with_columns((pl.col("sample + accept") - pl.col("propose")).clip(lower_bound=0.0)
-                             .alias("sample + accept")).sort("propose")
-chart = plots.stacked_time(phases, "config", ["target forward", "propose", "sample + accept"],
-                           y_title="GPU ms per step (median)")
+# vLLM's own timers put `propose` inside `sample_tokens`: `gpu_phases` takes it out of the sampling phase
+fused_phases = pl.read_parquet(fused_vllm_file.replace(".parquet", ".phases.parquet"))
+phases = vllm_report.gpu_phases(fused_phases, fused_run).with_columns(label)
+chart = plots.stacked_time(phases.drop("gpu_ms"), "config", vllm_report.GPU_PHASES, y_title="GPU ms per step (median)")
 plots.save(chart, figures / "vllm_fused_h200_step_parts.svg")
 chart
 
@@ -699,6 +696,61 @@ measured = vllm_report.fused_ratios(pl.read_parquet(fused_vllm_file), device_ski
     pl.col("config") == device_skip_k31)
 predicted.select("category", pl.col("predicted").alias(f"predicted from {two_configs_run}")).join(
     measured.select("category", pl.col("vs_best_gpu_lookup").alias(f"measured in {device_skip_run}")), on="category")
+
+# %% [markdown]
+# ### Chat again, and where a fused step's time goes (run `fk1`)
+#
+# Run `fk1` (code 2943059) ran `fj1`'s configs for 8 interleaved rounds, then one pass over the suite with every
+# phase of every step timed on the GPU. Chat came out at 1.04 and summary at 0.93 the best lookup: the lookup's
+# steps were cheaper than in `fj1` (2.23 against 2.57 ms on chat), the fused steps cost the same (3.32 ms).
+
+# %%
+fused_bars(profiled_run, {device_skip_k31: "k=31 device skip", one_pass_k15: "k=15 one pass"},
+           "vllm_fused_h200_fk1.svg")
+
+# %%
+vllm_report.best_fused(pl.read_parquet(fused_vllm_file), fused_repeats, profiled_run)
+
+# %% [markdown]
+# GPU time per chat step by phase (medians of the profiled pass), next to each config's step over all rounds. The
+# fused engine's GPU work adds up to its step time: the step is bound by the GPU, and the drafter's catch-up pass
+# costs its full 1.34 ms, 70 % of the target's forward. The lookup's step is set by the host (its target-forward span
+# includes the GPU waiting for launches). For chat to clear 1.1 with the tokens a step measured, the drafting step
+# must take at most ~0.94 ms.
+
+# %%
+short_names = {one_pass_k15: "fused k=15 one pass", device_skip_k31: "fused k=31 device skip",
+               one_pass_k15 + ",plan_once=true": "k=15, plan_once", one_pass_k15 + ",splits=1": "k=15, splits=1",
+               one_pass_k15 + ",splits=1,plan_once=true": "k=15, splits=1, plan_once"}
+short_name = pl.col("config").replace(short_names)
+chat_phases = vllm_report.gpu_phases(fused_phases, profiled_run, category="chat")
+chart = plots.stacked_time(chat_phases.drop("gpu_ms").with_columns(label).with_columns(short_name), "config",
+                           vllm_report.GPU_PHASES,
+                           y_title=f"GPU ms per chat step (median), run {profiled_run}")
+plots.save(chart, figures / "vllm_fused_h200_fk1_phases.svg")
+chart
+
+# %%
+chat_phases.join(vllm_report.round_step_ms(fused_repeats, profiled_run).filter(pl.col("category") == "chat")
+                 .select("config", pl.col("step_ms").alias("step over all rounds")), on="config")
+
+# %% [markdown]
+# The one-pass drafting step outside vLLM, kernel by kernel (`benchmarks/fused_pass_kernels.py`: the real 0.5B,
+# one request at 2,048 tokens of history, 16 positions, the step replayed from its CUDA graph): ~400 kernels of
+# 3-4 µs, while a layer's weights take ~6 µs to read. `plan_once=true` drops one FlashAttention scheduling kernel per
+# layer (-21 µs a step); `splits=1` drops the combine kernel but makes the attention itself slower.
+
+# %%
+kernel_parts = pl.concat([vllm_report.pass_kernel_parts(json.loads(Path(f).read_text())) for f in pass_kernels_files])
+kernel_parts = kernel_parts.with_columns(short_name, (pl.col("us") / 1e3).alias("ms"))
+chart = plots.stacked_time(kernel_parts.pivot("part", index="config", values="ms").fill_null(0.0), "config",
+                           [p for p, _ in vllm_report.KERNEL_PARTS] + ["other"],
+                           y_title="GPU ms of kernels per drafting step")
+plots.save(chart, figures / "vllm_fused_h200_pass_kernels.svg")
+chart
+
+# %%
+kernel_parts.group_by("config", maintain_order=True).agg(pl.col("us").sum().round(0), pl.col("kernels").sum())
 
 # %% [markdown]
 # ### The drafting step outside vLLM

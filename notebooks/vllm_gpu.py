@@ -27,12 +27,13 @@ figures_dir = "figures"
 results_dir = "data/results"
 focus_run = "j"  # the run whose per-class bars are drawn (the current code, k = 15/31 and the adapter at both)
 # runs of hqlab's current code
-current_runs = ["e", "f", "g", "h", "j", "k", "l", "l2", "m", "n", "o", "p", "q", "r", "s", "t", "u", "v", "w"]
+current_runs = ["e", "f", "g", "h", "j", "k", "l", "l2", "m", "n", "o", "p", "q", "r", "s", "t", "u", "v", "w", "w2"]
 host_runs = ["j", "l", "l2", "m", "n", "o", "p"]  # sequential runs whose per-request step times show the host's speed
 # each checked on its own V2 configs
 # (run u is not among them: its one gpu-lookup config has nothing to be predicted from)
-cost_runs = [["l", "l2"], ["j"], ["k"], ["l"], ["m"], ["n"], ["o"], ["p"], ["s"], ["t"], ["v"], ["w"]]
-interleaved_runs = ["s", "t", "u", "v", "w"]  # every engine alive at once, each prompt on each in turn (paired by round)
+cost_runs = [["l", "l2"], ["j"], ["k"], ["l"], ["m"], ["n"], ["o"], ["p"], ["s"], ["t"], ["v"], ["w"], ["w2"]]
+# every engine alive at once, each prompt on each in turn (paired by round)
+interleaved_runs = ["s", "t", "u", "v", "w", "w2"]
 probe_runs = ["o", "p"]  # runs with the CPU speed probe around each request (`--pin-threads`, host_unit_ms)
 probe_file = "data/results/host_threads_h200.parquet"  # benchmarks/vllm_host_threads.py
 cpu_file = "data/results/host_speed_h200.parquet"  # benchmarks/host_speed.py: plain Python, no GPU
@@ -273,7 +274,7 @@ chart
 # %% [markdown]
 # Priced with that level (`cost_model_check(..., host_level=True)`: step = a + h × host ms + b × (positions − 1),
 # `costmodel.host_levels`; `none`, which has no speculator, stays out), the same held-out predictions fall within
-# ±10 % on 165 of 182 (config, class) pairs over the twelve checks, every pair in runs o and p; h comes out at 39-44
+# ±10 % on 176 of 196 (config, class) pairs over the thirteen checks, every pair in runs o and p; h comes out at 39-44
 # in each checked run (vLLM's host work per step ~40 times the speculator's). The level is measured in the run it
 # predicts, as the proposal timings are: the model says what a config costs on a host of a given speed.
 

@@ -520,6 +520,56 @@ def device_skip_what_if(steps: pl.DataFrame, results: pl.DataFrame, run: str, co
             .sort("category"))
 
 
+GPU_PHASES = ["target forward", "propose", "sample + accept"]
+
+
+def gpu_phases(phases: pl.DataFrame, run: str, *, category: str | None = None) -> pl.DataFrame:
+    """GPU ms per decode step by phase for each config of one profiled run (`bench --profile`: CUDA events around
+    vLLM's worker calls and the speculator's `propose`), medians over the steps, optionally of one task class: the
+    target's forward (`execute_model`), the drafting step (`propose`) and the rest of sampling (`sample + accept`).
+    vLLM calls the speculator inside `sample_tokens`, so its span is taken out of that phase's."""
+    rows = phases.filter(pl.col("run") == run)
+    if category is not None:
+        rows = rows.filter(pl.col("category") == category)
+    if rows.is_empty():
+        raise ConfigError(f"run {run!r} has no profiled phases" + (f" of class {category!r}" if category else ""))
+    names = {"execute_model": "target forward", "sample_tokens": "sample + accept", "propose (speculator)": "propose",
+             "propose (drafter)": "propose"}
+    wide = (rows.with_columns(pl.col("phase").replace(names))
+            .group_by("config", "phase", maintain_order=True).agg(pl.col("gpu_ms").median())
+            .pivot("phase", index="config", values="gpu_ms"))
+    for part in GPU_PHASES:
+        if part not in wide.columns:
+            wide = wide.with_columns(pl.lit(0.0).alias(part))
+    return (wide.fill_null(0.0)
+            .with_columns((pl.col("sample + accept") - pl.col("propose")).clip(lower_bound=0.0)
+                          .alias("sample + accept"))
+            .with_columns(pl.sum_horizontal(GPU_PHASES).alias("gpu_ms"))
+            .select("config", *GPU_PHASES, "gpu_ms").sort("propose"))
+
+
+# what a kernel of a drafting step is, by its name (benchmarks/fused_pass_kernels.py's profiler table), first match
+KERNEL_PARTS = [("KV cache write", ("reshape_and_cache",)),  # before attention: vLLM names it ..._flash_kernel
+                ("attention", ("flash", "Flash")),
+                ("matrix products", ("nvjet", "gemm", "Gemm", "cublas", "splitKreduce")),
+                ("fused elementwise (norms, rotary, SiLU)", ("triton_",))]
+
+
+def pass_kernel_parts(profile: dict) -> pl.DataFrame:
+    """Per config of a `fused_pass_kernels` profile (its JSON): µs of kernels per drafting step by part (attention,
+    matrix products, KV cache write, the fused elementwise kernels, the rest) and kernel launches per step."""
+    rows = []
+    for config, table in profile.get("kernels", {}).items():
+        for kernel in table["rows"]:
+            part = next((name for name, keys in KERNEL_PARTS if any(k in kernel["name"] for k in keys)), "other")
+            rows.append({"config": config, "part": part, "us": float(kernel["us_per_step"]),
+                         "kernels": int(kernel["calls"])})
+    if not rows:
+        raise ConfigError("the profile has no kernel tables (benchmarks/fused_pass_kernels.py writes them)")
+    return (pl.DataFrame(rows).group_by("config", "part", maintain_order=True)
+            .agg(pl.col("us").sum(), pl.col("kernels").sum()))
+
+
 def load(results_path: str | Path) -> dict[str, pl.DataFrame]:
     """The results and, where the run was profiled, its phases and profiled steps (empty frames otherwise)."""
     path = Path(results_path)
@@ -534,4 +584,5 @@ __all__ = ["short_label", "run_ratios", "summary", "concurrency", "step_breakdow
            "cost_model_check", "host_probe", "probe_correlation", "load", "family", "PARTS", "drafter_pass_fit",
            "fused_what_if", "skip_what_if", "fused_ratios", "step_ms_by_passes", "host_level_correlation",
            "fused_ratios_across", "speculator_host_ms", "exact_skip_share", "round_ratios", "best_fused",
-           "device_skip_what_if", "round_step_ms"]
+           "device_skip_what_if", "round_step_ms", "gpu_phases", "GPU_PHASES",
+           "pass_kernel_parts", "KERNEL_PARTS"]

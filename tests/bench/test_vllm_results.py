@@ -485,3 +485,59 @@ def test_host_level_correlation_is_pearson_r_over_each_runs_lookup_requests():
     row = table.filter(pl.col("run") == "s").row(0, named=True)
     assert row["requests"] == mine.height
     assert row["r"] == pytest.approx(np.corrcoef(mine["host_ms"], mine["step_ms"])[0, 1])
+
+
+def test_gpu_phases_take_the_drafting_step_out_of_sampling_and_add_up_to_the_fused_step():
+    """Run fk1's profiled pass on chat: the drafting step's GPU span sits inside vLLM's sample_tokens span, so
+    `gpu_phases` subtracts it; the fused configs' drafter pass costs over 1 ms of GPU time, the lookup's step under
+    0.1 ms, and the fused engine's GPU work equals its step time over all rounds (the step is GPU-bound)."""
+    import polars as pl
+
+    from hqlab.bench import vllm_report
+    from hqlab.config import ConfigError
+
+    data = vllm_report.load(ROOT / "data" / "results" / "vllm_fused_h200.parquet")
+    chat = vllm_report.gpu_phases(data["phases"], "fk1", category="chat")
+    raw = data["phases"].filter((pl.col("run") == "fk1") & (pl.col("category") == "chat"))
+    for row in chat.iter_rows(named=True):
+        mine = raw.filter(pl.col("config") == row["config"])
+        sampling = mine.filter(pl.col("phase") == "sample_tokens")["gpu_ms"].median()
+        assert row["sample + accept"] == pytest.approx(max(sampling - row["propose"], 0.0))
+        assert row["gpu_ms"] == pytest.approx(sum(row[p] for p in vllm_report.GPU_PHASES))
+        if row["config"].startswith("gpu-fused"):
+            assert row["propose"] > 1.0
+        elif row["config"].startswith("gpu-lookup"):
+            assert 0 < row["propose"] < 0.1
+        else:
+            assert row["propose"] == 0.0
+    steps = vllm_report.round_step_ms(data["repeats"], "fk1").filter(pl.col("category") == "chat")
+    fused = chat.filter(pl.col("config").str.starts_with("gpu-fused")).join(steps, on="config")
+    assert ((fused["gpu_ms"] - fused["step_ms"]).abs() < 0.1).all()
+    with pytest.raises(ConfigError, match="run 'fj1' has no profiled phases"):
+        vllm_report.gpu_phases(data["phases"], "fj1")
+
+
+def test_pass_kernel_parts_split_the_profiled_drafting_step_by_what_its_kernels_do():
+    """Run fk's kernel table (benchmarks/fused_pass_kernels.py, the one-pass config at 2,048 tokens): the parts add
+    up to the table, each of the 0.5B's 24 layers launches one cache write and three attention kernels
+    (FlashAttention, its combine, its scheduler); plan_once (run fk2) drops the scheduler from all but one call."""
+    import json
+
+    from hqlab.bench import vllm_report
+    from hqlab.config import ConfigError
+
+    for tag in ("fk", "fk2"):
+        profile = json.loads((ROOT / "data" / "results" / f"fused_pass_kernels_h200_{tag}.json").read_text())
+        parts = vllm_report.pass_kernel_parts(profile)
+        for config, table in profile["kernels"].items():
+            mine = {r["part"]: r for r in parts.filter(parts["config"] == config).iter_rows(named=True)}
+            assert sum(r["us"] for r in mine.values()) == pytest.approx(sum(k["us_per_step"] for k in table["rows"]))
+            assert mine["KV cache write"]["kernels"] == 24
+            # per layer: FlashAttention, + its combine unless splits=1, + its scheduler unless plan_once (then one
+            # scheduling call for the whole pass)
+            split, plan = "splits=1" in config, "plan_once=true" in config
+            expected = 24 * (1 + (not split) + (not plan)) + plan
+            assert mine["attention"]["kernels"] == expected
+            assert mine["matrix products"]["us"] > mine["fused elementwise (norms, rotary, SiLU)"]["us"]
+    with pytest.raises(ConfigError, match="no kernel tables"):
+        vllm_report.pass_kernel_parts({"rows": []})
