@@ -520,6 +520,63 @@ def device_skip_what_if(steps: pl.DataFrame, results: pl.DataFrame, run: str, co
             .sort("category"))
 
 
+PROSE = ["chat", "summary", "qa", "quote"]
+DOCUMENTS = ["copy", "code", "edit"]
+
+
+def gpu_lookup_acceptance(results: pl.DataFrame, steps: pl.DataFrame, run: str) -> pl.DataFrame:
+    """The GPU-lookup issue's acceptance points for one run of `vllm_gpu_h200.parquet`, each with its measured
+    value, its target and whether the run met it (None: the run lacks what the point needs): the best gpu-lookup
+    config ≥ 0.95× `none` on every prose class and ≥ 1.3× the best custom_class adapter on copy, code and edit at
+    batch 1 (ratios of class medians, as `run_ratios`); eight
+    requests at once ≥ `none` (the best gpu-lookup config, per load the run has); no output that differs from
+    `none`'s except at a near tie (the widest tie margin shown); the host-level cost model within ±10 % on every
+    held-out (config, class) pair (`cost_model_check`)."""
+    alone = run_ratios(results.filter(pl.col("run") == run))
+    if alone.is_empty():
+        raise ConfigError(f"run {run!r}: no batch-1 rows (runs here: {sorted(results['run'].unique().to_list())})")
+    best = alone.group_by("category", "family").agg(pl.col("decode_tok_s").max(), pl.col("vs_none").max())
+    lookup = best.filter(pl.col("family") == family("gpu-lookup"))
+    adapter = best.filter(pl.col("family") == family("lookup:")).select("category",
+                                                                       pl.col("decode_tok_s").alias("adapter"))
+    rows = []
+
+    def add(key: str, point: str, value: float | None, target: str, met: bool | None) -> None:
+        rows.append({"key": key, "point": point, "value": value, "target": target, "met": met})
+
+    prose = lookup.filter(pl.col("category").is_in(PROSE))
+    weakest = prose["vs_none"].min() if prose.height else None
+    add("prose >= 0.95x none", "prose ÷ none, weakest class", weakest, ">= 0.95",
+        bool(prose.height == len(PROSE) and weakest >= 0.95))
+    docs = lookup.filter(pl.col("category").is_in(DOCUMENTS)).join(adapter, on="category")
+    ratio = (docs["decode_tok_s"] / docs["adapter"]).min() if docs.height else None
+    add("copy/code/edit >= 1.3x adapter", "copy/code/edit ÷ custom_class, weakest class", ratio, ">= 1.3",
+        None if ratio is None else bool(docs.height == len(DOCUMENTS) and ratio >= 1.3))
+    together = concurrency(results.filter(pl.col("run") == run))
+    for load in together["load"].unique(maintain_order=True).to_list() if together.height else []:
+        mine = together.filter((pl.col("load") == load) & pl.col("config").str.starts_with("gpu-lookup"))
+        value = mine["vs_none"].max() if mine.height else None
+        add(f"eight requests ({load}) >= none", f"eight requests ({load}) ÷ none, best config", value, ">= 1.0",
+            None if value is None else bool(value >= 1.0))
+    if not together.height:
+        add("eight requests >= none", "eight requests ÷ none (not run)", None, ">= 1.0", None)
+    mine = results.filter(pl.col("run") == run)
+    mismatches = int((mine["divergence"] == "mismatch").sum())
+    ties = mine.filter(pl.col("divergence") == "near-tie")["divergence_margin"]
+    widest = ties.max() if ties.len() else 0
+    add("lossless", f"outputs that differ from none's (near ties: {ties.len()}, widest margin {widest})",
+        float(mismatches), "0", mismatches == 0)
+    try:
+        check = cost_model_check(steps, [run], host_level=True)
+        within = int((check["error"].abs() <= 0.10).sum())
+        add("cost model within 10 %", f"cost model pairs within ±10 % (of {check.height})", float(within),
+            f"{check.height}", within == check.height)
+    except (ConfigError, ValueError) as e:
+        add("cost model within 10 %", f"cost model ({e})", None, "all pairs", None)
+    return pl.DataFrame(rows, schema={"key": pl.String, "point": pl.String, "value": pl.Float64, "target": pl.String,
+                                      "met": pl.Boolean})
+
+
 GPU_PHASES = ["target forward", "propose", "sample + accept"]
 
 
@@ -585,4 +642,5 @@ __all__ = ["short_label", "run_ratios", "summary", "concurrency", "step_breakdow
            "fused_what_if", "skip_what_if", "fused_ratios", "step_ms_by_passes", "host_level_correlation",
            "fused_ratios_across", "speculator_host_ms", "exact_skip_share", "round_ratios", "best_fused",
            "device_skip_what_if", "round_step_ms", "gpu_phases", "GPU_PHASES",
-           "pass_kernel_parts", "KERNEL_PARTS"]
+           "pass_kernel_parts", "KERNEL_PARTS",
+           "gpu_lookup_acceptance", "PROSE", "DOCUMENTS"]

@@ -541,3 +541,35 @@ def test_pass_kernel_parts_split_the_profiled_drafting_step_by_what_its_kernels_
             assert mine["matrix products"]["us"] > mine["fused elementwise (norms, rotary, SiLU)"]["us"]
     with pytest.raises(ConfigError, match="no kernel tables"):
         vllm_report.pass_kernel_parts({"rows": []})
+
+
+def test_gpu_lookup_acceptance_reads_each_point_of_a_run_from_its_rows():
+    """The GPU-lookup issue's points per run: run p met all six (3 repeats), run w2 all but the cost model (11 of 14
+    pairs), run w missed copy/code/edit at 1.3x the adapter (code 1.06x). Each value is the one the report's other
+    functions give for the same run."""
+    import polars as pl
+
+    from hqlab.bench import vllm_report
+    from hqlab.config import ConfigError
+
+    data = vllm_report.load(ROOT / "data" / "results" / "vllm_gpu_h200.parquet")
+    tables = {run: vllm_report.gpu_lookup_acceptance(data["results"], data["steps"], run) for run in ("p", "w2", "w")}
+    assert tables["p"]["met"].to_list() == [True] * 6
+    w2 = dict(zip(tables["w2"]["key"], tables["w2"]["met"]))
+    assert [key for key, met in w2.items() if not met] == ["cost model within 10 %"]
+    w = dict(zip(tables["w"]["key"], tables["w"]["value"]))
+    ratios = vllm_report.run_ratios(data["results"].filter(pl.col("run") == "w"))
+    code = ratios.filter(pl.col("category") == "code")
+    best_gpu = code.filter(pl.col("config").str.starts_with("gpu-lookup"))["decode_tok_s"].max()
+    adapter = code.filter(pl.col("config").str.starts_with("lookup:"))["decode_tok_s"].max()
+    assert w["copy/code/edit >= 1.3x adapter"] == pytest.approx(best_gpu / adapter)  # code is w's weakest class
+    check = vllm_report.cost_model_check(data["steps"], ["w"], host_level=True)
+    assert w["cost model within 10 %"] == (check["error"].abs() <= 0.1).sum()
+    sustained = vllm_report.concurrency(data["results"]).filter(
+        (pl.col("run") == "w") & (pl.col("load") == "sustained") & pl.col("config").str.starts_with("gpu-lookup"))
+    assert w["eight requests (sustained) >= none"] == pytest.approx(sustained["vs_none"].max())
+    # a run without the adapter or the concurrency rows reports those points as not measured, not as failed
+    e = dict(zip(*vllm_report.gpu_lookup_acceptance(data["results"], data["steps"], "e").select("key", "met")))
+    assert e["copy/code/edit >= 1.3x adapter"] is None
+    with pytest.raises(ConfigError, match="run 'nope': no batch-1 rows"):
+        vllm_report.gpu_lookup_acceptance(data["results"], data["steps"], "nope")
