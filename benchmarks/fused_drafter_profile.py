@@ -18,6 +18,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gpu_step_timing import cuda_ms, standalone_speculator  # noqa: E402
 
 
 # drafter settings per variant (gpu-fused spec keys); the first two are the ones the docs' figure plots
@@ -29,24 +32,8 @@ AUTOTUNE = {"autotuned, no split, plan once":
             "compile=true,compile_mode=max-autotune-no-cudagraphs,splits=1,plan_once=true"}
 
 
-def cuda_ms(fn, repeats: int = 10) -> float:
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
-
-
 def main() -> None:
     import torch
-
-    from hqlab.engines.vllm.gpu_fused import GpuFusedSpeculator, fused_config
 
     p = argparse.ArgumentParser()
     p.add_argument("--tag", default="a")
@@ -67,15 +54,8 @@ def main() -> None:
     for variant, settings in variants.items():
         compile_ = "compile=true" in settings
         pieces = variant in VARIANTS  # the two base settings get every piece timed; the others the step only
-        config = fused_config(f"gpu-fused:k=15,draft_block=7,nmax=32,policy=earliest,{settings}")
-        spec = GpuFusedSpeculator.standalone(config, max_num_reqs=slots_n, max_model_len=width, pad=151935,
-                                             device="cuda", dtype=torch.bfloat16)
-        ids = torch.randint(0, 150000, (slots_n, width), dtype=torch.int32, device="cuda")
-        total = torch.zeros((slots_n,), dtype=torch.int32, device="cuda")
-        spec.bind(ids, total)
-        spec.load_drafter()
-        spec.use_graphs = True
-        spec.capture()
+        spec, total = standalone_speculator(f"gpu-fused:k=15,draft_block=7,nmax=32,policy=earliest,{settings}",
+                                            slots=slots_n, width=width)
         d = spec.drafter
         path = "flash" if d.flash is not None else "sdpa"
         for n in (1, 8):

@@ -17,6 +17,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_step_timing import cuda_ms, standalone_speculator  # noqa: E402
 
 # the one-pass configs of runs fj1 and fk1 (docs/vllm.md)
 CONFIGS = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,"
@@ -27,7 +30,7 @@ HISTORIES = (512, 1024, 2048, 3900)
 
 
 def graph_ms(fn, repeats: int = 50) -> float:
-    """Median-free mean over `repeats` replays of `fn` captured in its own CUDA graph (after one warm-up)."""
+    """Mean GPU ms of `fn` replayed `repeats` times from its own CUDA graph (captured after one warm-up call)."""
     import torch
 
     stream = torch.cuda.Stream()
@@ -38,28 +41,12 @@ def graph_ms(fn, repeats: int = 50) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return replay_ms(graph.replay, repeats)
-
-
-def replay_ms(fn, repeats: int = 50) -> float:
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
+    return cuda_ms(graph.replay, repeats)
 
 
 def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
-
-    from hqlab.engines.vllm.gpu_fused import GpuFusedSpeculator, fused_config
 
     p = argparse.ArgumentParser()
     p.add_argument("--tag", default="a")
@@ -70,15 +57,7 @@ def main() -> None:
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": [], "kernels": {}}
     slots_n, width = 4, 4096
     for spec_text in args.config or CONFIGS:
-        config = fused_config(spec_text)
-        spec = GpuFusedSpeculator.standalone(config, max_num_reqs=slots_n, max_model_len=width, pad=151935,
-                                             device="cuda", dtype=torch.bfloat16)
-        ids = torch.randint(0, 150000, (slots_n, width), dtype=torch.int32, device="cuda")
-        total = torch.zeros((slots_n,), dtype=torch.int32, device="cuda")
-        spec.bind(ids, total)
-        spec.load_drafter()
-        spec.use_graphs = True
-        spec.capture()
+        spec, total = standalone_speculator(spec_text, slots=slots_n, width=width)
         n = 1
         spec.slots[:n] = 0
         spec.num_sampled[:n] = 3  # a chat step: a few tokens emitted since the drafter last ran
@@ -104,7 +83,7 @@ def main() -> None:
                 spec._catch_up(n, bucket, spec.q)
 
             row = {"config": spec_text, "n": n, "history": history, "attn_len": bucket, "width": spec.q,
-                   "step_ms": replay_ms(whole),
+                   "step_ms": cuda_ms(whole, 50),
                    "lookup_ms": graph_ms(lambda: spec.matcher(all_ids.view(-1), spec.row_offsets[slots], lengths)),
                    "catch_up_pass_ms": graph_ms(catch_up),
                    "rule_ms": graph_ms(lambda: spec.step_rule(slots, ns, fresh, lookup, valid, match_len, drafts)),
