@@ -18,9 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gpu_step_timing import cuda_ms, standalone_speculator  # noqa: E402
+from benchmarks.gpu_step_timing import cuda_ms, standalone_speculator  # noqa: E402
 
 
 # drafter settings per variant (gpu-fused spec keys); the first two are the ones the docs' figure plots

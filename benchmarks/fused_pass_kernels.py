@@ -17,9 +17,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_step_timing import cuda_ms, standalone_speculator  # noqa: E402
+from benchmarks.gpu_step_timing import cuda_ms, standalone_speculator  # noqa: E402
 
 # the one-pass configs of runs fj1 and fk1 (docs/vllm.md)
 CONFIGS = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,"
