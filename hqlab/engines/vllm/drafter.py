@@ -22,12 +22,19 @@ step (data/results/fused_drafter_profile_h200.json).
 The layer is the transformers Qwen2 decoder (RMSNorm, rotary embedding, grouped-query attention with q/k/v biases,
 SwiGLU MLP), with q/k/v and gate/up fused into one matrix each. Only the position whose logits the caller wants is
 projected to the vocabulary, so a 16-token catch-up pass costs one lm_head row per request, not sixteen.
+
+`layers="triton"` runs each layer of a small call (at most TRITON_MAX_ROWS query rows: the drafting passes) as four
+Triton kernels around the attention (`hqlab_kernels.drafter_layers`: norm + q/k/v + rotary + the cache write, the
+output projection + residual, norm + gate/up + SwiGLU, the down projection + residual) instead of ~14 cuBLAS and
+elementwise kernels: such a pass is bound by kernel count, not bytes. Larger calls (prompt chunks) take the torch
+path. Both write the same cache layout, so they mix freely from call to call.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable
 
 import torch
@@ -38,6 +45,10 @@ from hqlab.config import ConfigError
 BLOCK = 16  # positions per cache page (vLLM's own block size, which its FlashAttention build runs with)
 ATTENTION = ("auto", "flash", "sdpa")  # auto: FlashAttention where vLLM has it on this device, else sdpa
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # torch.compile modes for the layer regions
+LAYERS = ("torch", "triton")  # how a layer runs: torch operations, or hqlab_kernels.drafter_layers' four kernels
+# The most query rows (requests x positions) a call may have for the Triton layers: their block sizes are chosen for
+# the drafting passes (16 positions for a few requests); a prompt chunk of hundreds of rows runs faster in cuBLAS.
+TRITON_MAX_ROWS = 64
 
 
 def _flash_attention(device: torch.device, head_dim: int) -> tuple[Callable | None, Callable | None]:
@@ -78,13 +89,33 @@ def _cache_writer(device: torch.device) -> Callable | None:
     return write
 
 
+def _layer_kernels(device: torch.device) -> ModuleType:
+    """`hqlab_kernels.drafter_layers`, where its kernels can run on `device`: a CUDA device, or the CPU under Triton's
+    interpreter (TRITON_INTERPRET=1 before the first import, as the tests set it)."""
+    try:
+        from hqlab_kernels import drafter_layers
+    except ImportError as e:
+        raise ConfigError(f"StaticQwen2: layers='triton' needs Triton and hqlab's kernels (hqlab_kernels) installed "
+                          f"({e})") from None
+    if device.type != "cuda" and not drafter_layers.interpreted():
+        raise ConfigError(f"StaticQwen2: layers='triton' runs on a CUDA device, or on the CPU only under Triton's "
+                          f"interpreter (TRITON_INTERPRET=1); got device {device}")
+    return drafter_layers
+
+
 class StaticQwen2:
-    """Qwen2ForCausalLM forward over a per-slot static KV cache (see the module docstring)."""
+    """Qwen2ForCausalLM forward over a per-slot static KV cache (see the module docstring).
+
+    layers: "torch" (torch operations, `compile` fuses their elementwise work) or "triton" (four Triton kernels per
+    layer for calls of at most TRITON_MAX_ROWS query rows, the torch path above that; `compile` then applies to the
+    torch path only)."""
 
     def __init__(self, config: dict, weights: dict[str, torch.Tensor], *, slots: int, max_len: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
                  compile: bool = False, attention: str = "auto", splits: int = 0, plan_once: bool = False,
-                 compile_mode: str = "default") -> None:
+                 compile_mode: str = "default", layers: str = "torch") -> None:
+        if layers not in LAYERS:
+            raise ConfigError(f"StaticQwen2: layers must be one of {', '.join(LAYERS)} (got {layers!r})")
         if slots < 1 or max_len < 1:
             raise ConfigError(f"StaticQwen2 needs slots >= 1 and max_len >= 1 (got slots={slots}, max_len={max_len})")
         if attention not in ATTENTION:
@@ -107,6 +138,7 @@ class StaticQwen2:
         self.blocks = -(-int(max_len) // BLOCK)  # pages per slot
         self.max_len = self.blocks * BLOCK  # positions per slot (max_len rounded up to whole pages)
         self.device, self.dtype = torch.device(device), dtype
+        self.layer_kernels = _layer_kernels(self.device) if layers == "triton" else None
         self.hidden = int(config["hidden_size"])
         self.heads = int(config["num_attention_heads"])
         self.kv_heads = int(config.get("num_key_value_heads", self.heads))
@@ -218,11 +250,13 @@ class StaticQwen2:
             raise ValueError(f"attn_len must be in [1, max_len={self.max_len}] (got {attn_len})")
         slots = slots.long()
         pos = start.long()[:, None] + torch.arange(q_len, device=self.device)  # [n, Q]
-        cos, sin = self.cos[pos][:, :, None, :], self.sin[pos][:, :, None, :]  # [n, Q, 1, D]
         flat = slots[:, None] * self.max_len + pos  # each position's index in a layer's cache, pages flattened
         attend = self._flash_inputs(slots, start, q_len, attn_len) if self.flash is not None else \
             self._mask(pos, attn_len)
         x = F.embedding(tokens, self.embed)  # [n, Q, hidden]
+        if self.layer_kernels is not None and n * q_len <= TRITON_MAX_ROWS:
+            return self._triton_layers(x, slots, pos, flat, attn_len, attend)
+        cos, sin = self.cos[pos][:, :, None, :], self.sin[pos][:, :, None, :]  # [n, Q, 1, D]
         first = self.layers[0]
         q, k, v = self._pre(x, first["in_norm"], first["qkv_w"], first["qkv_b"], cos, sin)
         for i, layer in enumerate(self.layers):
@@ -241,6 +275,26 @@ class StaticQwen2:
             else:
                 x = self._post(x, o, layer["o_w"], layer["post_norm"], layer["gate_up_w"], layer["down_w"])
         return x
+
+    def _triton_layers(self, x: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, flat: torch.Tensor,
+                       attn_len: int, attend: Any) -> torch.Tensor:
+        """`hidden_states`' layer loop in hqlab_kernels.drafter_layers' four kernels per layer around `_attend`:
+        x [n, Q, hidden] embedded tokens at positions `pos` [n, Q] (cache rows `flat`) -> final hidden states."""
+        kernels = self.layer_kernels
+        n, q_len, hidden = x.shape
+        rows = n * q_len
+        x = x.reshape(rows, hidden)
+        positions, cache_index = pos.reshape(rows), flat.reshape(rows)
+        for i, layer in enumerate(self.layers):
+            kc, vc = self.k_cache[i], self.v_cache[i]
+            q = kernels.norm_qkv_rope_cache(x, layer["in_norm"], layer["qkv_w"], layer["qkv_b"], self.cos, self.sin,
+                                            positions, cache_index, kc, vc, heads=self.heads, kv_heads=self.kv_heads,
+                                            eps=self.eps)  # [rows, heads, D]; K/V now in the cache
+            o = self._attend(q.view(n, q_len, self.heads, self.head_dim), kc, vc, slots, attn_len, attend)
+            x = kernels.o_proj_residual(x, o.reshape(rows, -1), layer["o_w"])
+            x = kernels.down_residual(x, kernels.norm_gate_up_silu(x, layer["post_norm"], layer["gate_up_w"],
+                                                                   eps=self.eps), layer["down_w"])
+        return x.view(n, q_len, hidden)
 
     def _mask(self, pos: torch.Tensor, attn_len: int) -> torch.Tensor:
         """Query i of row r sees cache positions <= its own; the query rows of one KV head are its `groups` heads
@@ -325,4 +379,4 @@ class StaticQwen2:
         return self.logits(slots, tokens, start, last, attn_len).argmax(-1)
 
 
-__all__ = ["StaticQwen2"]
+__all__ = ["LAYERS", "TRITON_MAX_ROWS", "StaticQwen2"]

@@ -79,7 +79,8 @@ class GpuFusedConfig(FusedConfig):
     pass where the lookup alone decides every sampling row's block (a match of at least nstrong with a token to
     propose: with one drafter token a step and the threshold rule the block is then the lookup's whatever the drafter
     says), decided on the device behind CUDA graph conditional nodes (`conditional.run_if`), with no host proof and
-    no lag; decision for decision the config without it (docs/vllm-fused-design.md §9)."""
+    no lag; decision for decision the config without it (docs/vllm-fused-design.md §9); layers: how the drafter runs
+    its layers ("torch", or "triton": four Triton kernels per layer in its drafting passes, `layers=triton`)."""
 
     graphs: bool = True
     compile: bool = False
@@ -89,6 +90,7 @@ class GpuFusedConfig(FusedConfig):
     compile_rule: bool = False
     prefill_chunk: int = PREFILL_CHUNK
     device_skip: bool = False
+    layers: str = "torch"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -107,11 +109,13 @@ class GpuFusedConfig(FusedConfig):
         if self.prefill_chunk < 1:
             raise ConfigError(f"{NAME}: prefill_chunk must be >= 1 prompt token per drafter call "
                               f"(got {self.prefill_chunk})")
-        from hqlab.engines.vllm.drafter import COMPILE_MODES
+        from hqlab.engines.vllm.drafter import COMPILE_MODES, LAYERS
 
         if self.compile_mode not in COMPILE_MODES:
             raise ConfigError(f"{NAME}: compile_mode must be one of {', '.join(COMPILE_MODES)} "
                               f"(got {self.compile_mode!r})")
+        if self.layers not in LAYERS:
+            raise ConfigError(f"{NAME}: layers must be one of {', '.join(LAYERS)} (got {self.layers!r})")
         if self.splits < 0:
             raise ConfigError(f"{NAME}: splits must be >= 0 (0: FlashAttention decides; got {self.splits})")
         if self.temperature != 0:
@@ -347,7 +351,7 @@ class GpuFusedSpeculator:
         c = self.config
         drafter = StaticQwen2.load(folder, slots=self.max_num_reqs, max_len=self.cache_len, device=self.device,
                                    dtype=self.dtype, compile=c.compile, compile_mode=c.compile_mode, splits=c.splits,
-                                   plan_once=c.plan_once)
+                                   plan_once=c.plan_once, layers=c.layers)
         if self.vocab is not None and drafter.vocab != self.vocab:
             raise ConfigError(f"{NAME}: the drafter {self.config.model!r} has a vocabulary of {drafter.vocab} rows and "
                               f"the target {self.vocab}; the drafter must share the target's tokenizer")

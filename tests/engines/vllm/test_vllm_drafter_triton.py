@@ -1,0 +1,389 @@
+"""The drafter's Triton layers (`hqlab_kernels.drafter_layers`, `StaticQwen2(layers="triton")`) against torch.
+
+On the CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set below before the kernels are imported),
+in float32 so that the tolerances can be tight, on a tiny random Qwen2 (hidden 64, 4 heads, 2 KV heads of 16,
+intermediate 96, 3 layers, vocabulary 128):
+
+- each kernel against its torch formula on random inputs: row counts that are no multiple of the row block, several
+  row blocks, several reduction steps, rotary tiles of part of a half head, rows at scattered positions and cache
+  rows (and rows outside the cache, which write nothing);
+- the triton-layer drafter against the torch-layer drafter with the same weights over a sequence of calls (prompt
+  prefills over the row bound, which take the torch path, then drafting passes and single-token passes under it,
+  at different starts and slots): hidden states, logits and both KV caches agree, and the kernels ran exactly
+  where the bound says;
+- bad `layers` values are refused by StaticQwen2 and by the gpu-fused spec, and `layers=triton` reaches the drafter
+  that `load_drafter` builds.
+
+With CUDA, one test runs the 0.5B's layer shapes in bf16 (random weights, no checkpoint): the triton path against
+the torch path, and the triton path replayed from a CUDA graph against its eager call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit definition
+
+pytest.importorskip("triton", reason="the Triton layers need Triton (vLLM's environment has it)")
+
+from hqlab.config import ConfigError  # noqa: E402
+from hqlab.engines.vllm.drafter import TRITON_MAX_ROWS, StaticQwen2  # noqa: E402
+from hqlab_kernels import drafter_layers as dl  # noqa: E402
+
+EPS = 1e-6
+TIGHT = dict(rtol=1e-5, atol=1e-5)  # float32, the same sums in another order
+TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, layers=3, vocab=128)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# torch references, written out from the formulas (not taken from StaticQwen2, which the model tests compare with)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def rotary_tables(positions: int, head_dim: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    emb = torch.outer(torch.arange(positions, dtype=torch.float32), inv).repeat(1, 2)
+    return emb.cos(), emb.sin()
+
+
+def randn(*shape: int, g: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=g) * scale
+
+
+# --------------------------------------------------------------------------------------------------------------
+# (a) each kernel against torch
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows, hidden, block_rows, head_dim, half_block, block_k",
+                         [(5, 64, None, 16, None, None),  # one partial row block, whole half head per program
+                          (37, 64, 16, 32, 8, 16),  # three row blocks (the last partial), two tiles per half, 4 K steps
+                          (16, 64, 16, 32, 4, 32),  # exactly one row block, four tiles per half
+                          (70, 320, None, 16, None, None)],  # two blocks of 64 rows: RMS over two steps, one partial
+                         ids=["partial-block", "three-blocks", "exact-block", "wide-rows"])
+def test_norm_qkv_rope_cache_matches_torch(rows, hidden, block_rows, head_dim, half_block, block_k):
+    g = torch.Generator().manual_seed(rows)
+    heads, kv_heads, positions = 4, 2, 50
+    width = (heads + 2 * kv_heads) * head_dim
+    x, norm = randn(rows, hidden, g=g), 1 + randn(hidden, g=g, scale=0.3)
+    weight, bias = randn(width, hidden, g=g, scale=0.2), randn(width, g=g, scale=0.2)
+    cos, sin = rotary_tables(positions, head_dim)
+    pos = torch.randint(0, positions, (rows,), generator=g)
+    pages, page = rows // 3 + 3, 3
+    cache_rows = pages * page
+    k_cache = randn(pages, page, kv_heads, head_dim, g=g)  # random, not zeros: a stray write would show
+    v_cache = randn(pages, page, kv_heads, head_dim, g=g)
+    index = torch.randperm(cache_rows, generator=g)[:rows]  # scattered, distinct cache rows
+    index[0] = cache_rows  # a row outside the cache: its K/V are dropped, not written past the cache's end
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+
+    q = dl.norm_qkv_rope_cache(x, norm, weight, bias, cos, sin, pos, index, k_cache, v_cache, heads=heads,
+                               kv_heads=kv_heads, eps=EPS, block_rows=block_rows, half_block=half_block,
+                               block_k=block_k)
+
+    qkv = F.linear(rms(x, norm), weight, bias)
+    c, s = cos[pos][:, None, :], sin[pos][:, None, :]
+    want_q = rotate(qkv[:, :heads * head_dim].view(rows, heads, head_dim), c, s)
+    want_k = rotate(qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(rows, kv_heads, head_dim), c, s)
+    want_v = qkv[:, (heads + kv_heads) * head_dim:].view(rows, kv_heads, head_dim)
+    assert q.shape == (rows, heads, head_dim)
+    torch.testing.assert_close(q, want_q, **TIGHT)
+    k_rows, v_rows = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+    written = index[1:]
+    torch.testing.assert_close(k_rows[written], want_k[1:], **TIGHT)
+    torch.testing.assert_close(v_rows[written], want_v[1:], **TIGHT)
+    untouched = torch.ones(cache_rows, dtype=torch.bool)
+    untouched[written] = False
+    assert torch.equal(k_rows[untouched], k_before.view(-1, kv_heads, head_dim)[untouched])
+    assert torch.equal(v_rows[untouched], v_before.view(-1, kv_heads, head_dim)[untouched])
+
+
+@pytest.mark.parametrize("rows, block_rows, block_n, block_k", [(7, None, 8, None), (21, 16, 16, 16),
+                                                                 (70, None, 32, 32)],
+                         ids=["one-block", "two-blocks", "over-the-largest-block"])
+def test_o_proj_and_down_residual_match_torch(rows, block_rows, block_n, block_k):
+    g = torch.Generator().manual_seed(100 + rows)
+    hidden, width, inter = 40, 64, 96  # 40: an output tile hangs over the edge at block_n 16 and 32
+    x = randn(rows, hidden, g=g)
+    o, wo = randn(rows, width, g=g), randn(hidden, width, g=g, scale=0.2)
+    h, wd = randn(rows, inter, g=g), randn(hidden, inter, g=g, scale=0.2)
+    x_before = x.clone()
+    got = dl.o_proj_residual(x, o, wo, block_rows=block_rows, block_n=block_n, block_k=block_k)
+    torch.testing.assert_close(got, x + F.linear(o, wo), **TIGHT)
+    got = dl.down_residual(x, h, wd, block_rows=block_rows, block_n=block_n, block_k=block_k)
+    torch.testing.assert_close(got, x + F.linear(h, wd), **TIGHT)
+    assert torch.equal(x, x_before)  # the residual stream is an input, not overwritten
+
+
+@pytest.mark.parametrize("rows, hidden, block_rows, block_n, block_k",
+                         [(9, 64, None, 32, None), (33, 64, 16, 16, 16), (3, 64, None, 64, 64),
+                          (70, 320, None, 32, None)],  # two blocks of 64 rows: RMS over two steps, one partial
+                         ids=["one-block", "three-blocks", "wide-tile", "wide-rows"])
+def test_norm_gate_up_silu_matches_torch(rows, hidden, block_rows, block_n, block_k):
+    g = torch.Generator().manual_seed(200 + rows)
+    inter = 80  # the last column tile is partial at every block_n here
+    x, norm = randn(rows, hidden, g=g), 1 + randn(hidden, g=g, scale=0.3)
+    weight = randn(2 * inter, hidden, g=g, scale=0.2)
+    got = dl.norm_gate_up_silu(x, norm, weight, eps=EPS, block_rows=block_rows, block_n=block_n, block_k=block_k)
+    gate, up = F.linear(rms(x, norm), weight).chunk(2, dim=-1)
+    torch.testing.assert_close(got, F.silu(gate) * up, **TIGHT)
+
+
+def test_the_kernels_refuse_inputs_they_cannot_run():
+    x = torch.zeros(4, 64)
+    with pytest.raises(ValueError, match=r"weight must have shape \(64, 32\)"):
+        dl.o_proj_residual(x, torch.zeros(4, 32), torch.zeros(64, 48))
+    with pytest.raises(ValueError, match="same rows"):
+        dl.down_residual(x, torch.zeros(5, 96), torch.zeros(64, 96))
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        dl.o_proj_residual(x, torch.zeros(4, 32), torch.zeros(64, 32), block_n=12)
+    with pytest.raises(ValueError, match="gate_up_weight must be"):
+        dl.norm_gate_up_silu(x, torch.ones(64), torch.zeros(95, 64), eps=EPS)
+    cos = torch.zeros(8, 16)
+    cache = torch.zeros(4, 2, 16)
+    with pytest.raises(ValueError, match=r"k_cache must end in \[kv_heads=2, head_dim=16\]"):
+        dl.norm_qkv_rope_cache(x, torch.ones(64), torch.zeros(128, 64), torch.zeros(128), cos, cos,
+                               torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long),
+                               torch.zeros(4, 4, 16), cache, heads=4, kv_heads=2, eps=EPS)
+    with pytest.raises(ValueError, match="positions must be an int32 or int64 vector of 4"):
+        dl.norm_qkv_rope_cache(x, torch.ones(64), torch.zeros(128, 64), torch.zeros(128), cos, cos,
+                               torch.zeros(3, dtype=torch.long), torch.zeros(4, dtype=torch.long), cache, cache,
+                               heads=4, kv_heads=2, eps=EPS)
+
+
+def test_block_choices():
+    assert [dl.row_block(r) for r in (1, 16, 17, 33, 64, 65, 500)] == [16, 16, 32, 64, 64, 64, 64]
+    assert [dl.k_block(k) for k in (896, 4864, 64, 96, 100, 1000)] == [128, 256, 64, 32, 128, 256]
+    # the RMS loop reads a whole 0.5B row block at 16 rows; at 64 rows four steps of 256 columns (the test above at
+    # hidden 320 takes two, the second partial)
+    assert [dl.norm_block(896, r) for r in (16, 32, 64)] == [1024, 512, 256]
+    assert dl.norm_block(320, 64) == 256 and dl.norm_block(64, 16) == 64
+    assert [dl.num_warps(r) for r in (16, 32, 64)] == [4, 8, 8]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# (b) the drafter: layers="triton" against layers="torch"
+# --------------------------------------------------------------------------------------------------------------
+
+
+def tiny_weights(hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, layers: int, vocab: int,
+                 seed: int = 0, scale: float = 0.1) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A random Qwen2 (config, weights) with untied lm_head, q/k/v biases and norm weights away from 1."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = {"hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+           "num_hidden_layers": layers, "intermediate_size": inter, "vocab_size": vocab, "rms_norm_eps": EPS,
+           "rope_theta": 10000.0}
+    weights = {"model.embed_tokens.weight": randn(vocab, hidden, g=g),
+               "model.norm.weight": 1 + randn(hidden, g=g, scale=0.1),
+               "lm_head.weight": randn(vocab, hidden, g=g, scale=scale)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for name, rows in (("q_proj", heads * head_dim), ("k_proj", kv_heads * head_dim),
+                           ("v_proj", kv_heads * head_dim)):
+            weights[p + f"self_attn.{name}.weight"] = randn(rows, hidden, g=g, scale=scale)
+            weights[p + f"self_attn.{name}.bias"] = randn(rows, g=g, scale=scale)
+        weights[p + "self_attn.o_proj.weight"] = randn(hidden, heads * head_dim, g=g, scale=scale)
+        weights[p + "mlp.gate_proj.weight"] = randn(inter, hidden, g=g, scale=scale)
+        weights[p + "mlp.up_proj.weight"] = randn(inter, hidden, g=g, scale=scale)
+        weights[p + "mlp.down_proj.weight"] = randn(hidden, inter, g=g, scale=scale)
+        weights[p + "input_layernorm.weight"] = 1 + randn(hidden, g=g, scale=0.1)
+        weights[p + "post_attention_layernorm.weight"] = 1 + randn(hidden, g=g, scale=0.1)
+    return cfg, weights
+
+
+class KernelCalls:
+    """Counts the drafter's K1 launches (one per layer of a call that takes the triton path)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        real = dl.norm_qkv_rope_cache
+
+        def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+            self.count += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(dl, "norm_qkv_rope_cache", counted)
+
+    def take(self) -> int:
+        count, self.count = self.count, 0
+        return count
+
+
+def test_triton_layers_equal_torch_layers_over_prefill_and_drafting_passes(monkeypatch):
+    cfg, weights = tiny_weights(**TINY)
+    slots, max_len = 4, 96
+    torch_side = StaticQwen2(cfg, weights, slots=slots, max_len=max_len, dtype=torch.float32)
+    triton_side = StaticQwen2(cfg, weights, slots=slots, max_len=max_len, dtype=torch.float32, layers="triton")
+    assert torch_side.layer_kernels is None and triton_side.layer_kernels is dl
+    calls = KernelCalls(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, TINY["vocab"], (slots, max_len), generator=g)
+    t = lambda *v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+
+    # (slots, token slices, starts, last indices, attention length): prefills over the row bound (torch path on
+    # both sides), then drafting passes under it at scattered starts, in slot order and out of it, and a pass whose
+    # padded columns run past a row's end (rewritten by the next call from the true length)
+    calls_plan = [
+        (t(1, 3), [(1, 0, 40), (3, 0, 40)], t(0, 0), t(39, 25), 48),  # 80 rows
+        (t(0,), [(0, 0, 70)], t(0), t(69), 80),  # 70 rows
+        (t(3, 1, 0), [(3, 26, 42), (1, 40, 56), (0, 70, 86)], t(26, 40, 70), t(15, 3, 9), 96),  # 48 rows
+        (t(0, 1), [(0, 80, 96), (1, 44, 60)], t(80, 44), t(15, 0), 96),  # 32 rows, slot 0 to the cache's end
+        (t(2, 3, 1, 0), [(2, 0, 16), (3, 30, 46), (1, 45, 61), (0, 50, 66)], t(0, 30, 45, 50), t(15, 2, 7, 0),
+         96),  # 64 rows: the bound itself
+        (t(1, 3), [(1, 46, 47), (3, 31, 32)], t(46, 31), t(0, 0), 64),  # single-token passes
+        (t(2,), [(2, 16, 81)], t(16), t(64), 96),  # 65 rows: just over the bound
+    ]
+    for step, (rows, pieces, start, last, attn_len) in enumerate(calls_plan):
+        tokens = torch.stack([ids[s, a:b] for s, a, b in pieces])
+        n_rows = tokens.numel()
+        a = torch_side.hidden_states(rows, tokens, start, attn_len)
+        b = triton_side.hidden_states(rows, tokens, start, attn_len)
+        assert calls.take() == (TINY["layers"] if n_rows <= TRITON_MAX_ROWS else 0), f"call {step}: {n_rows} rows"
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4, msg=lambda m: f"call {step} hidden states: {m}")
+        la = torch_side.logits(rows, tokens, start, last, attn_len)
+        lb = triton_side.logits(rows, tokens, start, last, attn_len)
+        torch.testing.assert_close(lb, la, rtol=1e-4, atol=1e-4, msg=lambda m: f"call {step} logits: {m}")
+        assert torch.equal(lb.argmax(-1), la.argmax(-1))
+        calls.take()
+        torch.testing.assert_close(triton_side.k_cache, torch_side.k_cache, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"call {step} k cache: {m}")
+        torch.testing.assert_close(triton_side.v_cache, torch_side.v_cache, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"call {step} v cache: {m}")
+    # the caches were written, not left at zero: the comparison above compared something
+    assert triton_side.k_cache.abs().amax(dim=(0, 2, 3, 4)).gt(0).sum() > 0
+    # extend is the argmax of those logits on the triton path too
+    tokens = ids[[1, 3], 47:48]
+    got = triton_side.extend(t(1, 3), tokens, t(47, 32), t(0, 0), 64)
+    assert torch.equal(got, torch_side.extend(t(1, 3), tokens, t(47, 32), t(0, 0), 64))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# (c) configuration
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_a_bad_layers_value_is_refused_by_the_drafter():
+    cfg, weights = tiny_weights(**{**TINY, "layers": 1})
+    with pytest.raises(ConfigError, match="layers must be one of torch, triton") as err:
+        StaticQwen2(cfg, weights, slots=1, max_len=16, dtype=torch.float32, layers="cuda")
+    assert "'cuda'" in str(err.value)
+
+
+def test_triton_layers_on_the_cpu_need_the_interpreter(monkeypatch):
+    cfg, weights = tiny_weights(**{**TINY, "layers": 1})
+    monkeypatch.setattr(dl, "interpreted", lambda: False)
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET"):
+        StaticQwen2(cfg, weights, slots=1, max_len=16, dtype=torch.float32, layers="triton")
+
+
+def test_the_gpu_fused_spec_takes_layers_and_passes_it_to_the_drafter(tmp_path):
+    pytest.importorskip("vllm", reason="the vllm extra is not installed")
+    from safetensors.torch import save_file
+
+    from hqlab.engines.vllm.gpu_fused import GpuFusedSpeculator, fused_config
+
+    assert fused_config("gpu-fused:k=15,draft_block=2").layers == "torch"
+    config = fused_config("gpu-fused:k=3,draft_block=2,nmax=4,layers=triton")
+    assert config.layers == "triton"
+    with pytest.raises(ConfigError, match="layers must be one of torch, triton") as err:
+        fused_config("gpu-fused:k=15,layers=bogus")
+    assert "'bogus'" in str(err.value)
+    cfg, weights = tiny_weights(**{**TINY, "layers": 1})
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen2"}))
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    for spec_config, kernels in ((config, dl), (fused_config("gpu-fused:k=3,draft_block=2,nmax=4"), None)):
+        speculator = GpuFusedSpeculator.standalone(spec_config, max_num_reqs=2, max_model_len=32, pad=0,
+                                                   device="cpu", dtype=torch.float32)
+        speculator.load_drafter(str(tmp_path))
+        assert speculator.drafter.layer_kernels is kernels
+
+
+# --------------------------------------------------------------------------------------------------------------
+# GPU: the 0.5B's shapes in bf16
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not CUDA, reason="runs the compiled Triton kernels and vLLM's FlashAttention on a CUDA device")
+def test_triton_layers_on_the_gpu_at_the_05b_shapes_and_in_a_cuda_graph():
+    """bf16, the 0.5B's layer shapes (4 of its 24 layers, random weights): prompts prefilled through the torch path
+    (torch.compile'd on the triton side), drafting passes of 16 positions for 1 to 4 requests and single-token passes
+    through the kernels; hidden states close to the torch path's, greedy tokens at every position mostly equal (and
+    all where the choice is clear), caches close; a drafting pass captured in a CUDA graph and replayed with new
+    inputs gives its eager result."""
+    shapes = dict(hidden=896, heads=14, kv_heads=2, head_dim=64, inter=4864, layers=4, vocab=151_936)
+    cfg, weights = tiny_weights(**shapes, seed=1, scale=0.03)
+    slots, max_len = 4, 512
+    torch_side = StaticQwen2(cfg, weights, slots=slots, max_len=max_len, device="cuda")
+    triton_side = StaticQwen2(cfg, weights, slots=slots, max_len=max_len, device="cuda", layers="triton",
+                              compile=True)
+    assert triton_side.flash is not None, "vLLM's FlashAttention did not load"
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, shapes["vocab"], (slots, max_len), generator=g).cuda()
+    t = lambda *v: torch.tensor(v, dtype=torch.long, device="cuda")  # noqa: E731
+
+    def logits(model: StaticQwen2, x: torch.Tensor) -> torch.Tensor:  # at every position, in float32
+        return F.linear(model._rms(x, model.norm).float(), model.lm_head.float())
+
+    plan = [(t(0, 1, 2, 3), ids[:, :200], t(0, 0, 0, 0)),  # 800 rows: prefill, torch path
+            (t(2,), ids[2:3, 200:216], t(200)),  # 16 rows
+            (t(0, 3), ids[[0, 3], 200:216], t(200, 200)),  # 32 rows
+            (t(3, 1, 0, 2), ids[[3, 1, 0, 2], 216:232], t(216, 200, 216, 216)),  # 64 rows
+            (t(1, 2), ids[[1, 2], 216:217], t(216, 232))]  # single-token passes
+    # bf16 on both sides: random weights leave many near ties (on the CPU, bf16 against float32 picks the same
+    # token at ~93% of positions), so most tokens must agree, and every one whose top-2 margin is clear of the noise
+    agree = total = 0
+    clear = 0.25  # logits here spread with a deviation of ~0.9; bf16 noise moves them by a few hundredths
+    for step, (rows, tokens, start) in enumerate(plan):
+        a = torch_side.hidden_states(rows, tokens, start, max_len)
+        b = triton_side.hidden_states(rows, tokens, start, max_len)
+        diff = (b.float() - a.float()).abs().max().item()
+        scale = a.float().abs().max().item()
+        assert diff < 0.05 * scale, f"call {step}: max |triton - torch| {diff:.3g} vs scale {scale:.3g}"
+        want, got = logits(torch_side, a), logits(triton_side, b)
+        same = got.argmax(-1) == want.argmax(-1)
+        top2 = want.topk(2, dim=-1).values
+        assert same[top2[..., 0] - top2[..., 1] > clear].all(), f"call {step}: a clear greedy token differs"
+        agree += int(same.sum())
+        total += same.numel()
+        for name in ("k_cache", "v_cache"):
+            x, y = getattr(triton_side, name).float(), getattr(torch_side, name).float()
+            assert (x - y).abs().max() < 0.05 * y.abs().max(), f"call {step}: {name}"
+    assert agree >= 0.85 * total, f"greedy tokens agree at {agree} of {total} positions"
+
+    # a drafting pass (2 requests x 16 positions) in a CUDA graph: static inputs, warm-up on a side stream (Triton
+    # compiles there), capture, then new inputs and a replay against the same call made eagerly
+    rows, tokens, start = t(1, 3), ids[[1, 3], 232:248].clone(), t(232, 232)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        triton_side.hidden_states(rows, tokens, start, max_len)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = triton_side.hidden_states(rows, tokens, start, max_len)
+    rows.copy_(t(2, 0))
+    tokens.copy_(ids[[2, 0], 240:256])
+    start.copy_(t(233, 232))
+    graph.replay()
+    replayed = captured.clone()
+    eager = triton_side.hidden_states(rows, tokens, start, max_len)
+    assert torch.equal(replayed, eager)
+    assert not torch.equal(replayed, triton_side.hidden_states(t(1, 3), ids[[1, 3], 232:248], t(232, 232), max_len))
