@@ -60,8 +60,9 @@ device_skip_run = "fj1"  # none, the lookup at k = 31 and 15, the one-pass confi
 device_skip_k31 = one_pass_k15.replace("k=15,", "k=31,", 1) + ",device_skip=true"
 profiled_run = "fk1"  # fj1's five configs again, 8 interleaved rounds, then one profiled pass (GPU time by phase)
 # benchmarks/fused_pass_kernels.py: the one-pass drafting step outside vLLM, kernel by kernel (fk2: FlashAttention
-# settings plan_once and splits=1)
-pass_kernels_files = ["data/results/fused_pass_kernels_h200_fk.json", "data/results/fused_pass_kernels_h200_fk2.json"]
+# settings plan_once and splits=1; fl: the drafter's layers as four Triton kernels, layers=triton)
+pass_kernels_files = ["data/results/fused_pass_kernels_h200_fk.json", "data/results/fused_pass_kernels_h200_fk2.json",
+                      "data/results/fused_pass_kernels_h200_fl.json"]
 
 # %%
 import json
@@ -721,7 +722,8 @@ vllm_report.best_fused(pl.read_parquet(fused_vllm_file), fused_repeats, profiled
 # %%
 short_names = {one_pass_k15: "fused k=15 one pass", device_skip_k31: "fused k=31 device skip",
                one_pass_k15 + ",plan_once=true": "k=15, plan_once", one_pass_k15 + ",splits=1": "k=15, splits=1",
-               one_pass_k15 + ",splits=1,plan_once=true": "k=15, splits=1, plan_once"}
+               one_pass_k15 + ",splits=1,plan_once=true": "k=15, splits=1, plan_once",
+               one_pass_k15 + ",layers=triton,plan_once=true": "k=15, layers=triton, plan_once"}
 short_name = pl.col("config").replace(short_names)
 chat_phases = vllm_report.gpu_phases(fused_phases, profiled_run, category="chat")
 chart = plots.stacked_time(chat_phases.drop("gpu_ms").with_columns(label).with_columns(short_name), "config",
@@ -738,7 +740,9 @@ chat_phases.join(vllm_report.round_step_ms(fused_repeats, profiled_run).filter(p
 # The one-pass drafting step outside vLLM, kernel by kernel (`benchmarks/fused_pass_kernels.py`: the real 0.5B,
 # one request at 2,048 tokens of history, 16 positions, the step replayed from its CUDA graph): ~400 kernels of
 # 3-4 µs, while a layer's weights take ~6 µs to read. `plan_once=true` drops one FlashAttention scheduling kernel per
-# layer (-21 µs a step); `splits=1` drops the combine kernel but makes the attention itself slower.
+# layer (-21 µs a step); `splits=1` drops the combine kernel but makes the attention itself slower. `layers=triton`
+# (run fl, its first GPU run, untuned block sizes) halves the kernels but its four kernels read the weights at
+# 1-2 TB/s against cuBLAS's ~2.6: the step got slower (1.59 against 1.46 ms at 2,048 tokens).
 
 # %%
 kernel_parts = pl.concat([vllm_report.pass_kernel_parts(json.loads(Path(f).read_text())) for f in pass_kernels_files])

@@ -606,7 +606,8 @@ def gpu_phases(phases: pl.DataFrame, run: str, *, category: str | None = None) -
 
 
 # what a kernel of a drafting step is, by its name (benchmarks/fused_pass_kernels.py's profiler table), first match
-KERNEL_PARTS = [("KV cache write", ("reshape_and_cache",)),  # before attention: vLLM names it ..._flash_kernel
+KERNEL_PARTS = [("Triton drafter layers (K1-K4)", ("_norm_qkv_rope_cache", "_linear_residual", "_norm_gate_up_silu")),
+                ("KV cache write", ("reshape_and_cache",)),  # before attention: vLLM names it ..._flash_kernel
                 ("attention", ("flash", "Flash")),
                 ("matrix products", ("nvjet", "gemm", "Gemm", "cublas", "splitKreduce")),
                 ("fused elementwise (norms, rotary, SiLU)", ("triton_",))]

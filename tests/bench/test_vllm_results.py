@@ -520,18 +520,23 @@ def test_gpu_phases_take_the_drafting_step_out_of_sampling_and_add_up_to_the_fus
 def test_pass_kernel_parts_split_the_profiled_drafting_step_by_what_its_kernels_do():
     """Run fk's kernel table (benchmarks/fused_pass_kernels.py, the one-pass config at 2,048 tokens): the parts add
     up to the table, each of the 0.5B's 24 layers launches one cache write and three attention kernels
-    (FlashAttention, its combine, its scheduler); plan_once (run fk2) drops the scheduler from all but one call."""
+    (FlashAttention, its combine, its scheduler); plan_once (run fk2) drops the scheduler from all but one call;
+    with layers=triton (run fl) a layer is four Triton kernels around the attention."""
     import json
 
     from hqlab.bench import vllm_report
     from hqlab.config import ConfigError
 
-    for tag in ("fk", "fk2"):
+    for tag in ("fk", "fk2", "fl"):
         profile = json.loads((ROOT / "data" / "results" / f"fused_pass_kernels_h200_{tag}.json").read_text())
         parts = vllm_report.pass_kernel_parts(profile)
         for config, table in profile["kernels"].items():
             mine = {r["part"]: r for r in parts.filter(parts["config"] == config).iter_rows(named=True)}
             assert sum(r["us"] for r in mine.values()) == pytest.approx(sum(k["us_per_step"] for k in table["rows"]))
+            if "layers=triton" in config:  # four kernels a layer, the cache written by the first
+                assert mine["Triton drafter layers (K1-K4)"]["kernels"] == 4 * 24 and "KV cache write" not in mine
+                assert "matrix products" in mine and mine["matrix products"]["kernels"] == 1  # the lm_head row
+                continue
             assert mine["KV cache write"]["kernels"] == 24
             # per layer: FlashAttention, + its combine unless splits=1, + its scheduler unless plan_once (then one
             # scheduling call for the whole pass)
