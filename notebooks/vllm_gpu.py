@@ -231,9 +231,9 @@ if Path(cpu_file).exists():
 #
 # Each `gpu-lookup` config of a run predicted by the step model fitted on the run's other V2 configs (`none` and
 # the other widths), pooled per task class (`vllm_report.cost_model_check`). Runs l and l2 are two calls four
-# minutes apart that together hold `none` and four widths (k = 3, 7, 15, 31). Runs s, t, v and w ran their engines
+# minutes apart that together hold `none` and four widths (k = 3, 7, 15, 31). Runs s, t, v, w and w2 ran their engines
 # interleaved (every config's engine alive, each prompt on all of them in turn, seconds apart). With fixed prices the
-# model misses most pairs in every run (48 of 182 within ±10 %): a request's step follows the host's speed, which
+# model misses most pairs in every run (53 of 196 within ±10 %): a request's step follows the host's speed, which
 # changes from one request to the next. A width-flat form (one price for any verify) does no better (1-7 of 14
 # pairs; tried, not kept).
 
@@ -289,8 +289,9 @@ error_bars(host_checks, "vllm_gpu_costmodel_host.svg")
 # ### The issue's acceptance points, run by run
 #
 # `vllm_report.gpu_lookup_acceptance` reads each point of the GPU-lookup issue from one run's rows: prose ≥ 0.95×
-# `none`, copy/code/edit ≥ 1.3× the best custom_class adapter, eight requests at once ≥ `none` (per load), no output
-# that differs from `none`'s except at near ties, the host-level cost model within ±10 % on every held-out pair.
+# `none`, copy/code/edit ≥ 1.3× the best custom_class adapter, eight requests at once ≥ `none` (per load), no
+# output that differs from `none`'s except at near ties, the host-level cost model within ±10 % on every held-out
+# pair.
 # 1 = met, 0 = missed, blank = the run lacks what the point needs. The runs from j on (the adapter at its best width,
 # k = 31): run p met all six, run w2 all but three cost-model pairs (+10.4 %, +10.4 %, +14.7 %).
 

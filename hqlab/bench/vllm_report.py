@@ -15,6 +15,8 @@ import polars as pl
 from hqlab.config import ConfigError, parse_spec
 
 CUSTOM_CLASS = "lookup:"  # configs run through the host-side custom_class adapter start with this
+PROSE = ["chat", "summary", "qa", "quote"]  # the task classes where answers are mostly new text
+DOCUMENTS = ["copy", "code", "edit"]  # and where they copy the prompt's document
 # gpu-fused with `skip`: drafter-free steps in a row before a catch-up pass (hqlab.engines.vllm.gpu_fused.SKIP_RUN, kept
 # equal by a test; this module stays free of torch)
 GPU_FUSED_SKIP_RUN = 7
@@ -416,7 +418,7 @@ def best_fused(results: pl.DataFrame, repeats: pl.DataFrame, run: str) -> pl.Dat
         pl.col("ttft_ms").alias("lookup_ttft_ms"), pl.col("step_efficiency").alias("lookup_step_efficiency"))
     paired = pl.concat([round_ratios(repeats, run, c).with_columns(pl.lit(c).alias("config"))
                         for c in fused["config"].unique(maintain_order=True)])
-    order = pl.Enum(["chat", "summary", "qa", "quote", "copy", "code", "edit"])
+    order = pl.Enum(PROSE + DOCUMENTS)
     return (fused.join(lookup, on="category").join(paired.drop("against"), on=["category", "config"])
             .select("category", "config", "lookup", "vs_best_gpu_lookup", pl.col("median").alias("paired_median"),
                     pl.col("low").alias("paired_low"), pl.col("high").alias("paired_high"), "vs_none",
@@ -520,18 +522,14 @@ def device_skip_what_if(steps: pl.DataFrame, results: pl.DataFrame, run: str, co
             .sort("category"))
 
 
-PROSE = ["chat", "summary", "qa", "quote"]
-DOCUMENTS = ["copy", "code", "edit"]
-
-
 def gpu_lookup_acceptance(results: pl.DataFrame, steps: pl.DataFrame, run: str) -> pl.DataFrame:
     """The GPU-lookup issue's acceptance points for one run of `vllm_gpu_h200.parquet`, each with its measured
     value, its target and whether the run met it (None: the run lacks what the point needs): the best gpu-lookup
     config ≥ 0.95× `none` on every prose class and ≥ 1.3× the best custom_class adapter on copy, code and edit at
-    batch 1 (ratios of class medians, as `run_ratios`); eight
-    requests at once ≥ `none` (the best gpu-lookup config, per load the run has); no output that differs from
-    `none`'s except at a near tie (the widest tie margin shown); the host-level cost model within ±10 % on every
-    held-out (config, class) pair (`cost_model_check`)."""
+    batch 1 (ratios of class medians, as `run_ratios`); eight requests at once ≥ `none` (the best gpu-lookup
+    config, per load the run has); no output that differs from `none`'s except at a near tie (the widest tie
+    margin shown); the host-level cost model within ±10 % on every held-out (config, class) pair
+    (`cost_model_check`)."""
     alone = run_ratios(results.filter(pl.col("run") == run))
     if alone.is_empty():
         raise ConfigError(f"run {run!r}: no batch-1 rows (runs here: {sorted(results['run'].unique().to_list())})")
