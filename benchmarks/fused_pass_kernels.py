@@ -4,7 +4,7 @@ piece captured in a CUDA graph of its own (the lookup, the drafter's catch-up pa
 the whole step's graph, and a torch.profiler table of the whole step's kernels over graph replays.
 
   GPU (through tools/gpu_host/vllm_host.py run, which converts the 0.5B):
-      python3 benchmarks/fused_pass_kernels.py [--tag a] [--config SPEC ...]
+      python3 benchmarks/fused_pass_kernels.py [--tag a] [--config SPEC ...] [--tiles SWEEP.json]
   writes $OUT/fused_pass_kernels_<tag>.json and prints one JSON row per (config, history) and the kernel table.
 """
 
@@ -51,9 +51,25 @@ def main() -> None:
     p.add_argument("--tag", default="a")
     p.add_argument("--config", action="append", default=None, help="gpu-fused spec (repeatable); default: "
                    "the one-pass configs of the fused benchmark")
+    p.add_argument("--tiles", type=Path, help="a tile sweep's JSON (benchmarks/drafter_layer_tiles.py): its best "
+                   "tiles replace the Triton layers' table before the drafters are built")
     args = p.parse_args()
     out = Path(os.environ.get("OUT", "."))
-    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": [], "kernels": {}}
+    tiles = None
+    if args.tiles:
+        from hqlab_kernels import drafter_layers
+
+        from hqlab_kernels import drafter_attention
+
+        tiles = json.loads(args.tiles.read_text())["best"]
+        drafter_layers.set_tiles({k: v for k, v in tiles.items() if not k.startswith("attention@")})
+        one, four = tiles.get("attention@1"), tiles.get("attention@4")
+        if one:  # the batch-1 pass's best tiles; its splits the most, the batch-4 best splits x 4 requests x 2 KV heads
+            drafter_attention.BLOCK_N, drafter_attention.NUM_STAGES = one["block_n"], one["num_stages"]
+            drafter_attention.NUM_WARPS, drafter_attention.MAX_SPLITS = one["num_warps"], one["splits"]
+            drafter_attention.TARGET_PROGRAMS = (four or one)["splits"] * (4 if four else 1) * 2
+    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": [], "kernels": {},
+                    "tiles": tiles}
     slots_n, width = 4, 4096
     for spec_text in args.config or CONFIGS:
         spec, total = standalone_speculator(spec_text, slots=slots_n, width=width)

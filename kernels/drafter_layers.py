@@ -11,10 +11,14 @@ elementwise kernels and the cache write). Here the same math runs in four kernel
   K3 `norm_gate_up_silu`:   RMSNorm, the fused gate/up product and silu(gate) * up;
   K4 `down_residual`:       x + h @ Wd^T.
 
-Every kernel grids over (output column tiles, row blocks), so any number of rows works; a program accumulates in
-float32 over the whole reduction (no split over K: the sums are deterministic and need no second pass). The norm
-kernels recompute their rows' RMS in each program: a row is only H values (896 for the 0.5B), cheaper to read
-again from L2 than a separate norm kernel is to launch.
+Every kernel grids over (output column tiles, row blocks, splits of the reduction), so any number of rows works; a
+program accumulates in float32. A skinny product (16 rows, a few MB of weights) has too few output tiles to keep
+HBM busy, so a kernel may split its reduction over `split_k` programs: each stores its float32 partial sums in a
+`Workspace` and counts itself in on a per-tile counter (release after a barrier); the program that arrives last
+adds the partials in split order (a fixed order: the result is bitwise the same from call to call), runs the
+epilogue and resets the counter for the next launch (a CUDA graph replays it as is). The norm kernels recompute
+their rows' RMS in each program: a row is only H values (896 for the 0.5B), cheaper to read again from L2 than a
+separate norm kernel is to launch.
 
 Rounding follows the torch path of `StaticQwen2` (`_rms`: float32 normalisation cast to the model dtype, then
 times the weight in the model dtype; each product rounded to the model dtype, as cuBLAS returns it; the residual
@@ -27,6 +31,8 @@ imports nothing from hqlab.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -48,6 +54,77 @@ NORM_KERNEL_K_BLOCK = 64
 # Elements of x a norm kernel's RMS loop reads per step: a whole 0.5B row block at 16 rows (896 -> 1024 columns),
 # so the RMS costs one L2 round trip, not one per step of a loop that nothing pipelines.
 NORM_ELEMENTS = 16 * 1024
+KERNELS = ("qkv", "o_proj", "gate_up", "down")  # K1..K4, the keys of TILES
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """How one kernel runs at one row block: output columns per program (`block_n`; for K1 the columns of each rotary
+    half), reduction elements per loop step (`block_k`, None: `k_block`'s choice), warps (None: `num_warps`'s),
+    Triton's software-pipeline depth (`num_stages`, None: Triton's default) and the programs a reduction is split
+    over (`split_k`, 1: none; more need a Workspace)."""
+
+    block_n: int
+    block_k: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    split_k: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps", "split_k"):
+            value = getattr(self, name)
+            if value is not None and (value < 1 or value & (value - 1)):
+                raise ValueError(f"Tiles.{name} must be a power of two >= 1, got {value}")
+        if self.num_stages is not None and self.num_stages < 1:
+            raise ValueError(f"Tiles.num_stages must be >= 1, got {self.num_stages}")
+
+
+# The tiles each kernel launches with, per (kernel, rows per program); a launcher's keyword arguments override them.
+TILES: dict[tuple[str, int], Tiles] = {}
+for _rows in ROW_BLOCKS:
+    TILES.update({("qkv", _rows): Tiles(HALF_BLOCK), ("o_proj", _rows): Tiles(O_BLOCK),
+                  ("gate_up", _rows): Tiles(GATE_UP_BLOCK), ("down", _rows): Tiles(DOWN_BLOCK)})
+
+
+def set_tiles(table: dict[str, dict]) -> None:
+    """Replace TILES entries from {"kernel@rows": {"block_n": .., "block_k": .., "num_warps": .., "num_stages": ..,
+    "split_k": ..}} (a tile sweep's "best", benchmarks/drafter_layer_tiles.py); other keys of an entry are ignored.
+    Drafters built afterwards size their Workspace for the new splits."""
+    fields = ("block_n", "block_k", "num_warps", "num_stages", "split_k")
+    new = {}
+    for key, entry in table.items():
+        kernel, _, rows = key.partition("@")
+        if kernel not in KERNELS or not rows.isdigit() or int(rows) not in ROW_BLOCKS:
+            raise ValueError(f"a tiles key is 'kernel@rows' with kernel in {KERNELS} and rows in {ROW_BLOCKS}, "
+                             f"got {key!r}")
+        new[(kernel, int(rows))] = Tiles(**{f: entry[f] for f in fields if f in entry})
+    TILES.update(new)
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Scratch for split reductions: float32 partial sums and int32 arrival counters (zero between launches: the
+    last program of a tile resets its counter). Allocate once per device and reuse for every call on one stream;
+    calls that run concurrently on several streams need one each."""
+
+    partials: torch.Tensor
+    counters: torch.Tensor
+
+    @classmethod
+    def allocate(cls, floats: int, counters: int, device: str | torch.device) -> "Workspace":
+        return cls(torch.empty(max(1, floats), dtype=torch.float32, device=device),
+                   torch.zeros(max(1, counters), dtype=torch.int32, device=device))
+
+    @classmethod
+    def for_layer(cls, *, hidden: int, inter: int, qkv_rows: int, max_rows: int, max_split: int,
+                  device: str | torch.device) -> "Workspace":
+        """Room for any of the four kernels of a layer of these sizes at up to `max_rows` rows and `max_split`
+        splits, whatever the tiles: partials of every output column (twice for the two-sum kernels) of every row
+        block, padded to a row block."""
+        rows = triton.cdiv(max_rows, ROW_BLOCKS[0]) * ROW_BLOCKS[-1]
+        columns = max(hidden, 2 * inter, qkv_rows) + 64  # + a partial tile of the widest block_n
+        tiles = max(hidden, 2 * inter, qkv_rows) * triton.cdiv(max_rows, ROW_BLOCKS[0])
+        return cls.allocate(columns * rows * max_split, tiles, device)
 
 
 def interpreted() -> bool:
@@ -148,13 +225,16 @@ def _dot(a, b, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _normed_products(x, norm_w, weight, rows, row_ok, rstd, w_a, w_b, HIDDEN: tl.constexpr, BLOCK_R: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """(rms-normed x) @ weight rows `w_a` and `w_b` (each BLOCK_N rows of a [*, HIDDEN] weight), two float32
-    [BLOCK_R, BLOCK_N] sums over one pass of the normed activations: K1's two rotary halves, K3's gate and up."""
+def _normed_products(x, norm_w, weight, rows, row_ok, rstd, w_a, w_b, k_lo, HIDDEN: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PER: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """(rms-normed x) @ weight rows `w_a` and `w_b` (each BLOCK_N rows of a [*, HIDDEN] weight) over reduction
+    columns [k_lo, k_lo + K_PER): two float32 [BLOCK_R, BLOCK_N] sums over one pass of the normed activations, K1's
+    two rotary halves, K3's gate and up."""
     acc_a = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, HIDDEN, BLOCK_K):
+    for k in range(0, K_PER, BLOCK_K):
+        k0 = k_lo + k
         h = _normed_chunk(x, norm_w, rows, row_ok, rstd, k0, HIDDEN, BLOCK_K)
         acc_a = _dot(h, _weight_tile(weight, w_a, k0, HIDDEN, BLOCK_K), acc_a, PRECISION)
         acc_b = _dot(h, _weight_tile(weight, w_b, k0, HIDDEN, BLOCK_K), acc_b, PRECISION)
@@ -170,6 +250,37 @@ def _weight_tile(weight, out_rows, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
     return tl.trans(w)
 
 
+@triton.jit
+def _split_k_sum(acc, acc_b, partials, counters, tile, split, SPLIT_K: tl.constexpr, TWO: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Where the reduction is split (SPLIT_K > 1): store this program's float32 sums (acc, and acc_b where TWO) as
+    its split's partials of output tile `tile`, count in on the tile's counter, and, in the program that arrives
+    last, return the sums of every split in split order with last = True (the counter reset to 0); the others
+    return zeros and last = False, and must store nothing. With SPLIT_K == 1, (acc, acc_b, True)."""
+    if SPLIT_K == 1:
+        return acc, acc_b, True
+    else:
+        tile_size: tl.constexpr = BLOCK_R * BLOCK_N
+        parts: tl.constexpr = 2 if TWO else 1
+        offs = tl.arange(0, BLOCK_R)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        base = partials + tile.to(tl.int64) * (SPLIT_K * parts * tile_size)
+        tl.store(base + (split * parts) * tile_size + offs, acc)
+        if TWO:
+            tl.store(base + (split * parts + 1) * tile_size + offs, acc_b)
+        tl.debug_barrier()  # every thread's partials stored before the counter's release
+        last = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+        total = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+        total_b = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+        if last:
+            for s in tl.static_range(SPLIT_K):  # split order: the same sum at every launch
+                # .cg: read from L2, where the other programs' stores are, never a stale L1 line
+                total += tl.load(base + (s * parts) * tile_size + offs, cache_modifier=".cg")
+                if TWO:
+                    total_b += tl.load(base + (s * parts + 1) * tile_size + offs, cache_modifier=".cg")
+            tl.atomic_xchg(counters + tile, 0)  # every split has counted in: ready for the next launch
+        return total, total_b, last
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------------------------
@@ -177,13 +288,14 @@ def _weight_tile(weight, out_rows, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit(do_not_specialize=["n_rows", "n_positions", "cache_rows"])
 def _norm_qkv_rope_cache_kernel(x, norm_w, qkv_w, qkv_b, cos, sin, positions, cache_index, q_out, k_cache, v_cache,
-                                n_rows, n_positions, cache_rows, eps, HIDDEN: tl.constexpr, HEADS: tl.constexpr,
-                                KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_N: tl.constexpr,
-                                BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr,
+                                partials, counters, n_rows, n_positions, cache_rows, eps, HIDDEN: tl.constexpr,
+                                HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                HALF_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                                NORM_K: tl.constexpr, SPLIT_K: tl.constexpr, K_PER: tl.constexpr,
                                 PRECISION: tl.constexpr):
-    """Program (t, b): rows b * BLOCK_R.. and, of head t // tiles (q heads, then k, then v), the HALF_N columns
+    """Program (t, b, s): rows b * BLOCK_R.. and, of head t // tiles (q heads, then k, then v), the HALF_N columns
     starting at (t % tiles) * HALF_N of each rotary half, so the program holds both members of every pair it
-    rotates."""
+    rotates; split s of the reduction (`_split_k_sum`)."""
     half: tl.constexpr = HEAD_DIM // 2
     tiles: tl.constexpr = half // HALF_N
     head = tl.program_id(0) // tiles
@@ -194,8 +306,13 @@ def _norm_qkv_rope_cache_kernel(x, norm_w, qkv_w, qkv_b, cos, sin, positions, ca
     rstd = _row_rstd(x, rows, row_ok, eps, HIDDEN, BLOCK_R, NORM_K)
     w_lo = head * HEAD_DIM + d_lo  # rows of the fused q/k/v weight
     w_hi = head * HEAD_DIM + d_hi
-    acc_lo, acc_hi = _normed_products(x, norm_w, qkv_w, rows, row_ok, rstd, w_lo, w_hi, HIDDEN, BLOCK_R, HALF_N,
-                                      BLOCK_K, PRECISION)
+    split = tl.program_id(2)
+    acc_lo, acc_hi = _normed_products(x, norm_w, qkv_w, rows, row_ok, rstd, w_lo, w_hi, split * K_PER, HIDDEN,
+                                      BLOCK_R, HALF_N, BLOCK_K, K_PER, PRECISION)
+    tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    acc_lo, acc_hi, last = _split_k_sum(acc_lo, acc_hi, partials, counters, tile, split, SPLIT_K, True, BLOCK_R,
+                                        HALF_N)
+    row_ok = row_ok & last  # from here on only the program holding the whole sums stores
     dtype = q_out.dtype.element_ty
     # the bias added to the float32 sum and the result rounded once, as cuBLAS's bias epilogue does
     lo = (acc_lo + tl.load(qkv_b + w_lo).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
@@ -226,8 +343,9 @@ def _norm_qkv_rope_cache_kernel(x, norm_w, qkv_w, qkv_b, cos, sin, positions, ca
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _linear_residual_kernel(x, a, weight, out, n_rows, N: tl.constexpr, K: tl.constexpr, BLOCK_R: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _linear_residual_kernel(x, a, weight, out, partials, counters, n_rows, N: tl.constexpr, K: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            SPLIT_K: tl.constexpr, K_PER: tl.constexpr, PRECISION: tl.constexpr):
     """out = x + a @ weight^T for x, out [R, N], a [R, K], weight [N, K]: K2 (a = attention output, weight = Wo)
     and K4 (a = SwiGLU output, weight = Wd). The product is rounded to the model dtype before the residual add,
     as the torch path's separate matmul and add round."""
@@ -236,11 +354,16 @@ def _linear_residual_kernel(x, a, weight, out, n_rows, N: tl.constexpr, K: tl.co
     w_rows = tl.where(col_ok, cols, 0)  # a tail tile reads row 0 for its dead columns (never stored)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
+    split = tl.program_id(2)
     acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k in range(0, K_PER, BLOCK_K):
+        k0 = split * K_PER + k
         ks = k0 + tl.arange(0, BLOCK_K)
         v = tl.load(a + rows[:, None] * K + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
         acc = _dot(v, _weight_tile(weight, w_rows, k0, K, BLOCK_K), acc, PRECISION)
+    tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    acc, _, last = _split_k_sum(acc, acc, partials, counters, tile, split, SPLIT_K, False, BLOCK_R, BLOCK_N)
+    row_ok = row_ok & last  # only the program holding the whole sum stores
     dtype = out.dtype.element_ty
     mask = row_ok[:, None] & col_ok[None, :]
     offsets = rows[:, None] * N + cols[None, :]
@@ -249,9 +372,10 @@ def _linear_residual_kernel(x, a, weight, out, n_rows, N: tl.constexpr, K: tl.co
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _norm_gate_up_silu_kernel(x, norm_w, gate_up_w, out, n_rows, eps, HIDDEN: tl.constexpr, INTER: tl.constexpr,
-                              BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              NORM_K: tl.constexpr, PRECISION: tl.constexpr):
+def _norm_gate_up_silu_kernel(x, norm_w, gate_up_w, out, partials, counters, n_rows, eps, HIDDEN: tl.constexpr,
+                              INTER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr, NORM_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                              K_PER: tl.constexpr, PRECISION: tl.constexpr):
     """Program (t, b): columns t * BLOCK_N.. of silu(gate) * up for rows b * BLOCK_R..; gate is weight row n, up
     weight row INTER + n. Gate, up, silu(gate) and the product are each rounded to the model dtype (the torch
     path's separate operations)."""
@@ -262,8 +386,13 @@ def _norm_gate_up_silu_kernel(x, norm_w, gate_up_w, out, n_rows, eps, HIDDEN: tl
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
     rstd = _row_rstd(x, rows, row_ok, eps, HIDDEN, BLOCK_R, NORM_K)
-    acc_gate, acc_up = _normed_products(x, norm_w, gate_up_w, rows, row_ok, rstd, w_gate, w_up, HIDDEN, BLOCK_R,
-                                        BLOCK_N, BLOCK_K, PRECISION)
+    split = tl.program_id(2)
+    acc_gate, acc_up = _normed_products(x, norm_w, gate_up_w, rows, row_ok, rstd, w_gate, w_up, split * K_PER,
+                                        HIDDEN, BLOCK_R, BLOCK_N, BLOCK_K, K_PER, PRECISION)
+    tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    acc_gate, acc_up, last = _split_k_sum(acc_gate, acc_up, partials, counters, tile, split, SPLIT_K, True,
+                                          BLOCK_R, BLOCK_N)
+    row_ok = row_ok & last  # only the program holding the whole sums stores
     dtype = out.dtype.element_ty
     gate = acc_gate.to(dtype).to(tl.float32)
     up = acc_up.to(dtype).to(tl.float32)
@@ -302,11 +431,60 @@ def _check_index(name: str, t: torch.Tensor, rows: int, like: torch.Tensor) -> N
         raise ValueError(f"{name} must be contiguous")
 
 
+def _tiles(kernel: str, block_r: int) -> Tiles:
+    """TILES' entry for `kernel` at `block_r` rows per program (an override of block_rows outside ROW_BLOCKS takes
+    the entry of the row block that covers it)."""
+    return TILES.get((kernel, block_r)) or TILES[(kernel, row_block(block_r))]
+
+
+def _options(kernel: str, block_r: int, reduction: int, default_k: int, parts: int, overrides: dict) -> dict:
+    """The launch options of one call: `_tiles` with the caller's non-None overrides on top, checked, plus the
+    reduction's share per split (K_PER, a whole number of block_k steps)."""
+    base = _tiles(kernel, block_r)
+    chosen = {name: overrides.get(name) if overrides.get(name) is not None else getattr(base, name)
+              for name in ("block_n", "block_k", "num_warps", "num_stages", "split_k")}
+    block_n = _check_block("half_block" if kernel == "qkv" else "block_n", chosen["block_n"])
+    block_k = _check_block("block_k", chosen["block_k"] or default_k, 16)
+    split = _check_block("split_k", chosen["split_k"])
+    warps = _check_block("num_warps", chosen["num_warps"] or num_warps(block_r))
+    if chosen["num_stages"] is not None and chosen["num_stages"] < 1:
+        raise ValueError(f"num_stages must be >= 1, got {chosen['num_stages']}")
+    k_per = triton.cdiv(triton.cdiv(reduction, split), block_k) * block_k
+    return {"block_n": block_n, "block_k": block_k, "split": split, "k_per": k_per, "num_warps": warps,
+            "num_stages": chosen["num_stages"], "parts": parts}
+
+
+def _scratch(opts: dict, tiles: int, block_r: int, workspace: "Workspace | None",
+             like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (partials, counters) a launch passes: the workspace's where the reduction is split (checked for room),
+    else `like` twice (never touched: SPLIT_K == 1 compiles the sums away)."""
+    if opts["split"] == 1:
+        return like, like
+    if workspace is None:
+        raise ValueError(f"split_k={opts['split']} needs a Workspace (Workspace.for_layer) for its partial sums")
+    floats = tiles * opts["split"] * opts["parts"] * block_r * opts["block_n"]
+    if workspace.partials.device != like.device or workspace.counters.device != like.device:
+        raise ValueError(f"the workspace must be on {like.device} like the activations, got "
+                         f"{workspace.partials.device}")
+    if workspace.partials.numel() < floats or workspace.counters.numel() < tiles:
+        raise ValueError(f"the workspace is too small for this call: it needs {floats} partial floats and {tiles} "
+                         f"counters, it has {workspace.partials.numel()} and {workspace.counters.numel()}")
+    return workspace.partials, workspace.counters
+
+
+def _launch_kwargs(opts: dict) -> dict:
+    extra = {"num_warps": opts["num_warps"]}
+    if opts["num_stages"] is not None:
+        extra["num_stages"] = opts["num_stages"]
+    return extra
+
+
 def norm_qkv_rope_cache(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor,
                         cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, cache_index: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, *, heads: int, kv_heads: int, eps: float,
-                        block_rows: int | None = None, half_block: int | None = None,
-                        block_k: int | None = None) -> torch.Tensor:
+                        block_rows: int | None = None, half_block: int | None = None, block_k: int | None = None,
+                        num_warps: int | None = None, num_stages: int | None = None, split_k: int | None = None,
+                        workspace: "Workspace | None" = None) -> torch.Tensor:
     """K1: q [R, heads, D] of rows x [R, H], with k and v written into the caches.
 
     x is RMS-normalised with `norm_weight` [H] and projected by the fused `qkv_weight` [(heads + 2 kv_heads) D, H]
@@ -314,7 +492,8 @@ def norm_qkv_rope_cache(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: 
     [positions, D] at `positions[r]`; k and v of row r go to cache row `cache_index[r]` of `k_cache`/`v_cache`
     (any contiguous tensors whose last two dims are [kv_heads, D]: a layer's paged cache, its pages flattened).
     Rows whose position or cache row lies outside the tables or the cache rotate by zero and write no K/V.
-    block_rows, half_block, block_k override the defaults (row_block, HALF_BLOCK, k_block) for tuning and tests."""
+    The tiles come from TILES["qkv", rows per program]; block_rows, half_block (block_n), block_k, num_warps,
+    num_stages and split_k override them (tuning, tests); a split reduction needs `workspace`."""
     n_rows, hidden = _check_rows("x", x)
     if heads < 1 or kv_heads < 1:
         raise ValueError(f"heads and kv_heads must be >= 1, got {heads} and {kv_heads}")
@@ -337,25 +516,31 @@ def norm_qkv_rope_cache(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: 
     _check_index("positions", positions, n_rows, x)
     _check_index("cache_index", cache_index, n_rows, x)
     half = head_dim // 2
-    half_n = _check_block("half_block", half_block or next(b for b in (HALF_BLOCK, 4, 2, 1) if half % b == 0))
+    block_r = _check_block("block_rows", block_rows or row_block(n_rows))
+    if half_block is None:  # the table's, or the largest power of two below it that divides a small head's half
+        half_block = next(b for b in (64, 32, 16, 8, 4, 2, 1) if b <= _tiles("qkv", block_r).block_n and half % b == 0)
+    opts = _options("qkv", block_r, hidden, _norm_kernel_k_block(hidden, block_r), 2,
+                    {"block_n": half_block, "block_k": block_k, "num_warps": num_warps, "num_stages": num_stages,
+                     "split_k": split_k})
+    half_n = opts["block_n"]
     if half % half_n:
         raise ValueError(f"half_block must divide head_dim / 2 = {half}, got {half_n}")
-    block_r = _check_block("block_rows", block_rows or row_block(n_rows))
-    block_k = _check_block("block_k", block_k or _norm_kernel_k_block(hidden, block_r), 16)
     q = torch.empty(n_rows, heads, head_dim, dtype=x.dtype, device=x.device)
     if n_rows == 0:
         return q
-    grid = ((heads + 2 * kv_heads) * (half // half_n), triton.cdiv(n_rows, block_r))
+    grid = ((heads + 2 * kv_heads) * (half // half_n), triton.cdiv(n_rows, block_r), opts["split"])
+    partials, counters = _scratch(opts, grid[0] * grid[1], block_r, workspace, x)
     _norm_qkv_rope_cache_kernel[grid](
-        x, norm_weight, qkv_weight, qkv_bias, cos, sin, positions, cache_index, q, k_cache, v_cache, n_rows,
-        cos.shape[0], k_cache.numel() // (kv_heads * head_dim), eps, HIDDEN=hidden, HEADS=heads, KV_HEADS=kv_heads,
-        HEAD_DIM=head_dim, HALF_N=half_n, BLOCK_R=block_r, BLOCK_K=block_k, NORM_K=norm_block(hidden, block_r),
-        PRECISION=_precision(x), num_warps=num_warps(block_r))
+        x, norm_weight, qkv_weight, qkv_bias, cos, sin, positions, cache_index, q, k_cache, v_cache, partials,
+        counters, n_rows, cos.shape[0], k_cache.numel() // (kv_heads * head_dim), eps, HIDDEN=hidden, HEADS=heads,
+        KV_HEADS=kv_heads, HEAD_DIM=head_dim, HALF_N=half_n, BLOCK_R=block_r, BLOCK_K=opts["block_k"],
+        NORM_K=norm_block(hidden, block_r), SPLIT_K=opts["split"], K_PER=opts["k_per"], PRECISION=_precision(x),
+        **_launch_kwargs(opts))
     return q
 
 
-def _linear_residual(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, what: str, block_rows: int | None,
-                     block_n: int, block_k: int | None) -> torch.Tensor:
+def _linear_residual(kernel: str, x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, what: str,
+                     block_rows: int | None, overrides: dict, workspace: "Workspace | None") -> torch.Tensor:
     n_rows, n = _check_rows("x", x)
     rows_a, k = _check_rows(what, a)
     if rows_a != n_rows:
@@ -363,29 +548,37 @@ def _linear_residual(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, wha
     _check_matrix(what, a, tuple(a.shape), x)
     _check_matrix("weight", weight, (n, k), x)
     block_r = _check_block("block_rows", block_rows or row_block(n_rows))
-    block_n = _check_block("block_n", block_n)
-    block_k = _check_block("block_k", block_k or k_block(k), 16)
+    opts = _options(kernel, block_r, k, k_block(k), 1, overrides)
     out = torch.empty_like(x)
     if n_rows == 0:
         return out
-    grid = (triton.cdiv(n, block_n), triton.cdiv(n_rows, block_r))
-    _linear_residual_kernel[grid](x, a, weight, out, n_rows, N=n, K=k, BLOCK_R=block_r, BLOCK_N=block_n,
-                                  BLOCK_K=block_k, PRECISION=_precision(x), num_warps=num_warps(block_r))
+    grid = (triton.cdiv(n, opts["block_n"]), triton.cdiv(n_rows, block_r), opts["split"])
+    partials, counters = _scratch(opts, grid[0] * grid[1], block_r, workspace, x)
+    _linear_residual_kernel[grid](x, a, weight, out, partials, counters, n_rows, N=n, K=k, BLOCK_R=block_r,
+                                  BLOCK_N=opts["block_n"], BLOCK_K=opts["block_k"], SPLIT_K=opts["split"],
+                                  K_PER=opts["k_per"], PRECISION=_precision(x), **_launch_kwargs(opts))
     return out
 
 
 def o_proj_residual(x: torch.Tensor, o: torch.Tensor, o_weight: torch.Tensor, *, block_rows: int | None = None,
-                    block_n: int = O_BLOCK, block_k: int | None = None) -> torch.Tensor:
+                    block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+                    num_stages: int | None = None, split_k: int | None = None,
+                    workspace: "Workspace | None" = None) -> torch.Tensor:
     """K2: x + o @ o_weight^T for the residual stream x [R, H], the attention output o [R, heads * D] and the
-    output projection [H, heads * D] (a new tensor; x is left as it is)."""
-    return _linear_residual(x, o, o_weight, "o", block_rows, block_n, block_k)
+    output projection [H, heads * D] (a new tensor; x is left as it is). Tiles: TILES["o_proj", rows per program],
+    overridden by the keyword arguments; a split reduction needs `workspace`."""
+    return _linear_residual("o_proj", x, o, o_weight, "o", block_rows,
+                            {"block_n": block_n, "block_k": block_k, "num_warps": num_warps,
+                             "num_stages": num_stages, "split_k": split_k}, workspace)
 
 
 def norm_gate_up_silu(x: torch.Tensor, norm_weight: torch.Tensor, gate_up_weight: torch.Tensor, *, eps: float,
-                      block_rows: int | None = None, block_n: int = GATE_UP_BLOCK,
-                      block_k: int | None = None) -> torch.Tensor:
+                      block_rows: int | None = None, block_n: int | None = None, block_k: int | None = None,
+                      num_warps: int | None = None, num_stages: int | None = None, split_k: int | None = None,
+                      workspace: "Workspace | None" = None) -> torch.Tensor:
     """K3: silu(g) * u [R, I] where g, u = rms(x) * norm_weight @ gate_up_weight^T, the fused weight [2 I, H]
-    holding the gate rows first, then the up rows."""
+    holding the gate rows first, then the up rows. Tiles: TILES["gate_up", rows per program], overridden by the
+    keyword arguments; a split reduction needs `workspace`."""
     n_rows, hidden = _check_rows("x", x)
     _check_matrix("norm_weight", norm_weight, (hidden,), x)
     if gate_up_weight.dim() != 2 or gate_up_weight.shape[0] % 2:
@@ -393,25 +586,33 @@ def norm_gate_up_silu(x: torch.Tensor, norm_weight: torch.Tensor, gate_up_weight
     inter = gate_up_weight.shape[0] // 2
     _check_matrix("gate_up_weight", gate_up_weight, (2 * inter, hidden), x)
     block_r = _check_block("block_rows", block_rows or row_block(n_rows))
-    block_n = _check_block("block_n", block_n)
-    block_k = _check_block("block_k", block_k or _norm_kernel_k_block(hidden, block_r), 16)
+    opts = _options("gate_up", block_r, hidden, _norm_kernel_k_block(hidden, block_r), 2,
+                    {"block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": num_stages,
+                     "split_k": split_k})
     out = torch.empty(n_rows, inter, dtype=x.dtype, device=x.device)
     if n_rows == 0:
         return out
-    grid = (triton.cdiv(inter, block_n), triton.cdiv(n_rows, block_r))
-    _norm_gate_up_silu_kernel[grid](x, norm_weight, gate_up_weight, out, n_rows, eps, HIDDEN=hidden, INTER=inter,
-                                    BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k,
-                                    NORM_K=norm_block(hidden, block_r), PRECISION=_precision(x),
-                                    num_warps=num_warps(block_r))
+    grid = (triton.cdiv(inter, opts["block_n"]), triton.cdiv(n_rows, block_r), opts["split"])
+    partials, counters = _scratch(opts, grid[0] * grid[1], block_r, workspace, x)
+    _norm_gate_up_silu_kernel[grid](x, norm_weight, gate_up_weight, out, partials, counters, n_rows, eps,
+                                    HIDDEN=hidden, INTER=inter, BLOCK_R=block_r, BLOCK_N=opts["block_n"],
+                                    BLOCK_K=opts["block_k"], NORM_K=norm_block(hidden, block_r),
+                                    SPLIT_K=opts["split"], K_PER=opts["k_per"], PRECISION=_precision(x),
+                                    **_launch_kwargs(opts))
     return out
 
 
 def down_residual(x: torch.Tensor, h: torch.Tensor, down_weight: torch.Tensor, *, block_rows: int | None = None,
-                  block_n: int = DOWN_BLOCK, block_k: int | None = None) -> torch.Tensor:
+                  block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None, split_k: int | None = None,
+                  workspace: "Workspace | None" = None) -> torch.Tensor:
     """K4: x + h @ down_weight^T for the residual stream x [R, H], the SwiGLU output h [R, I] and the down
-    projection [H, I] (a new tensor; x is left as it is)."""
-    return _linear_residual(x, h, down_weight, "h", block_rows, block_n, block_k)
+    projection [H, I] (a new tensor; x is left as it is). Tiles: TILES["down", rows per program], overridden by the
+    keyword arguments; a split reduction needs `workspace`."""
+    return _linear_residual("down", x, h, down_weight, "h", block_rows,
+                            {"block_n": block_n, "block_k": block_k, "num_warps": num_warps,
+                             "num_stages": num_stages, "split_k": split_k}, workspace)
 
 
-__all__ = ["down_residual", "interpreted", "k_block", "norm_gate_up_silu", "norm_qkv_rope_cache", "o_proj_residual",
-           "row_block"]
+__all__ = ["KERNELS", "TILES", "Tiles", "Workspace", "set_tiles", "down_residual", "interpreted", "k_block", "norm_gate_up_silu",
+           "norm_qkv_rope_cache", "o_proj_residual", "row_block"]

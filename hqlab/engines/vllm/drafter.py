@@ -23,6 +23,11 @@ The layer is the transformers Qwen2 decoder (RMSNorm, rotary embedding, grouped-
 SwiGLU MLP), with q/k/v and gate/up fused into one matrix each. Only the position whose logits the caller wants is
 projected to the vocabulary, so a 16-token catch-up pass costs one lm_head row per request, not sixteen.
 
+`attention="triton"` runs the drafting passes' attention in one Triton kernel per layer
+(`hqlab_kernels.drafter_attention`: the query rows of a KV head's heads as one tile, the keys split over programs
+and combined by the last to finish) instead of FlashAttention's two (~15 us a layer at 2,048 positions on an
+H200, a quarter of a pass); prompt chunks (more query rows than one tile holds) keep FlashAttention or sdpa.
+
 `layers="triton"` runs each layer of a small call (at most TRITON_MAX_ROWS query rows: the drafting passes) as four
 Triton kernels around the attention (`hqlab_kernels.drafter_layers`: norm + q/k/v + rotary + the cache write, the
 output projection + residual, norm + gate/up + SwiGLU, the down projection + residual) instead of ~14 cuBLAS and
@@ -43,7 +48,9 @@ import torch.nn.functional as F
 from hqlab.config import ConfigError
 
 BLOCK = 16  # positions per cache page (vLLM's own block size, which its FlashAttention build runs with)
-ATTENTION = ("auto", "flash", "sdpa")  # auto: FlashAttention where vLLM has it on this device, else sdpa
+# auto: FlashAttention where vLLM has it on this device, else sdpa; triton: hqlab_kernels.drafter_attention for the
+# drafting passes (one kernel a layer), FlashAttention (where present) or sdpa for prompt chunks
+ATTENTION = ("auto", "flash", "sdpa", "triton")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # torch.compile modes for the layer regions
 LAYERS = ("torch", "triton")  # how a layer runs: torch operations, or hqlab_kernels.drafter_layers' four kernels
 # The most query rows (requests x positions) a call may have for the Triton layers: their block sizes are chosen for
@@ -87,6 +94,19 @@ def _cache_writer(device: torch.device) -> Callable | None:
         ops.reshape_and_cache_flash(k, v, kc, vc, flat, "auto", scale, scale)
 
     return write
+
+
+def _attention_kernel(device: torch.device) -> ModuleType:
+    """`hqlab_kernels.drafter_attention` where it can run on `device` (as `_layer_kernels`)."""
+    try:
+        from hqlab_kernels import drafter_attention
+    except ImportError as e:
+        raise ConfigError(f"StaticQwen2: attention='triton' needs Triton and hqlab's kernels (hqlab_kernels) "
+                          f"installed ({e})") from None
+    if device.type != "cuda" and not drafter_attention.interpreted():
+        raise ConfigError(f"StaticQwen2: attention='triton' runs on a CUDA device, or on the CPU only under Triton's "
+                          f"interpreter (TRITON_INTERPRET=1); got device {device}")
+    return drafter_attention
 
 
 def _layer_kernels(device: torch.device) -> ModuleType:
@@ -173,9 +193,26 @@ class StaticQwen2:
         shape = (self.n_layers, self.slots * self.blocks, BLOCK, self.kv_heads, self.head_dim)
         self.k_cache = torch.zeros(shape, device=self.device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=dtype)
+        # the Triton layers' scratch for split reductions (kernel TILES with split_k > 1), sized once for the table
+        # as it stands now: the passes captured in CUDA graphs reuse it
+        self.workspace = None
+        if self.layer_kernels is not None:
+            max_split = max(t.split_k for t in self.layer_kernels.TILES.values())
+            if max_split > 1:
+                self.workspace = self.layer_kernels.Workspace.for_layer(
+                    hidden=self.hidden, inter=int(config["intermediate_size"]),
+                    qkv_rows=(self.heads + 2 * self.kv_heads) * self.head_dim, max_rows=TRITON_MAX_ROWS,
+                    max_split=max_split, device=self.device)
         half = dtype in (torch.bfloat16, torch.float16)  # FlashAttention's dtypes
-        self.flash, planner = _flash_attention(self.device, self.head_dim) if attention in ("auto", "flash") and half \
-            else (None, None)
+        self.flash, planner = _flash_attention(self.device, self.head_dim) \
+            if attention in ("auto", "flash", "triton") and half else (None, None)
+        # the Triton attention of the drafting passes, its scratch sized for every slot at once and its most splits
+        self.attention_kernel, self.attention_workspace = None, None
+        if attention == "triton":
+            self.attention_kernel = _attention_kernel(self.device)
+            self.attention_workspace = self.attention_kernel.attention_workspace(
+                self.slots, self.heads, self.attention_kernel.MAX_TILE_ROWS // self.groups or 1,
+                self.attention_kernel.MAX_SPLITS, self.head_dim, self.device)
         if attention == "flash" and self.flash is None:
             raise ConfigError("StaticQwen2: attention='flash' needs vLLM's FlashAttention on a CUDA device and a "
                               f"bf16 or fp16 model (got {self.device}, {dtype})")
@@ -183,6 +220,9 @@ class StaticQwen2:
         # query row over thousands of keys splits and adds a combine kernel per call); plan_once: compute FA3's
         # work split once per pass and hand it to every layer, instead of a scheduling kernel in each call.
         self.splits = int(splits)
+        if self.attention_kernel is not None and self.splits > self.attention_kernel.MAX_SPLITS:
+            raise ConfigError(f"StaticQwen2: attention='triton' splits the keys over at most "
+                              f"{self.attention_kernel.MAX_SPLITS} programs (got splits={self.splits})")
         self.plan = planner if plan_once and self.flash is not None else None
         self.write_cache = _cache_writer(self.device) if self.flash is not None else None
         # Rotary tables in float32 for every position the cache can hold (transformers computes them in float32
@@ -251,8 +291,12 @@ class StaticQwen2:
         slots = slots.long()
         pos = start.long()[:, None] + torch.arange(q_len, device=self.device)  # [n, Q]
         flat = slots[:, None] * self.max_len + pos  # each position's index in a layer's cache, pages flattened
-        attend = self._flash_inputs(slots, start, q_len, attn_len) if self.flash is not None else \
-            self._mask(pos, attn_len)
+        if self.attention_kernel is not None and q_len * self.groups <= self.attention_kernel.MAX_TILE_ROWS:
+            attend = ("triton", slots, start)  # a drafting pass: hqlab_kernels.drafter_attention
+        elif self.flash is not None:
+            attend = self._flash_inputs(slots, start, q_len, attn_len)
+        else:
+            attend = self._mask(pos, attn_len)
         x = F.embedding(tokens, self.embed)  # [n, Q, hidden]
         if self.layer_kernels is not None and n * q_len <= TRITON_MAX_ROWS:
             return self._triton_layers(x, slots, pos, flat, attn_len, attend)
@@ -280,7 +324,7 @@ class StaticQwen2:
                        attn_len: int, attend: Any) -> torch.Tensor:
         """`hidden_states`' layer loop in hqlab_kernels.drafter_layers' four kernels per layer around `_attend`:
         x [n, Q, hidden] embedded tokens at positions `pos` [n, Q] (cache rows `flat`) -> final hidden states."""
-        kernels = self.layer_kernels
+        kernels, ws = self.layer_kernels, self.workspace
         n, q_len, hidden = x.shape
         rows = n * q_len
         x = x.reshape(rows, hidden)
@@ -289,11 +333,12 @@ class StaticQwen2:
             kc, vc = self.k_cache[i], self.v_cache[i]
             q = kernels.norm_qkv_rope_cache(x, layer["in_norm"], layer["qkv_w"], layer["qkv_b"], self.cos, self.sin,
                                             positions, cache_index, kc, vc, heads=self.heads, kv_heads=self.kv_heads,
-                                            eps=self.eps)  # [rows, heads, D]; K/V now in the cache
+                                            eps=self.eps, workspace=ws)  # [rows, heads, D]; K/V now in the cache
             o = self._attend(q.view(n, q_len, self.heads, self.head_dim), kc, vc, slots, attn_len, attend)
-            x = kernels.o_proj_residual(x, o.reshape(rows, -1), layer["o_w"])
+            x = kernels.o_proj_residual(x, o.reshape(rows, -1), layer["o_w"], workspace=ws)
             x = kernels.down_residual(x, kernels.norm_gate_up_silu(x, layer["post_norm"], layer["gate_up_w"],
-                                                                   eps=self.eps), layer["down_w"])
+                                                                   eps=self.eps, workspace=ws), layer["down_w"],
+                                      workspace=ws)
         return x.view(n, q_len, hidden)
 
     def _mask(self, pos: torch.Tensor, attn_len: int) -> torch.Tensor:
@@ -325,6 +370,12 @@ class StaticQwen2:
                 attend: Any) -> torch.Tensor:
         """q [n, Q, heads, D] -> attention output [n, Q, heads * D]."""
         n, q_len, h, d = q.shape
+        if isinstance(attend, tuple) and attend[0] == "triton":
+            kernel, (_, slots, start) = self.attention_kernel, attend
+            splits = self.splits or kernel.default_splits(attn_len, n, self.kv_heads)
+            o = kernel.decode_attention(q.reshape(n * q_len, h, d), kc, vc, slots, start, max_len=self.max_len,
+                                        attn_len=attn_len, splits=splits, workspace=self.attention_workspace)
+            return o.view(n, q_len, h * d)
         if self.flash is not None:
             cu_q, used, table, plan = attend
             o = self.flash(q.reshape(n * q_len, h, d), kc, vc, max_seqlen_q=q_len, cu_seqlens_q=cu_q,

@@ -80,7 +80,9 @@ class GpuFusedConfig(FusedConfig):
     propose: with one drafter token a step and the threshold rule the block is then the lookup's whatever the drafter
     says), decided on the device behind CUDA graph conditional nodes (`conditional.run_if`), with no host proof and
     no lag; decision for decision the config without it (docs/vllm-fused-design.md §9); layers: how the drafter runs
-    its layers ("torch", or "triton": four Triton kernels per layer in its drafting passes, `layers=triton`)."""
+    its layers ("torch", or "triton": four Triton kernels per layer in its drafting passes, `layers=triton`);
+    attention: the drafter's attention ("auto": vLLM's FlashAttention; "triton": one Triton kernel a layer in the
+    drafting passes, `attention=triton`; "sdpa")."""
 
     graphs: bool = True
     compile: bool = False
@@ -91,6 +93,7 @@ class GpuFusedConfig(FusedConfig):
     prefill_chunk: int = PREFILL_CHUNK
     device_skip: bool = False
     layers: str = "torch"
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -109,13 +112,15 @@ class GpuFusedConfig(FusedConfig):
         if self.prefill_chunk < 1:
             raise ConfigError(f"{NAME}: prefill_chunk must be >= 1 prompt token per drafter call "
                               f"(got {self.prefill_chunk})")
-        from hqlab.engines.vllm.drafter import COMPILE_MODES, LAYERS
+        from hqlab.engines.vllm.drafter import ATTENTION, COMPILE_MODES, LAYERS
 
         if self.compile_mode not in COMPILE_MODES:
             raise ConfigError(f"{NAME}: compile_mode must be one of {', '.join(COMPILE_MODES)} "
                               f"(got {self.compile_mode!r})")
         if self.layers not in LAYERS:
             raise ConfigError(f"{NAME}: layers must be one of {', '.join(LAYERS)} (got {self.layers!r})")
+        if self.attention not in ATTENTION:
+            raise ConfigError(f"{NAME}: attention must be one of {', '.join(ATTENTION)} (got {self.attention!r})")
         if self.splits < 0:
             raise ConfigError(f"{NAME}: splits must be >= 0 (0: FlashAttention decides; got {self.splits})")
         if self.temperature != 0:
@@ -351,14 +356,16 @@ class GpuFusedSpeculator:
         c = self.config
         drafter = StaticQwen2.load(folder, slots=self.max_num_reqs, max_len=self.cache_len, device=self.device,
                                    dtype=self.dtype, compile=c.compile, compile_mode=c.compile_mode, splits=c.splits,
-                                   plan_once=c.plan_once, layers=c.layers)
+                                   plan_once=c.plan_once, layers=c.layers, attention=c.attention)
         if self.vocab is not None and drafter.vocab != self.vocab:
             raise ConfigError(f"{NAME}: the drafter {self.config.model!r} has a vocabulary of {drafter.vocab} rows and "
                               f"the target {self.vocab}; the drafter must share the target's tokenizer")
         self.drafter = drafter
         # FlashAttention reads each row only up to its own length, whatever the bound: one graph per batch size.
         # The masked path attends over the whole bound, so it keeps a ladder of lengths.
-        self.buckets = [self.cache_len] if drafter.flash is not None else attention_buckets(self.cache_len)
+        # The Triton attention too (attention=triton); its prompt chunks then run in FlashAttention or sdpa.
+        whole = drafter.flash is not None or drafter.attention_kernel is not None
+        self.buckets = [self.cache_len] if whole else attention_buckets(self.cache_len)
 
     # vLLM's speculator interface -------------------------------------------------------------------------------
 

@@ -147,6 +147,70 @@ def test_norm_gate_up_silu_matches_torch(rows, hidden, block_rows, block_n, bloc
     torch.testing.assert_close(got, F.silu(gate) * up, **TIGHT)
 
 
+@pytest.mark.parametrize("rows, split_k, block_k", [(7, 2, 16), (21, 4, 16), (5, 8, 32)],
+                         ids=["two-splits", "four-splits-two-row-blocks", "more-splits-than-steps"])
+def test_split_reductions_match_torch_bitwise_from_call_to_call_and_reset_their_counters(rows, split_k, block_k):
+    """Each kernel with its reduction split over `split_k` programs (partials in a Workspace, the last program of a
+    tile adds them in split order): the same results as the formulas, the same bits at a second call, every
+    counter back to zero. At 8 splits of 32-column steps over 64 columns, six splits have nothing to add."""
+    g = torch.Generator().manual_seed(300 + rows)
+    hidden, heads, kv_heads, head_dim, inter, positions = 64, 4, 2, 16, 80, 40
+    ws = dl.Workspace.for_layer(hidden=hidden, inter=inter, qkv_rows=(heads + 2 * kv_heads) * head_dim,
+                                max_rows=rows, max_split=split_k, device="cpu")
+    split = dict(split_k=split_k, block_k=block_k, workspace=ws)
+    x, norm = randn(rows, hidden, g=g), 1 + randn(hidden, g=g, scale=0.3)
+
+    def twice(fn):
+        first = fn()
+        assert torch.equal(first, fn())
+        assert int(ws.counters.abs().sum()) == 0
+        return first
+
+    o, wo = randn(rows, hidden, g=g), randn(hidden, hidden, g=g, scale=0.2)
+    torch.testing.assert_close(twice(lambda: dl.o_proj_residual(x, o, wo, block_n=16, **split)),
+                               x + F.linear(o, wo), **TIGHT)
+    h, wd = randn(rows, inter, g=g), randn(hidden, inter, g=g, scale=0.2)
+    torch.testing.assert_close(twice(lambda: dl.down_residual(x, h, wd, block_n=8, **split)),
+                               x + F.linear(h, wd), **TIGHT)
+    w_gu = randn(2 * inter, hidden, g=g, scale=0.2)
+    gate, up = F.linear(rms(x, norm), w_gu).chunk(2, dim=-1)
+    torch.testing.assert_close(twice(lambda: dl.norm_gate_up_silu(x, norm, w_gu, eps=EPS, block_n=16, **split)),
+                               F.silu(gate) * up, **TIGHT)
+    width = (heads + 2 * kv_heads) * head_dim
+    w_qkv, b_qkv = randn(width, hidden, g=g, scale=0.2), randn(width, g=g, scale=0.2)
+    cos, sin = rotary_tables(positions, head_dim)
+    pos = torch.randint(0, positions, (rows,), generator=g)
+    k_cache, v_cache = torch.zeros(rows, kv_heads, head_dim), torch.zeros(rows, kv_heads, head_dim)
+    index = torch.randperm(rows, generator=g)
+    q = twice(lambda: dl.norm_qkv_rope_cache(x, norm, w_qkv, b_qkv, cos, sin, pos, index, k_cache, v_cache,
+                                             heads=heads, kv_heads=kv_heads, eps=EPS, half_block=4, **split))
+    qkv = F.linear(rms(x, norm), w_qkv, b_qkv)
+    c, s = cos[pos][:, None, :], sin[pos][:, None, :]
+    torch.testing.assert_close(q, rotate(qkv[:, :heads * head_dim].view(rows, heads, head_dim), c, s), **TIGHT)
+    want_k = rotate(qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(rows, kv_heads, head_dim), c, s)
+    torch.testing.assert_close(k_cache[index], want_k, **TIGHT)
+    torch.testing.assert_close(v_cache[index], qkv[:, (heads + kv_heads) * head_dim:].view(rows, kv_heads, head_dim),
+                               **TIGHT)
+
+
+def test_tiles_and_workspaces_are_checked():
+    with pytest.raises(ValueError, match="Tiles.block_n must be a power of two"):
+        dl.Tiles(12)
+    with pytest.raises(ValueError, match="Tiles.num_stages must be >= 1"):
+        dl.Tiles(8, num_stages=0)
+    x, o, wo = torch.zeros(4, 32), torch.zeros(4, 32), torch.zeros(32, 32)
+    with pytest.raises(ValueError, match="split_k=2 needs a Workspace"):
+        dl.o_proj_residual(x, o, wo, split_k=2)
+    small = dl.Workspace.allocate(16, 1, "cpu")
+    with pytest.raises(ValueError, match="the workspace is too small for this call"):
+        dl.o_proj_residual(x, o, wo, split_k=2, workspace=small)
+    with pytest.raises(ValueError, match="split_k must be a power of two"):
+        dl.o_proj_residual(x, o, wo, split_k=3, workspace=small)
+    # the table's entries are what a call without overrides runs with
+    assert set(dl.KERNELS) == {kernel for kernel, _ in dl.TILES}
+    assert {rows for _, rows in dl.TILES} == set(dl.ROW_BLOCKS)
+
+
 def test_the_kernels_refuse_inputs_they_cannot_run():
     x = torch.zeros(4, 64)
     with pytest.raises(ValueError, match=r"weight must have shape \(64, 32\)"):
@@ -227,12 +291,17 @@ class KernelCalls:
         return count
 
 
-def test_triton_layers_equal_torch_layers_over_prefill_and_drafting_passes(monkeypatch):
+@pytest.mark.parametrize("attention", ["auto", "triton"])
+def test_triton_layers_equal_torch_layers_over_prefill_and_drafting_passes(monkeypatch, attention):
+    """With attention="triton" the triton side's attention is hqlab_kernels.drafter_attention too (every call here
+    fits its tile: at most 2 x 70 query rows a request), against sdpa on the torch side."""
     cfg, weights = tiny_weights(**TINY)
     slots, max_len = 4, 96
     torch_side = StaticQwen2(cfg, weights, slots=slots, max_len=max_len, dtype=torch.float32)
-    triton_side = StaticQwen2(cfg, weights, slots=slots, max_len=max_len, dtype=torch.float32, layers="triton")
+    triton_side = StaticQwen2(cfg, weights, slots=slots, max_len=max_len, dtype=torch.float32, layers="triton",
+                              attention=attention)
     assert torch_side.layer_kernels is None and triton_side.layer_kernels is dl
+    assert (triton_side.attention_kernel is not None) == (attention == "triton")
     calls = KernelCalls(monkeypatch)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, TINY["vocab"], (slots, max_len), generator=g)
@@ -294,7 +363,7 @@ def test_triton_layers_on_the_cpu_need_the_interpreter(monkeypatch):
         StaticQwen2(cfg, weights, slots=1, max_len=16, dtype=torch.float32, layers="triton")
 
 
-def test_the_gpu_fused_spec_takes_layers_and_passes_it_to_the_drafter(tmp_path):
+def test_the_gpu_fused_spec_takes_layers_and_attention_and_passes_them_to_the_drafter(tmp_path):
     pytest.importorskip("vllm", reason="the vllm extra is not installed")
     from safetensors.torch import save_file
 
@@ -309,11 +378,19 @@ def test_the_gpu_fused_spec_takes_layers_and_passes_it_to_the_drafter(tmp_path):
     cfg, weights = tiny_weights(**{**TINY, "layers": 1})
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen2"}))
     save_file(weights, str(tmp_path / "model.safetensors"))
-    for spec_config, kernels in ((config, dl), (fused_config("gpu-fused:k=3,draft_block=2,nmax=4"), None)):
+    with pytest.raises(ConfigError, match="attention must be one of auto, flash, sdpa, triton"):
+        fused_config("gpu-fused:k=15,attention=fa4")
+    with_attention = fused_config("gpu-fused:k=3,draft_block=2,nmax=4,layers=triton,attention=triton")
+    assert with_attention.attention == "triton"
+    plain = fused_config("gpu-fused:k=3,draft_block=2,nmax=4")
+    for spec_config, kernels, attention in ((config, dl, False), (plain, None, False),
+                                            (with_attention, dl, True)):
         speculator = GpuFusedSpeculator.standalone(spec_config, max_num_reqs=2, max_model_len=32, pad=0,
                                                    device="cpu", dtype=torch.float32)
         speculator.load_drafter(str(tmp_path))
         assert speculator.drafter.layer_kernels is kernels
+        assert (speculator.drafter.attention_kernel is not None) == attention
+        assert speculator.buckets == [speculator.cache_len] if attention else len(speculator.buckets) >= 1
 
 
 # --------------------------------------------------------------------------------------------------------------
