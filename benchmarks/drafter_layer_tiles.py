@@ -173,11 +173,13 @@ ATTN_SLOTS, ATTN_MAX_LEN, Q_LEN = 4, 4160, 16  # vLLM's drafter cache for max_mo
 
 
 def attention_candidates(quick: bool) -> list[dict]:
-    splits, block_n, stages, warps = (2, 4, 8, 16, 32), (32, 64, 128), (2, 3, 4), (4, 8)
-    if quick:
-        splits, block_n, stages, warps = (8, 16), (64,), (3,), (8,)
-    return [{"splits": sp, "block_n": bn, "num_stages": st, "num_warps": w}
-            for sp, bn, st, w in itertools.product(splits, block_n, stages, warps)]
+    """Query rows per program (a KV head's 112 rows in one tile of 128, or tiles of 16-64), key splits, keys per
+    step and warps (fewer for the small tiles); run t1 found 3 stages and block_n 32 best with one tile."""
+    out = []
+    for bm, sp, bn in itertools.product((16, 32, 64, 128), (4, 8, 16, 32), (32, 64)):
+        for w in ((2, 4) if bm <= 32 else (4, 8)):
+            out.append({"block_m": bm, "splits": sp, "block_n": bn, "num_stages": 3, "num_warps": w})
+    return out[::8] if quick else out
 
 
 class AttentionProblem:
@@ -280,10 +282,15 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a few candidates per kernel (a smoke run)")
     p.add_argument("--attention", type=int, nargs="*", default=[1, 4], help="batch sizes of the attention sweep "
                    "(at 2,048 cached positions; none: skip it)")
+    p.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
     p.add_argument("--max-error", type=float, default=0.05, help="largest relative error a candidate may have "
                    "(bf16 rounding of gate, up and silu alone gives K3 ~3e-2 against a float32 formula)")
     args = p.parse_args()
     out = Path(os.environ.get("OUT", "."))
+    if args.no_pdl:
+        from hqlab_kernels import drafter_attention
+
+        dl.PDL = drafter_attention.PDL = False
     jobs = [(k, r, c) for r in args.rows for k in args.kernels for c in candidates(k, r, args.quick)]
     jobs += [("attention", args.attention[0], c) for c in attention_candidates(args.quick)] if args.attention else []
     t0 = time.time()
@@ -293,7 +300,7 @@ def main() -> None:
         with ctx.Pool(args.workers) as pool:
             compiled = sum(pool.map(compile_worker, chunks))
         print(f"compiled {compiled} of {len(jobs)} variants in {time.time() - t0:.0f} s", flush=True)
-    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "pdl": dl.PDL,
                     "triton": __import__("triton").__version__, "layers": LAYERS, "rows": [], "cublas": [],
                     "table_before": {f"{k}@{r}": asdict(t) for (k, r), t in dl.TILES.items()}}
     best: dict = {}
@@ -345,10 +352,10 @@ def main() -> None:
                 best[("attention", n)] = row
         if b := best.get(("attention", n)):
             print(f"  best attention n={n}: {b['us']:.2f} us (err {b['error']:.1e}) "
-                  f"{ {k: b[k] for k in ('splits', 'block_n', 'num_warps', 'num_stages')} }", flush=True)
+                  f"{ {k: b[k] for k in ('block_m', 'splits', 'block_n', 'num_warps', 'num_stages')} }", flush=True)
         del problem
         torch.cuda.empty_cache()
-    fields = ("block_n", "block_k", "num_warps", "num_stages", "split_k", "splits")
+    fields = ("block_n", "block_k", "num_warps", "num_stages", "split_k", "splits", "block_m")
     result["best"] = {f"{k}@{r}": {n: b[n] for n in fields if n in b} | {"us": b["us"], "error": b["error"]}
                       for (k, r), b in best.items()}
     result["seconds"] = time.time() - t0

@@ -53,23 +53,24 @@ def main() -> None:
                    "the one-pass configs of the fused benchmark")
     p.add_argument("--tiles", type=Path, help="a tile sweep's JSON (benchmarks/drafter_layer_tiles.py): its best "
                    "tiles replace the Triton layers' table before the drafters are built")
+    p.add_argument("--no-pdl", action="store_true", help="Triton kernels without programmatic dependent launch")
     args = p.parse_args()
     out = Path(os.environ.get("OUT", "."))
+    if args.no_pdl:
+        from hqlab_kernels import drafter_attention, drafter_layers
+
+        drafter_layers.PDL = drafter_attention.PDL = False
     tiles = None
     if args.tiles:
         from hqlab_kernels import drafter_layers
 
         from hqlab_kernels import drafter_attention
 
-        tiles = json.loads(args.tiles.read_text())["best"]
-        drafter_layers.set_tiles({k: v for k, v in tiles.items() if not k.startswith("attention@")})
-        one, four = tiles.get("attention@1"), tiles.get("attention@4")
-        if one:  # the batch-1 pass's best tiles; its splits the most, the batch-4 best splits x 4 requests x 2 KV heads
-            drafter_attention.BLOCK_N, drafter_attention.NUM_STAGES = one["block_n"], one["num_stages"]
-            drafter_attention.NUM_WARPS, drafter_attention.MAX_SPLITS = one["num_warps"], one["splits"]
-            drafter_attention.TARGET_PROGRAMS = (four or one)["splits"] * (4 if four else 1) * 2
+        tiles = drafter_layers.sweep_tiles(args.tiles)
+        drafter_layers.set_tiles(tiles)
+        drafter_attention.set_tiles(tiles)
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": [], "kernels": {},
-                    "tiles": tiles}
+                    "tiles": tiles, "pdl": not args.no_pdl}
     slots_n, width = 4, 4096
     for spec_text in args.config or CONFIGS:
         spec, total = standalone_speculator(spec_text, slots=slots_n, width=width)

@@ -31,11 +31,13 @@ tensors (the tests). This module is a leaf: it imports nothing from hqlab.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 BLOCK_N = 64  # keys per loop step: a [BLOCK_M, 64] score tile, K and V tiles of 64 x 64 (8 KB each in bf16)
 MAX_TILE_ROWS = 256  # the most query rows (Q * groups) one program holds: 256 x 64 float32 is 64 KB of registers
@@ -45,7 +47,27 @@ MIN_SPLIT_KEYS = 128  # keys per split at the least (also at least one BLOCK_N)
 MAX_SPLITS = 16  # the combine is serial in the last program: it reads splits x rows x D float32 from L2
 NUM_STAGES: int | None = None  # Triton's pipeline depth for the key loop (None: Triton's default)
 NUM_WARPS: int | None = None  # warps per program (None: `warps`' rule)
+# Query rows per program (None: all Q * groups rows of a KV head in one tile). Fewer rows per program mean more
+# programs per split and, above all, a combine that reads only its own rows' partials: with one tile of the 0.5B's
+# 112 rows and 16 splits the last program alone reads 16 x 112 x 64 float32 (459 KB) from L2.
+BLOCK_M: int | None = None
+PDL = True  # programmatic dependent launch on Hopper and later (as hqlab_kernels.drafter_layers.PDL)
 LOG2E = 1.4426950408889634
+
+
+def set_tiles(table: dict[str, dict]) -> None:
+    """Take a tile sweep's attention entries (benchmarks/drafter_layer_tiles.py: "attention@1", "attention@4", the
+    best block_m, splits, block_n, warps and stages at one and four requests): the batch-1 best sets BLOCK_M,
+    BLOCK_N, NUM_WARPS, NUM_STAGES and MAX_SPLITS, and TARGET_PROGRAMS becomes the batch-4 best's program count
+    (splits x 4 requests x 2 KV heads), so `default_splits` gives each sweep's choice back. Other entries are
+    ignored."""
+    global BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES, MAX_SPLITS, TARGET_PROGRAMS
+    one, four = table.get("attention@1"), table.get("attention@4")
+    if not one:
+        return
+    BLOCK_M, BLOCK_N = one.get("block_m"), one["block_n"]
+    NUM_WARPS, NUM_STAGES, MAX_SPLITS = one["num_warps"], one["num_stages"], one["splits"]
+    TARGET_PROGRAMS = four["splits"] * 4 * 2 if four else one["splits"] * 2
 
 
 def interpreted() -> bool:
@@ -57,8 +79,8 @@ def interpreted() -> bool:
 
 
 def tile_rows(q_len: int, groups: int) -> int:
-    """BLOCK_M, the rows of a program's query tile: Q * groups rounded up to a power of two, at least 16 (the
-    tensor cores' M)."""
+    """The rows of a KV head's whole query tile: Q * groups rounded up to a power of two, at least 16 (the
+    tensor cores' M); the default BLOCK_M."""
     return max(16, triton.next_power_of_2(q_len * groups))
 
 
@@ -118,8 +140,8 @@ def attention_workspace(n_max: int, heads: int, q_max: int, splits: int, head_di
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     rows = n_max * splits * q_max * heads
-    return AttentionWorkspace(
-        counters=torch.zeros(n_max * heads, dtype=torch.int32, device=device),
+    return AttentionWorkspace(  # counters: one per (request, KV head, row tile), at most one per query row
+        counters=torch.zeros(n_max * q_max * heads, dtype=torch.int32, device=device),
         row_max=torch.zeros(rows, dtype=torch.float32, device=device),
         row_sum=torch.zeros(rows, dtype=torch.float32, device=device),
         acc=torch.zeros(rows * head_dim, dtype=torch.float32, device=device))
@@ -154,16 +176,22 @@ def _dot(a, b, acc, PRECISION: tl.constexpr):
 def _decode_attention_kernel(q, k_cache, v_cache, slots, start, out, counters, ws_max, ws_sum, ws_acc, qk_scale,
                              max_len, cache_slots, attn_len, Q_LEN: tl.constexpr, HEADS: tl.constexpr,
                              KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                             GDC: tl.constexpr):
     """Program (kv_head, split, request): the request's query rows of the KV head's groups query heads against the
     keys [split * chunk, (split + 1) * chunk) clipped to [0, min(start + Q, attn_len)) (see the module docstring)."""
+    if GDC:  # programmatic dependent launch: the next kernel may launch; wait for the previous one's writes
+        gdc_launch_dependents()
+        gdc_wait()
     groups: tl.constexpr = HEADS // KV_HEADS
     rows_used: tl.constexpr = Q_LEN * groups
-    kvh = tl.program_id(0)
+    row_tiles: tl.constexpr = (rows_used + BLOCK_M - 1) // BLOCK_M
+    kvh = tl.program_id(0) // row_tiles
+    tile = tl.program_id(0) % row_tiles
     split = tl.program_id(1)
     b = tl.program_id(2)
 
-    m = tl.arange(0, BLOCK_M)
+    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # this program's rows of the KV head's Q * groups
     d = tl.arange(0, HEAD_DIM)
     row_ok = m < rows_used
     i = m // groups  # query index within the request
@@ -215,6 +243,7 @@ def _decode_attention_kernel(q, k_cache, v_cache, slots, start, out, counters, w
     else:
         pair = b * KV_HEADS + kvh  # (request, KV head)
         ws_rows = (pair * SPLITS).to(tl.int64) * rows_used + m  # split s's rows are s * rows_used further
+        counter = counters + pair * row_tiles + tile  # one per (request, KV head, row tile)
         mine = ws_rows + split * rows_used
         tl.store(ws_max + mine, m_i, mask=row_ok)
         tl.store(ws_sum + mine, l_i, mask=row_ok)
@@ -224,7 +253,7 @@ def _decode_attention_kernel(q, k_cache, v_cache, slots, start, out, counters, w
         # to all its threads by the second barrier, lets its .cg loads (L2, past the SM's L1) see every split's.
         # The branch is uniform over the program: every thread holds the same `arrived`.
         tl.debug_barrier()
-        arrived = tl.atomic_add(counters + pair, 1, sem="acq_rel", scope="gpu")
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLITS - 1:
             tl.debug_barrier()
             total_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -246,7 +275,7 @@ def _decode_attention_kernel(q, k_cache, v_cache, slots, start, out, counters, w
                 total += weight[:, None] * s_acc
             o = total / tl.where(total_sum > 0, total_sum, 1.0)[:, None]
             tl.store(out + qo_offsets, o.to(dtype), mask=row_ok[:, None])
-            tl.atomic_xchg(counters + pair, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -272,14 +301,14 @@ def _check_index(name: str, t: torch.Tensor, q: torch.Tensor) -> int:
 
 
 def _check_workspace(workspace: AttentionWorkspace | None, n: int, kv_heads: int, q_len: int, heads: int,
-                     splits: int, head_dim: int, device: torch.device) -> None:
+                     splits: int, head_dim: int, device: torch.device, row_tiles: int = 1) -> None:
     if workspace is None:
         raise ValueError(f"workspace is needed for splits={splits} > 1 (attention_workspace allocates one)")
     if not isinstance(workspace, AttentionWorkspace):
         raise ValueError(f"workspace must be an AttentionWorkspace (attention_workspace), got "
                          f"{type(workspace).__name__}")
     rows = n * splits * q_len * heads
-    need = {"counters": (torch.int32, n * kv_heads), "row_max": (torch.float32, rows),
+    need = {"counters": (torch.int32, n * kv_heads * row_tiles), "row_max": (torch.float32, rows),
             "row_sum": (torch.float32, rows), "acc": (torch.float32, rows * head_dim)}
     for field, (dtype, size) in need.items():
         t = getattr(workspace, field)
@@ -297,7 +326,7 @@ def _check_workspace(workspace: AttentionWorkspace | None, n: int, kv_heads: int
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                      start: torch.Tensor, *, max_len: int, attn_len: int, splits: int | None = None,
                      block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                     workspace: AttentionWorkspace | None = None) -> torch.Tensor:
+                     block_m: int | None = None, workspace: AttentionWorkspace | None = None) -> torch.Tensor:
     """Causal grouped-query attention of n requests' query rows over their cached keys: o [n * Q, heads * D].
 
     q: [n * Q, heads, D] contiguous, request b's query i in row b * Q + i (n = slots.numel()); query i of request b
@@ -310,7 +339,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     row at a negative position) gets zeros.
 
     splits: key splits (default `default_splits`); beyond 1 the call needs a `workspace` (`attention_workspace`).
-    block_n, num_warps, num_stages: tuning (keys per loop step; Triton's launch options)."""
+    block_n, num_warps, num_stages, block_m: tuning (keys per loop step; Triton's launch options; query rows per
+    program, default all of a KV head's, as BLOCK_M)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"q must be a [n * Q, heads, head_dim] tensor, got shape {tuple(getattr(q, 'shape', ()))}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -366,23 +396,34 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
     if num_warps is not None:
         _check_block("num_warps", num_warps, 1)
-    block_m = tile_rows(q_len, groups)
+    block_m = BLOCK_M if block_m is None else block_m
+    block_m = tile_rows(q_len, groups) if block_m is None else min(_check_block("block_m", block_m, 16),
+                                                                     tile_rows(q_len, groups))
+    row_tiles = triton.cdiv(q_len * groups, block_m)
     out = torch.empty(rows, heads * head_dim, dtype=q.dtype, device=q.device)
     if splits > 1:
-        _check_workspace(workspace, n, kv_heads, q_len, heads, splits, head_dim, q.device)
+        _check_workspace(workspace, n, kv_heads, q_len, heads, splits, head_dim, q.device, row_tiles)
         counters, ws_max, ws_sum, ws_acc = workspace.counters, workspace.row_max, workspace.row_sum, workspace.acc
     else:  # unused by the one-split kernel: any float32 / int32 pointers do
         counters, ws_max, ws_sum, ws_acc = slots, out, out, out
     options = {"num_warps": num_warps or warps(block_m)}
     if num_stages is not None:
         options["num_stages"] = num_stages
-    _decode_attention_kernel[(kv_heads, splits, n)](
+    gdc = PDL and q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] >= 9
+    if gdc:
+        options["launch_pdl"] = True
+    _decode_attention_kernel[(kv_heads * row_tiles, splits, n)](
         q, k_cache, v_cache, slots, start, out, counters, ws_max, ws_sum, ws_acc, LOG2E / math.sqrt(head_dim),
         max_len, cache_slots, attn_len, Q_LEN=q_len, HEADS=heads,
         KV_HEADS=kv_heads, HEAD_DIM=head_dim, SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n,
-        PRECISION=_precision(q), **options)
+        PRECISION=_precision(q), GDC=gdc, **options)
     return out
 
 
-__all__ = ["AttentionWorkspace", "BLOCK_N", "attention_workspace", "decode_attention", "default_splits",
+__all__ = ["AttentionWorkspace", "BLOCK_N", "set_tiles", "attention_workspace", "decode_attention", "default_splits",
            "interpreted", "split_chunk", "tile_rows", "warps"]
+
+if os.environ.get("HQLAB_DRAFTER_TILES"):  # as hqlab_kernels.drafter_layers.TILES_ENV
+    from hqlab_kernels.drafter_layers import sweep_tiles
+
+    set_tiles(sweep_tiles(os.environ["HQLAB_DRAFTER_TILES"]))

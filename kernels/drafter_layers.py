@@ -32,20 +32,21 @@ imports nothing from hqlab.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-# Block sizes for the drafting passes of the 0.5B (H=896, 14 + 2 + 2 heads of 64, I=4864) at R <= 64 rows on an
-# H200 (132 SMs). The products are matrix-vector-like: each program streams its slice of the weights once, so what
-# matters is enough programs to keep HBM busy and few enough that each one's activation reads stay small.
+# The drafting passes of the 0.5B (H=896, 14 + 2 + 2 heads of 64, I=4864) run R <= 64 rows. The products are
+# matrix-vector-like: each program streams its slice of the weights once, so what matters is enough bytes in flight
+# to keep HBM busy (programs x tile x pipeline depth, or a split reduction) and few enough programs that each one's
+# activation reads stay small; TILES holds what a GPU sweep found per kernel and row block.
 ROW_BLOCKS = (16, 32, 64)  # rows per program: the smallest covering R (16 is the tensor-core tile's M)
-HALF_BLOCK = 8  # K1: columns per rotary half a program computes (2 x 8 of one head): 18 heads x 4 = 72 programs
-O_BLOCK = 8  # K2: output columns per program: 896 / 8 = 112 programs (each reads 14 KB of Wo, 28 KB of o)
-GATE_UP_BLOCK = 32  # K3: gate (and as many up) columns per program: 4864 / 32 = 152 programs of 115 KB
-DOWN_BLOCK = 8  # K4: output columns per program: 896 / 8 = 112 programs of 78 KB of Wd (+ h: 155 KB from L2)
 # Warps per program and, in the two norm kernels, reduction steps of at most NORM_KERNEL_K_BLOCK columns beyond 16
 # rows: what keeps every kernel free of register spills at 16, 32 and 64 rows per program (ptxas -v for sm_90a on
 # the 0.5B's shapes; 4 warps and 128-column steps at 32 rows spill in K3).
@@ -55,6 +56,10 @@ NORM_KERNEL_K_BLOCK = 64
 # so the RMS costs one L2 round trip, not one per step of a loop that nothing pipelines.
 NORM_ELEMENTS = 16 * 1024
 KERNELS = ("qkv", "o_proj", "gate_up", "down")  # K1..K4, the keys of TILES
+# Programmatic dependent launch (Hopper and later): each kernel lets the next one launch at once and, before its
+# first memory access, waits until the previous one has finished, so a kernel's launch and set-up overlap its
+# predecessor's tail (a drafting pass has ~120 kernel boundaries). False: plain stream order.
+PDL = True
 
 
 @dataclass(frozen=True)
@@ -80,19 +85,43 @@ class Tiles:
 
 
 # The tiles each kernel launches with, per (kernel, rows per program); a launcher's keyword arguments override them.
-TILES: dict[tuple[str, int], Tiles] = {}
-for _rows in ROW_BLOCKS:
-    TILES.update({("qkv", _rows): Tiles(HALF_BLOCK), ("o_proj", _rows): Tiles(O_BLOCK),
-                  ("gate_up", _rows): Tiles(GATE_UP_BLOCK), ("down", _rows): Tiles(DOWN_BLOCK)})
+# 16 and 64 rows: the fastest of 540 candidates on an H200 at the 0.5B's shapes, each timed over 24 layers' own
+# weights in a CUDA graph (benchmarks/drafter_layer_tiles.py, run t1, data/results/drafter_layer_tiles_h200_t1.json:
+# per launch at 16 rows K1 10.7 -> 7.6 us, K2 3.6 -> 3.3, K3 14.1 -> 11.0, K4 11.9 -> 7.1 against the first tiles);
+# 32 rows (two requests) takes the 64-row tiles, not swept.
+TILES: dict[tuple[str, int], Tiles] = {
+    ("qkv", 16): Tiles(16, 256, 4, 4, split_k=2), ("o_proj", 16): Tiles(16, 256, 4, 3),
+    ("gate_up", 16): Tiles(64, 256, 4, 3), ("down", 16): Tiles(32, 128, 4, 4, split_k=8),
+    ("qkv", 64): Tiles(16, 256, 8, 4, split_k=4), ("o_proj", 64): Tiles(16, 128, 8, 4),
+    ("gate_up", 64): Tiles(64, 128, 8, 3), ("down", 64): Tiles(32, 128, 8, 4, split_k=4),
+}
+TILES.update({(kernel, 32): TILES[(kernel, 64)] for kernel in KERNELS})
+
+
+TILES_ENV = "HQLAB_DRAFTER_TILES"  # a tile sweep's JSON applied when this module is imported (`sweep_tiles`)
+
+
+def sweep_tiles(path: str | Path) -> dict[str, dict]:
+    """The "best" table of a tile sweep's JSON (benchmarks/drafter_layer_tiles.py), checked for its shape."""
+    try:
+        table = json.loads(Path(path).read_text())["best"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{path} is not a tile sweep's JSON with a 'best' table ({type(e).__name__}: {e})") from None
+    if not isinstance(table, dict):
+        raise ValueError(f"{path}: 'best' must map 'kernel@rows' to tiles, got {type(table).__name__}")
+    return table
 
 
 def set_tiles(table: dict[str, dict]) -> None:
     """Replace TILES entries from {"kernel@rows": {"block_n": .., "block_k": .., "num_warps": .., "num_stages": ..,
-    "split_k": ..}} (a tile sweep's "best", benchmarks/drafter_layer_tiles.py); other keys of an entry are ignored.
-    Drafters built afterwards size their Workspace for the new splits."""
+    "split_k": ..}} (a tile sweep's "best"); other keys of an entry, and the attention's "attention@n" entries
+    (`hqlab_kernels.drafter_attention.set_tiles`), are ignored. Drafters built afterwards size their Workspace for
+    the new splits."""
     fields = ("block_n", "block_k", "num_warps", "num_stages", "split_k")
     new = {}
     for key, entry in table.items():
+        if key.startswith("attention@"):
+            continue
         kernel, _, rows = key.partition("@")
         if kernel not in KERNELS or not rows.isdigit() or int(rows) not in ROW_BLOCKS:
             raise ValueError(f"a tiles key is 'kernel@rows' with kernel in {KERNELS} and rows in {ROW_BLOCKS}, "
@@ -165,6 +194,12 @@ def _norm_kernel_k_block(hidden: int, block_rows: int) -> int:
     return k_block(hidden) if block_rows <= 16 else min(k_block(hidden), NORM_KERNEL_K_BLOCK)
 
 
+def grid_dependency(device: torch.device) -> bool:
+    """Whether launches on `device` use programmatic dependent launch (PDL, on a CUDA GPU of compute capability 9 or
+    more); the kernels' GDC flag and the launch's launch_pdl option."""
+    return PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _check_block(name: str, value: int, minimum: int = 1) -> int:
     """A block size as the kernels need it: a power of two (tl.arange's rule), at least `minimum`."""
     if value < minimum or value & (value - 1):
@@ -212,6 +247,16 @@ def _normed_chunk(x, norm_w, rows, row_ok, rstd, k0, HIDDEN: tl.constexpr, BLOCK
     normed = (v.to(tl.float32) * rstd[:, None]).to(v.dtype)
     w = tl.load(norm_w + cols, mask=col_ok, other=0.0)
     return (w.to(tl.float32)[None, :] * normed.to(tl.float32)).to(v.dtype)
+
+
+@triton.jit
+def _enter(GDC: tl.constexpr):
+    """With programmatic dependent launch: let the next kernel launch now (it waits in its own `_enter`), then wait
+    until the previous kernel has finished and its writes are visible. Every kernel here calls it before its first
+    load, so no kernel reads or writes memory that its predecessor still uses."""
+    if GDC:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 @triton.jit
@@ -292,10 +337,11 @@ def _norm_qkv_rope_cache_kernel(x, norm_w, qkv_w, qkv_b, cos, sin, positions, ca
                                 HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                                 HALF_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                                 NORM_K: tl.constexpr, SPLIT_K: tl.constexpr, K_PER: tl.constexpr,
-                                PRECISION: tl.constexpr):
+                                PRECISION: tl.constexpr, GDC: tl.constexpr):
     """Program (t, b, s): rows b * BLOCK_R.. and, of head t // tiles (q heads, then k, then v), the HALF_N columns
     starting at (t % tiles) * HALF_N of each rotary half, so the program holds both members of every pair it
     rotates; split s of the reduction (`_split_k_sum`)."""
+    _enter(GDC)
     half: tl.constexpr = HEAD_DIM // 2
     tiles: tl.constexpr = half // HALF_N
     head = tl.program_id(0) // tiles
@@ -345,10 +391,12 @@ def _norm_qkv_rope_cache_kernel(x, norm_w, qkv_w, qkv_b, cos, sin, positions, ca
 @triton.jit(do_not_specialize=["n_rows"])
 def _linear_residual_kernel(x, a, weight, out, partials, counters, n_rows, N: tl.constexpr, K: tl.constexpr,
                             BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            SPLIT_K: tl.constexpr, K_PER: tl.constexpr, PRECISION: tl.constexpr):
+                            SPLIT_K: tl.constexpr, K_PER: tl.constexpr, PRECISION: tl.constexpr,
+                            GDC: tl.constexpr):
     """out = x + a @ weight^T for x, out [R, N], a [R, K], weight [N, K]: K2 (a = attention output, weight = Wo)
     and K4 (a = SwiGLU output, weight = Wd). The product is rounded to the model dtype before the residual add,
     as the torch path's separate matmul and add round."""
+    _enter(GDC)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     w_rows = tl.where(col_ok, cols, 0)  # a tail tile reads row 0 for its dead columns (never stored)
@@ -375,10 +423,11 @@ def _linear_residual_kernel(x, a, weight, out, partials, counters, n_rows, N: tl
 def _norm_gate_up_silu_kernel(x, norm_w, gate_up_w, out, partials, counters, n_rows, eps, HIDDEN: tl.constexpr,
                               INTER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr, NORM_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                              K_PER: tl.constexpr, PRECISION: tl.constexpr):
+                              K_PER: tl.constexpr, PRECISION: tl.constexpr, GDC: tl.constexpr):
     """Program (t, b): columns t * BLOCK_N.. of silu(gate) * up for rows b * BLOCK_R..; gate is weight row n, up
     weight row INTER + n. Gate, up, silu(gate) and the product are each rounded to the model dtype (the torch
     path's separate operations)."""
+    _enter(GDC)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < INTER
     w_gate = tl.where(col_ok, cols, 0)  # a tail tile reads row 0 for its dead columns (never stored)
@@ -456,12 +505,14 @@ def _options(kernel: str, block_r: int, reduction: int, default_k: int, parts: i
 
 def _scratch(opts: dict, tiles: int, block_r: int, workspace: "Workspace | None",
              like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (partials, counters) a launch passes: the workspace's where the reduction is split (checked for room),
-    else `like` twice (never touched: SPLIT_K == 1 compiles the sums away)."""
+    """The (partials, counters) a launch passes: the workspace's where the reduction is split (checked for room; a
+    call given none gets one of its own, zeroed for it: pass one to reuse it), else `like` twice (never touched:
+    SPLIT_K == 1 compiles the sums away)."""
     if opts["split"] == 1:
         return like, like
+    floats = tiles * opts["split"] * opts["parts"] * block_r * opts["block_n"]
     if workspace is None:
-        raise ValueError(f"split_k={opts['split']} needs a Workspace (Workspace.for_layer) for its partial sums")
+        workspace = Workspace.allocate(floats, tiles, like.device)
     floats = tiles * opts["split"] * opts["parts"] * block_r * opts["block_n"]
     if workspace.partials.device != like.device or workspace.counters.device != like.device:
         raise ValueError(f"the workspace must be on {like.device} like the activations, got "
@@ -472,8 +523,12 @@ def _scratch(opts: dict, tiles: int, block_r: int, workspace: "Workspace | None"
     return workspace.partials, workspace.counters
 
 
-def _launch_kwargs(opts: dict) -> dict:
-    extra = {"num_warps": opts["num_warps"]}
+def _launch_kwargs(opts: dict, like: torch.Tensor) -> dict:
+    """Triton's launch options of a call: warps, stages, and GDC + launch_pdl (`grid_dependency`)."""
+    gdc = grid_dependency(like.device)
+    extra = {"num_warps": opts["num_warps"], "GDC": gdc}
+    if gdc:
+        extra["launch_pdl"] = True
     if opts["num_stages"] is not None:
         extra["num_stages"] = opts["num_stages"]
     return extra
@@ -535,7 +590,7 @@ def norm_qkv_rope_cache(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: 
         counters, n_rows, cos.shape[0], k_cache.numel() // (kv_heads * head_dim), eps, HIDDEN=hidden, HEADS=heads,
         KV_HEADS=kv_heads, HEAD_DIM=head_dim, HALF_N=half_n, BLOCK_R=block_r, BLOCK_K=opts["block_k"],
         NORM_K=norm_block(hidden, block_r), SPLIT_K=opts["split"], K_PER=opts["k_per"], PRECISION=_precision(x),
-        **_launch_kwargs(opts))
+        **_launch_kwargs(opts, x))
     return q
 
 
@@ -556,7 +611,7 @@ def _linear_residual(kernel: str, x: torch.Tensor, a: torch.Tensor, weight: torc
     partials, counters = _scratch(opts, grid[0] * grid[1], block_r, workspace, x)
     _linear_residual_kernel[grid](x, a, weight, out, partials, counters, n_rows, N=n, K=k, BLOCK_R=block_r,
                                   BLOCK_N=opts["block_n"], BLOCK_K=opts["block_k"], SPLIT_K=opts["split"],
-                                  K_PER=opts["k_per"], PRECISION=_precision(x), **_launch_kwargs(opts))
+                                  K_PER=opts["k_per"], PRECISION=_precision(x), **_launch_kwargs(opts, x))
     return out
 
 
@@ -598,7 +653,7 @@ def norm_gate_up_silu(x: torch.Tensor, norm_weight: torch.Tensor, gate_up_weight
                                     HIDDEN=hidden, INTER=inter, BLOCK_R=block_r, BLOCK_N=opts["block_n"],
                                     BLOCK_K=opts["block_k"], NORM_K=norm_block(hidden, block_r),
                                     SPLIT_K=opts["split"], K_PER=opts["k_per"], PRECISION=_precision(x),
-                                    **_launch_kwargs(opts))
+                                    **_launch_kwargs(opts, x))
     return out
 
 
@@ -614,5 +669,8 @@ def down_residual(x: torch.Tensor, h: torch.Tensor, down_weight: torch.Tensor, *
                              "num_stages": num_stages, "split_k": split_k}, workspace)
 
 
-__all__ = ["KERNELS", "TILES", "Tiles", "Workspace", "set_tiles", "down_residual", "interpreted", "k_block", "norm_gate_up_silu",
+__all__ = ["KERNELS", "PDL", "TILES", "TILES_ENV", "grid_dependency", "sweep_tiles", "Tiles", "Workspace", "set_tiles", "down_residual", "interpreted", "k_block", "norm_gate_up_silu",
            "norm_qkv_rope_cache", "o_proj_residual", "row_block"]
+
+if os.environ.get(TILES_ENV):  # a sweep's tiles for this GPU, for every drafter built in this process and its children
+    set_tiles(sweep_tiles(os.environ[TILES_ENV]))

@@ -175,6 +175,28 @@ def test_bf16_in_the_interpreter_is_close_to_the_reference():
 # --------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("case, block_m", [(7, 16), (9, 32), (12, 16), (3, 16)],
+                         ids=["seven-tiles-seven-splits", "four-tiles-three-requests", "one-split-seven-tiles",
+                              "4-2-grouping-two-tiles"])
+def test_row_tiles_split_a_kv_heads_rows_over_programs(case, block_m):
+    """block_m below a KV head's Q * groups rows: each program takes block_m of them (its own counter and combine),
+    with the same results as the whole tile."""
+    heads, kv_heads, head_dim, slots, starts, q_len, splits, block_n, attn_len, max_len = CASES[case]
+    g = torch.Generator().manual_seed(500 + case)
+    n = len(slots)
+    k_cache, v_cache = caches(6, max_len, kv_heads, head_dim, g)
+    q = torch.randn(n * q_len, heads, head_dim, generator=g)
+    slot_t, start_t = index(slots), index(starts, torch.int32)
+    workspace = da.attention_workspace(n, heads, q_len, splits or da.MAX_SPLITS, head_dim, "cpu")
+    got = da.decode_attention(q, k_cache, v_cache, slot_t, start_t, max_len=max_len, attn_len=attn_len,
+                              splits=splits, block_n=block_n, block_m=block_m, workspace=workspace)
+    torch.testing.assert_close(got.double(), reference(q, k_cache, v_cache, slot_t, start_t, max_len), **TIGHT)
+    assert not workspace.counters.any()
+    whole = da.decode_attention(q, k_cache, v_cache, slot_t, start_t, max_len=max_len, attn_len=attn_len,
+                                splits=splits, block_n=block_n, workspace=workspace)
+    torch.testing.assert_close(got, whole, **TIGHT)
+
+
 def test_split_calls_are_deterministic_and_leave_the_counters_at_zero():
     g = torch.Generator().manual_seed(21)
     heads, kv_heads, head_dim, max_len, q_len, attn_len = 14, 2, 16, 48, 16, 40
@@ -338,19 +360,21 @@ def test_decode_attention_on_the_gpu_at_the_05b_shapes_and_in_a_cuda_graph():
     workspace = da.attention_workspace(4, heads, q_len, da.MAX_SPLITS, head_dim, "cuda")
     bf16 = dict(rtol=2e-2, atol=2e-2)
 
-    def call(q: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, splits: int | None) -> torch.Tensor:
+    def call(q: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, splits: int | None,
+             block_m: int | None = None) -> torch.Tensor:
         return da.decode_attention(q, k_cache, v_cache, slots, start, max_len=max_len, attn_len=attn_len,
-                                   splits=splits, workspace=workspace)
+                                   splits=splits, block_m=block_m, workspace=workspace)
 
     for slots, starts in (([3], [attn_len - q_len]), ([5, 0, 2, 4], [attn_len - q_len, 0, 1000, 517])):
         n = len(slots)
         slot_t, start_t = index(slots, device="cuda"), index(starts, torch.int32, "cuda")
         q = torch.randn(n * q_len, heads, head_dim, generator=g).bfloat16().cuda()
         want = reference(q.float(), k_cache.float(), v_cache.float(), slot_t, start_t, max_len)
-        for splits in (1, None, da.MAX_SPLITS):
-            got = call(q, slot_t, start_t, splits)
-            torch.testing.assert_close(got.double(), want, **bf16, msg=lambda m: f"n={n} splits={splits}: {m}")
-            assert torch.equal(call(q, slot_t, start_t, splits), got), f"n={n} splits={splits}: not deterministic"
+        for splits, block_m in ((1, None), (None, None), (da.MAX_SPLITS, None), (da.MAX_SPLITS, 16), (8, 32)):
+            got = call(q, slot_t, start_t, splits, block_m)
+            what = f"n={n} splits={splits} block_m={block_m}"
+            torch.testing.assert_close(got.double(), want, **bf16, msg=lambda m: f"{what}: {m}")
+            assert torch.equal(call(q, slot_t, start_t, splits, block_m), got), f"{what}: not deterministic"
             assert not workspace.counters.any()
 
     # a CUDA graph: warm-up on a side stream (Triton compiles there), capture, new inputs, replay

@@ -199,8 +199,8 @@ def test_tiles_and_workspaces_are_checked():
     with pytest.raises(ValueError, match="Tiles.num_stages must be >= 1"):
         dl.Tiles(8, num_stages=0)
     x, o, wo = torch.zeros(4, 32), torch.zeros(4, 32), torch.zeros(32, 32)
-    with pytest.raises(ValueError, match="split_k=2 needs a Workspace"):
-        dl.o_proj_residual(x, o, wo, split_k=2)
+    # a split call given no workspace gets its own
+    torch.testing.assert_close(dl.o_proj_residual(x, o, wo, split_k=2), dl.o_proj_residual(x, o, wo, split_k=1))
     small = dl.Workspace.allocate(16, 1, "cpu")
     with pytest.raises(ValueError, match="the workspace is too small for this call"):
         dl.o_proj_residual(x, o, wo, split_k=2, workspace=small)
@@ -209,6 +209,31 @@ def test_tiles_and_workspaces_are_checked():
     # the table's entries are what a call without overrides runs with
     assert set(dl.KERNELS) == {kernel for kernel, _ in dl.TILES}
     assert {rows for _, rows in dl.TILES} == set(dl.ROW_BLOCKS)
+
+
+def test_a_sweeps_best_tiles_replace_the_tables(tmp_path, monkeypatch):
+    from hqlab_kernels import drafter_attention as da
+
+    monkeypatch.setattr(dl, "TILES", dict(dl.TILES))
+    for name in ("BLOCK_M", "BLOCK_N", "NUM_WARPS", "NUM_STAGES", "MAX_SPLITS", "TARGET_PROGRAMS"):
+        monkeypatch.setattr(da, name, getattr(da, name))
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"best": {
+        "down@16": {"block_n": 64, "block_k": 64, "num_warps": 2, "num_stages": 5, "split_k": 4, "us": 6.0},
+        "attention@1": {"block_m": 16, "splits": 8, "block_n": 32, "num_warps": 2, "num_stages": 3, "us": 9.0},
+        "attention@4": {"block_m": 32, "splits": 4, "block_n": 64, "num_warps": 4, "num_stages": 3, "us": 10.0}}}))
+    table = dl.sweep_tiles(sweep)
+    dl.set_tiles(table)
+    da.set_tiles(table)
+    assert dl.TILES[("down", 16)] == dl.Tiles(64, 64, 2, 5, split_k=4)
+    assert (da.BLOCK_M, da.BLOCK_N, da.NUM_WARPS, da.MAX_SPLITS, da.TARGET_PROGRAMS) == (16, 32, 2, 8, 32)
+    assert da.default_splits(4096, 1, 2) == 8 and da.default_splits(4096, 4, 2) == 4  # each batch's best back
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"rows": []}))
+    with pytest.raises(ValueError, match="not a tile sweep's JSON"):
+        dl.sweep_tiles(bad)
+    with pytest.raises(ValueError, match="a tiles key is 'kernel@rows'"):
+        dl.set_tiles({"down@48": {"block_n": 8}})
 
 
 def test_the_kernels_refuse_inputs_they_cannot_run():
