@@ -60,9 +60,11 @@ device_skip_run = "fj1"  # none, the lookup at k = 31 and 15, the one-pass confi
 device_skip_k31 = one_pass_k15.replace("k=15,", "k=31,", 1) + ",device_skip=true"
 profiled_run = "fk1"  # fj1's five configs again, 8 interleaved rounds, then one profiled pass (GPU time by phase)
 # benchmarks/fused_pass_kernels.py: the one-pass drafting step outside vLLM, kernel by kernel (fk2: FlashAttention
-# settings plan_once and splits=1; fl: the drafter's layers as four Triton kernels, layers=triton)
+# settings plan_once and splits=1; fl: the drafter's layers as four Triton kernels, layers=triton; t1: the same with
+# the tiles of sweep t1, and with the Triton attention, attention=triton)
 pass_kernels_files = ["data/results/fused_pass_kernels_h200_fk.json", "data/results/fused_pass_kernels_h200_fk2.json",
-                      "data/results/fused_pass_kernels_h200_fl.json"]
+                      "data/results/fused_pass_kernels_h200_fl.json", "data/results/fused_pass_kernels_h200_t1.json"]
+tile_sweep_file = "data/results/drafter_layer_tiles_h200_t1.json"  # benchmarks/drafter_layer_tiles.py
 
 # %%
 import json
@@ -723,7 +725,8 @@ vllm_report.best_fused(pl.read_parquet(fused_vllm_file), fused_repeats, profiled
 short_names = {one_pass_k15: "fused k=15 one pass", device_skip_k31: "fused k=31 device skip",
                one_pass_k15 + ",plan_once=true": "k=15, plan_once", one_pass_k15 + ",splits=1": "k=15, splits=1",
                one_pass_k15 + ",splits=1,plan_once=true": "k=15, splits=1, plan_once",
-               one_pass_k15 + ",layers=triton,plan_once=true": "k=15, layers=triton, plan_once"}
+               one_pass_k15 + ",layers=triton,plan_once=true": "k=15, layers=triton, plan_once",
+               one_pass_k15 + ",layers=triton,attention=triton": "k=15, layers=triton, attention=triton"}
 short_name = pl.col("config").replace(short_names)
 chat_phases = vllm_report.gpu_phases(fused_phases, profiled_run, category="chat")
 chart = plots.stacked_time(chat_phases.drop("gpu_ms").with_columns(label).with_columns(short_name), "config",
@@ -742,11 +745,16 @@ chat_phases.join(vllm_report.round_step_ms(fused_repeats, profiled_run).filter(p
 # 3-4 µs, while a layer's weights take ~6 µs to read. `plan_once=true` drops one FlashAttention scheduling kernel per
 # layer (-21 µs a step); `splits=1` drops the combine kernel but makes the attention itself slower. `layers=triton`
 # (run fl, its first GPU run, untuned block sizes) halves the kernels but its four kernels read the weights at
-# 1-2 TB/s against cuBLAS's ~2.6: the step got slower (1.59 against 1.46 ms at 2,048 tokens).
+# 1-2 TB/s against cuBLAS's ~2.6: the step got slower (1.59 against 1.46 ms at 2,048 tokens). With the tiles of
+# sweep t1 (below) the same config's step took 1.29 ms in run t1, and 1.25 ms with the attention in one Triton
+# kernel a layer (`attention=triton`), against 1.48 ms on the torch layers in the same run.
 
 # %%
-kernel_parts = pl.concat([vllm_report.pass_kernel_parts(json.loads(Path(f).read_text())) for f in pass_kernels_files])
-kernel_parts = kernel_parts.with_columns(short_name, (pl.col("us") / 1e3).alias("ms"))
+kernel_parts = pl.concat([vllm_report.pass_kernel_parts(json.loads(Path(f).read_text()))
+                          .with_columns(pl.lit(Path(f).stem.rsplit("_", 1)[-1]).alias("run"))
+                          for f in pass_kernels_files])
+kernel_parts = kernel_parts.with_columns(pl.format("{}: {}", "run", short_name).alias("config"),
+                                         (pl.col("us") / 1e3).alias("ms"))
 chart = plots.stacked_time(kernel_parts.pivot("part", index="config", values="ms").fill_null(0.0), "config",
                            [p for p, _ in vllm_report.KERNEL_PARTS] + ["other"],
                            y_title="GPU ms of kernels per drafting step")
@@ -755,6 +763,25 @@ chart
 
 # %%
 kernel_parts.group_by("config", maintain_order=True).agg(pl.col("us").sum().round(0), pl.col("kernels").sum())
+
+# %% [markdown]
+# The tile sweep behind those tiles (`benchmarks/drafter_layer_tiles.py`, random weights at the 0.5B's shapes): each
+# Triton layer kernel's µs per launch, timed over 24 layers' own weights in one CUDA graph, with the tiles it first
+# had and the best of ~70 candidates (columns per program, reduction step, pipeline depth, a split of the
+# reduction), beside the product alone in cuBLAS; the attention beside vLLM's FlashAttention 3 as the drafter calls
+# it. The norm kernels (K1, K3) still cost more than cuBLAS's bare product: they normalise, add the bias, rotate
+# and write the cache (K1) or apply SiLU (K3) as well.
+
+# %%
+sweep = vllm_report.tile_sweep(json.loads(Path(tile_sweep_file).read_text()))
+sweep_long = (sweep.with_columns(pl.format("{}@{}", "kernel", "rows").alias("kernel@rows"))
+              .unpivot(["reference_us", "table_us", "best_us"], index=["kernel@rows", "reference"],
+                       variable_name="tiles", value_name="us")
+              .with_columns(pl.col("tiles").replace({"reference_us": "cuBLAS product / FlashAttention 3",
+                                                     "table_us": "first tiles", "best_us": "best of the sweep"})))
+chart = plots.grouped_bars(sweep_long, "kernel@rows", "us", "tiles", y_title="µs per launch (24 layers, CUDA graph)")
+plots.save(chart, figures / "drafter_layer_tiles_h200.svg")
+chart
 
 # %% [markdown]
 # ### The drafting step outside vLLM

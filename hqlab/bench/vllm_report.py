@@ -606,7 +606,7 @@ def gpu_phases(phases: pl.DataFrame, run: str, *, category: str | None = None) -
 # what a kernel of a drafting step is, by its name (benchmarks/fused_pass_kernels.py's profiler table), first match
 KERNEL_PARTS = [("Triton drafter layers (K1-K4)", ("_norm_qkv_rope_cache", "_linear_residual", "_norm_gate_up_silu")),
                 ("KV cache write", ("reshape_and_cache",)),  # before attention: vLLM names it ..._flash_kernel
-                ("attention", ("flash", "Flash")),
+                ("attention", ("flash", "Flash", "_decode_attention")),
                 ("matrix products", ("nvjet", "gemm", "Gemm", "cublas", "splitKreduce")),
                 ("fused elementwise (norms, rotary, SiLU)", ("triton_",))]
 
@@ -626,6 +626,25 @@ def pass_kernel_parts(profile: dict) -> pl.DataFrame:
             .agg(pl.col("us").sum(), pl.col("kernels").sum()))
 
 
+def tile_sweep(sweep: dict) -> pl.DataFrame:
+    """Per (kernel, rows) of a tile sweep (benchmarks/drafter_layer_tiles.py's JSON): µs per launch of the product
+    alone in cuBLAS (or, for the attention, vLLM's FlashAttention), of the tiles the table held when the sweep ran,
+    and of the best candidate within the sweep's error bound; candidates tried and how many failed or missed."""
+    rows = []
+    for ref in sweep.get("cublas", []):
+        kernel, n = ref["kernel"], ref["rows"]
+        tried = [r for r in sweep.get("rows", []) if r["kernel"] == kernel and r["rows"] == n]
+        best = (sweep.get("best") or {}).get(f"{kernel}@{n}")
+        rows.append({"kernel": kernel, "rows": int(n),
+                     "reference_us": ref.get("us", ref.get("flash_us")),
+                     "reference": "FlashAttention 3" if kernel == "attention" else "cuBLAS product",
+                     "table_us": float(ref["table_us"]), "best_us": float(best["us"]) if best else None,
+                     "candidates": len(tried), "failed": sum("failed" in r for r in tried)})
+    if not rows:
+        raise ConfigError("the sweep has no reference rows (benchmarks/drafter_layer_tiles.py writes them)")
+    return pl.DataFrame(rows)
+
+
 def load(results_path: str | Path) -> dict[str, pl.DataFrame]:
     """The results and, where the run was profiled, its phases and profiled steps (empty frames otherwise)."""
     path = Path(results_path)
@@ -641,5 +660,5 @@ __all__ = ["short_label", "run_ratios", "summary", "concurrency", "step_breakdow
            "fused_what_if", "skip_what_if", "fused_ratios", "step_ms_by_passes", "host_level_correlation",
            "fused_ratios_across", "speculator_host_ms", "exact_skip_share", "round_ratios", "best_fused",
            "device_skip_what_if", "round_step_ms", "gpu_phases", "GPU_PHASES",
-           "pass_kernel_parts", "KERNEL_PARTS",
+           "pass_kernel_parts", "KERNEL_PARTS", "tile_sweep",
            "gpu_lookup_acceptance", "PROSE", "DOCUMENTS"]

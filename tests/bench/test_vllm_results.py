@@ -546,6 +546,36 @@ def test_pass_kernel_parts_split_the_profiled_drafting_step_by_what_its_kernels_
             assert mine["matrix products"]["us"] > mine["fused elementwise (norms, rotary, SiLU)"]["us"]
     with pytest.raises(ConfigError, match="no kernel tables"):
         vllm_report.pass_kernel_parts({"rows": []})
+    # run t1: the tuned Triton layers, then with the Triton attention (one kernel a layer instead of FlashAttention's
+    # two and its scheduler)
+    profile = json.loads((ROOT / "data" / "results" / "fused_pass_kernels_h200_t1.json").read_text())
+    parts = vllm_report.pass_kernel_parts(profile)
+    triton_attention = next(c for c in profile["kernels"] if "attention=triton" in c)
+    mine = {r["part"]: r for r in parts.filter(parts["config"] == triton_attention).iter_rows(named=True)}
+    assert mine["attention"]["kernels"] == 24 and mine["Triton drafter layers (K1-K4)"]["kernels"] == 4 * 24
+
+
+def test_tile_sweep_compares_each_kernels_first_and_best_tiles_with_cublas_and_flashattention():
+    """Sweep t1 (benchmarks/drafter_layer_tiles.py): every kernel at 16 and 64 rows and the attention at one and four
+    requests has a reference, the table's time and a best that is no slower than the table's (the table's tiles
+    are among the candidates or the best beats them)."""
+    import json
+
+    from hqlab.bench import vllm_report
+    from hqlab.config import ConfigError
+
+    sweep = json.loads((ROOT / "data" / "results" / "drafter_layer_tiles_h200_t1.json").read_text())
+    table = vllm_report.tile_sweep(sweep)
+    assert set(zip(table["kernel"], table["rows"])) == {(k, r) for k in ("qkv", "o_proj", "gate_up", "down")
+                                                        for r in (16, 64)} | {("attention", 1), ("attention", 4)}
+    assert (table["best_us"] <= table["table_us"] * 1.02).all()
+    layers = table.filter(table["kernel"] != "attention")
+    assert (layers["reference"] == "cuBLAS product").all() and layers["candidates"].min() > 50
+    # K3 (norm + gate/up + SiLU) gained the most at 16 rows: 14.1 -> 11.0 us
+    k3 = layers.filter((layers["kernel"] == "gate_up") & (layers["rows"] == 16)).row(0, named=True)
+    assert k3["table_us"] - k3["best_us"] > 2.5
+    with pytest.raises(ConfigError, match="no reference rows"):
+        vllm_report.tile_sweep({"rows": []})
 
 
 def test_gpu_lookup_acceptance_reads_each_point_of_a_run_from_its_rows():
