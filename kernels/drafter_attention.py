@@ -51,7 +51,8 @@ NUM_WARPS: int | None = None  # warps per program (None: `warps`' rule)
 # programs per split and, above all, a combine that reads only its own rows' partials: with one tile of the 0.5B's
 # 112 rows and 16 splits the last program alone reads 16 x 112 x 64 float32 (459 KB) from L2.
 BLOCK_M: int | None = None
-PDL = True  # programmatic dependent launch on Hopper and later (as hqlab_kernels.drafter_layers.PDL)
+# programmatic dependent launch on Hopper and later (as hqlab_kernels.drafter_layers.PDL, HQLAB_DRAFTER_PDL=0: off)
+PDL = os.environ.get("HQLAB_DRAFTER_PDL", "1") != "0"
 LOG2E = 1.4426950408889634
 
 

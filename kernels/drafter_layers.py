@@ -58,8 +58,9 @@ NORM_ELEMENTS = 16 * 1024
 KERNELS = ("qkv", "o_proj", "gate_up", "down")  # K1..K4, the keys of TILES
 # Programmatic dependent launch (Hopper and later): each kernel lets the next one launch at once and, before its
 # first memory access, waits until the previous one has finished, so a kernel's launch and set-up overlap its
-# predecessor's tail (a drafting pass has ~120 kernel boundaries). False: plain stream order.
-PDL = True
+# predecessor's tail (a drafting pass has ~120 kernel boundaries). False (or HQLAB_DRAFTER_PDL=0 in the environment
+# when the module is imported): plain stream order.
+PDL = os.environ.get("HQLAB_DRAFTER_PDL", "1") != "0"
 
 
 @dataclass(frozen=True)
