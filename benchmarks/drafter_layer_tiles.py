@@ -282,15 +282,16 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a few candidates per kernel (a smoke run)")
     p.add_argument("--attention", type=int, nargs="*", default=[1, 4], help="batch sizes of the attention sweep "
                    "(at 2,048 cached positions; none: skip it)")
-    p.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
+    p.add_argument("--pdl", action="store_true", help="launch with programmatic dependent launch (the "
+                   "kernels' default is without it: run t2 found it slower)")
     p.add_argument("--max-error", type=float, default=0.05, help="largest relative error a candidate may have "
                    "(bf16 rounding of gate, up and silu alone gives K3 ~3e-2 against a float32 formula)")
     args = p.parse_args()
     out = Path(os.environ.get("OUT", "."))
-    if args.no_pdl:
+    if args.pdl:
         from hqlab_kernels import drafter_attention
 
-        dl.PDL = drafter_attention.PDL = False
+        dl.PDL = drafter_attention.PDL = True
     jobs = [(k, r, c) for r in args.rows for k in args.kernels for c in candidates(k, r, args.quick)]
     jobs += [("attention", args.attention[0], c) for c in attention_candidates(args.quick)] if args.attention else []
     t0 = time.time()

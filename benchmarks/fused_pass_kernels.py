@@ -53,13 +53,14 @@ def main() -> None:
                    "the one-pass configs of the fused benchmark")
     p.add_argument("--tiles", type=Path, help="a tile sweep's JSON (benchmarks/drafter_layer_tiles.py): its best "
                    "tiles replace the Triton layers' table before the drafters are built")
-    p.add_argument("--no-pdl", action="store_true", help="Triton kernels without programmatic dependent launch")
+    p.add_argument("--pdl", action="store_true", help="Triton kernels with programmatic dependent launch (run "
+                   "t2 ran with it, t2n without; without is the kernels' default)")
     args = p.parse_args()
     out = Path(os.environ.get("OUT", "."))
-    if args.no_pdl:
+    if args.pdl:
         from hqlab_kernels import drafter_attention, drafter_layers
 
-        drafter_layers.PDL = drafter_attention.PDL = False
+        drafter_layers.PDL = drafter_attention.PDL = True
     tiles = None
     if args.tiles:
         from hqlab_kernels import drafter_layers
@@ -70,7 +71,7 @@ def main() -> None:
         drafter_layers.set_tiles(tiles)
         drafter_attention.set_tiles(tiles)
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": [], "kernels": {},
-                    "tiles": tiles, "pdl": not args.no_pdl}
+                    "tiles": tiles, "pdl": args.pdl}
     slots_n, width = 4, 4096
     for spec_text in args.config or CONFIGS:
         spec, total = standalone_speculator(spec_text, slots=slots_n, width=width)

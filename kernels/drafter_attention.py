@@ -39,7 +39,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-BLOCK_N = 64  # keys per loop step: a [BLOCK_M, 64] score tile, K and V tiles of 64 x 64 (8 KB each in bf16)
+# keys per loop step: a [BLOCK_M, 32] score tile, K and V tiles of 32 x 64 (4 KB each in bf16); the best of the
+# H200 sweep t1 at one and four requests (data/results/drafter_layer_tiles_h200_t1.json: 13.0 us a layer at 2,048
+# positions against 14.1 at 64)
+BLOCK_N = 32
 MAX_TILE_ROWS = 256  # the most query rows (Q * groups) one program holds: 256 x 64 float32 is 64 KB of registers
 # default_splits' bounds (its docstring says why; estimates, to be tuned on the GPU):
 TARGET_PROGRAMS = 128  # about one wave on a 132-SM GPU (H200), one program per SM
@@ -47,12 +50,16 @@ MIN_SPLIT_KEYS = 128  # keys per split at the least (also at least one BLOCK_N)
 MAX_SPLITS = 16  # the combine is serial in the last program: it reads splits x rows x D float32 from L2
 NUM_STAGES: int | None = None  # Triton's pipeline depth for the key loop (None: Triton's default)
 NUM_WARPS: int | None = None  # warps per program (None: `warps`' rule)
-# Query rows per program (None: all Q * groups rows of a KV head in one tile). Fewer rows per program mean more
-# programs per split and, above all, a combine that reads only its own rows' partials: with one tile of the 0.5B's
-# 112 rows and 16 splits the last program alone reads 16 x 112 x 64 float32 (459 KB) from L2.
+# Query rows per program (None: all Q * groups rows of a KV head in one tile, at most MAX_BLOCK_M). Fewer rows per
+# program mean more programs per split and, above all, a combine that reads only its own rows' partials: with one
+# tile of the 0.5B's 112 rows and 16 splits the last program alone reads 16 x 112 x 64 float32 (459 KB) from L2.
 BLOCK_M: int | None = None
-# programmatic dependent launch on Hopper and later (as hqlab_kernels.drafter_layers.PDL, HQLAB_DRAFTER_PDL=0: off)
-PDL = os.environ.get("HQLAB_DRAFTER_PDL", "1") != "0"
+# The largest tile by default: a k = 31 pass (32 queries x 7 heads = 224 rows) takes two tiles of 128 rows, not one
+# of 256 with 16 warps (run fl1: such passes made the k = 31 config's chat steps 0.4 ms dearer than k = 15's).
+MAX_BLOCK_M = 128
+# programmatic dependent launch on Hopper and later: off unless HQLAB_DRAFTER_PDL=1 (hqlab_kernels.drafter_layers.PDL
+# says why)
+PDL = os.environ.get("HQLAB_DRAFTER_PDL", "0") == "1"
 LOG2E = 1.4426950408889634
 
 
@@ -398,8 +405,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_warps is not None:
         _check_block("num_warps", num_warps, 1)
     block_m = BLOCK_M if block_m is None else block_m
-    block_m = tile_rows(q_len, groups) if block_m is None else min(_check_block("block_m", block_m, 16),
-                                                                     tile_rows(q_len, groups))
+    block_m = min(tile_rows(q_len, groups), MAX_BLOCK_M) if block_m is None else \
+        min(_check_block("block_m", block_m, 16), tile_rows(q_len, groups))
     row_tiles = triton.cdiv(q_len * groups, block_m)
     out = torch.empty(rows, heads * head_dim, dtype=q.dtype, device=q.device)
     if splits > 1:

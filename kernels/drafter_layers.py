@@ -57,10 +57,11 @@ NORM_KERNEL_K_BLOCK = 64
 NORM_ELEMENTS = 16 * 1024
 KERNELS = ("qkv", "o_proj", "gate_up", "down")  # K1..K4, the keys of TILES
 # Programmatic dependent launch (Hopper and later): each kernel lets the next one launch at once and, before its
-# first memory access, waits until the previous one has finished, so a kernel's launch and set-up overlap its
-# predecessor's tail (a drafting pass has ~120 kernel boundaries). False (or HQLAB_DRAFTER_PDL=0 in the environment
-# when the module is imported): plain stream order.
-PDL = os.environ.get("HQLAB_DRAFTER_PDL", "1") != "0"
+# first memory access, waits until the previous one has finished, so that a kernel's launch and set-up overlap its
+# predecessor's tail. Off by default: on the H200 it made the one-pass drafting step slower, 1.308 -> 1.509 ms at
+# 2,048 positions (run t2, fused_pass_kernels_h200_t2{,n}.json): the early grids' programs wait on SMs that the
+# running kernel's later programs need. HQLAB_DRAFTER_PDL=1 in the environment at import turns it on.
+PDL = os.environ.get("HQLAB_DRAFTER_PDL", "0") == "1"
 
 
 @dataclass(frozen=True)
