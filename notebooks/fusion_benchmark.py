@@ -59,6 +59,8 @@ device_skip_run = "fj1"  # none, the lookup at k = 31 and 15, the one-pass confi
 # the skip decided on the device, interleaved (10 rounds, the burst of four; vLLM's draft model from a second call)
 device_skip_k31 = one_pass_k15.replace("k=15,", "k=31,", 1) + ",device_skip=true"
 profiled_run = "fk1"  # fj1's five configs again, 8 interleaved rounds, then one profiled pass (GPU time by phase)
+triton_run = "fl1"  # fk1's fused configs on the Triton layers and attention, 6 interleaved rounds + the burst of four
+triton_suffix = ",layers=triton,attention=triton"
 # benchmarks/fused_pass_kernels.py: the one-pass drafting step outside vLLM, kernel by kernel (fk2: FlashAttention
 # settings plan_once and splits=1; fl: the drafter's layers as four Triton kernels, layers=triton; t1: the same with
 # the tiles of sweep t1, and with the Triton attention, attention=triton)
@@ -782,6 +784,32 @@ sweep_long = (sweep.with_columns(pl.format("{}@{}", "kernel", "rows").alias("ker
 chart = plots.grouped_bars(sweep_long, "kernel@rows", "us", "tiles", y_title="µs per launch (24 layers, CUDA graph)")
 plots.save(chart, figures / "drafter_layer_tiles_h200.svg")
 chart
+
+# %% [markdown]
+# ### The Triton drafter inside vLLM (run `fl1`)
+#
+# Run `fl1` (code 618d3d6) ran `fk1`'s two fused configs with `layers=triton,attention=triton` (the tiles of sweep
+# t1, the attention's 32-key steps, no programmatic dependent launch) beside `none` and the lookup at k = 15 and 31:
+# 6 interleaved rounds, each the suite alone and then the burst of four. Chat reached 1.21 the best lookup (paired
+# by round 1.18), summary 1.03 and qa 1.02; code and edit came out at 0.93 and 0.85, where the k = 31 config's
+# steps cost 0.2-0.5 ms more than the lookup's at the same tokens per step.
+
+# %%
+fused_bars(triton_run, {device_skip_k31 + triton_suffix: "k=31 device skip, Triton",
+                        one_pass_k15 + triton_suffix: "k=15 one pass, Triton"}, "vllm_fused_h200_fl1.svg")
+
+# %%
+vllm_report.best_fused(pl.read_parquet(fused_vllm_file), fused_repeats, triton_run)
+
+# %% [markdown]
+# Per step, over all rounds: the chat step of the one-pass config fell from 3.32 ms (`fk1`) to 3.15 ms; this run's
+# host was slower (`none` 2.14 against 1.93 ms a step), which made the host-bound lookup's steps dearer too.
+
+# %%
+pl.concat([vllm_report.round_step_ms(fused_repeats, run).with_columns(pl.lit(run).alias("run"))
+           for run in (profiled_run, triton_run)]).filter(pl.col("category").is_in(["chat", "code", "edit"])) \
+    .with_columns(short_name.str.replace(triton_suffix, ", Triton", literal=True)) \
+    .pivot("run", index=["category", "config"], values="step_ms").sort("category", "config")
 
 # %% [markdown]
 # ### The drafting step outside vLLM
