@@ -39,6 +39,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+# the layers' dot (float32 sums; bf16 widened in Triton's interpreter) and the rule that picks its precision
+from hqlab_kernels.drafter_layers import TILES_ENV, _dot, _precision, sweep_tiles
+
 # keys per loop step: a [BLOCK_M, 32] score tile, K and V tiles of 32 x 64 (4 KB each in bf16); the best of the
 # H200 sweep t1 at one and four requests (data/results/drafter_layer_tiles_h200_t1.json: 13.0 us a layer at 2,048
 # positions against 14.1 at 64)
@@ -155,29 +158,9 @@ def attention_workspace(n_max: int, heads: int, q_max: int, splits: int, head_di
         acc=torch.zeros(rows * head_dim, dtype=torch.float32, device=device))
 
 
-def _precision(x: torch.Tensor) -> str:
-    """How `_dot` multiplies (as in hqlab_kernels.drafter_layers): "ieee" for float32 operands (TF32 would round
-    them to 10 mantissa bits), "tf32" for 16-bit ones (exact products on the tensor cores either way), "upcast" for
-    16-bit operands on the CPU, i.e. in Triton's interpreter, whose dot multiplies bfloat16 bit patterns as if they
-    were integers: there they are widened to float32 first."""
-    if x.dtype == torch.float32:
-        return "ieee"
-    return "upcast" if x.device.type == "cpu" else "tf32"
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Kernel
 # ----------------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _dot(a, b, acc, PRECISION: tl.constexpr):
-    """acc + a @ b in float32 (`_precision` says why PRECISION)."""
-    if PRECISION == "upcast":
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        out = tl.dot(a, b, acc, input_precision=PRECISION)
-    return out
 
 
 @triton.jit(do_not_specialize=["max_len", "cache_slots", "attn_len"])
@@ -431,7 +414,5 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 __all__ = ["AttentionWorkspace", "BLOCK_N", "set_tiles", "attention_workspace", "decode_attention", "default_splits",
            "interpreted", "split_chunk", "tile_rows", "warps"]
 
-if os.environ.get("HQLAB_DRAFTER_TILES"):  # as hqlab_kernels.drafter_layers.TILES_ENV
-    from hqlab_kernels.drafter_layers import sweep_tiles
-
-    set_tiles(sweep_tiles(os.environ["HQLAB_DRAFTER_TILES"]))
+if os.environ.get(TILES_ENV):  # a sweep's tiles for this GPU (hqlab_kernels.drafter_layers.TILES_ENV)
+    set_tiles(sweep_tiles(os.environ[TILES_ENV]))

@@ -671,8 +671,9 @@ def down_residual(x: torch.Tensor, h: torch.Tensor, down_weight: torch.Tensor, *
                              "num_stages": num_stages, "split_k": split_k}, workspace)
 
 
-__all__ = ["KERNELS", "PDL", "TILES", "TILES_ENV", "grid_dependency", "sweep_tiles", "Tiles", "Workspace", "set_tiles", "down_residual", "interpreted", "k_block", "norm_gate_up_silu",
-           "norm_qkv_rope_cache", "o_proj_residual", "row_block"]
+__all__ = ["down_residual", "grid_dependency", "interpreted", "k_block", "KERNELS", "norm_gate_up_silu",
+           "norm_qkv_rope_cache", "o_proj_residual", "PDL", "row_block", "set_tiles", "sweep_tiles", "TILES", "Tiles",
+           "TILES_ENV", "Workspace"]
 
 if os.environ.get(TILES_ENV):  # a sweep's tiles for this GPU, for every drafter built in this process and its children
     set_tiles(sweep_tiles(os.environ[TILES_ENV]))

@@ -96,31 +96,21 @@ def _cache_writer(device: torch.device) -> Callable | None:
     return write
 
 
-def _attention_kernel(device: torch.device) -> ModuleType:
-    """`hqlab_kernels.drafter_attention` where it can run on `device` (as `_layer_kernels`)."""
+def _triton_module(name: str, setting: str, device: torch.device) -> ModuleType:
+    """`hqlab_kernels.<name>` (drafter_layers for `layers='triton'`, drafter_attention for `attention='triton'`) where
+    its kernels can run on `device`: a CUDA device, or the CPU under Triton's interpreter (TRITON_INTERPRET=1 before
+    the first import, as the tests set it)."""
+    import importlib
+
     try:
-        from hqlab_kernels import drafter_attention
+        module = importlib.import_module(f"hqlab_kernels.{name}")
     except ImportError as e:
-        raise ConfigError(f"StaticQwen2: attention='triton' needs Triton and hqlab's kernels (hqlab_kernels) "
+        raise ConfigError(f"StaticQwen2: {setting}='triton' needs Triton and hqlab's kernels (hqlab_kernels) "
                           f"installed ({e})") from None
-    if device.type != "cuda" and not drafter_attention.interpreted():
-        raise ConfigError(f"StaticQwen2: attention='triton' runs on a CUDA device, or on the CPU only under Triton's "
+    if device.type != "cuda" and not module.interpreted():
+        raise ConfigError(f"StaticQwen2: {setting}='triton' runs on a CUDA device, or on the CPU only under Triton's "
                           f"interpreter (TRITON_INTERPRET=1); got device {device}")
-    return drafter_attention
-
-
-def _layer_kernels(device: torch.device) -> ModuleType:
-    """`hqlab_kernels.drafter_layers`, where its kernels can run on `device`: a CUDA device, or the CPU under Triton's
-    interpreter (TRITON_INTERPRET=1 before the first import, as the tests set it)."""
-    try:
-        from hqlab_kernels import drafter_layers
-    except ImportError as e:
-        raise ConfigError(f"StaticQwen2: layers='triton' needs Triton and hqlab's kernels (hqlab_kernels) installed "
-                          f"({e})") from None
-    if device.type != "cuda" and not drafter_layers.interpreted():
-        raise ConfigError(f"StaticQwen2: layers='triton' runs on a CUDA device, or on the CPU only under Triton's "
-                          f"interpreter (TRITON_INTERPRET=1); got device {device}")
-    return drafter_layers
+    return module
 
 
 class StaticQwen2:
@@ -158,7 +148,7 @@ class StaticQwen2:
         self.blocks = -(-int(max_len) // BLOCK)  # pages per slot
         self.max_len = self.blocks * BLOCK  # positions per slot (max_len rounded up to whole pages)
         self.device, self.dtype = torch.device(device), dtype
-        self.layer_kernels = _layer_kernels(self.device) if layers == "triton" else None
+        self.layer_kernels = _triton_module("drafter_layers", "layers", self.device) if layers == "triton" else None
         self.hidden = int(config["hidden_size"])
         self.heads = int(config["num_attention_heads"])
         self.kv_heads = int(config.get("num_key_value_heads", self.heads))
@@ -209,7 +199,7 @@ class StaticQwen2:
         # the Triton attention of the drafting passes, its scratch sized for every slot at once and its most splits
         self.attention_kernel, self.attention_workspace = None, None
         if attention == "triton":
-            self.attention_kernel = _attention_kernel(self.device)
+            self.attention_kernel = _triton_module("drafter_attention", "attention", self.device)
             self.attention_workspace = self.attention_kernel.attention_workspace(
                 self.slots, self.heads, self.attention_kernel.MAX_TILE_ROWS // self.groups or 1,
                 self.attention_kernel.MAX_SPLITS, self.head_dim, self.device)
