@@ -152,21 +152,9 @@ def error(problem: Problem, tiles: dict | None) -> float:
 
 def per_launch_us(fn_layer, repeats: int = 20) -> float:
     """µs per launch of fn_layer(l) for l over the LAYERS layers, from one CUDA graph of all of them."""
-    import torch
+    from benchmarks.gpu_step_timing import graph_ms
 
-    from benchmarks.gpu_step_timing import cuda_ms
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for layer in range(LAYERS):
-            fn_layer(layer)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(LAYERS):
-            fn_layer(layer)
-    return cuda_ms(graph.replay, repeats) * 1000 / LAYERS
+    return graph_ms(lambda: [fn_layer(layer) for layer in range(LAYERS)], repeats) * 1000 / LAYERS
 
 
 ATTN_SLOTS, ATTN_MAX_LEN, Q_LEN = 4, 4160, 16  # vLLM's drafter cache for max_model_len 4096 + k 31 + block 1

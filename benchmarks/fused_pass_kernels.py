@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.gpu_step_timing import cuda_ms, standalone_speculator  # noqa: E402
+from benchmarks.gpu_step_timing import cuda_ms, graph_ms, standalone_speculator  # noqa: E402
 
 # the one-pass configs of runs fj1 and fk1 (docs/vllm.md)
 CONFIGS = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,"
@@ -26,21 +26,6 @@ CONFIGS = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compile=true,sc
            "gpu-fused:k=31,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,"
            "compile_rule=true,device_skip=true")
 HISTORIES = (512, 1024, 2048, 3900)
-
-
-def graph_ms(fn, repeats: int = 50) -> float:
-    """Mean GPU ms of `fn` replayed `repeats` times from its own CUDA graph (captured after one warm-up call)."""
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return cuda_ms(graph.replay, repeats)
 
 
 def main() -> None:

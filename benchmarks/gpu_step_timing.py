@@ -1,4 +1,4 @@
-"""What the GPU benchmarks of the fused drafting step share: a CUDA-event timer and the speculator built outside
+"""What the GPU benchmarks of the fused drafting step share: a CUDA-event timer, a CUDA-graph timer and the speculator built outside
 vLLM on vLLM-shaped state (random token histories, so the lookup finds no match and the drafter's pass runs)."""
 
 from __future__ import annotations
@@ -19,6 +19,21 @@ def cuda_ms(fn: Callable[[], Any], repeats: int = 10) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / repeats
+
+
+def graph_ms(fn, repeats: int = 50) -> float:
+    """Mean GPU ms of `fn` replayed `repeats` times from its own CUDA graph (captured after one warm-up call)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return cuda_ms(graph.replay, repeats)
 
 
 def standalone_speculator(spec_text: str, *, slots: int, width: int) -> tuple[Any, Any]:
