@@ -1,5 +1,6 @@
-"""What the GPU benchmarks of the fused drafting step share: a CUDA-event timer, a CUDA-graph timer and the speculator built outside
-vLLM on vLLM-shaped state (random token histories, so the lookup finds no match and the drafter's pass runs)."""
+"""What the GPU benchmarks of the fused drafting step share: a CUDA-event timer, a CUDA-graph timer and the
+speculator built outside vLLM on vLLM-shaped state (random token histories, so the lookup finds no match and the
+drafter's pass runs)."""
 
 from __future__ import annotations
 
