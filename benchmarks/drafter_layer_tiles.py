@@ -160,50 +160,54 @@ def per_launch_us(fn_layer, repeats: int = 20) -> float:
 ATTN_SLOTS, ATTN_MAX_LEN, Q_LEN = 4, 4160, 16  # vLLM's drafter cache for max_model_len 4096 + k 31 + block 1
 
 
-def attention_candidates(quick: bool) -> list[dict]:
-    """Query rows per program (a KV head's 112 rows in one tile of 128, or tiles of 16-64), key splits, keys per
-    step and warps (fewer for the small tiles); run t1 found 3 stages and block_n 32 best with one tile."""
+def attention_candidates(quick: bool, q_len: int = Q_LEN) -> list[dict]:
+    """Query rows per program (a KV head's 112 rows in one tile of 128, or tiles of 16-64; at 32 queries its 224
+    rows also in one tile of 256), key splits, keys per step and warps (fewer for the small tiles); run t1 found 3
+    stages and block_n 32 best with one tile."""
     out = []
-    for bm, sp, bn in itertools.product((16, 32, 64, 128), (4, 8, 16, 32), (32, 64)):
-        for w in ((2, 4) if bm <= 32 else (4, 8)):
+    tiles = (16, 32, 64, 128) + ((256,) if q_len * HEADS // KV_HEADS > 128 else ())
+    for bm, sp, bn in itertools.product(tiles, (4, 8, 16, 32), (32, 64)):
+        for w in ((2, 4) if bm <= 32 else (4, 8) if bm <= 128 else (8, 16)):
             out.append({"block_m": bm, "splits": sp, "block_n": bn, "num_stages": 3, "num_warps": w})
     return out[::8] if quick else out
 
 
 class AttentionProblem:
-    """One drafting pass's attention: n requests of Q_LEN query rows at positions history.. over LAYERS layers'
-    own caches, as StaticQwen2 lays them out (pages of 16 positions, one row of ATTN_MAX_LEN per slot)."""
+    """One drafting pass's attention: n requests of q_len query rows (Q_LEN: a k = 15 pass; 32: a k = 31 pass) at
+    positions history.. over LAYERS layers' own caches, as StaticQwen2 lays them out (pages of 16 positions, one row
+    of ATTN_MAX_LEN per slot)."""
 
-    def __init__(self, n: int, history: int, device: str = "cuda") -> None:
+    def __init__(self, n: int, history: int, device: str = "cuda", q_len: int = Q_LEN) -> None:
         import torch
 
         from hqlab_kernels import drafter_attention as da
 
-        self.da, self.n, self.history = da, n, history
+        self.da, self.n, self.history, self.q_len = da, n, history, q_len
+        Q = q_len
         g = torch.Generator(device=device).manual_seed(n)
         bf = torch.bfloat16
         blocks = ATTN_MAX_LEN // 16
         shape = (ATTN_SLOTS * blocks, 16, KV_HEADS, D)
         self.k = [torch.randn(*shape, generator=g, device=device).to(bf) for _ in range(LAYERS)]
         self.v = [torch.randn(*shape, generator=g, device=device).to(bf) for _ in range(LAYERS)]
-        self.q = torch.randn(n * Q_LEN, HEADS, D, generator=g, device=device).to(bf)
+        self.q = torch.randn(n * Q, HEADS, D, generator=g, device=device).to(bf)
         self.slots = torch.arange(n, device=device, dtype=torch.int64)
         self.start = torch.full((n,), history, device=device, dtype=torch.int64)
-        self.ws = da.attention_workspace(ATTN_SLOTS, HEADS, Q_LEN, 32, D, device)
+        self.ws = da.attention_workspace(ATTN_SLOTS, HEADS, Q, 32, D, device)
         # FlashAttention 3 as StaticQwen2._flash_inputs / _attend call it (plan_once: one scheduler call per pass)
         self.flash = None
         try:
             from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
 
-            cu_q = torch.arange(0, (n + 1) * Q_LEN, Q_LEN, dtype=torch.int32, device=device)
-            used = (self.start + Q_LEN).to(torch.int32)
+            cu_q = torch.arange(0, (n + 1) * Q, Q, dtype=torch.int32, device=device)
+            used = (self.start + Q).to(torch.int32)
             table = (self.slots[:, None] * blocks + torch.arange(blocks, device=device)).to(torch.int32)
-            plan = get_scheduler_metadata(batch_size=n, max_seqlen_q=Q_LEN, max_seqlen_k=ATTN_MAX_LEN,
+            plan = get_scheduler_metadata(batch_size=n, max_seqlen_q=Q, max_seqlen_k=ATTN_MAX_LEN,
                                           num_heads_q=HEADS, num_heads_kv=KV_HEADS, headdim=D, cache_seqlens=used,
                                           qkv_dtype=bf, cu_seqlens_q=cu_q, page_size=16, causal=True, num_splits=0)
 
             def flash(layer: int):
-                return flash_attn_varlen_func(self.q, self.k[layer], self.v[layer], max_seqlen_q=Q_LEN,
+                return flash_attn_varlen_func(self.q, self.k[layer], self.v[layer], max_seqlen_q=Q,
                                               cu_seqlens_q=cu_q, max_seqlen_k=ATTN_MAX_LEN, seqused_k=used,
                                               causal=True, block_table=table, scheduler_metadata=plan, num_splits=0,
                                               fa_version=3)
@@ -220,15 +224,16 @@ class AttentionProblem:
     def error(self, tiles: dict | None) -> float:
         import torch
 
-        got = self.launch(0, tiles).float().view(self.n, Q_LEN, HEADS, D)
+        Q = self.q_len
+        got = self.launch(0, tiles).float().view(self.n, Q, HEADS, D)
         worst = 0.0
         for b in range(self.n):
-            end = self.history + Q_LEN
+            end = self.history + Q
             keys = self.k[0].view(ATTN_SLOTS, -1, KV_HEADS, D)[b, :end].float().repeat_interleave(HEADS // KV_HEADS, 1)
             vals = self.v[0].view(ATTN_SLOTS, -1, KV_HEADS, D)[b, :end].float().repeat_interleave(HEADS // KV_HEADS, 1)
-            q = self.q.view(self.n, Q_LEN, HEADS, D)[b].float()
+            q = self.q.view(self.n, Q, HEADS, D)[b].float()
             scores = torch.einsum("qhd,khd->hqk", q, keys) / D ** 0.5
-            pos = self.history + torch.arange(Q_LEN, device=q.device)
+            pos = self.history + torch.arange(Q, device=q.device)
             scores = scores.masked_fill(torch.arange(end, device=q.device)[None, None, :] > pos[None, :, None],
                                         float("-inf"))
             want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals)
@@ -243,7 +248,9 @@ def compile_worker(jobs: list[tuple[str, int, dict]]) -> int:
     problems: dict = {}
     done = 0
     for kernel, rows, tiles in jobs:
-        make = (lambda: AttentionProblem(rows, 2048)) if kernel == "attention" else (lambda: Problem(kernel, rows))
+        # attention jobs carry (requests, queries per request) as their rows
+        make = (lambda: AttentionProblem(rows[0], 2048, q_len=rows[1])) if kernel == "attention" else \
+            (lambda: Problem(kernel, rows))
         problem = problems.get((kernel, rows)) or problems.setdefault((kernel, rows), make())
         try:
             problem.launch(0, tiles)
@@ -270,6 +277,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a few candidates per kernel (a smoke run)")
     p.add_argument("--attention", type=int, nargs="*", default=[1, 4], help="batch sizes of the attention sweep "
                    "(at 2,048 cached positions; none: skip it)")
+    p.add_argument("--attention-q", type=int, nargs="+", default=[Q_LEN, 32], help="query rows per request of the "
+                   "attention sweep (16: a k = 15 pass, 32: a k = 31 pass; results beyond 16 are keyed attention@NqQ)")
     p.add_argument("--pdl", action="store_true", help="launch with programmatic dependent launch (the "
                    "kernels' default is without it: run t2 found it slower)")
     p.add_argument("--max-error", type=float, default=0.05, help="largest relative error a candidate may have "
@@ -281,7 +290,8 @@ def main() -> None:
 
         dl.PDL = drafter_attention.PDL = True
     jobs = [(k, r, c) for r in args.rows for k in args.kernels for c in candidates(k, r, args.quick)]
-    jobs += [("attention", args.attention[0], c) for c in attention_candidates(args.quick)] if args.attention else []
+    jobs += [("attention", (args.attention[0], q), c) for q in args.attention_q
+             for c in attention_candidates(args.quick, q)] if args.attention else []
     t0 = time.time()
     if args.workers > 0:
         ctx = mp.get_context("spawn")
@@ -320,15 +330,16 @@ def main() -> None:
                       flush=True)
             del problem
             torch.cuda.empty_cache()
-    for n in args.attention:
-        problem = AttentionProblem(n, 2048)
+    for n, q in itertools.product(args.attention, args.attention_q):
+        problem = AttentionProblem(n, 2048, q_len=q)
+        key = ("attention", n if q == Q_LEN else f"{n}q{q}")  # attention@1, attention@1q32
         flash_us = per_launch_us(problem.flash) if problem.flash else None
         default_us = per_launch_us(lambda layer: problem.launch(layer, None))
-        result["cublas"].append({"kernel": "attention", "rows": n, "flash_us": flash_us, "table_us": default_us,
-                                 "table_error": problem.error(None)})
-        print(f"attention n={n}: FlashAttention {flash_us} us, current defaults {default_us:.2f} us", flush=True)
-        for tiles in tqdm(attention_candidates(args.quick), desc=f"attention n={n}", mininterval=5):
-            row = {"kernel": "attention", "rows": n, **tiles}
+        result["cublas"].append({"kernel": "attention", "rows": n, "q_len": q, "flash_us": flash_us,
+                                 "table_us": default_us, "table_error": problem.error(None)})
+        print(f"attention n={n} q={q}: FlashAttention {flash_us} us, current defaults {default_us:.2f} us", flush=True)
+        for tiles in tqdm(attention_candidates(args.quick, q), desc=f"attention n={n} q={q}", mininterval=5):
+            row = {"kernel": "attention", "rows": n, "q_len": q, **tiles}
             try:
                 row["error"] = problem.error(tiles)
                 row["us"] = per_launch_us(lambda layer: problem.launch(layer, tiles))
@@ -337,10 +348,10 @@ def main() -> None:
                 row["failed"] = f"{type(e).__name__}: {str(e)[:200]}"
             result["rows"].append(row)
             ok = "us" in row and row["error"] <= args.max_error and row["counters_clean"]
-            if ok and row["us"] < best.get(("attention", n), {"us": float("inf")})["us"]:
-                best[("attention", n)] = row
-        if b := best.get(("attention", n)):
-            print(f"  best attention n={n}: {b['us']:.2f} us (err {b['error']:.1e}) "
+            if ok and row["us"] < best.get(key, {"us": float("inf")})["us"]:
+                best[key] = row
+        if b := best.get(key):
+            print(f"  best attention n={n} q={q}: {b['us']:.2f} us (err {b['error']:.1e}) "
                   f"{ {k: b[k] for k in ('block_m', 'splits', 'block_n', 'num_warps', 'num_stages')} }", flush=True)
         del problem
         torch.cuda.empty_cache()

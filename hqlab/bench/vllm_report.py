@@ -629,13 +629,16 @@ def pass_kernel_parts(profile: dict) -> pl.DataFrame:
 def tile_sweep(sweep: dict) -> pl.DataFrame:
     """Per (kernel, rows) of a tile sweep (benchmarks/drafter_layer_tiles.py's JSON): µs per launch of the product
     alone in cuBLAS (or, for the attention, vLLM's FlashAttention), of the tiles the table held when the sweep ran,
-    and of the best candidate within the sweep's error bound; candidates tried and how many failed or missed."""
+    and of the best candidate within the sweep's error bound; candidates tried and how many failed or missed. The
+    attention's rows are its requests, `q_len` its queries per request (16 unless the sweep says; the sweep keys
+    other query counts `attention@NqQ`)."""
     rows = []
     for ref in sweep.get("cublas", []):
-        kernel, n = ref["kernel"], ref["rows"]
-        tried = [r for r in sweep.get("rows", []) if r["kernel"] == kernel and r["rows"] == n]
-        best = (sweep.get("best") or {}).get(f"{kernel}@{n}")
-        rows.append({"kernel": kernel, "rows": int(n),
+        kernel, n, q = ref["kernel"], ref["rows"], ref.get("q_len", 16 if ref["kernel"] == "attention" else None)
+        tried = [r for r in sweep.get("rows", []) if r["kernel"] == kernel and r["rows"] == n
+                 and r.get("q_len", q) == q]
+        best = (sweep.get("best") or {}).get(f"{kernel}@{n}" if q in (None, 16) else f"{kernel}@{n}q{q}")
+        rows.append({"kernel": kernel, "rows": int(n), "q_len": q,
                      "reference_us": ref.get("us", ref.get("flash_us")),
                      "reference": "FlashAttention 3" if kernel == "attention" else "cuBLAS product",
                      "table_us": float(ref["table_us"]), "best_us": float(best["us"]) if best else None,
