@@ -575,6 +575,76 @@ def gpu_lookup_acceptance(results: pl.DataFrame, steps: pl.DataFrame, run: str) 
                                       "met": pl.Boolean})
 
 
+def fused_acceptance(results: pl.DataFrame, repeats: pl.DataFrame, replayed: pl.DataFrame, run: str) -> pl.DataFrame:
+    """The fused issue's acceptance points for one run of `vllm_fused_h200.parquet`, each with its measured value,
+    its target and whether the run met it (None: the run lacks what the point needs). Speed points take the fastest
+    gpu-fused config per class (`best_fused`: ratio of class medians; the paired-by-round median is in its table):
+    chat ≥ 1.2× `none` and ≥ 1.1× the best gpu-lookup; summary and qa ≥ 1.2× `none` and ≥ 0.95× the lookup; copy,
+    code and edit ≥ 0.95× the lookup and ≥ 2× vLLM's draft model. Then: every fused (config, prompt) pair's
+    tokens/step equals the lab's replay over the same outputs (`replayed`: `benchmarks/vllm_gpu.py replay`'s frame;
+    the widest relative difference shown); in the burst of four, each fused config's copy request keeps its
+    tokens/step from running alone within 5 % and no output differs from `none`'s batch-1 output but at a near tie;
+    no output of the run differs from `none`'s but at a near tie; step efficiency reported per fused config."""
+    table = best_fused(results, repeats, run)
+    rows: list[dict] = []
+
+    def add(key: str, point: str, value: float | None, target: str, met: bool | None) -> None:
+        rows.append({"key": key, "point": point, "value": value, "target": target, "met": met})
+
+    def ratio(category: str, column: str) -> float | None:
+        mine = table.filter(pl.col("category") == category)
+        return None if mine.is_empty() or mine[column][0] is None else float(mine[column][0])
+
+    bars = {"chat": (1.2, 1.1), "summary": (1.2, 0.95), "qa": (1.2, 0.95)}
+    for category, (over_none, over_lookup) in bars.items():
+        for column, bar, name in (("vs_none", over_none, "none"), ("vs_best_gpu_lookup", over_lookup, "lookup")):
+            value = ratio(category, column)
+            add(f"{category} >= {bar}x {name}", f"{category}: best fused ÷ {name}", value, f">= {bar}",
+                None if value is None else value >= bar)
+    for category in DOCUMENTS:
+        value = ratio(category, "vs_best_gpu_lookup")
+        add(f"{category} >= 0.95x lookup", f"{category}: best fused ÷ best gpu-lookup", value, ">= 0.95",
+            None if value is None else value >= 0.95)
+        value = ratio(category, "vs_best_vllm_draft")
+        add(f"{category} >= 2x vllm-draft", f"{category}: best fused ÷ best vllm-draft", value, ">= 2",
+            None if value is None else value >= 2)
+    mine = replayed.filter(pl.col("run") == run) if replayed.height else replayed
+    if mine.height:
+        off = mine.with_columns((pl.col("difference").abs() / pl.col("vllm_tokens_per_step")).alias("off"))
+        exact = int((off["off"] == 0).sum())
+        add("replay equals vLLM", f"fused (config, prompt) pairs whose replay gives vLLM's tokens/step (of "
+            f"{off.height}; widest difference {off['off'].max():.2%})", float(exact), f"{off.height}",
+            exact == off.height)
+    else:
+        add("replay equals vLLM", "replay (not run)", None, "every pair", None)
+    here = results.filter(pl.col("run") == run)
+    fused = here.filter(pl.col("config").str.starts_with("gpu-fused"))
+    burst = fused.filter(pl.col("load") == "burst")
+    if burst.height:
+        alone = fused.filter(pl.col("concurrency") <= 1).group_by("config", "prompt_id").agg(
+            pl.col("tokens_per_step").median().alias("alone"))
+        copy = (burst.filter(pl.col("category") == "copy").group_by("config", "prompt_id")
+                .agg(pl.col("tokens_per_step").median()).join(alone, on=["config", "prompt_id"]))
+        worst = float((copy["tokens_per_step"] / copy["alone"] - 1).abs().max()) if copy.height else None
+        add("burst: copy keeps its block", "burst of four: copy's tokens/step off its batch-1 value, worst fused "
+            "config", worst, "<= 5 %", None if worst is None else worst <= 0.05)
+        bad = int((burst["divergence"] == "mismatch").sum())
+        add("burst: outputs identical", "burst of four: fused outputs that differ from batch 1 but at a near tie",
+            float(bad), "0", bad == 0)
+    else:
+        add("burst: copy keeps its block", "burst of four (not run)", None, "<= 5 %", None)
+    mismatches = int((here["divergence"] == "mismatch").sum())
+    ties = here.filter(pl.col("divergence") == "near-tie")["divergence_margin"]
+    add("lossless", f"outputs that differ from none's (near ties: {ties.len()}, widest margin "
+        f"{ties.max() if ties.len() else 0})", float(mismatches), "0", mismatches == 0)
+    efficiency = fused.filter(pl.col("concurrency") <= 1)["step_efficiency"]
+    add("step efficiency reported", "fused step efficiency, lowest class median",
+        float(table["step_efficiency"].min()) if efficiency.len() else None, "reported",
+        bool(efficiency.len()) or None)
+    return pl.DataFrame(rows, schema={"key": pl.String, "point": pl.String, "value": pl.Float64, "target": pl.String,
+                                      "met": pl.Boolean})
+
+
 GPU_PHASES = ["target forward", "propose", "sample + accept"]
 
 
@@ -664,4 +734,4 @@ __all__ = ["short_label", "run_ratios", "summary", "concurrency", "step_breakdow
            "fused_ratios_across", "speculator_host_ms", "exact_skip_share", "round_ratios", "best_fused",
            "device_skip_what_if", "round_step_ms", "gpu_phases", "GPU_PHASES",
            "pass_kernel_parts", "KERNEL_PARTS", "tile_sweep",
-           "gpu_lookup_acceptance", "PROSE", "DOCUMENTS"]
+           "gpu_lookup_acceptance", "fused_acceptance", "PROSE", "DOCUMENTS"]
