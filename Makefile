@@ -74,11 +74,11 @@ lock-vllm:
 	rm -rf $(LOCK_TMP)
 
 # Tests: the vLLM-importing ones in the vLLM environment, then the rest in the main one; both always run, and the
-# target fails if either failed.
+# target fails if either failed. Each run lists its slowest tests, so a CI log shows where the suite's time goes.
 test: setup setup-vllm
 	@status=0; \
-	$(VLLM_BIN)/python -m pytest $(VLLM_TESTS) || status=1; \
-	$(BIN)/python -m pytest $(MAIN_TESTS) || status=1; \
+	$(VLLM_BIN)/python -m pytest --durations=15 $(VLLM_TESTS) || status=1; \
+	$(BIN)/python -m pytest --durations=40 $(MAIN_TESTS) || status=1; \
 	exit $$status
 
 test-fast: setup setup-vllm

@@ -42,23 +42,25 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 # the layers' dot (float32 sums; bf16 widened in Triton's interpreter) and the rule that picks its precision
 from hqlab_kernels.drafter_layers import TILES_ENV, _dot, _precision, sweep_tiles
 
-# keys per loop step: a [BLOCK_M, 32] score tile, K and V tiles of 32 x 64 (4 KB each in bf16); the best of the
-# H200 sweep t1 at one and four requests (data/results/drafter_layer_tiles_h200_t1.json: 13.0 us a layer at 2,048
-# positions against 14.1 at 64)
-BLOCK_N = 32
+# The defaults are the best of the H200 sweep t4 (data/results/drafter_layer_tiles_h200_t4.json; the tiles run fm1
+# drafted with): 16 query rows a program, 64 keys a loop step, 4 warps, 3 stages, up to 8 key splits. At 2,048
+# positions a layer then takes 8.4 us at one request of 16 queries (FlashAttention 3: 12.9; one 128-row tile of 32
+# keys, sweep t1's best: 13.1), 9.4 at 32 queries (FlashAttention 13.3), 10.8 at four requests of 16 (14.4).
+BLOCK_N = 64  # keys per loop step: a [BLOCK_M, 64] score tile, K and V tiles of 64 x 64 (8 KB each in bf16)
 MAX_TILE_ROWS = 256  # the most query rows (Q * groups) one program holds: 256 x 64 float32 is 64 KB of registers
-# default_splits' bounds (its docstring says why; estimates, to be tuned on the GPU):
-TARGET_PROGRAMS = 128  # about one wave on a 132-SM GPU (H200), one program per SM
+# default_splits' bounds (its docstring says why): the sweep's best program count at four requests, 8 splits x 4
+# requests x 2 KV heads
+TARGET_PROGRAMS = 64
 MIN_SPLIT_KEYS = 128  # keys per split at the least (also at least one BLOCK_N)
-MAX_SPLITS = 16  # the combine is serial in the last program: it reads splits x rows x D float32 from L2
-NUM_STAGES: int | None = None  # Triton's pipeline depth for the key loop (None: Triton's default)
-NUM_WARPS: int | None = None  # warps per program (None: `warps`' rule)
+MAX_SPLITS = 8  # the combine is serial in the last program: it reads splits x rows x D float32 from L2
+NUM_STAGES: int | None = 3  # Triton's pipeline depth for the key loop (None: Triton's default)
+NUM_WARPS: int | None = 4  # warps per program (None: `warps`' rule)
 # Query rows per program (None: all Q * groups rows of a KV head in one tile, at most MAX_BLOCK_M). Fewer rows per
 # program mean more programs per split and, above all, a combine that reads only its own rows' partials: with one
 # tile of the 0.5B's 112 rows and 16 splits the last program alone reads 16 x 112 x 64 float32 (459 KB) from L2.
-BLOCK_M: int | None = None
-# The largest tile by default: a k = 31 pass (32 queries x 7 heads = 224 rows) takes two tiles of 128 rows, not one
-# of 256 with 16 warps (run fl1: such passes made the k = 31 config's chat steps 0.4 ms dearer than k = 15's).
+BLOCK_M: int | None = 16
+# The largest tile where BLOCK_M is None: a k = 31 pass (32 queries x 7 heads = 224 rows) takes two tiles of 128
+# rows, not one of 256 with 16 warps (run fl1: such passes made the k = 31 config's chat steps 0.4 ms dearer).
 MAX_BLOCK_M = 128
 # programmatic dependent launch on Hopper and later: off unless HQLAB_DRAFTER_PDL=1 (hqlab_kernels.drafter_layers.PDL
 # says why)
@@ -118,7 +120,7 @@ def default_splits(attn_len: int, n: int, kv_heads: int, *, block_n: int | None 
     (loading the query tile, writing a BLOCK_M x D float32 partial, ~28 KB at the 0.5B's 112 rows) outweigh its keys;
     and at most MAX_SPLITS splits, because the program that arrives last reads every split's partial alone, so the
     combine's time grows with splits (16 x 28 KB of L2 reads by one SM: roughly 1 to 3 us) while the key loop's
-    shrinks. At 2,048 positions: 16 splits for 1 to 4 requests (32 to 128 programs of 128 keys)."""
+    shrinks. At 2,048 positions: 8 splits for 1 to 4 requests (16 to 64 programs of 256 keys per row tile)."""
     if attn_len < 1 or n < 1 or kv_heads < 1:
         raise ValueError(f"attn_len, n and kv_heads must be >= 1, got {attn_len}, {n} and {kv_heads}")
     by_programs = TARGET_PROGRAMS // (n * kv_heads)

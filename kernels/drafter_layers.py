@@ -87,17 +87,19 @@ class Tiles:
 
 
 # The tiles each kernel launches with, per (kernel, rows per program); a launcher's keyword arguments override them.
-# 16 and 64 rows: the fastest of 540 candidates on an H200 at the 0.5B's shapes, each timed over 24 layers' own
-# weights in a CUDA graph (benchmarks/drafter_layer_tiles.py, run t1, data/results/drafter_layer_tiles_h200_t1.json:
-# per launch at 16 rows K1 10.7 -> 7.6 us, K2 3.6 -> 3.3, K3 14.1 -> 11.0, K4 11.9 -> 7.1 against the first tiles);
-# 32 rows (two requests) takes the 64-row tiles, not swept.
+# The fastest candidates on an H200 at the 0.5B's shapes, each timed over 24 layers' own weights in a CUDA graph
+# (benchmarks/drafter_layer_tiles.py, run t4, data/results/drafter_layer_tiles_h200_t4.json, 16, 32 and 64 rows; the
+# tiles run fm1 drafted with). Run t1 first tuned 16 and 64 rows: per launch at 16 rows K1 10.7 -> 7.6 us, K2 3.6 ->
+# 3.3, K3 14.1 -> 11.0, K4 11.9 -> 7.1 against the first tiles; t4 at 32 rows (a k = 31 pass) found K1 with two
+# splits 9.6 us against 11.1 with the 64-row tiles, the others level with them.
 TILES: dict[tuple[str, int], Tiles] = {
-    ("qkv", 16): Tiles(16, 256, 4, 4, split_k=2), ("o_proj", 16): Tiles(16, 256, 4, 3),
-    ("gate_up", 16): Tiles(64, 256, 4, 3), ("down", 16): Tiles(32, 128, 4, 4, split_k=8),
+    ("qkv", 16): Tiles(16, 256, 4, 3, split_k=2), ("o_proj", 16): Tiles(16, 256, 4, 3),
+    ("gate_up", 16): Tiles(64, 256, 4, 4), ("down", 16): Tiles(32, 128, 4, 4, split_k=8),
+    ("qkv", 32): Tiles(16, 256, 8, 4, split_k=2), ("o_proj", 32): Tiles(16, 128, 8, 4),
+    ("gate_up", 32): Tiles(64, 128, 8, 3), ("down", 32): Tiles(32, 128, 8, 4, split_k=4),
     ("qkv", 64): Tiles(16, 256, 8, 4, split_k=4), ("o_proj", 64): Tiles(16, 128, 8, 4),
     ("gate_up", 64): Tiles(64, 128, 8, 3), ("down", 64): Tiles(32, 128, 8, 4, split_k=4),
 }
-TILES.update({(kernel, 32): TILES[(kernel, 64)] for kernel in KERNELS})
 
 
 TILES_ENV = "HQLAB_DRAFTER_TILES"  # a tile sweep's JSON applied when this module is imported (`sweep_tiles`)

@@ -225,8 +225,9 @@ def test_split_choices():
     assert da.tile_rows(16, 7) == 128 and da.tile_rows(1, 7) == 16 and da.tile_rows(16, 2) == 32
     assert [da.warps(m) for m in (16, 32, 64, 128, 256)] == [4, 4, 4, 8, 16]
     assert da.split_chunk(40, 7, 16) == 16 and da.split_chunk(40, 2, 16) == 32 and da.split_chunk(2048, 16) == 128
-    # the 0.5B's drafting passes at 2,048 positions: 16 splits of 128 keys for 1 to 4 requests
-    assert [da.default_splits(2048, n, 2) for n in (1, 2, 3, 4)] == [16, 16, 16, 16]
+    # the 0.5B's drafting passes at 2,048 positions: 8 splits of 256 keys for 1 to 4 requests (sweep t4's choice)
+    assert [da.default_splits(2048, n, 2) for n in (1, 2, 3, 4)] == [8, 8, 8, 8]
+    assert [da.default_splits(2048, n, 2) for n in (5, 8, 16)] == [6, 4, 2]  # then about TARGET_PROGRAMS programs
     assert da.default_splits(40, 1, 2) == 1 and da.default_splits(300, 1, 2) == 3
     for attn_len in (1, 16, 100, 1000, 4096, 32768):
         for n in (1, 2, 4, 16, 64, 200):
