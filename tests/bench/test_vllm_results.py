@@ -608,3 +608,33 @@ def test_gpu_lookup_acceptance_reads_each_point_of_a_run_from_its_rows():
     assert e["copy/code/edit >= 1.3x adapter"] is None
     with pytest.raises(ConfigError, match="run 'nope': no batch-1 rows"):
         vllm_report.gpu_lookup_acceptance(data["results"], data["steps"], "nope")
+
+
+def test_fused_acceptance_reads_each_point_of_a_fused_run_from_its_rows():
+    """The fused issue's points per run: fm1 (11 rounds, vLLM's draft model finished in) met every speed point but
+    edit's 0.95x the lookup, and its replay gave vLLM's tokens/step on 25 of 28 pairs (three near-tied chat prompts,
+    under 1 %); fl1 ran no draft model, so that point is not measured there, not failed. Each value is the one
+    `best_fused` gives for the same run."""
+    import polars as pl
+
+    from hqlab.bench import vllm_report
+    from hqlab.config import ConfigError
+
+    data = vllm_report.load(ROOT / "data" / "results" / "vllm_fused_h200.parquet")
+    replayed = pl.read_parquet(ROOT / "data" / "results" / "vllm_fused_h200.replay.parquet")
+    fm1 = vllm_report.fused_acceptance(data["results"], data["repeats"], replayed, "fm1")
+    met = dict(zip(fm1["key"], fm1["met"]))
+    assert [key for key, ok in met.items() if not ok] == ["edit >= 0.95x lookup", "replay equals vLLM"]
+    value = dict(zip(fm1["key"], fm1["value"]))
+    best = vllm_report.best_fused(data["results"], data["repeats"], "fm1")
+    chat = best.filter(pl.col("category") == "chat").row(0, named=True)
+    assert value["chat >= 1.1x lookup"] == pytest.approx(chat["vs_best_gpu_lookup"])
+    assert value["chat >= 1.1x lookup"] > 1.2
+    assert value["edit >= 2x vllm-draft"] > 20 and value["lossless"] == 0
+    assert value["replay equals vLLM"] == 25
+    assert "of 28" in fm1.filter(pl.col("key") == "replay equals vLLM")["point"][0]
+    fl1 = dict(zip(*vllm_report.fused_acceptance(data["results"], data["repeats"], replayed, "fl1")
+                   .select("key", "met")))
+    assert fl1["copy >= 2x vllm-draft"] is None and fl1["chat >= 1.1x lookup"] is True
+    with pytest.raises(ConfigError, match="run 'nope': no batch-1 rows"):
+        vllm_report.fused_acceptance(data["results"], data["repeats"], replayed, "nope")
