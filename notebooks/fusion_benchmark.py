@@ -784,7 +784,7 @@ sweep_long = (sweep.with_columns(pl.when(pl.col("q_len").is_null()).then(pl.form
               .unpivot(["reference_us", "table_us", "best_us"], index=["kernel@rows", "reference"],
                        variable_name="tiles", value_name="us")
               .with_columns(pl.col("tiles").replace({"reference_us": "cuBLAS product / FlashAttention 3",
-                                                     "table_us": "first tiles", "best_us": "best of the sweep"})))
+                                                     "table_us": "tiles before the sweep", "best_us": "best of the sweep"})))
 chart = plots.grouped_bars(sweep_long, "kernel@rows", "us", "tiles", y_title="µs per launch (24 layers, CUDA graph)")
 plots.save(chart, figures / "drafter_layer_tiles_h200.svg")
 chart
