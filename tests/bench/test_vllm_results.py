@@ -612,8 +612,8 @@ def test_gpu_lookup_acceptance_reads_each_point_of_a_run_from_its_rows():
 
 def test_fused_acceptance_reads_each_point_of_a_fused_run_from_its_rows():
     """The fused issue's points per run: fm1 (11 rounds, vLLM's draft model finished in) met every speed point but
-    edit's 0.95x the lookup, and its replay gave vLLM's tokens/step on 25 of 28 pairs (three near-tied chat prompts,
-    under 1 %); fl1 ran no draft model, so that point is not measured there, not failed. Each value is the one
+    edit's 0.95x the lookup, its replay gave vLLM's tokens/step on 25 of 28 pairs (three near-tied chat prompts,
+    under 1 %), and its burst held no prose; fj1's burst mixed copy with chat, qa and summary; fl1 ran no draft model, so that point is not measured there, not failed. Each value is the one
     `best_fused` gives for the same run."""
     import polars as pl
 
@@ -624,7 +624,10 @@ def test_fused_acceptance_reads_each_point_of_a_fused_run_from_its_rows():
     replayed = pl.read_parquet(ROOT / "data" / "results" / "vllm_fused_h200.replay.parquet")
     fm1 = vllm_report.fused_acceptance(data["results"], data["repeats"], replayed, "fm1")
     met = dict(zip(fm1["key"], fm1["met"]))
-    assert [key for key, ok in met.items() if not ok] == ["edit >= 0.95x lookup", "replay equals vLLM"]
+    # its burst was the suite's first four prompts (copy, code, edit, quote: run without --burst), so it mixed no prose
+    assert [key for key, ok in met.items() if not ok] == ["edit >= 0.95x lookup", "replay equals vLLM",
+                                                          "burst mixes prose"]
+    assert "copy, code, edit, quote" in fm1.filter(pl.col("key") == "burst mixes prose")["point"][0]
     value = dict(zip(fm1["key"], fm1["value"]))
     best = vllm_report.best_fused(data["results"], data["repeats"], "fm1")
     chat = best.filter(pl.col("category") == "chat").row(0, named=True)
@@ -636,5 +639,8 @@ def test_fused_acceptance_reads_each_point_of_a_fused_run_from_its_rows():
     fl1 = dict(zip(*vllm_report.fused_acceptance(data["results"], data["repeats"], replayed, "fl1")
                    .select("key", "met")))
     assert fl1["copy >= 2x vllm-draft"] is None and fl1["chat >= 1.1x lookup"] is True
+    fj1 = dict(zip(*vllm_report.fused_acceptance(data["results"], data["repeats"], replayed, "fj1")
+                   .select("key", "met")))
+    assert fj1["burst mixes prose"] is True and fj1["burst: copy keeps its block"] is True
     with pytest.raises(ConfigError, match="run 'nope': no batch-1 rows"):
         vllm_report.fused_acceptance(data["results"], data["repeats"], replayed, "nope")
