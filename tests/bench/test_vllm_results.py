@@ -613,8 +613,9 @@ def test_gpu_lookup_acceptance_reads_each_point_of_a_run_from_its_rows():
 def test_fused_acceptance_reads_each_point_of_a_fused_run_from_its_rows():
     """The fused issue's points per run: fm1 (11 rounds, vLLM's draft model finished in) met every speed point but
     edit's 0.95x the lookup, its replay gave vLLM's tokens/step on 25 of 28 pairs (three near-tied chat prompts,
-    under 1 %), and its burst held no prose; fj1's burst mixed copy with chat, qa and summary; fl1 ran no draft model, so that point is not measured there, not failed. Each value is the one
-    `best_fused` gives for the same run."""
+    under 1 %), and its burst held no prose; fj1's burst mixed copy with chat, qa and summary; fl1 ran no draft
+    model, so that point is not measured there, not failed. Each value is the one `best_fused` gives for the same
+    run."""
     import polars as pl
 
     from hqlab.bench import vllm_report
