@@ -90,7 +90,11 @@ def bench(args: argparse.Namespace) -> int:
     if burst:
         args.concurrency = len(burst)
         options = dataclasses_replace(options, max_num_seqs=max(8, len(burst)))
-    hv.burst_group(encoded, args.concurrency, burst)  # a bad name fails here, before any engine starts
+    group = hv.burst_group(encoded, args.concurrency, burst)  # a bad name fails here, before any engine starts
+    if group and not burst and any(s.label.startswith("gpu-fused") for s in settings):
+        # runs fl1 and fm1 measured "four at once" over four documents this way, with no prose beside the copy
+        log(f"note: the {len(group)} requests at once are the suite's first prompts ("
+            f"{', '.join(p[0] for p in group)}); --burst copy,chat,qa,summary mixes the copy request with prose")
     hv.check_prompts(options, encoded, decode)
     log("configs: " + ", ".join(s.label for s in settings))
     described: list[dict] = []
