@@ -522,6 +522,30 @@ def device_skip_what_if(steps: pl.DataFrame, results: pl.DataFrame, run: str, co
             .sort("category"))
 
 
+class _Points:
+    """An acceptance table being written: one row per point (key, what was measured, its value, the target, whether
+    the run met it; None: the run lacks what the point needs)."""
+
+    SCHEMA = {"key": pl.String, "point": pl.String, "value": pl.Float64, "target": pl.String, "met": pl.Boolean}
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def add(self, key: str, point: str, value: float | None, target: str, met: bool | None) -> None:
+        self.rows.append({"key": key, "point": point, "value": value, "target": target, "met": met})
+
+    def lossless(self, rows: pl.DataFrame) -> None:
+        """No output of `rows` differs from `none`'s but at a near tie (the widest tie margin shown)."""
+        mismatches = int((rows["divergence"] == "mismatch").sum())
+        ties = rows.filter(pl.col("divergence") == "near-tie")["divergence_margin"]
+        widest = ties.max() if ties.len() else 0
+        self.add("lossless", f"outputs that differ from none's (near ties: {ties.len()}, widest margin {widest})",
+                 float(mismatches), "0", mismatches == 0)
+
+    def frame(self) -> pl.DataFrame:
+        return pl.DataFrame(self.rows, schema=self.SCHEMA)
+
+
 def gpu_lookup_acceptance(results: pl.DataFrame, steps: pl.DataFrame, run: str) -> pl.DataFrame:
     """The GPU-lookup issue's acceptance points for one run of `vllm_gpu_h200.parquet`, each with its measured
     value, its target and whether the run met it (None: the run lacks what the point needs): the best gpu-lookup
@@ -537,11 +561,8 @@ def gpu_lookup_acceptance(results: pl.DataFrame, steps: pl.DataFrame, run: str) 
     lookup = best.filter(pl.col("family") == family("gpu-lookup"))
     adapter = best.filter(pl.col("family") == family("lookup:")).select("category",
                                                                        pl.col("decode_tok_s").alias("adapter"))
-    rows = []
-
-    def add(key: str, point: str, value: float | None, target: str, met: bool | None) -> None:
-        rows.append({"key": key, "point": point, "value": value, "target": target, "met": met})
-
+    points = _Points()
+    add = points.add
     prose = lookup.filter(pl.col("category").is_in(PROSE))
     weakest = prose["vs_none"].min() if prose.height else None
     add("prose >= 0.95x none", "prose ÷ none, weakest class", weakest, ">= 0.95",
@@ -558,12 +579,7 @@ def gpu_lookup_acceptance(results: pl.DataFrame, steps: pl.DataFrame, run: str) 
             None if value is None else bool(value >= 1.0))
     if not together.height:
         add("eight requests >= none", "eight requests ÷ none (not run)", None, ">= 1.0", None)
-    mine = results.filter(pl.col("run") == run)
-    mismatches = int((mine["divergence"] == "mismatch").sum())
-    ties = mine.filter(pl.col("divergence") == "near-tie")["divergence_margin"]
-    widest = ties.max() if ties.len() else 0
-    add("lossless", f"outputs that differ from none's (near ties: {ties.len()}, widest margin {widest})",
-        float(mismatches), "0", mismatches == 0)
+    points.lossless(results.filter(pl.col("run") == run))
     try:
         check = cost_model_check(steps, [run], host_level=True)
         within = int((check["error"].abs() <= 0.10).sum())
@@ -571,8 +587,7 @@ def gpu_lookup_acceptance(results: pl.DataFrame, steps: pl.DataFrame, run: str) 
             f"{check.height}", within == check.height)
     except (ConfigError, ValueError) as e:
         add("cost model within 10 %", f"cost model ({e})", None, "all pairs", None)
-    return pl.DataFrame(rows, schema={"key": pl.String, "point": pl.String, "value": pl.Float64, "target": pl.String,
-                                      "met": pl.Boolean})
+    return points.frame()
 
 
 def fused_acceptance(results: pl.DataFrame, repeats: pl.DataFrame, replayed: pl.DataFrame, run: str) -> pl.DataFrame:
@@ -585,13 +600,11 @@ def fused_acceptance(results: pl.DataFrame, repeats: pl.DataFrame, replayed: pl.
     the widest relative difference shown); the burst of four mixes the copy request with prose (`vllm_gpu.py bench
     --burst copy,chat,qa,summary`; without it the burst is the suite's first four prompts, all documents), each
     fused config's copy request keeps its tokens/step from running alone within 5 % and no output differs from
-    `none`'s batch-1 output but at a near tie;
-    no output of the run differs from `none`'s but at a near tie; step efficiency reported per fused config."""
+    `none`'s batch-1 output but at a near tie; no output of the run differs from `none`'s but at a near tie; step
+    efficiency reported (the lowest class median of the fastest fused configs)."""
     table = best_fused(results, repeats, run)
-    rows: list[dict] = []
-
-    def add(key: str, point: str, value: float | None, target: str, met: bool | None) -> None:
-        rows.append({"key": key, "point": point, "value": value, "target": target, "met": met})
+    points = _Points()
+    add = points.add
 
     def ratio(category: str, column: str) -> float | None:
         mine = table.filter(pl.col("category") == category)
@@ -640,16 +653,11 @@ def fused_acceptance(results: pl.DataFrame, repeats: pl.DataFrame, replayed: pl.
     else:
         add("burst mixes prose", "burst of four (not run)", None, ">= 1", None)
         add("burst: copy keeps its block", "burst of four (not run)", None, "<= 5 %", None)
-    mismatches = int((here["divergence"] == "mismatch").sum())
-    ties = here.filter(pl.col("divergence") == "near-tie")["divergence_margin"]
-    add("lossless", f"outputs that differ from none's (near ties: {ties.len()}, widest margin "
-        f"{ties.max() if ties.len() else 0})", float(mismatches), "0", mismatches == 0)
-    efficiency = fused.filter(pl.col("concurrency") <= 1)["step_efficiency"]
+    points.lossless(here)
+    efficiency = table["step_efficiency"].min()  # best_fused has a row per class, or raised
     add("step efficiency reported", "fused step efficiency, lowest class median",
-        float(table["step_efficiency"].min()) if efficiency.len() else None, "reported",
-        bool(efficiency.len()) or None)
-    return pl.DataFrame(rows, schema={"key": pl.String, "point": pl.String, "value": pl.Float64, "target": pl.String,
-                                      "met": pl.Boolean})
+        None if efficiency is None else float(efficiency), "reported", True if efficiency is not None else None)
+    return points.frame()
 
 
 GPU_PHASES = ["target forward", "propose", "sample + accept"]
