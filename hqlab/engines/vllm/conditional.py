@@ -7,9 +7,12 @@ node lets the graph decide: a one-thread kernel sets the node's condition from t
 graph only when the condition is set. Measured on the H200 (`benchmarks/cuda_conditional_probe.py`): a replay costs
 0.022 ms with a 24-kernel body skipped, 0.146 ms with it taken, 0.137 ms for the same body in a plain graph.
 
-`run_if(flag, body)` is the one entry point. While the current stream captures a CUDA graph it adds the IF node
-and captures `body` into it; otherwise it runs `body` when the flag is set, which reads the flag on the host (free
-on the CPU, a wait on a GPU: the eager path is for tests and for steps without graphs).
+`run_if(flag, body)` runs `body` where the flag is set; `run_while(flag, body)` runs it again and again while the
+flag is set, `body` itself updating the flag (a WHILE node). While the current stream captures a CUDA graph they add
+the node and capture `body` into it; otherwise they run `body` where the flag says, which reads the flag on the host
+(free on the CPU, a wait on a GPU: the eager path is for tests and for steps without graphs). A body may hold
+conditional nodes itself (nesting: the drafting step puts its catch-up loop and passes inside one IF node, so a step
+without the drafter meets one node).
 
 What the capture relies on (torch 2.11 does not expose conditional nodes; `cuda-bindings` does):
 `cudaStreamGetCaptureInfo` (the graph torch is capturing into), `cudaGraphConditionalHandleCreate`,
@@ -39,7 +42,8 @@ extern "C" __global__ void set_if(cudaGraphConditionalHandle handle, const int* 
 """
 
 _KERNELS: dict[int, Any] = {}  # device index -> the loaded set_if kernel
-_SIDE: dict[int, Any] = {}  # device index -> the stream IF bodies are captured on (`side_stream`)
+_SIDE: dict[tuple[int, int], Any] = {}  # (device index, nesting depth) -> the stream bodies are captured on
+_DEPTH = [0]  # how many conditional bodies the current thread is inside (capturing or warming up)
 
 
 def ok(result: Any, what: str) -> Any:
@@ -90,14 +94,15 @@ def launch_set_if(kernel: Any, handle: Any, flag: torch.Tensor, stream_ptr: int)
     ok(driver.cuLaunchKernel(kernel, 1, 1, 1, 1, 1, 1, 0, driver.CUstream(stream_ptr), args, 0), "launch set_if")
 
 
-def side_stream(device: torch.device) -> Any:
-    """The stream IF bodies are captured on, one per device for the process: cuBLAS keeps a workspace per stream,
-    made on a stream's first matrix product, so the stream a body is captured on must have run the body's kernels
-    before (`run_if(..., always=True)` in a warm-up runs them there), not be new at each capture."""
+def side_stream(device: torch.device, depth: int = 0) -> Any:
+    """The stream bodies at nesting `depth` are captured on, one per device and depth for the process: cuBLAS keeps a
+    workspace per stream, made on a stream's first matrix product, so the stream a body is captured on must have run
+    the body's kernels before (`run_if(..., always=True)` in a warm-up runs them there), not be new at each capture.
+    A nested body needs a stream of its own: its capture is open while its parent's is."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE:
-        _SIDE[index] = torch.cuda.Stream(torch.device("cuda", index))
-    return _SIDE[index]
+    if (index, depth) not in _SIDE:
+        _SIDE[index, depth] = torch.cuda.Stream(torch.device("cuda", index))
+    return _SIDE[index, depth]
 
 
 def capturing(flag: torch.Tensor) -> bool:
@@ -113,52 +118,94 @@ def run_if(flag: torch.Tensor, body: Callable[[], None], *, pool: Any = None, al
     after it waits for the node. Otherwise: `body()` if the flag is set (a host read), or whatever the flag when
     `always` (warm-ups, which must run every kernel a capture will record, and on a GPU load the kernel that sets the
     condition: a capture cannot load it)."""
+    _conditional(flag, body, pool=pool, always=always, loop=False)
+
+
+def run_while(flag: torch.Tensor, body: Callable[[], None], *, pool: Any = None, always: bool = False) -> None:
+    """`body()` again and again while the one-element int32 device tensor `flag` is nonzero; `body` must update
+    `flag` (on the device, from what it computed), or the loop never ends.
+
+    While capturing: a WHILE node, which tests the flag before the first run and after each; the flag's new value
+    reaches the node through a condition-setting kernel captured at the end of the body. Otherwise: the same loop
+    with a host read of the flag before each run; a warm-up (`always`) runs `body` once, whatever the flag."""
+    _conditional(flag, body, pool=pool, always=always, loop=True)
+
+
+def _conditional(flag: torch.Tensor, body: Callable[[], None], *, pool: Any, always: bool, loop: bool) -> None:
     if flag.numel() != 1 or flag.dtype != torch.int32:
-        raise ValueError(f"run_if needs a one-element int32 flag (got {flag.dtype}, {flag.numel()} elements)")
+        name = "run_while" if loop else "run_if"
+        raise ValueError(f"{name} needs a one-element int32 flag (got {flag.dtype}, {flag.numel()} elements)")
     if not capturing(flag):
         if always and flag.device.type == "cuda":  # a warm-up: on the stream the body will be captured on
             # and load the condition-setting kernel now: loading a module while a stream captures is not allowed
             set_if_kernel(flag.device.index if flag.device.index is not None else torch.cuda.current_device())
-            current, side = torch.cuda.current_stream(flag.device), side_stream(flag.device)
+            current, side = torch.cuda.current_stream(flag.device), side_stream(flag.device, _DEPTH[0])
             side.wait_stream(current)
-            with torch.cuda.stream(side):
+            with torch.cuda.stream(side), _inside():
                 body()
             current.wait_stream(side)
-        elif always or bool(flag.item()):
-            body()
+        elif always:
+            with _inside():
+                body()
+        else:
+            while bool(flag.item()):
+                with _inside():
+                    body()
+                if not loop:
+                    break
         return
     from cuda.bindings import runtime as rt
 
     if pool is None:
-        raise ValueError("run_if inside a CUDA graph capture needs the pool the IF body allocates from")
+        raise ValueError("a conditional node inside a CUDA graph capture needs the pool its body allocates from")
     device = flag.device.index if flag.device.index is not None else torch.cuda.current_device()
     main = torch.cuda.current_stream(flag.device)
     stream = main.cuda_stream
+    kernel = set_if_kernel(device)
     _, _, graph, _, _, _ = ok(rt.cudaStreamGetCaptureInfo(stream), "cudaStreamGetCaptureInfo")
     assign_default = int(rt.cudaGraphConditionalHandleFlags.cudaGraphCondAssignDefault)
     handle = ok(rt.cudaGraphConditionalHandleCreate(graph, 0, assign_default), "cudaGraphConditionalHandleCreate")
-    launch_set_if(set_if_kernel(device), handle, flag, stream)
+    launch_set_if(kernel, handle, flag, stream)
     _, _, graph, deps, edges, n = ok(rt.cudaStreamGetCaptureInfo(stream), "cudaStreamGetCaptureInfo")
     params = rt.cudaGraphNodeParams()
     params.type = rt.cudaGraphNodeType.cudaGraphNodeTypeConditional
     params.conditional.handle = handle
-    params.conditional.type = rt.cudaGraphConditionalNodeType.cudaGraphCondTypeIf
+    kind = rt.cudaGraphConditionalNodeType
+    params.conditional.type = kind.cudaGraphCondTypeWhile if loop else kind.cudaGraphCondTypeIf
     params.conditional.size = 1
     node = ok(rt.cudaGraphAddNode(graph, deps, edges, n, params), "cudaGraphAddNode (conditional)")
     body_graph = params.conditional.phGraph_out[0]
-    side = side_stream(flag.device)
+    depth = _DEPTH[0]
+    side = side_stream(flag.device, depth)
     ok(rt.cudaStreamBeginCaptureToGraph(side.cuda_stream, body_graph, None, None, 0,
                                         rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal),
-       "cudaStreamBeginCaptureToGraph (the IF body)")
-    torch._C._cuda_beginAllocateCurrentThreadToPool(device, pool)
+       "cudaStreamBeginCaptureToGraph (the conditional body)")
+    if depth == 0:  # a nested body allocates from the pool its outermost body already routes this thread to
+        torch._C._cuda_beginAllocateCurrentThreadToPool(device, pool)
     try:
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), _inside():
             body()
+            if loop:  # the loop's next test reads the flag the body just wrote
+                launch_set_if(kernel, handle, flag, side.cuda_stream)
+    except BaseException:
+        rt.cudaStreamEndCapture(side.cuda_stream)  # leave the side stream usable; the step's capture fails anyway
+        raise
     finally:
-        torch._C._cuda_endAllocateToPool(device, pool)
-    ok(rt.cudaStreamEndCapture(side.cuda_stream), "cudaStreamEndCapture (the IF body)")
+        if depth == 0:
+            torch._C._cuda_endAllocateToPool(device, pool)
+    ok(rt.cudaStreamEndCapture(side.cuda_stream), "cudaStreamEndCapture (the conditional body)")
     replace = int(rt.cudaStreamUpdateCaptureDependenciesFlags.cudaStreamSetCaptureDependencies)
     ok(rt.cudaStreamUpdateCaptureDependencies(stream, [node], None, 1, replace), "cudaStreamUpdateCaptureDependencies")
 
 
-__all__ = ["run_if", "capturing", "side_stream", "set_if_cubin", "set_if_kernel", "launch_set_if", "SET_IF", "ok"]
+class _inside:
+    """Counts the conditional bodies the current code runs in (`_DEPTH`), so a nested node picks its own stream."""
+
+    def __enter__(self) -> None:
+        _DEPTH[0] += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        _DEPTH[0] -= 1
+
+
+__all__ = ["run_if", "run_while", "capturing", "side_stream", "set_if_cubin", "set_if_kernel", "launch_set_if", "SET_IF", "ok"]

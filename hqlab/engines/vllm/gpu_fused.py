@@ -30,6 +30,12 @@ costs time, never a different decision. Drafter-free steps run the lookup and th
 SKIP_RUN of them in a row a request's drafter catches up on what it missed in one wider pass ("catch_up"). Under
 asynchronous scheduling the host is about a step ahead, so L >= 2 is what lets it know in time.
 
+With `device_skip` the drafting step decides on the device itself, inside its graph: one IF node holds everything
+the drafter runs, so a step where the lookup alone decides every row's block meets that node and nothing of the
+drafter. A drafter that skipped steps reads what it missed at the next step that needs its token (`catch_up=lazy`),
+in a loop of wide passes behind a WHILE node while it lags more than one pass feeds, then one narrow or wide pass;
+a request that copies to its end never runs the drafter after its first steps.
+
 The drafter (`drafter.StaticQwen2`) keeps its own KV cache, one row per request slot, outside vLLM's paged cache:
 vLLM 0.26's V2 runner has no plain draft-model path, and a cache of its own needs no attention metadata, block-table
 lookahead or scheduler change (docs/vllm-fused-design.md discusses the in-cache alternative). Its size is
@@ -62,7 +68,8 @@ RECORD_CAPACITY = 4096
 # the drafter lags. Steps where no row is behind keep the narrow pass (k + 1 positions).
 SKIP_RUN = 7
 SNAPSHOTS = 4  # pinned host copies of the skip marks in flight (the host runs up to three steps ahead)
-KINDS = ("full", "catch_up", "lookup")  # what a drafting step runs of the drafter: all passes, the catch-up, none
+KINDS = ("full", "catch_up", "lookup")
+CATCH_UPS = ("lazy", "bounded")  # device_skip: when a drafter that skipped steps catches up (GpuFusedConfig)  # what a drafting step runs of the drafter: all passes, the catch-up, none
 
 
 @dataclass(frozen=True)
@@ -79,7 +86,10 @@ class GpuFusedConfig(FusedConfig):
     pass where the lookup alone decides every sampling row's block (a match of at least nstrong with a token to
     propose: with one drafter token a step and the threshold rule the block is then the lookup's whatever the drafter
     says), decided on the device behind CUDA graph conditional nodes (`conditional.run_if`), with no host proof and
-    no lag; decision for decision the config without it (docs/vllm-fused-design.md §9); layers: how the drafter runs
+    no lag; decision for decision the config without it (docs/vllm-fused-design.md §9); catch_up (with device_skip):
+    when a drafter that skipped steps reads what it missed, "lazy" (only at a step that needs its token, in as many
+    wide passes as its lag takes, a loop behind a WHILE node: a copy that never needs the drafter never runs it) or
+    "bounded" (a wide pass once it lags SKIP_RUN steps, needed or not: run fm1's code); layers: how the drafter runs
     its layers ("torch", or "triton": four Triton kernels per layer in its drafting passes, `layers=triton`);
     attention: the drafter's attention ("auto": vLLM's FlashAttention; "triton": one Triton kernel a layer in the
     drafting passes, `attention=triton`; "sdpa")."""
@@ -92,6 +102,7 @@ class GpuFusedConfig(FusedConfig):
     compile_rule: bool = False
     prefill_chunk: int = PREFILL_CHUNK
     device_skip: bool = False
+    catch_up: str = "lazy"
     layers: str = "torch"
     attention: str = "auto"
 
@@ -109,6 +120,8 @@ class GpuFusedConfig(FusedConfig):
             if self.skip:
                 raise ConfigError(f"{NAME}: device_skip decides the skip on the device at the step itself; drop "
                                   f"skip={self.skip} (the host-proven skip) or device_skip")
+        if self.catch_up not in CATCH_UPS:
+            raise ConfigError(f"{NAME}: catch_up must be one of {', '.join(CATCH_UPS)} (got {self.catch_up!r})")
         if self.prefill_chunk < 1:
             raise ConfigError(f"{NAME}: prefill_chunk must be >= 1 prompt token per drafter call "
                               f"(got {self.prefill_chunk})")
@@ -156,12 +169,62 @@ def attention_buckets(max_len: int, smallest: int = 512) -> list[int]:
     return out + [max_len]
 
 
+# `device_skip`'s per-step flags, one int32 buffer: run the drafter at all (an IF node), loop wide passes first (a
+# WHILE node), the last pass narrow or wide (IF nodes), and what ran: that pass's width (0: none) and the passes
+FLAGS = ("need", "loop", "narrow", "wide", "ran_width", "ran_passes")
+
+
+def _lags(total_len: torch.Tensor, dlen: torch.Tensor, slots: torch.Tensor, num_sampled: torch.Tensor) -> torch.Tensor:
+    """Per row, the tokens its request emitted that its drafter has not read (0 for a row that does not sample)."""
+    return torch.where(num_sampled > 0, total_len[slots].long() - dlen[slots], 0)
+
+
+def device_flags(total_len: torch.Tensor, dlen: torch.Tensor, slots: torch.Tensor, num_sampled: torch.Tensor,
+                 match_len: torch.Tensor, valid: torch.Tensor, nstrong: int, q: int, width: int,
+                 lazy: bool) -> torch.Tensor:
+    """`FLAGS` at the start of a `device_skip` step: the drafter runs unless every sampling row's block is the
+    lookup's whatever the drafter says (a match of at least nstrong with a token to propose). "bounded" (not
+    `lazy`): a row skips only while the wide pass can still catch it up after one more step (lag + q <= width), so
+    no loop is ever needed; "lazy": no such bound, and a step that needs the drafter loops wide passes while a row
+    lags more than one wide pass feeds."""
+    lag = _lags(total_len, dlen, slots, num_sampled)
+    decided = (match_len >= nstrong) & (valid >= 1)
+    if not lazy:
+        decided = decided & (lag + q <= width)
+    need = ~((num_sampled <= 0) | decided).all()
+    loop = need & (lag.max() > width)
+    zero = torch.zeros_like(need)
+    return torch.stack([need, loop, zero, zero, zero, zero]).to(torch.int32)
+
+
+def advanced_flags(flags: torch.Tensor, total_len: torch.Tensor, dlen: torch.Tensor, slots: torch.Tensor,
+                   num_sampled: torch.Tensor, width: int) -> torch.Tensor:
+    """`FLAGS` after one wide pass of the loop: loop again while a row still lags more than a wide pass feeds."""
+    loop = (_lags(total_len, dlen, slots, num_sampled).max() > width).to(torch.int32)
+    return torch.stack([flags[0], loop, flags[2], flags[3], flags[4], flags[5] + 1])
+
+
+def final_flags(flags: torch.Tensor, total_len: torch.Tensor, dlen: torch.Tensor, slots: torch.Tensor,
+                num_sampled: torch.Tensor, q: int, width: int) -> torch.Tensor:
+    """`FLAGS` for the step's last pass, after the loop: narrow (q positions) if every row lags at most q, else
+    wide; it runs only where the step needs the drafter."""
+    need = flags[0]
+    narrow = need * (_lags(total_len, dlen, slots, num_sampled).max() <= q).to(torch.int32)
+    wide = need - narrow
+    return torch.stack([need, flags[1], narrow, wide, narrow * q + wide * width, flags[5] + need])
+
+
+def record_meta(*columns: torch.Tensor) -> torch.Tensor:
+    """A step's `FusedRecorder.FIELDS` columns as one [m, fields] int32 tensor (compiled: one kernel, not ten)."""
+    return torch.stack([c.to(torch.int32) for c in columns], 1)
+
+
 class FusedRecorder(RecordRing):
     """Per-step fused blocks and their decisions, kept on the GPU and read back in one copy by `take`; the host adds
     each step's kind of drafting run (`KINDS`), with the drafter passes it ran and its catch-up pass's width."""
 
     FIELDS = ("context_len", "match_len", "valid", "block", "proposed", "take_flag", "head_taken", "tail_taken",
-              "draft_valid", "ran_width")
+              "draft_valid", "ran_width", "ran_passes")
 
     def __init__(self, capacity: int, max_reqs: int, k: int, device: torch.device) -> None:
         super().__init__(capacity, device)
@@ -195,8 +258,8 @@ class FusedRecorder(RecordRing):
         for (slot, req_ids, host_s), (kind, passes, width) in zip(steps, kinds):
             for i, rid in enumerate(req_ids):
                 row = dict(zip(self.FIELDS, (int(x) for x in meta[slot, i])))
-                if kind == "device":  # the device chose: one catch-up pass of `ran_width` positions, or none
-                    passes, width = int(row["ran_width"] > 0), row["ran_width"]
+                if kind == "device":  # the device chose: its last catch-up pass's width (0: none) and the passes
+                    passes, width = row["ran_passes"], row["ran_width"]
                 n = row["proposed"]  # the block's real tokens; pad follows up to k
                 out.append({"request": rid, "row": i, "context_len": row["context_len"],
                             "match_len": row["match_len"], "tokens": [int(t) for t in tokens[slot, i, :n]],
@@ -307,11 +370,15 @@ class GpuFusedSpeculator:
         self.steps_by_kind = dict.fromkeys(KINDS, 0)  # plain counters: drafting steps per kind of graph run
         if c.device_skip:
             self.steps_by_kind = {"device": 0}  # one kind of step: the device chooses what of the drafter runs
-        # with `device_skip`: whether this step runs the narrow or the wide catch-up pass (int32 flags the conditional
-        # nodes read), the catch-up width that ran (0: none), the IF bodies' memory pool (made at capture), and
-        # whether a warm-up is running (it runs both bodies, as the capture will record them)
-        self._run_pass = torch.zeros(2, dtype=torch.int32, device=dev)
-        self._ran_width = torch.zeros((), dtype=torch.int32, device=dev)
+        # with `device_skip`: what this step runs of the drafter (int32 flags the conditional nodes read, and what
+        # ran, `FLAGS`), the conditional bodies' memory pool (made at capture), and whether a warm-up is running (it
+        # runs every body once, as the capture will record them)
+        self._flags = torch.zeros(len(FLAGS), dtype=torch.int32, device=dev)
+        # the flags' arithmetic is a dozen tiny kernels on every step; with compile_rule one or two
+        self._flag_rules = tuple(torch.compile(f, dynamic=None) if c.compile_rule else f
+                                 for f in (device_flags, advanced_flags, final_flags))
+        self._record_meta = torch.compile(record_meta, dynamic=None) if c.compile_rule else record_meta
+        self._nest = True  # the drafter's loop and passes inside one IF node (else three nodes side by side)
         self._body_pool: Any = None
         self._warming = False
         self._step = 0  # drafting steps so far (the host's clock for the skip marks' copies)
@@ -378,38 +445,52 @@ class GpuFusedSpeculator:
         and the wide catch-up)."""
         if not (self.use_graphs and self.config.graphs and self.ready and self.device.type == "cuda"):
             return
-        pool = torch.cuda.graph_pool_handle()
-        if self.config.device_skip:
-            self._body_pool = torch.cuda.graph_pool_handle()  # the IF bodies' memory, alive as long as the graphs
-        # an IF body is captured on a side stream while the step's capture is open, which "global" mode forbids
-        mode = "thread_local" if self.config.device_skip else "global"
         try:
-            for m in range(1, min(self.max_num_reqs, GRAPH_MAX_BATCH) + 1):
-                self.slots[:m] = torch.arange(m, device=self.device)
-                self.num_sampled.zero_()  # inactive rows: no state changes while capturing
-                self.fresh.zero_()
-                for bucket in self.buckets:
-                    for kind, width in self.variants:
-                        stream = torch.cuda.Stream(self.device)
-                        stream.wait_stream(torch.cuda.current_stream(self.device))
-                        self._warming = True
-                        try:
-                            with torch.cuda.stream(stream):
-                                self._draft(m, bucket, kind, width)
-                        finally:
-                            self._warming = False
-                        torch.cuda.current_stream(self.device).wait_stream(stream)
-                        graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
-                            self._draft(m, bucket, kind, width)
-                        self.graphs[(m, bucket, kind, width)] = graph
+            self._capture_all()
         except RuntimeError as e:
             self.graphs.clear()
-            warnings.warn(f"{NAME}: capturing the drafting step failed ({e}); it runs eagerly", RuntimeWarning,
-                          stacklevel=2)
+            if not (self.config.device_skip and self._nest):
+                warnings.warn(f"{NAME}: capturing the drafting step failed ({e}); it runs eagerly", RuntimeWarning,
+                              stacklevel=2)
+            else:  # a driver without nested conditional nodes: the same step with its nodes side by side
+                warnings.warn(f"{NAME}: capturing the drafter's nodes inside one IF node failed ({e}); capturing "
+                              f"them side by side", RuntimeWarning, stacklevel=2)
+                self._nest = False
+                try:
+                    self._capture_all()
+                except RuntimeError as e2:
+                    self.graphs.clear()
+                    warnings.warn(f"{NAME}: capturing the drafting step failed ({e2}); it runs eagerly",
+                                  RuntimeWarning, stacklevel=2)
         self._slots_host, self._fresh_clear = None, self.max_num_reqs  # capturing wrote `slots`, zeroed `fresh`
         if self.recorder is not None:
             self.recorder.restart()
+
+    def _capture_all(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        if self.config.device_skip:
+            self._body_pool = torch.cuda.graph_pool_handle()  # the bodies' memory, alive as long as the graphs
+        # a conditional body is captured on a side stream while the step's capture is open, which "global" mode forbids
+        mode = "thread_local" if self.config.device_skip else "global"
+        for m in range(1, min(self.max_num_reqs, GRAPH_MAX_BATCH) + 1):
+            self.slots[:m] = torch.arange(m, device=self.device)
+            self.num_sampled.zero_()  # inactive rows: no state changes while capturing
+            self.fresh.zero_()
+            for bucket in self.buckets:
+                for kind, width in self.variants:
+                    stream = torch.cuda.Stream(self.device)
+                    stream.wait_stream(torch.cuda.current_stream(self.device))
+                    self._warming = True
+                    try:
+                        with torch.cuda.stream(stream):
+                            self._draft(m, bucket, kind, width)
+                    finally:
+                        self._warming = False
+                    torch.cuda.current_stream(self.device).wait_stream(stream)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
+                        self._draft(m, bucket, kind, width)
+                    self.graphs[(m, bucket, kind, width)] = graph
 
     @property
     def ready(self) -> bool:
@@ -582,51 +663,72 @@ class GpuFusedSpeculator:
             torch.cat((marks.to(torch.int32), marked[:, None]), dim=1, out=self._packed)
         if self.recorder is not None:
             r = self.step_rule
-            # the catch-up width this step ran (0: no drafter pass), as the device chose it or as the host did
-            ran = self._ran_width.expand(m) if self.config.device_skip else torch.full_like(
-                lengths, 0 if kind == "lookup" else width or self.q)
-            meta = torch.stack([lengths, match_len.to(torch.int32), valid.to(torch.int32),
-                                r.block_len[:m].to(torch.int32), r.num_tokens[:m].to(torch.int32),
-                                r.take_flag[:m].to(torch.int32),
-                                r.head_taken[:m].to(torch.int32), r.tail_taken[:m].to(torch.int32),
-                                r.draft_valid[:m], ran], 1)
+            # the last catch-up pass's width this step (0: no drafter pass) and the passes, as the device chose
+            # them (`FLAGS`) or as the host did (the passes then come from the kind, `take`)
+            if self.config.device_skip:
+                ran = [self._flags[4].expand(m), self._flags[5].expand(m)]
+            else:
+                ran = [torch.full_like(lengths, 0 if kind == "lookup" else width or self.q), torch.zeros_like(lengths)]
+            meta = self._record_meta(lengths, match_len, valid, r.block_len[:m], r.num_tokens[:m], r.take_flag[:m],
+                                     r.head_taken[:m], r.tail_taken[:m], r.draft_valid[:m], *ran)
             self.recorder.write(meta, self.out[:m], r.sources[:m])
 
-    def _catch_up(self, m: int, attn_len: int, width: int) -> torch.Tensor:
-        """The catch-up pass for rows [0, m): feeds each sampling row the tokens emitted since the drafter last saw
-        its request (at most `width`), at their positions, and gives the drafter's next token (`drafts[:, 0]`)."""
+    def _catch_up(self, m: int, attn_len: int, width: int, final: bool = True) -> torch.Tensor:
+        """A catch-up pass for rows [0, m): feeds each sampling row the tokens emitted since the drafter last saw
+        its request (at most `width`), at their positions, and gives the drafter's next token (`drafts[:, 0]`).
+        `final=False` (a pass of `device_skip`'s lazy loop): feeds all but the last of them (at most `width`), so
+        that the step's last pass still has a token to read for every row that lags, and drafts nothing."""
         assert self.state is not None
         all_ids, total_len = self.state
         slots, sampled = self.slots[:m], self.num_sampled[:m] > 0
         total, dlen = total_len[slots].long(), self.dlen[slots]
-        count = torch.where(sampled, total - dlen, 0).clamp(0, width)
+        lag = torch.where(sampled, total - dlen, 0)
+        count = (lag if final else lag - 1).clamp(0, width)
         pos = (dlen[:, None] + self.arange_w[:width]).clamp(max=self.max_model_len - 1)
         tokens = all_ids[slots[:, None], pos].long()
         last = (count - 1).clamp(min=0)
         first = self.drafter.extend(slots, tokens, dlen, last, attn_len)
+        if not final:
+            self.dlen[slots] = dlen + count
+            return first
         self.dlen[slots] = torch.where(sampled, total, dlen)
         self.drafts[:m, 0] = first
         return first
 
     def _device_pass(self, m: int, attn_len: int, total: torch.Tensor, sampled: torch.Tensor,
                      match_len: torch.Tensor, valid: torch.Tensor) -> None:
-        """`device_skip`: the drafter's one pass runs unless every sampling row's block is the lookup's whatever the
+        """`device_skip`: the drafter's pass runs unless every sampling row's block is the lookup's whatever the
         drafter says (a match of at least nstrong, with a token to propose), and then as the narrow catch-up (k + 1
-        positions) or, for a row whose drafter missed earlier steps, the wide one. A row skips only while the wide
-        pass can still catch it up after one more step (`lag` + k + 1 <= the wide width), so how far a drafter lags
-        is bounded on the device. Both passes sit behind conditional nodes: no host read, no host proof."""
+        positions) or, for a row whose drafter missed earlier steps, the wide one; with `catch_up=lazy` first a loop
+        of wide passes while a row lags more than one wide pass feeds (a drafter that skipped a long copy), with
+        `catch_up=bounded` never (a row skips only while one wide pass can catch it up). All of it sits behind
+        conditional nodes, one IF node around it all (a drafter-free step meets that node alone): no host read, no
+        host proof. (`total` and `sampled` are the caller's; the flag rules read the buffers themselves.)"""
         from hqlab.engines.vllm import conditional
 
-        lag = torch.where(sampled, total - self.dlen[self.slots[:m]], 0)
-        decided = (match_len >= self.config.nstrong) & (valid >= 1) & (lag + self.q <= self.width)
-        skip = (~sampled | decided).all()
-        narrow = lag.max() <= self.q
-        self._run_pass[0] = (~skip & narrow).to(torch.int32)
-        self._run_pass[1] = (~skip & ~narrow).to(torch.int32)
-        self._ran_width.copy_(self._run_pass[0] * self.q + self._run_pass[1] * self.width)
-        for i, width in enumerate((self.q, self.width)):
-            conditional.run_if(self._run_pass[i:i + 1], lambda w=width: self._catch_up(m, attn_len, w),
-                               pool=self._body_pool, always=self._warming)
+        assert self.state is not None
+        _, total_len = self.state
+        c, flags, pool, warm = self.config, self._flags, self._body_pool, self._warming
+        first, advanced, final = self._flag_rules
+        slots, ns = self.slots[:m], self.num_sampled[:m]
+        flags.copy_(first(total_len, self.dlen, slots, ns, match_len, valid, c.nstrong, self.q, self.width,
+                          c.catch_up == "lazy"))
+
+        def advance() -> None:
+            self._catch_up(m, attn_len, self.width, final=False)
+            flags.copy_(advanced(flags, total_len, self.dlen, slots, ns, self.width))
+
+        def drafter() -> None:
+            conditional.run_while(flags[1:2], advance, pool=pool, always=warm)
+            flags.copy_(final(flags, total_len, self.dlen, slots, ns, self.q, self.width))
+            for i, width in ((2, self.q), (3, self.width)):
+                conditional.run_if(flags[i:i + 1], lambda w=width: self._catch_up(m, attn_len, w), pool=pool,
+                                   always=warm)
+
+        if self._nest:
+            conditional.run_if(flags[0:1], drafter, pool=pool, always=warm)
+        else:
+            drafter()
 
     def take_records(self) -> list[dict[str, Any]]:
         return self.recorder.take() if self.recorder is not None else []

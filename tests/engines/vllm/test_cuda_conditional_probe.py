@@ -66,3 +66,25 @@ def test_the_header_free_kernel_is_the_device_runtime_headers_kernel():
     except Exception as e:  # noqa: BLE001 - no NVRTC or no headers here: nothing to compare against
         pytest.skip(f"NVRTC or the CUDA runtime headers are not available here ({type(e).__name__}: {e})")
     assert probe.set_if_cubin(9, 0) == with_header
+
+
+def test_run_while_outside_a_capture_loops_while_its_body_keeps_the_flag_set():
+    """The WHILE node's eager twin: the body runs until it clears the flag itself (never, if the flag starts clear),
+    a warm-up runs it once, and a nested node's body runs inside its parent's."""
+    flag, ran = torch.zeros(1, dtype=torch.int32), []
+
+    def count_down() -> None:
+        ran.append(int(flag))
+        flag.sub_(1)
+
+    conditional.run_while(flag, count_down)
+    assert ran == []
+    conditional.run_while(flag.fill_(3), count_down)
+    assert ran == [3, 2, 1] and int(flag) == 0
+    conditional.run_while(flag, count_down, always=True)
+    assert ran == [3, 2, 1, 0]
+    outer, inner = torch.ones(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    conditional.run_if(outer, lambda: conditional.run_while(inner.fill_(2), lambda: ran.append(-int(inner.sub_(1)))))
+    assert ran[-2:] == [-1, 0]
+    with pytest.raises(ValueError, match="run_while needs a one-element int32"):
+        conditional.run_while(torch.zeros(2, dtype=torch.int32), lambda: None)

@@ -12,6 +12,7 @@ The GPU run (graphs, vLLM itself) is benchmarks/vllm_gpu.py; the config plumbing
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -524,13 +525,15 @@ def test_drafter_free_steps_change_no_draft(skip, skip_on):
     assert {r["drafter_width"] for r in records} == {0, config.k + 1, (config.k + 1) * (SKIP_RUN + 1)}
 
 
-def device_skip_runs(device: str, dtype: torch.dtype, attention: str = "sdpa", graphs: bool = False) -> list[Any]:
-    """The copy and prose requests through `device_skip` and through the same config without it (every step runs
-    the drafter's pass): per run, each step's drafts per request and the records."""
+def device_skip_runs(device: str, dtype: torch.dtype, attention: str = "sdpa", graphs: bool = False,
+                     catch_ups: tuple[str, ...] = ("lazy",), nest: bool = True) -> list[Any]:
+    """The copy and prose requests through `device_skip` (one run per `catch_ups` entry) and through the same config
+    without it (every step runs the drafter's pass, last): per run, the config, each step's drafts per request and
+    the records. `nest=False`: the conditional nodes side by side instead of inside one IF node."""
     reqs = skip_requests()
     runs = []
-    for spec_text in ("gpu-fused:k=7,draft_block=1,nmax=8,schedule=long,nmin_tail=1,device_skip=true",
-                      "gpu-fused:k=7,draft_block=1,nmax=8,schedule=long,nmin_tail=1"):
+    base = "gpu-fused:k=7,draft_block=1,nmax=8,schedule=long,nmin_tail=1"
+    for spec_text in [f"{base},device_skip=true,catch_up={c}" for c in catch_ups] + [base]:
         config = fused_config(spec_text)
         spec = GpuFusedSpeculator.standalone(config, max_num_reqs=2, max_model_len=480, pad=63, device=device,
                                              dtype=dtype, record=True)
@@ -540,9 +543,14 @@ def device_skip_runs(device: str, dtype: torch.dtype, attention: str = "sdpa", g
         spec.drafter = tiny_qwen2(2, spec.cache_len, device=device, dtype=dtype, attention=attention)
         if attention == "flash":
             spec.buckets = [spec.cache_len]  # as load_drafter sets it for FlashAttention
+        spec._nest = nest
         if graphs:
             spec.init_cudagraph_manager(SimpleNamespace(name="FULL"))
-            spec.capture()
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                spec.capture()
+            fell_back = [str(w.message) for w in seen if "capturing" in str(w.message)]
+            assert not fell_back, fell_back  # the capture fell back (nodes side by side, or eager)
             assert spec.graphs, "capturing the drafting step failed"
         steps = drive(spec, reqs, {"copy": 1, "prose": 0}, ids, total, config.k)
         runs.append((config, steps, spec.take_records()))
@@ -551,7 +559,9 @@ def device_skip_runs(device: str, dtype: torch.dtype, attention: str = "sdpa", g
 
 def check_device_skip_records(config: Any, records: list[dict[str, Any]]) -> None:
     """The device skipped the drafter's pass only on steps where every row's block is the lookup's whatever the
-    drafter says, did skip on the copy, and caught up with the wide pass after skipped steps."""
+    drafter says, did skip on the copy, and caught up with the wide pass after skipped steps: with
+    `catch_up=bounded` after at most SKIP_RUN skipped steps in a row, one pass each step; with `catch_up=lazy` only
+    where the lookup did not decide, after more skipped steps than one wide pass feeds (a loop of passes)."""
     q, wide = config.k + 1, (config.k + 1) * (SKIP_RUN + 1)
     steps = by_step(records)
     skipped = [step for step in steps if step[0]["drafter_passes"] == 0]
@@ -559,12 +569,18 @@ def check_device_skip_records(config: Any, records: list[dict[str, Any]]) -> Non
     for step in skipped:
         assert all(r["match_len"] >= config.nstrong and r["lookup_valid"] >= 1 and r["head_taken"] for r in step), step
     assert {r["drafter_width"] for r in records} == {0, q, wide}  # none, narrow and wide passes all ran
-    assert all(r["drafter"] == "device" and r["drafter_passes"] == int(r["drafter_width"] > 0) for r in records)
-    # at most SKIP_RUN skipped steps in a row per request: the wide pass bounds how far its drafter lags
-    run = 0
+    assert all(r["drafter"] == "device" and (r["drafter_passes"] > 0) == (r["drafter_width"] > 0) for r in records)
+    run, longest = 0, 0
     for step in steps:
         run = run + 1 if step[0]["drafter_passes"] == 0 else 0
-        assert run <= SKIP_RUN
+        longest = max(longest, run)
+        if config.catch_up == "lazy" and step[0]["drafter_passes"] > 0:  # the drafter ran because it was needed
+            assert not all(r["match_len"] >= config.nstrong and r["lookup_valid"] >= 1 for r in step), step
+    passes = {r["drafter_passes"] for r in records}
+    if config.catch_up == "bounded":  # the wide pass bounds how far a drafter lags: one pass a step
+        assert longest <= SKIP_RUN and passes == {0, 1}
+    else:  # the copy's drafter lagged more than one wide pass feeds, and caught up in a loop of them
+        assert longest > SKIP_RUN and max(passes) >= 2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason=INTERPRETER_ONLY)
@@ -572,11 +588,12 @@ def test_the_device_skip_changes_no_draft():
     """`device_skip`: the drafting step skips the drafter's pass where the lookup alone decides every row's block,
     deciding on the device; each step's drafts equal those of the same config running the pass every step, and the
     records show it skipped on the copy, only at strong matches, and caught up with the wide pass."""
-    (config, fast, records), (_, slow, every) = device_skip_runs("cpu", torch.float32)
-    assert fast == slow
-    check_device_skip_records(config, records)
+    *skipping, (_, slow, every) = device_skip_runs("cpu", torch.float32, catch_ups=gpu_fused.CATCH_UPS)
+    for config, fast, records in skipping:
+        assert fast == slow, config.catch_up
+        check_device_skip_records(config, records)
+        assert len(records) == len(every)
     assert all(r["drafter_passes"] == 1 for r in every)  # the config without it: a pass every step
-    assert len(records) == len(every)
 
 
 def test_the_device_skip_is_refused_where_it_would_change_decisions():
@@ -587,17 +604,21 @@ def test_the_device_skip_is_refused_where_it_would_change_decisions():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("dtype, attention", [(torch.float32, "sdpa"), (torch.bfloat16, "flash")])
-def test_the_device_skip_in_cuda_graphs_changes_no_draft(dtype, attention):
-    """The same with the drafting step captured in CUDA graphs: the two catch-up passes sit behind conditional
-    nodes (`conditional.run_if`) that the step's own lookup sets. In float32 the drafts equal those of the
-    every-pass run; in bf16 only the records' decisions are checked (the wide pass's rounding can flip near-tied
-    argmaxes of a random-weight drafter, as for the host-proven skip)."""
-    (config, fast, records), (_, slow, _) = device_skip_runs("cuda", dtype, attention, graphs=True)
-    if dtype == torch.float32:
-        assert fast == slow
-    assert len(fast) == len(slow)
-    check_device_skip_records(config, records)
+@pytest.mark.parametrize("dtype, attention, nest", [(torch.float32, "sdpa", True), (torch.bfloat16, "flash", True),
+                                                    (torch.float32, "sdpa", False)])
+def test_the_device_skip_in_cuda_graphs_changes_no_draft(dtype, attention, nest):
+    """The same with the drafting step captured in CUDA graphs: the loop of wide passes sits behind a WHILE node
+    and the last pass behind IF nodes, all inside one IF node (`nest`; else side by side), set by the step's own
+    lookup. In float32 the drafts equal those of the every-pass run; in bf16 only the records' decisions are checked
+    (the wide pass's rounding can flip near-tied argmaxes of a random-weight drafter, as for the host-proven
+    skip)."""
+    *skipping, (_, slow, _) = device_skip_runs("cuda", dtype, attention, graphs=True, catch_ups=gpu_fused.CATCH_UPS,
+                                               nest=nest)
+    for config, fast, records in skipping:
+        if dtype == torch.float32:
+            assert fast == slow, config.catch_up
+        assert len(fast) == len(slow)
+        check_device_skip_records(config, records)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -646,3 +667,36 @@ def test_the_report_prices_skipping_with_the_engines_catch_up_run():
     from hqlab.bench import vllm_report
 
     assert vllm_report.GPU_FUSED_SKIP_RUN == gpu_fused.SKIP_RUN
+
+
+def test_the_device_skip_flags_decide_as_their_definition_compiled_or_not():
+    """`device_flags`, `advanced_flags` and `final_flags` (what `device_skip` runs of the drafter) against their
+    definition in plain Python on random batches, eager and through torch.compile (`compile_rule`)."""
+    q, width, nstrong = 8, 64, 2
+    rules = (gpu_fused.device_flags, gpu_fused.advanced_flags, gpu_fused.final_flags)
+    compiled = tuple(torch.compile(f, dynamic=None) for f in rules)
+    rng = np.random.default_rng(5)
+    for trial in range(40):
+        m, slots_n = int(rng.integers(1, 5)), 6
+        total_len = torch.from_numpy(rng.integers(100, 400, slots_n).astype(np.int32))
+        dlen = total_len.long() - torch.from_numpy(rng.choice([0, 1, 5, 8, 9, 60, 64, 65, 200], slots_n))
+        slots = torch.from_numpy(rng.permutation(slots_n)[:m].astype(np.int64))
+        ns = torch.from_numpy(rng.integers(0, 3, m).astype(np.int32))
+        match_len = torch.from_numpy(rng.integers(0, 4, m).astype(np.int32))
+        valid = torch.from_numpy(rng.integers(0, 3, m).astype(np.int32))
+        lag = [int(total_len[s]) - int(dlen[s]) if n > 0 else 0 for s, n in zip(slots.tolist(), ns.tolist())]
+        for lazy in (True, False):
+            decided = [ml >= nstrong and v >= 1 and (lazy or lg + q <= width)
+                       for ml, v, lg in zip(match_len.tolist(), valid.tolist(), lag)]
+            need = int(not all(n <= 0 or d for n, d in zip(ns.tolist(), decided)))
+            want = [need, int(need and max(lag) > width), 0, 0, 0, 0]
+            for first in (rules[0], compiled[0]):
+                got = first(total_len, dlen, slots, ns, match_len, valid, nstrong, q, width, lazy)
+                assert got.tolist() == want, (trial, lazy)
+        flags = torch.tensor([1, 1, 0, 0, 0, 2], dtype=torch.int32)
+        for advanced, final in (rules[1:], compiled[1:]):
+            assert advanced(flags, total_len, dlen, slots, ns, width).tolist() == [1, int(max(lag) > width), 0, 0, 0, 3]
+            narrow = int(max(lag) <= q)
+            want = [1, 1, narrow, 1 - narrow, q if narrow else width, 3]
+            assert final(flags, total_len, dlen, slots, ns, q, width).tolist() == want, trial
+            assert final(flags * 0, total_len, dlen, slots, ns, q, width).tolist() == [0] * 6  # no need: no pass
