@@ -63,6 +63,8 @@ triton_run = "fl1"  # fk1's fused configs on the Triton layers and attention, 6 
 triton_suffix = ",layers=triton,attention=triton"
 tuned_run = "fm1"  # fl1's configs with sweep t4's tiles, 11 interleaved rounds + the burst, profiled; vLLM's draft
 # model from a second call
+lazy_run = "fn1"  # fm1's configs with the lazy catch-up (catch_up=lazy, the default), the
+# burst of four mixing copy with chat, qa and summary; 11 rounds + the burst, profiled; vLLM's draft model after
 fused_replay_file = "data/results/vllm_fused_h200.replay.parquet"  # benchmarks/vllm_gpu.py replay, every fused run
 # benchmarks/fused_pass_kernels.py: the one-pass drafting step outside vLLM, kernel by kernel (fk2: FlashAttention
 # settings plan_once and splits=1; fl: the drafter's layers as four Triton kernels, layers=triton; t1: the same with
@@ -845,6 +847,48 @@ pl.concat([vllm_report.round_step_ms(fused_repeats, run).with_columns(pl.lit(run
            for run in (triton_run, tuned_run)]).filter(pl.col("category").is_in(["chat", "code", "copy", "edit"])) \
     .with_columns(short_name.str.replace(triton_suffix, ", Triton", literal=True)) \
     .pivot("run", index=["category", "config"], values="step_ms").sort("category", "config")
+
+# %% [markdown]
+# ### The lazy catch-up: every speed point in one run (`fn1`)
+#
+# In `fm1` the device-skip config's drafter, after seven drafter-free steps of a copy, had to catch up with one wide
+# pass (256 positions, ~2 ms of GPU time) whether or not its token was needed: at k = 31 that is the ninth step of a
+# 256-token document request, the last one. With `catch_up=lazy` (now the default) the drafter reads what it missed
+# only at a step that needs its token, in a loop of wide passes behind a CUDA graph WHILE node, and everything the
+# drafter runs sits inside one IF node, so a drafter-free step meets one node (its drafting phase: 0.07 ms of GPU
+# time against 0.11 in `fm1` and the lookup's 0.04). Run `fn1` (code 0fce52e) is `fm1` again with that code and the
+# burst of four mixing the copy request with chat, qa and summary (`--burst copy,chat,qa,summary`).
+
+# %%
+fused_bars(lazy_run, {device_skip_k31 + triton_suffix: "k=31 device skip, Triton",
+                      one_pass_k15 + triton_suffix: "k=15 one pass, Triton"}, "vllm_fused_h200_fn1.svg")
+
+# %%
+fused_data = vllm_report.load(Path(fused_vllm_file))
+vllm_report.fused_acceptance(fused_data["results"], fused_repeats, pl.read_parquet(fused_replay_file), lazy_run,
+                             fused_data["steps"])
+
+# %%
+vllm_report.best_fused(fused_data["results"], fused_repeats, lazy_run)
+
+# %% [markdown]
+# Per step over all rounds: the k = 31 config's document steps now cost what the lookup's do (edit −0.10 ms, copy
+# −0.02, code −0.10 a step; in `fm1` +0.58, +0.29, −0.59).
+
+# %%
+pl.concat([vllm_report.round_step_ms(fused_repeats, run).with_columns(pl.lit(run).alias("run"))
+           for run in (tuned_run, lazy_run)]).filter(pl.col("category").is_in(["chat", "code", "copy", "edit"])) \
+    .with_columns(short_name.str.replace(triton_suffix, ", Triton", literal=True)) \
+    .pivot("run", index=["category", "config"], values="step_ms").sort("category", "config")
+
+# %% [markdown]
+# `fn1`'s fused configs hold every request at the long block (`schedule=long`: in vLLM's fixed-width verify a
+# short block is padding, verified at the same cost). The adaptive schedule's burst, per request, is run `fb`'s
+# (k = 15, drafter blocks 2, 4 and 7): the copy request kept the long block on as many of its steps as alone and
+# its prose neighbours stayed as short as alone (`vllm_report.burst_blocks`).
+
+# %%
+vllm_report.burst_blocks(fused_data["steps"], "fb")
 
 # %% [markdown]
 # ### The drafting step outside vLLM

@@ -590,7 +590,36 @@ def gpu_lookup_acceptance(results: pl.DataFrame, steps: pl.DataFrame, run: str) 
     return points.frame()
 
 
-def fused_acceptance(results: pl.DataFrame, repeats: pl.DataFrame, replayed: pl.DataFrame, run: str) -> pl.DataFrame:
+def burst_blocks(steps: pl.DataFrame, run: str) -> pl.DataFrame:
+    """Per adaptive gpu-fused config of one run and request of its burst: the share of the request's steps that
+    proposed more than the short block (`draft_block` tokens: the long block was on) in the burst and alone. The
+    proposal is the block clipped to what lookup and drafter filled, so the share counts long steps that filled
+    more than the short block: the same measure in both loads. Configs with `schedule=long` or `short` are left out
+    (every block is k, or the short block, by setting)."""
+    from hqlab.engines.vllm.gpu_fused import fused_config
+
+    mine = steps.filter((pl.col("run") == run) & pl.col("config").str.starts_with("gpu-fused"))
+    rows = []
+    for config in mine["config"].unique(maintain_order=True).to_list():
+        settings = fused_config(config)
+        if settings.schedule != "adaptive":
+            continue
+        of = mine.filter(pl.col("config") == config).with_columns(
+            (pl.col("proposed").list.len() > settings.draft_block).alias("long"))
+        burst = of.filter(pl.col("load") == "burst")
+        for request in burst["request"].unique(maintain_order=True).to_list():
+            there = burst.filter(pl.col("request") == request)
+            alone = of.filter((pl.col("load") == "alone") & (pl.col("request") == request))
+            rows.append({"config": config, "request": request, "steps": there.height,
+                         "long_share_burst": float(there["long"].mean()),
+                         "long_share_alone": float(alone["long"].mean()) if alone.height else None})
+    schema = {"config": pl.String, "request": pl.String, "steps": pl.Int64, "long_share_burst": pl.Float64,
+              "long_share_alone": pl.Float64}
+    return pl.DataFrame(rows, schema=schema)
+
+
+def fused_acceptance(results: pl.DataFrame, repeats: pl.DataFrame, replayed: pl.DataFrame, run: str,
+                     steps: pl.DataFrame | None = None) -> pl.DataFrame:
     """The fused issue's acceptance points for one run of `vllm_fused_h200.parquet`, each with its measured value,
     its target and whether the run met it (None: the run lacks what the point needs). Speed points take the fastest
     gpu-fused config per class (`best_fused`: ratio of class medians; the paired-by-round median is in its table):
@@ -600,8 +629,11 @@ def fused_acceptance(results: pl.DataFrame, repeats: pl.DataFrame, replayed: pl.
     the widest relative difference shown); the burst of four mixes the copy request with prose (`vllm_gpu.py bench
     --burst copy,chat,qa,summary`; without it the burst is the suite's first four prompts, all documents), each
     fused config's copy request keeps its tokens/step from running alone within 5 % and no output differs from
-    `none`'s batch-1 output but at a near tie; no output of the run differs from `none`'s but at a near tie; step
-    efficiency reported (the lowest class median of the fastest fused configs)."""
+    `none`'s batch-1 output but at a near tie; with `steps` (the run's step records), each adaptive fused config's
+    requests keep in the burst the long-block share they had alone (`burst_blocks`, within 5 points: the copy
+    request long, its prose neighbours short), None where the run has no adaptive config (`schedule=long` holds
+    every request long by setting); no output of the run differs from `none`'s but at a near tie; step efficiency
+    reported (the lowest class median of the fastest fused configs)."""
     table = best_fused(results, repeats, run)
     points = _Points()
     add = points.add
@@ -653,6 +685,18 @@ def fused_acceptance(results: pl.DataFrame, repeats: pl.DataFrame, replayed: pl.
     else:
         add("burst mixes prose", "burst of four (not run)", None, ">= 1", None)
         add("burst: copy keeps its block", "burst of four (not run)", None, "<= 5 %", None)
+    blocks = burst_blocks(steps, run) if steps is not None else None
+    if blocks is None or blocks.is_empty():
+        why = "no step records given" if blocks is None else "no adaptive fused config in the burst"
+        add("burst: blocks per request", f"burst of four: long-block share off its batch-1 value ({why})", None,
+            "<= 5 points", None)
+    else:
+        moved = blocks.with_columns((pl.col("long_share_burst") - pl.col("long_share_alone")).abs().alias("moved"))
+        shares = ", ".join(f"{r['request']} {r['long_share_burst']:.0%}" for r in moved.iter_rows(named=True))
+        worst = moved["moved"].max()
+        add("burst: blocks per request", f"burst of four: each request's long-block share off its batch-1 value, "
+            f"worst (adaptive configs; in the burst: {shares})", None if worst is None else float(worst),
+            "<= 5 points", None if worst is None else worst <= 0.05)
     points.lossless(here)
     efficiency = table["step_efficiency"].min()  # best_fused has a row per class, or raised
     add("step efficiency reported", "fused step efficiency, lowest class median",
