@@ -659,8 +659,14 @@ def fused_acceptance(results: pl.DataFrame, repeats: pl.DataFrame, replayed: pl.
     if mine.height:
         off = mine.with_columns((pl.col("difference").abs() / pl.col("vllm_tokens_per_step")).alias("off"))
         exact = int((off["off"] == 0).sum())
+        forced = ""
+        if "forced_drafts" in off.columns and (off["forced_drafts"].fill_null(0) > 0).any():
+            widest = off["flip_margin_max"].max()
+            forced = (f"; vLLM's own drafter tokens taken at {int(off['forced_drafts'].sum())} steps, of which the "
+                      f"replay's drafter would have drafted another at {int(off['drafter_flips'].sum())}"
+                      + (f", margins <= {widest:.3g}" if widest is not None else ""))
         add("replay equals vLLM", f"fused (config, prompt) pairs whose replay gives vLLM's tokens/step (of "
-            f"{off.height}; widest difference {off['off'].max():.2%})", float(exact), f"{off.height}",
+            f"{off.height}; widest difference {off['off'].max():.2%}{forced})", float(exact), f"{off.height}",
             exact == off.height)
     else:
         add("replay equals vLLM", "replay (not run)", None, "every pair", None)

@@ -6,6 +6,11 @@ continuation is known, so one forward pass of the drafter over prompt + output g
 prefix: the draft from position t equals those argmaxes for as long as they agree with the trace, and the first
 one that disagrees is exact too. Acceptance needs nothing more (nothing after a wrong token is ever accepted).
 
+`forced` (from an engine's step records, `StepRecord.drafter_token`) replaces the argmax after given prefixes by the
+token another run of the same drafter took there (vLLM's, in bf16 on a GPU): the replay then checks the rules
+against that run's own drafter, and `flips` lists where the two drafters disagree, with this drafter's margin
+(its top logit minus its logit of the forced token: small where the argmax is a near tie).
+
 Positions after that first disagreement are unknown; they are returned as UNKNOWN (-1) with
 `extra["known"]` = the number of exact tokens. A rule that needs them (fusion compares drafter and lookup over
 the head) asks `exact()` for a real draft: `FusedProposer` does so only when its decision could change, and
@@ -14,7 +19,7 @@ counts how often (`extra["draft_mode"]` is "teacher" or "real"). Greedy drafters
 
 from __future__ import annotations
 
-from typing import ClassVar, Sequence
+from typing import ClassVar, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -33,11 +38,19 @@ class TeacherForcedDrafter:
     name: ClassVar[str] = "draft"
 
     def __init__(self, drafter: DraftProposer, prompt_ids: Sequence[int], output_ids: Sequence[int],
-                 chunk: int = 512) -> None:
+                 chunk: int = 512, forced: Mapping[int, int] | None = None) -> None:
         if drafter.config.temperature > 0:
             raise ConfigError("teacher forcing reproduces greedy drafts only (drafter temperature must be 0)")
         self.drafter, self.config, self.k = drafter, drafter.config, drafter.k
         self.seq = np.asarray([*prompt_ids, *output_ids], dtype=np.int64)
+        self.forced = {int(t): int(token) for t, token in (forced or {}).items()}
+        bad = [t for t in self.forced if not 0 <= t < len(self.seq)]
+        if bad:
+            raise ConfigError(f"forced drafter tokens after prefixes the trace does not have (positions {bad[:5]}; "
+                              f"the trace has {len(self.seq)} tokens)")
+        if self.forced and drafter.draft_to_target is not None:
+            raise ConfigError("forced drafter tokens need the drafter's full vocabulary (no draft vocabulary)")
+        self.flips: list[tuple[int, int, int, float]] = []  # (position, this drafter's token, forced, margin)
         self.guess = self._argmax_after_every_prefix(chunk)
         self.real_calls = 0
 
@@ -54,7 +67,14 @@ class TeacherForcedDrafter:
             hidden = d.body(input_ids=ids, use_cache=True, **{d._cache_kw: cache}).last_hidden_state[0]
             logits = torch.nn.functional.linear(hidden, d.head_weight)
             idx = logits.argmax(dim=-1)
-            out.append((d.draft_to_target[idx] if d.draft_to_target is not None else idx).cpu().numpy())
+            part = (d.draft_to_target[idx] if d.draft_to_target is not None else idx).cpu().numpy()
+            for t in (t for t in self.forced if start <= t < start + len(part)):
+                token, mine = self.forced[t], int(part[t - start])
+                if token != mine:
+                    row = logits[t - start].float()
+                    self.flips.append((t, mine, token, float(row[mine] - row[token])))
+                    part[t - start] = token
+            out.append(part)
         return np.concatenate(out)
 
     def propose(self, histories: Sequence[np.ndarray], budgets: Sequence[int],
@@ -88,14 +108,15 @@ class TeacherForcedDrafter:
 
 
 def replay_fused_grid(traces: Sequence, drafter: DraftProposer, specs: Sequence[str], *,
-                      progress: bool = True):
+                      progress: bool = True, forced: Mapping[str, Mapping[int, int]] | None = None):
     """Replay every `fused:...` spec over every trace with teacher-forced drafts (one drafter pass per trace).
 
     Returns one row per (config, prompt): tokens/step, mean verified positions per step (the verify cost proxy),
     share of steps on the long block, share of steps whose head came from the lookup, share of steps that ran the
     drafter (below 1 only with `skip`), and how many drafts had to be computed for real. `traces` are
-    `hqlab.replay.traces.Trace`s of the target's greedy outputs.
-    """
+    `hqlab.replay.traces.Trace`s of the target's greedy outputs. `forced`: per prompt id, the drafter tokens another
+    run took after given prefixes (`TeacherForcedDrafter`); the rows then count them (`forced_drafts`), the ones
+    this drafter would have drafted otherwise (`drafter_flips`) and the widest margin among those."""
     import polars as pl
     from tqdm.auto import tqdm
 
@@ -110,7 +131,8 @@ def replay_fused_grid(traces: Sequence, drafter: DraftProposer, specs: Sequence[
     rows = []
     bar = tqdm(total=len(traces) * len(configs), desc="fused replay", disable=not progress)
     for trace in traces:
-        teacher = TeacherForcedDrafter(drafter, trace.prompt_ids, trace.output_ids)
+        mine = (forced or {}).get(trace.prompt_id, {})
+        teacher = TeacherForcedDrafter(drafter, trace.prompt_ids, trace.output_ids, forced=mine)
         for spec, config in configs:
             before = teacher.real_calls
             proposer = FusedProposer(config, drafter=teacher)
@@ -125,6 +147,8 @@ def replay_fused_grid(traces: Sequence, drafter: DraftProposer, specs: Sequence[
                 "lookup_head_share": sum(bool(r.sources) and r.sources[0] == Source.LOOKUP for r in records) / n,
                 "drafter_share": proposer.drafted_steps / max(proposer.drafted_steps + proposer.skipped_steps, 1),
                 "real_drafts": teacher.real_calls - before,
+                "forced_drafts": len(mine), "drafter_flips": len(teacher.flips),
+                "flip_margin_max": max((f[3] for f in teacher.flips), default=None),
             })
             bar.update()
     bar.close()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hqlab.bench.vllm import fused_replay_check
-from hqlab.config import resolve_spec
+from hqlab.config import ConfigError, resolve_spec
 from hqlab.engines.vllm.engine import Run
 from hqlab.proposers.fused import FusedProposer
 from hqlab.replay import replay
@@ -56,3 +56,74 @@ def test_the_replay_check_finds_live_fused_runs_equal_and_a_mislabelled_one_not(
     assert by_config[runs[0].config]["tokens_per_step"] > 2  # fusion helped: more than a token and a half a step
     # the adaptive run's records under the label of schedule=short: the check tells them apart
     assert by_config[runs[1].config]["difference"] > 0
+
+
+class Flipping:
+    """A drafter that drafts what `inner` drafts, but the trace's true next token where `inner`'s head is wrong
+    after a history of at least `start` tokens (as a GPU drafter whose bf16 argmax breaks near ties otherwise than
+    the replay's float32 one), and logs the head it drafted after each history length."""
+
+    name = "draft"
+
+    def __init__(self, inner, seq: list[int], start: int) -> None:
+        self.inner, self.seq, self.start = inner, seq, start
+        self.config, self.k = inner.config, inner.k
+        self.heads: dict[int, int] = {}
+        self.flipped = 0
+
+    def propose(self, histories, budgets, keys=None):
+        props = self.inner.propose(histories, budgets, keys)
+        for h, p in zip(histories, props):
+            n = len(h)
+            if len(p.tokens) == 0:
+                continue
+            if self.start <= n < len(self.seq) and int(p.tokens[0]) != self.seq[n]:
+                p.tokens[0] = self.seq[n]
+                self.flipped += 1
+            self.heads[n] = int(p.tokens[0])
+        return props
+
+    exact = propose
+
+
+@pytest.mark.slow
+def test_the_replay_takes_the_runs_own_drafter_tokens_where_its_records_carry_them():
+    """A live run whose drafter drafts another head than the replay's at some steps (`Flipping`): without its
+    drafter tokens the replay's tokens/step differ; with them (`StepRecord.drafter_token`, as vLLM's records carry
+    them) the replay agrees exactly and counts the tokens where its own drafter would have drafted another, with
+    its margin there (its top logit over the forced token's)."""
+    from transformers import AutoTokenizer
+
+    from hqlab import models
+    from hqlab.replay.teacher import TeacherForcedDrafter, load_drafter
+
+    tokenizer = AutoTokenizer.from_pretrained(models.prepare("qwen2.5-coder-0.5b"))
+    text = DOC.read_text()
+    passage = tokenizer(text[3000:3300]).input_ids
+    prompt = tokenizer("Copy this:\n").input_ids + passage + tokenizer("\nCopy:\n").input_ids
+    output = passage[:20] + tokenizer(text[7000:7300]).input_ids[:24]
+    drafter = load_drafter("qwen2.5-coder-0.5b", device="cpu", dtype="float32")
+    spec = "fused:k=7,draft_block=1,nmax=32,policy=earliest,schedule=long,nmin_tail=1"
+    flipping = Flipping(drafter, prompt + output, len(prompt) + 20)
+    config = resolve_spec(spec, {"fused": FusedProposer})[1]
+    records = replay(prompt, output, FusedProposer(config, drafter=flipping), max_new_tokens=len(output),
+                     request="copy-1")
+    assert flipping.flipped >= 1
+    label = "gpu-" + spec  # the same rules, labelled as vLLM's run would be
+
+    def check(with_tokens: bool):
+        for r in records:
+            r.drafter_token = flipping.heads.get(r.context_len + 1, -1) if with_tokens else -1
+        run = Run(label, "copy-1", "copy", 0, Generation("copy-1", len(prompt), list(output), "length", 0.0, 1.0,
+                                                           1.0, records))
+        return fused_replay_check([run], [("copy-1", "copy", prompt)], drafter, max_new_tokens=len(output),
+                                  progress=False).row(0, named=True)
+
+    plain, forced = check(False), check(True)
+    assert plain["difference"] != 0 and plain["forced_drafts"] == 0 and plain["drafter_flips"] == 0
+    assert forced["difference"] == 0 and forced["forced_drafts"] >= forced["drafter_flips"] >= 1
+    assert forced["flip_margin_max"] > 0  # the replay's drafter preferred its own token there
+    teacher = TeacherForcedDrafter(drafter, prompt, output, forced={len(prompt): 0})
+    assert int(teacher.guess[len(prompt)]) == 0 and [f[0] for f in teacher.flips] == [len(prompt)]
+    with pytest.raises(ConfigError, match="prefixes the trace does not have"):
+        TeacherForcedDrafter(drafter, prompt, output, forced={len(prompt) + len(output): 1})

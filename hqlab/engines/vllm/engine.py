@@ -219,15 +219,17 @@ def step_records(request: str, prompt_len: int, events: Sequence[StepEvent], *, 
             match_len, propose_s = int(made["match_len"]), float(made["propose_s"])
             batch = int(made.get("batch", 1))
             passes, width = int(made.get("drafter_passes", -1)), int(made.get("drafter_width", 0))
+            drafter_token = int(made.get("drafter_token", -1))
         else:
             proposed = [UNKNOWN_TOKEN] * drafted
             sources = [int(Source.LOOKUP)] * drafted
             match_len, propose_s, batch = 0, (0.0 if k == 0 else math.nan), 1
-            passes, width = -1, 0
+            passes, width, drafter_token = -1, 0, -1
         records.append(step_record(
             request, j, context_len=history - 1, verify_len=1 + (k if fixed_width else drafted), proposed=proposed,
             sources=sources, match_len=match_len, accepted=max(accepted, 0), emitted=e.tokens, step_s=e.t - prev,
-            propose_s=propose_s, t_end=e.t, block=k, batch=batch, drafter_passes=passes, drafter_width=width))
+            propose_s=propose_s, t_end=e.t, block=k, batch=batch, drafter_passes=passes, drafter_width=width,
+            drafter_token=drafter_token))
         emitted += e.tokens
         prev = e.t
     return events[0].t, records

@@ -224,7 +224,7 @@ class FusedRecorder(RecordRing):
     each step's kind of drafting run (`KINDS`), with the drafter passes it ran and its catch-up pass's width."""
 
     FIELDS = ("context_len", "match_len", "valid", "block", "proposed", "take_flag", "head_taken", "tail_taken",
-              "draft_valid", "ran_width", "ran_passes")
+              "draft_valid", "ran_width", "ran_passes", "drafter_token")
 
     def __init__(self, capacity: int, max_reqs: int, k: int, device: torch.device) -> None:
         super().__init__(capacity, device)
@@ -267,7 +267,9 @@ class FusedRecorder(RecordRing):
                             "batch": len(req_ids), "block": row["block"], "take_flag": bool(row["take_flag"]),
                             "head_taken": bool(row["head_taken"]), "tail_taken": bool(row["tail_taken"]),
                             "lookup_valid": row["valid"], "draft_valid": row["draft_valid"], "drafter": kind,
-                            "drafter_passes": passes, "drafter_width": width})
+                            "drafter_passes": passes, "drafter_width": width,
+                            # the drafter's own head token, where it ran this step (a skipped step's is stale)
+                            "drafter_token": row["drafter_token"] if passes > 0 else -1})
         return out
 
 
@@ -670,7 +672,8 @@ class GpuFusedSpeculator:
             else:
                 ran = [torch.full_like(lengths, 0 if kind == "lookup" else width or self.q), torch.zeros_like(lengths)]
             meta = self._record_meta(lengths, match_len, valid, r.block_len[:m], r.num_tokens[:m], r.take_flag[:m],
-                                     r.head_taken[:m], r.tail_taken[:m], r.draft_valid[:m], *ran)
+                                     r.head_taken[:m], r.tail_taken[:m], r.draft_valid[:m], *ran,
+                                     self.drafts[:m, 0])
             self.recorder.write(meta, self.out[:m], r.sources[:m])
 
     def _catch_up(self, m: int, attn_len: int, width: int, final: bool = True) -> torch.Tensor:

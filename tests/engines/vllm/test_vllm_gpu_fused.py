@@ -570,6 +570,11 @@ def check_device_skip_records(config: Any, records: list[dict[str, Any]]) -> Non
         assert all(r["match_len"] >= config.nstrong and r["lookup_valid"] >= 1 and r["head_taken"] for r in step), step
     assert {r["drafter_width"] for r in records} == {0, q, wide}  # none, narrow and wide passes all ran
     assert all(r["drafter"] == "device" and (r["drafter_passes"] > 0) == (r["drafter_width"] > 0) for r in records)
+    # the drafter's own head token is recorded where it ran, and is the head wherever the block took the drafter's
+    for r in records:
+        assert (r["drafter_token"] >= 0) == (r["drafter_passes"] > 0), r
+        if r["sources"] and r["sources"][0] == SOURCE_DRAFT:
+            assert r["tokens"][0] == r["drafter_token"], r
     run, longest = 0, 0
     for step in steps:
         run = run + 1 if step[0]["drafter_passes"] == 0 else 0
@@ -594,6 +599,10 @@ def test_the_device_skip_changes_no_draft():
         check_device_skip_records(config, records)
         assert len(records) == len(every)
     assert all(r["drafter_passes"] == 1 for r in every)  # the config without it: a pass every step
+    # where the skipping config ran its drafter, its head token is the every-pass config's (float32)
+    for config, _, records in skipping:
+        ran = [(r["drafter_token"], e["drafter_token"]) for r, e in zip(records, every) if r["drafter_token"] >= 0]
+        assert ran and all(a == b for a, b in ran), config.catch_up
 
 
 def test_the_device_skip_is_refused_where_it_would_change_decisions():
