@@ -19,19 +19,31 @@ from hqlab.trace import Generation
 DOC = Path(__file__).resolve().parents[2] / "data" / "documents" / "handbook.md"
 
 
-@pytest.mark.slow
-def test_the_replay_check_finds_live_fused_runs_equal_and_a_mislabelled_one_not():
+@pytest.fixture(scope="module")
+def model():
+    """The 0.5B's tokenizer and its float32 greedy drafter on the CPU (loaded once for this file)."""
     from transformers import AutoTokenizer
 
     from hqlab import models
     from hqlab.replay.teacher import load_drafter
 
     tokenizer = AutoTokenizer.from_pretrained(models.prepare("qwen2.5-coder-0.5b"))
+    return tokenizer, load_drafter("qwen2.5-coder-0.5b", device="cpu", dtype="float32")
+
+
+def copy_request(tokenizer, copied: int, tail: int) -> tuple[list[int], list[int]]:
+    """A prompt holding a passage of the handbook, and an output that copies its first `copied` tokens, then
+    continues with `tail` tokens of text the prompt does not hold."""
     text = DOC.read_text()
     passage = tokenizer(text[3000:3300]).input_ids
     prompt = tokenizer("Copy this:\n").input_ids + passage + tokenizer("\nCopy:\n").input_ids
-    output = passage[:30] + tokenizer(text[7000:7150]).input_ids[:12]
-    drafter = load_drafter("qwen2.5-coder-0.5b", device="cpu", dtype="float32")
+    return prompt, passage[:copied] + tokenizer(text[7000:7300]).input_ids[:tail]
+
+
+@pytest.mark.slow
+def test_the_replay_check_finds_live_fused_runs_equal_and_a_mislabelled_one_not(model):
+    tokenizer, drafter = model
+    prompt, output = copy_request(tokenizer, 30, 12)
 
     def live(spec: str) -> Generation:
         config = resolve_spec(spec, {"fused": FusedProposer})[1]
@@ -87,22 +99,15 @@ class Flipping:
 
 
 @pytest.mark.slow
-def test_the_replay_takes_the_runs_own_drafter_tokens_where_its_records_carry_them():
+def test_the_replay_takes_the_runs_own_drafter_tokens_where_its_records_carry_them(model):
     """A live run whose drafter drafts another head than the replay's at some steps (`Flipping`): without its
     drafter tokens the replay's tokens/step differ; with them (`StepRecord.drafter_token`, as vLLM's records carry
     them) the replay agrees exactly and counts the tokens where its own drafter would have drafted another, with
     its margin there (its top logit over the forced token's)."""
-    from transformers import AutoTokenizer
+    from hqlab.replay.teacher import TeacherForcedDrafter
 
-    from hqlab import models
-    from hqlab.replay.teacher import TeacherForcedDrafter, load_drafter
-
-    tokenizer = AutoTokenizer.from_pretrained(models.prepare("qwen2.5-coder-0.5b"))
-    text = DOC.read_text()
-    passage = tokenizer(text[3000:3300]).input_ids
-    prompt = tokenizer("Copy this:\n").input_ids + passage + tokenizer("\nCopy:\n").input_ids
-    output = passage[:20] + tokenizer(text[7000:7300]).input_ids[:24]
-    drafter = load_drafter("qwen2.5-coder-0.5b", device="cpu", dtype="float32")
+    tokenizer, drafter = model
+    prompt, output = copy_request(tokenizer, 20, 24)
     spec = "fused:k=7,draft_block=1,nmax=32,policy=earliest,schedule=long,nmin_tail=1"
     flipping = Flipping(drafter, prompt + output, len(prompt) + 20)
     config = resolve_spec(spec, {"fused": FusedProposer})[1]
