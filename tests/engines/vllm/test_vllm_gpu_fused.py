@@ -610,6 +610,10 @@ def test_the_device_skip_is_refused_where_it_would_change_decisions():
         with pytest.raises(ConfigError, match=why):
             fused_config(f"gpu-fused:k=7,draft_block=1,nmax=8,device_skip=true,{bad}")
     assert fused_config("gpu-fused:k=7,draft_block=1,device_skip=true").device_skip
+    assert fused_config("gpu-fused:k=7,draft_block=1,device_skip=true").catch_up == "lazy"  # the default
+    assert fused_config("gpu-fused:k=7,draft_block=1,device_skip=true,catch_up=bounded").catch_up == "bounded"
+    with pytest.raises(ConfigError, match="catch_up must be one of lazy, bounded"):
+        fused_config("gpu-fused:k=7,draft_block=1,device_skip=true,catch_up=eager")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
