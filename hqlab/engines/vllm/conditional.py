@@ -208,4 +208,5 @@ class _inside:
         _DEPTH[0] -= 1
 
 
-__all__ = ["run_if", "run_while", "capturing", "side_stream", "set_if_cubin", "set_if_kernel", "launch_set_if", "SET_IF", "ok"]
+__all__ = ["run_if", "run_while", "capturing", "side_stream", "set_if_cubin", "set_if_kernel", "launch_set_if",
+           "SET_IF", "ok"]

@@ -68,8 +68,8 @@ RECORD_CAPACITY = 4096
 # the drafter lags. Steps where no row is behind keep the narrow pass (k + 1 positions).
 SKIP_RUN = 7
 SNAPSHOTS = 4  # pinned host copies of the skip marks in flight (the host runs up to three steps ahead)
-KINDS = ("full", "catch_up", "lookup")
-CATCH_UPS = ("lazy", "bounded")  # device_skip: when a drafter that skipped steps catches up (GpuFusedConfig)  # what a drafting step runs of the drafter: all passes, the catch-up, none
+KINDS = ("full", "catch_up", "lookup")  # what a drafting step runs of the drafter: all passes, the catch-up, none
+CATCH_UPS = ("lazy", "bounded")  # device_skip: when a drafter that skipped steps catches up (GpuFusedConfig)
 
 
 @dataclass(frozen=True)
@@ -652,7 +652,7 @@ class GpuFusedSpeculator:
         # whether the drafter's pass runs at all
         proposals, match_len, valid = self.matcher(all_ids.view(-1), self.row_offsets[slots], lengths)
         if self.config.device_skip:
-            self._device_pass(m, attn_len, total, sampled, match_len, valid)
+            self._device_pass(m, attn_len, match_len, valid)
         elif kind != "lookup":
             cur = self._catch_up(m, attn_len, width or self.q)
             for j in range(1, self.block if kind == "full" else 1):  # the head: one token per pass
@@ -698,15 +698,14 @@ class GpuFusedSpeculator:
         self.drafts[:m, 0] = first
         return first
 
-    def _device_pass(self, m: int, attn_len: int, total: torch.Tensor, sampled: torch.Tensor,
-                     match_len: torch.Tensor, valid: torch.Tensor) -> None:
+    def _device_pass(self, m: int, attn_len: int, match_len: torch.Tensor, valid: torch.Tensor) -> None:
         """`device_skip`: the drafter's pass runs unless every sampling row's block is the lookup's whatever the
         drafter says (a match of at least nstrong, with a token to propose), and then as the narrow catch-up (k + 1
         positions) or, for a row whose drafter missed earlier steps, the wide one; with `catch_up=lazy` first a loop
         of wide passes while a row lags more than one wide pass feeds (a drafter that skipped a long copy), with
         `catch_up=bounded` never (a row skips only while one wide pass can catch it up). All of it sits behind
         conditional nodes, one IF node around it all (a drafter-free step meets that node alone): no host read, no
-        host proof. (`total` and `sampled` are the caller's; the flag rules read the buffers themselves.)"""
+        host proof."""
         from hqlab.engines.vllm import conditional
 
         assert self.state is not None
