@@ -57,16 +57,17 @@ class StepRecord:
     # the positions its catch-up pass ran (0: none), for engines that choose per step how much of the drafter runs
     drafter_passes: int = -1
     drafter_width: int = 0
-    # the drafter model's own first token this step where it ran (-1: it did not run, or the engine does not say):
-    # a replay can take it instead of its own drafter's, so that it checks the rules and not the drafter's numerics
-    drafter_token: int = -1
+    # the drafter model's own tokens this step, head first, where it ran (empty: it did not run, or the engine does
+    # not say): a replay can take them instead of its own drafter's, so that it checks the rules and not the
+    # drafter's numerics
+    drafter_tokens: list[int] = field(default_factory=list)
 
 
 def step_record(request: str, step: int, *, context_len: int, accepted: int, emitted: int, proposal: Any = None,
                 proposed: Sequence[int] = (), sources: Sequence[int] = (), match_len: int = 0,
                 verify_len: int | None = None, block: int = 0, step_s: float = 0.0, propose_s: float = 0.0,
                 t_end: float = 0.0, batch: int = 1, drafter_passes: int = -1, drafter_width: int = 0,
-                drafter_token: int = -1) -> StepRecord:
+                drafter_tokens: Sequence[int] = ()) -> StepRecord:
     """The one way a `StepRecord` is made.
 
     `proposal` (a `hqlab.proposers.Proposal`) gives the proposed tokens, their sources, the match length and, when
@@ -84,7 +85,7 @@ def step_record(request: str, step: int, *, context_len: int, accepted: int, emi
                       sources=[int(s) for s in sources], match_len=int(match_len), accepted=int(accepted),
                       emitted=int(emitted), step_s=step_s, propose_s=propose_s, t_end=t_end, block=int(block),
                       batch=int(batch), drafter_passes=int(drafter_passes), drafter_width=int(drafter_width),
-                      drafter_token=int(drafter_token))
+                      drafter_tokens=[int(t) for t in drafter_tokens])
 
 
 @dataclass
@@ -127,7 +128,8 @@ def step_schema() -> dict:
         "request": pl.String, "step": pl.Int32, "context_len": pl.Int32, "verify_len": pl.Int32,
         "proposed": pl.List(pl.Int64), "sources": pl.List(pl.Int8), "match_len": pl.Int32, "accepted": pl.Int32,
         "emitted": pl.Int32, "step_s": pl.Float64, "propose_s": pl.Float64, "t_end": pl.Float64, "block": pl.Int32,
-        "batch": pl.Int32, "drafter_passes": pl.Int32, "drafter_width": pl.Int32, "drafter_token": pl.Int64,
+        "batch": pl.Int32, "drafter_passes": pl.Int32, "drafter_width": pl.Int32,
+        "drafter_tokens": pl.List(pl.Int64),
     }
 
 

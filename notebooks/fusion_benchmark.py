@@ -65,6 +65,9 @@ tuned_run = "fm1"  # fl1's configs with sweep t4's tiles, 11 interleaved rounds 
 # model from a second call
 lazy_run = "fn1"  # fm1's configs with the lazy catch-up (catch_up=lazy, the default), the
 # burst of four mixing copy with chat, qa and summary; 11 rounds + the burst, profiled; vLLM's draft model after
+exact_run = "fn2"  # fn1's bench again, its records carrying the drafter's head token (the exact replay); an adaptive
+# config (k = 15, drafter block 7) in the same burst from the call before, vLLM's draft model from the call after
+adaptive_config = "gpu-fused:k=15,draft_block=7,nmax=32,policy=earliest,compile=true,compile_rule=true" + triton_suffix
 fused_replay_file = "data/results/vllm_fused_h200.replay.parquet"  # benchmarks/vllm_gpu.py replay, every fused run
 # benchmarks/fused_pass_kernels.py: the one-pass drafting step outside vLLM, kernel by kernel (fk2: FlashAttention
 # settings plan_once and splits=1; fl: the drafter's layers as four Triton kernels, layers=triton; t1: the same with
@@ -889,6 +892,50 @@ pl.concat([vllm_report.round_step_ms(fused_repeats, run).with_columns(pl.lit(run
 
 # %%
 vllm_report.burst_blocks(fused_data["steps"], "fb")
+
+# %% [markdown]
+# ### Every point of the issue in one run (`fn2`)
+#
+# Run `fn2` (code 38a44e1) is `fn1`'s bench again, now that the fused speculator's records carry the drafter's own
+# head token: the replay (`benchmarks/vllm_gpu.py replay`) takes those tokens instead of its float32 drafter's
+# guesses, so where bf16 and float32 break a near tie differently the fusion, schedule and verify decisions must
+# still agree exactly, and the replay reports where its own drafter would have drafted another token. It does on
+# every pair of the one-pass configs; the adaptive config drafts 7 tokens a step, of which `fn2`'s records carried
+# the first only, so three of its chat prompts stay 1-3 % off (the records now carry the whole block,
+# `StepRecord.drafter_tokens`, for the next run). The call before ran an adaptive config (k = 15, drafter block 7: the block grows to 16 only while a copy is
+# in progress) alone and in the same burst of four, for the per-request blocks; the call after, vLLM's draft model.
+# Both are finished into the same run; their wall times come from calls of their own, so the speed points compare
+# the interleaved configs. (The profiled pass at the end of the bench ran past the call's time limit: the drafter's
+# cost per pass is `fn1`'s.)
+
+# %%
+fused_bars(exact_run, {device_skip_k31 + triton_suffix: "k=31 device skip, Triton",
+                       one_pass_k15 + triton_suffix: "k=15 one pass, Triton", adaptive_config: "k=15 adaptive"},
+           "vllm_fused_h200_fn2.svg")
+
+# %%
+vllm_report.fused_acceptance(fused_data["results"], fused_repeats, pl.read_parquet(fused_replay_file), exact_run,
+                             fused_data["steps"])
+
+# %%
+vllm_report.best_fused(fused_data["results"], fused_repeats, exact_run)
+
+# %% [markdown]
+# Per request in the burst: the adaptive config's copy request verifies the long block on as many of its steps as
+# alone, and its prose neighbours stay as short as alone.
+
+# %%
+vllm_report.burst_blocks(fused_data["steps"], exact_run)
+
+# %% [markdown]
+# The replay per (config, prompt): `forced_drafts` counts the steps where it took vLLM's drafter token,
+# `drafter_flips` those where its own float32 drafter would have drafted another, with the widest margin there.
+
+# %%
+(pl.read_parquet(fused_replay_file).filter(pl.col("run") == exact_run)
+ .group_by("config").agg(pl.len().alias("pairs"), (pl.col("difference") == 0).sum().alias("exact"),
+                         pl.col("forced_drafts").sum(), pl.col("drafter_flips").sum(), pl.col("flip_margin_max").max())
+ .with_columns(short_name.replace({adaptive_config: "k=15 adaptive"})).sort("config"))
 
 # %% [markdown]
 # ### The drafting step outside vLLM

@@ -123,9 +123,11 @@ def fused_replay_check(runs: Sequence[Run], prompts: Sequence[tuple[str, str, li
     teacher-forced drafts of `drafter` (`hqlab.replay.teacher`). `prompts` are the run's (id, category, token ids),
     encoded as the bench encoded them. The two agree step for step when the drafter's greedy tokens agree; a
     difference comes from the drafter's numerics (vLLM's GPU kernels in bf16 against the replay's), or from EOS.
-    Where vLLM's step records carry its drafter's own head token (`StepRecord.drafter_token`), the replay takes it
+    Where vLLM's step records carry its drafter's own tokens (`StepRecord.drafter_tokens`), the replay takes them
     (`replay_fused_grid(forced=...)`), so the two must agree exactly, and the rows count the tokens where the
-    replay's drafter would have drafted another (`drafter_flips`) with its widest margin there."""
+    replay's drafter would have drafted another (`drafter_flips`) with its widest margin there. (Run fn2's records
+    carry the head token only: a config drafting more than one token a step is compared past it with the replay's
+    own drafter.)"""
     from dataclasses import fields
 
     from hqlab.engines.vllm.gpu_fused import NAME, fused_config
@@ -146,7 +148,7 @@ def fused_replay_check(runs: Sequence[Run], prompts: Sequence[tuple[str, str, li
             raise ConfigError(f"fused_replay_check: prompts {missing} of {config!r} are not among the given prompts")
         traces = [Trace.of(ids[pid][1], list(r.generation.output_ids), max_new_tokens, pid, ids[pid][0])
                   for pid, r in alone.items()]
-        forced = {pid: {rec.context_len: rec.drafter_token for rec in r.generation.records if rec.drafter_token >= 0}
+        forced = {pid: {rec.context_len: rec.drafter_tokens for rec in r.generation.records if rec.drafter_tokens}
                   for pid, r in alone.items()}
         replayed = replay_fused_grid(traces, drafter, [spec], progress=progress, forced=forced)
         live = pl.DataFrame([{"prompt_id": pid, "vllm_tokens_per_step": _emitted_per_step(r.generation),

@@ -657,7 +657,7 @@ def fused_acceptance(results: pl.DataFrame, repeats: pl.DataFrame, replayed: pl.
             None if value is None else value >= 2)
     mine = replayed.filter(pl.col("run") == run) if replayed.height else replayed
     if mine.height:
-        off = mine.with_columns((pl.col("difference").abs() / pl.col("vllm_tokens_per_step")).alias("off"))
+        off = mine.with_columns(pl.col("difference").abs().alias("off"))  # already relative: vLLM ÷ replay - 1
         exact = int((off["off"] == 0).sum())
         forced = ""
         if "forced_drafts" in off.columns and (off["forced_drafts"].fill_null(0) > 0).any():

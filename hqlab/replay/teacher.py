@@ -6,10 +6,12 @@ continuation is known, so one forward pass of the drafter over prompt + output g
 prefix: the draft from position t equals those argmaxes for as long as they agree with the trace, and the first
 one that disagrees is exact too. Acceptance needs nothing more (nothing after a wrong token is ever accepted).
 
-`forced` (from an engine's step records, `StepRecord.drafter_token`) replaces the argmax after given prefixes by the
-token another run of the same drafter took there (vLLM's, in bf16 on a GPU): the replay then checks the rules
-against that run's own drafter, and `flips` lists where the two drafters disagree, with this drafter's margin
-(its top logit minus its logit of the forced token: small where the argmax is a near tie).
+`forced` (from an engine's step records, `StepRecord.drafter_tokens`) gives, for the steps another run of the same
+drafter drafted (vLLM's, in bf16 on a GPU), the tokens it drafted there, head first: a draft from such a step is
+those tokens, all of them known (also past a disagreement with the trace, which this drafter could not know), so
+the replay checks the rules against that run's own drafter. `flips` lists where the two drafters disagree after a
+true prefix, with this drafter's margin (its top logit minus its logit of the forced token: small where the argmax
+is a near tie).
 
 Positions after that first disagreement are unknown; they are returned as UNKNOWN (-1) with
 `extra["known"]` = the number of exact tokens. A rule that needs them (fusion compares drafter and lookup over
@@ -38,12 +40,14 @@ class TeacherForcedDrafter:
     name: ClassVar[str] = "draft"
 
     def __init__(self, drafter: DraftProposer, prompt_ids: Sequence[int], output_ids: Sequence[int],
-                 chunk: int = 512, forced: Mapping[int, int] | None = None) -> None:
+                 chunk: int = 512, forced: Mapping[int, int | Sequence[int]] | None = None) -> None:
         if drafter.config.temperature > 0:
             raise ConfigError("teacher forcing reproduces greedy drafts only (drafter temperature must be 0)")
         self.drafter, self.config, self.k = drafter, drafter.config, drafter.k
         self.seq = np.asarray([*prompt_ids, *output_ids], dtype=np.int64)
-        self.forced = {int(t): int(token) for t, token in (forced or {}).items()}
+        # the history length - 1 a step drafted from -> the tokens it drafted (a single int: its head)
+        self.forced = {int(t): [int(block)] if isinstance(block, (int, np.integer)) else [int(x) for x in block]
+                       for t, block in (forced or {}).items()}
         bad = [t for t in self.forced if not 0 <= t < len(self.seq)]
         if bad:
             raise ConfigError(f"forced drafter tokens after prefixes the trace does not have (positions {bad[:5]}; "
@@ -61,6 +65,7 @@ class TeacherForcedDrafter:
 
         d = self.drafter
         cache = DynamicCache(config=d.model.config)
+        compare = self._forced_after_true_prefixes()
         out = []
         for start in range(0, len(self.seq), chunk):
             ids = torch.tensor([self.seq[start : start + chunk].tolist()], device=d.device)
@@ -68,14 +73,24 @@ class TeacherForcedDrafter:
             logits = torch.nn.functional.linear(hidden, d.head_weight)
             idx = logits.argmax(dim=-1)
             part = (d.draft_to_target[idx] if d.draft_to_target is not None else idx).cpu().numpy()
-            for t in (t for t in self.forced if start <= t < start + len(part)):
-                token, mine = self.forced[t], int(part[t - start])
-                if token != mine:
+            for t in (t for t in compare if start <= t < start + len(part)):
+                mine = int(part[t - start])
+                for token in sorted(compare[t] - {mine}):
                     row = logits[t - start].float()
                     self.flips.append((t, mine, token, float(row[mine] - row[token])))
-                    part[t - start] = token
             out.append(part)
         return np.concatenate(out)
+
+    def _forced_after_true_prefixes(self) -> dict[int, set[int]]:
+        """Position t -> the forced tokens drafted after the true prefix seq[: t + 1] (a block's tokens up to and
+        including its first that leaves the trace; later ones followed the other drafter's own tokens)."""
+        compare: dict[int, set[int]] = {}
+        for t, block in self.forced.items():
+            for i, token in enumerate(block):
+                compare.setdefault(t + i, set()).add(token)
+                if t + i + 1 >= len(self.seq) or token != int(self.seq[t + i + 1]):
+                    break
+        return compare
 
     def propose(self, histories: Sequence[np.ndarray], budgets: Sequence[int],
                 keys: Sequence[str] | None = None) -> list[Proposal]:
@@ -86,13 +101,18 @@ class TeacherForcedDrafter:
                 raise ValueError("teacher forcing only replays prefixes of its own trace")
             n = max(0, min(self.k, int(budget)))
             tokens = np.full(n, UNKNOWN, dtype=np.int64)
-            known = 0
+            block = self.forced.get(t - 1, ())  # the other run's own tokens from this history, if it drafted here
+            known, off = 0, False
             for i in range(n):
-                g = int(self.guess[t - 1 + i])
+                if i < len(block):
+                    g = block[i]
+                elif off:
+                    break  # past a disagreement nothing of this drafter's can be known
+                else:
+                    g = int(self.guess[t - 1 + i])
                 tokens[i] = g
                 known += 1
-                if t + i >= len(self.seq) or g != int(self.seq[t + i]):
-                    break  # first disagreement: exact, and nothing after it can be known
+                off = off or t + i >= len(self.seq) or g != int(self.seq[t + i])
             out.append(Proposal(tokens, np.full(n, Source.DRAFT, dtype=np.int8), 0, None,
                                 {"known": known, "draft_mode": "teacher"}))
         return out
@@ -108,15 +128,15 @@ class TeacherForcedDrafter:
 
 
 def replay_fused_grid(traces: Sequence, drafter: DraftProposer, specs: Sequence[str], *,
-                      progress: bool = True, forced: Mapping[str, Mapping[int, int]] | None = None):
+                      progress: bool = True, forced: Mapping[str, Mapping[int, Sequence[int]]] | None = None):
     """Replay every `fused:...` spec over every trace with teacher-forced drafts (one drafter pass per trace).
 
     Returns one row per (config, prompt): tokens/step, mean verified positions per step (the verify cost proxy),
     share of steps on the long block, share of steps whose head came from the lookup, share of steps that ran the
     drafter (below 1 only with `skip`), and how many drafts had to be computed for real. `traces` are
     `hqlab.replay.traces.Trace`s of the target's greedy outputs. `forced`: per prompt id, the drafter tokens another
-    run took after given prefixes (`TeacherForcedDrafter`); the rows then count them (`forced_drafts`), the ones
-    this drafter would have drafted otherwise (`drafter_flips`) and the widest margin among those."""
+    run drafted at given steps (`TeacherForcedDrafter`); the rows then count those steps (`forced_drafts`), the
+    tokens this drafter would have drafted otherwise (`drafter_flips`) and the widest margin among those."""
     import polars as pl
     from tqdm.auto import tqdm
 

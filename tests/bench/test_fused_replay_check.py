@@ -71,37 +71,51 @@ def test_the_replay_check_finds_live_fused_runs_equal_and_a_mislabelled_one_not(
 
 
 class Flipping:
-    """A drafter that drafts what `inner` drafts, but the trace's true next token where `inner`'s head is wrong
-    after a history of at least `start` tokens (as a GPU drafter whose bf16 argmax breaks near ties otherwise than
-    the replay's float32 one), and logs the head it drafted after each history length."""
+    """A drafter that drafts what `inner` drafts, but the trace's true token at `position` of its draft where
+    `inner`'s is wrong there after a true prefix and a history of at least `start` tokens (as a GPU drafter whose
+    bf16 argmax breaks near ties otherwise than the replay's float32 one), and logs the tokens it drafted after each
+    history length."""
 
     name = "draft"
 
-    def __init__(self, inner, seq: list[int], start: int) -> None:
-        self.inner, self.seq, self.start = inner, seq, start
+    def __init__(self, inner, seq: list[int], start: int, position: int = 0) -> None:
+        self.inner, self.seq, self.start, self.position = inner, seq, start, position
         self.config, self.k = inner.config, inner.k
-        self.heads: dict[int, int] = {}
+        self.blocks: dict[int, list[int]] = {}
         self.flipped = 0
 
     def propose(self, histories, budgets, keys=None):
         props = self.inner.propose(histories, budgets, keys)
         for h, p in zip(histories, props):
-            n = len(h)
+            n, i = len(h), self.position
             if len(p.tokens) == 0:
                 continue
-            if self.start <= n < len(self.seq) and int(p.tokens[0]) != self.seq[n]:
-                p.tokens[0] = self.seq[n]
+            if (i < len(p.tokens) and self.start <= n and n + i < len(self.seq)
+                    and [int(t) for t in p.tokens[:i]] == self.seq[n:n + i] and int(p.tokens[i]) != self.seq[n + i]):
+                p.tokens[i] = self.seq[n + i]
                 self.flipped += 1
-            self.heads[n] = int(p.tokens[0])
+            self.blocks[n] = [int(t) for t in p.tokens]
         return props
 
     exact = propose
 
 
+def replay_row(records, flipping: Flipping, label: str, prompt, output, drafter, tokens: str):
+    """`fused_replay_check`'s row for a live run whose records carry the drafter's tokens: none, the head only
+    (as run fn2's records did) or the whole block (`StepRecord.drafter_tokens`)."""
+    for r in records:
+        block = flipping.blocks.get(r.context_len + 1, [])
+        r.drafter_tokens = {"none": [], "head": block[:1], "block": block}[tokens]
+    run = Run(label, "copy-1", "copy", 0, Generation("copy-1", len(prompt), list(output), "length", 0.0, 1.0, 1.0,
+                                                     records))
+    return fused_replay_check([run], [("copy-1", "copy", prompt)], drafter, max_new_tokens=len(output),
+                              progress=False).row(0, named=True)
+
+
 @pytest.mark.slow
 def test_the_replay_takes_the_runs_own_drafter_tokens_where_its_records_carry_them(model):
     """A live run whose drafter drafts another head than the replay's at some steps (`Flipping`): without its
-    drafter tokens the replay's tokens/step differ; with them (`StepRecord.drafter_token`, as vLLM's records carry
+    drafter tokens the replay's tokens/step differ; with them (`StepRecord.drafter_tokens`, as vLLM's records carry
     them) the replay agrees exactly and counts the tokens where its own drafter would have drafted another, with
     its margin there (its top logit over the forced token's)."""
     from hqlab.replay.teacher import TeacherForcedDrafter
@@ -115,20 +129,41 @@ def test_the_replay_takes_the_runs_own_drafter_tokens_where_its_records_carry_th
                      request="copy-1")
     assert flipping.flipped >= 1
     label = "gpu-" + spec  # the same rules, labelled as vLLM's run would be
-
-    def check(with_tokens: bool):
-        for r in records:
-            r.drafter_token = flipping.heads.get(r.context_len + 1, -1) if with_tokens else -1
-        run = Run(label, "copy-1", "copy", 0, Generation("copy-1", len(prompt), list(output), "length", 0.0, 1.0,
-                                                           1.0, records))
-        return fused_replay_check([run], [("copy-1", "copy", prompt)], drafter, max_new_tokens=len(output),
-                                  progress=False).row(0, named=True)
-
-    plain, forced = check(False), check(True)
+    plain = replay_row(records, flipping, label, prompt, output, drafter, "none")
+    forced = replay_row(records, flipping, label, prompt, output, drafter, "block")
     assert plain["difference"] != 0 and plain["forced_drafts"] == 0 and plain["drafter_flips"] == 0
     assert forced["difference"] == 0 and forced["forced_drafts"] >= forced["drafter_flips"] >= 1
     assert forced["flip_margin_max"] > 0  # the replay's drafter preferred its own token there
-    teacher = TeacherForcedDrafter(drafter, prompt, output, forced={len(prompt): 0})
-    assert int(teacher.guess[len(prompt)]) == 0 and [f[0] for f in teacher.flips] == [len(prompt)]
+    seq = prompt + output
+    teacher = TeacherForcedDrafter(drafter, prompt, output, forced={len(prompt): [0]})
+    assert teacher.propose([seq[:len(prompt) + 1]], [1])[0].tokens.tolist() == [0]
+    assert [f[0] for f in teacher.flips] == [len(prompt)]
     with pytest.raises(ConfigError, match="prefixes the trace does not have"):
-        TeacherForcedDrafter(drafter, prompt, output, forced={len(prompt) + len(output): 1})
+        TeacherForcedDrafter(drafter, prompt, output, forced={len(prompt) + len(output): [1]})
+
+
+@pytest.mark.slow
+def test_a_drafter_block_is_replayed_exactly_only_with_all_its_tokens(model):
+    """A config drafting three tokens a step, whose live drafter drafts another second token than the replay's at
+    some steps: with the head token alone (run fn2's records) the replay still differs, with the whole block it
+    agrees exactly. A forced block is known whole, past its first token off the trace too."""
+    from hqlab.replay.teacher import TeacherForcedDrafter
+
+    tokenizer, drafter = model
+    prompt, output = copy_request(tokenizer, 20, 24)
+    spec = "fused:k=7,draft_block=3,nmax=32,policy=earliest"
+    flipping = Flipping(drafter, prompt + output, len(prompt) + 20, position=1)
+    config = resolve_spec(spec, {"fused": FusedProposer})[1]
+    records = replay(prompt, output, FusedProposer(config, drafter=flipping), max_new_tokens=len(output),
+                     request="copy-1")
+    assert flipping.flipped >= 1
+    label = "gpu-" + spec
+    head = replay_row(records, flipping, label, prompt, output, drafter, "head")
+    block = replay_row(records, flipping, label, prompt, output, drafter, "block")
+    assert head["difference"] != 0 and head["drafter_flips"] == 0  # its heads are the replay drafter's own
+    assert block["difference"] == 0 and block["drafter_flips"] >= 1
+    seq = prompt + output
+    wrong = (seq[len(prompt) + 1] + 1) % 1000
+    teacher = TeacherForcedDrafter(drafter, prompt, output, forced={len(prompt): [seq[len(prompt) + 1], wrong, 7]})
+    draft = teacher.propose([seq[:len(prompt) + 1]], [3])[0]
+    assert draft.tokens.tolist() == [seq[len(prompt) + 1], wrong, 7] and draft.extra["known"] == 3

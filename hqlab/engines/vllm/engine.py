@@ -219,17 +219,17 @@ def step_records(request: str, prompt_len: int, events: Sequence[StepEvent], *, 
             match_len, propose_s = int(made["match_len"]), float(made["propose_s"])
             batch = int(made.get("batch", 1))
             passes, width = int(made.get("drafter_passes", -1)), int(made.get("drafter_width", 0))
-            drafter_token = int(made.get("drafter_token", -1))
+            drafter_tokens = [int(t) for t in made.get("drafter_tokens", ())]
         else:
             proposed = [UNKNOWN_TOKEN] * drafted
             sources = [int(Source.LOOKUP)] * drafted
             match_len, propose_s, batch = 0, (0.0 if k == 0 else math.nan), 1
-            passes, width, drafter_token = -1, 0, -1
+            passes, width, drafter_tokens = -1, 0, []
         records.append(step_record(
             request, j, context_len=history - 1, verify_len=1 + (k if fixed_width else drafted), proposed=proposed,
             sources=sources, match_len=match_len, accepted=max(accepted, 0), emitted=e.tokens, step_s=e.t - prev,
             propose_s=propose_s, t_end=e.t, block=k, batch=batch, drafter_passes=passes, drafter_width=width,
-            drafter_token=drafter_token))
+            drafter_tokens=drafter_tokens))
         emitted += e.tokens
         prev = e.t
     return events[0].t, records
@@ -790,6 +790,16 @@ def raw_table(runs: Sequence[Run]):
     return pa.Table.from_pylist(rows, schema=schema)
 
 
+def _current_record(saved: dict[str, Any]) -> dict[str, Any]:
+    """A step record as a raw table saved it, in today's fields: run fn2's records carried only the drafter's head
+    token (`drafter_token`, -1 where it did not run), now the first of `drafter_tokens`."""
+    if "drafter_token" in saved:
+        saved = dict(saved)
+        head = int(saved.pop("drafter_token"))
+        saved["drafter_tokens"] = [head] if head >= 0 else []
+    return saved
+
+
 def runs_from_raw(raw: Any) -> list[Run]:
     """Inverse of `raw_table` (a polars DataFrame or pyarrow table)."""
     rows = raw.to_dicts() if hasattr(raw, "to_dicts") else raw.to_pylist()
@@ -798,7 +808,7 @@ def runs_from_raw(raw: Any) -> list[Run]:
         raise ConfigError(f"not a raw vLLM run table: missing columns {sorted(missing)}")
     runs = []
     for row in rows:
-        records = [step_record(**s) for s in json.loads(row["records"])]
+        records = [step_record(**_current_record(s)) for s in json.loads(row["records"])]
         gen = Generation(request=row["prompt_id"], prompt_len=row["prompt_len"], output_ids=list(row["output_ids"]),
                          finish=row["finish"], ttft_s=row["ttft_s"], total_s=row["total_s"], t_last=row["t_last"],
                          records=records, margins=list(row["margins"] or []))

@@ -221,16 +221,19 @@ def record_meta(*columns: torch.Tensor) -> torch.Tensor:
 
 class FusedRecorder(RecordRing):
     """Per-step fused blocks and their decisions, kept on the GPU and read back in one copy by `take`; the host adds
-    each step's kind of drafting run (`KINDS`), with the drafter passes it ran and its catch-up pass's width."""
+    each step's kind of drafting run (`KINDS`), with the drafter passes it ran and its catch-up pass's width. The
+    drafter's own tokens (`draft_block` a step, head first) are kept beside the fused block, for the replay."""
 
     FIELDS = ("context_len", "match_len", "valid", "block", "proposed", "take_flag", "head_taken", "tail_taken",
-              "draft_valid", "ran_width", "ran_passes", "drafter_token")
+              "draft_valid", "ran_width", "ran_passes")
 
-    def __init__(self, capacity: int, max_reqs: int, k: int, device: torch.device) -> None:
+    def __init__(self, capacity: int, max_reqs: int, k: int, device: torch.device, draft_block: int = 1) -> None:
         super().__init__(capacity, device)
+        self.draft_block = draft_block
         self.meta = torch.zeros(capacity, max_reqs, len(self.FIELDS), dtype=torch.int32, device=device)
         self.tokens = torch.zeros(capacity, max_reqs, k, dtype=torch.int64, device=device)
         self.sources = torch.zeros(capacity, max_reqs, k, dtype=torch.int8, device=device)
+        self.drafts = torch.zeros(capacity, max_reqs, draft_block, dtype=torch.int64, device=device)
         self.kinds: list[tuple[str, int, int]] = []  # per noted step, beside RecordRing.steps: (kind, passes, width)
 
     def note(self, req_ids: list[str], host_s: float, kind: str = "full", passes: int = 0, width: int = 0) -> None:
@@ -241,12 +244,13 @@ class FusedRecorder(RecordRing):
         super().restart()
         self.kinds = []
 
-    def write(self, meta: torch.Tensor, tokens: torch.Tensor, sources: torch.Tensor) -> None:
+    def write(self, meta: torch.Tensor, tokens: torch.Tensor, sources: torch.Tensor, drafts: torch.Tensor) -> None:
         m = meta.shape[0]
         slot = self.next_slot()
         self.meta[slot, :m] = meta.to(torch.int32)[None]
         self.tokens[slot, :m] = tokens[None]
         self.sources[slot, :m] = sources.to(torch.int8)[None]
+        self.drafts[slot, :m] = drafts[None]
 
     def take(self) -> list[dict[str, Any]]:
         """Every step since the last call, one dict per (step, request); clears them."""
@@ -254,6 +258,7 @@ class FusedRecorder(RecordRing):
         if not steps:
             return []
         meta, tokens, sources = self.meta.cpu().numpy(), self.tokens.cpu().numpy(), self.sources.cpu().numpy()
+        drafts = self.drafts.cpu().numpy()
         out = []
         for (slot, req_ids, host_s), (kind, passes, width) in zip(steps, kinds):
             for i, rid in enumerate(req_ids):
@@ -261,6 +266,9 @@ class FusedRecorder(RecordRing):
                 if kind == "device":  # the device chose: its last catch-up pass's width (0: none) and the passes
                     passes, width = row["ran_passes"], row["ran_width"]
                 n = row["proposed"]  # the block's real tokens; pad follows up to k
+                # the tokens the drafter drafted this step: its head (draft_block passes) on a full step, one token
+                # on a catch-up-only step or a device-skip step that ran it, none where it did not run (stale)
+                drafted = {"full": self.draft_block, "catch_up": 1, "lookup": 0}.get(kind, 1 if passes > 0 else 0)
                 out.append({"request": rid, "row": i, "context_len": row["context_len"],
                             "match_len": row["match_len"], "tokens": [int(t) for t in tokens[slot, i, :n]],
                             "sources": [int(s) for s in sources[slot, i, :n]], "propose_s": host_s,
@@ -268,8 +276,7 @@ class FusedRecorder(RecordRing):
                             "head_taken": bool(row["head_taken"]), "tail_taken": bool(row["tail_taken"]),
                             "lookup_valid": row["valid"], "draft_valid": row["draft_valid"], "drafter": kind,
                             "drafter_passes": passes, "drafter_width": width,
-                            # the drafter's own head token, where it ran this step (a skipped step's is stale)
-                            "drafter_token": row["drafter_token"] if passes > 0 else -1})
+                            "drafter_tokens": [int(t) for t in drafts[slot, i, :drafted]]})
         return out
 
 
@@ -361,7 +368,7 @@ class GpuFusedSpeculator:
         self.drafter: Any = None
         self.state: tuple[torch.Tensor, torch.Tensor] | None = None  # vLLM's (all_token_ids, total_len)
         self.row_offsets: torch.Tensor | None = None
-        self.recorder = FusedRecorder(RECORD_CAPACITY, max_num_reqs, c.k, dev) if record else None
+        self.recorder = FusedRecorder(RECORD_CAPACITY, max_num_reqs, c.k, dev, self.block) if record else None
         self.buckets = attention_buckets(self.cache_len)
         self.use_graphs = False
         self.graphs: dict[tuple[int, int, str, int], Any] = {}
@@ -672,9 +679,8 @@ class GpuFusedSpeculator:
             else:
                 ran = [torch.full_like(lengths, 0 if kind == "lookup" else width or self.q), torch.zeros_like(lengths)]
             meta = self._record_meta(lengths, match_len, valid, r.block_len[:m], r.num_tokens[:m], r.take_flag[:m],
-                                     r.head_taken[:m], r.tail_taken[:m], r.draft_valid[:m], *ran,
-                                     self.drafts[:m, 0])
-            self.recorder.write(meta, self.out[:m], r.sources[:m])
+                                     r.head_taken[:m], r.tail_taken[:m], r.draft_valid[:m], *ran)
+            self.recorder.write(meta, self.out[:m], r.sources[:m], self.drafts[:m, :self.block])
 
     def _catch_up(self, m: int, attn_len: int, width: int, final: bool = True) -> torch.Tensor:
         """A catch-up pass for rows [0, m): feeds each sampling row the tokens emitted since the drafter last saw

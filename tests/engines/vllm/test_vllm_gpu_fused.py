@@ -146,6 +146,13 @@ def test_fused_blocks_equal_the_reference_step_for_step(tokenizer, settings):
     if config.skip:  # and skipped its drafter on some steps, as the reference did
         assert any(r["draft_valid"] == 0 and r["request"] == "copy" for r in records)
     assert state["copy"]["computed"] > len(reqs["copy"][0]) + 25  # and its long blocks were accepted
+    # the drafter's own tokens, head first, as the replay takes them: draft_block of them on a step that ran its
+    # head, none on a drafter-free step, and the block's token wherever the block took the drafter's
+    for r in records:
+        assert len(r["drafter_tokens"]) == {"full": config.draft_block, "lookup": 0}.get(r["drafter"], 1), r
+        for i, (token, source) in enumerate(zip(r["tokens"], r["sources"])):
+            if source == SOURCE_DRAFT:
+                assert token == r["drafter_tokens"][i], r
 
 
 def test_spec_and_engine_setting():
@@ -570,11 +577,11 @@ def check_device_skip_records(config: Any, records: list[dict[str, Any]]) -> Non
         assert all(r["match_len"] >= config.nstrong and r["lookup_valid"] >= 1 and r["head_taken"] for r in step), step
     assert {r["drafter_width"] for r in records} == {0, q, wide}  # none, narrow and wide passes all ran
     assert all(r["drafter"] == "device" and (r["drafter_passes"] > 0) == (r["drafter_width"] > 0) for r in records)
-    # the drafter's own head token is recorded where it ran, and is the head wherever the block took the drafter's
+    # the drafter's own token (draft_block=1) is recorded where it ran, and is the head wherever the block took it
     for r in records:
-        assert (r["drafter_token"] >= 0) == (r["drafter_passes"] > 0), r
+        assert len(r["drafter_tokens"]) == (1 if r["drafter_passes"] > 0 else 0), r
         if r["sources"] and r["sources"][0] == SOURCE_DRAFT:
-            assert r["tokens"][0] == r["drafter_token"], r
+            assert r["tokens"][0] == r["drafter_tokens"][0], r
     run, longest = 0, 0
     for step in steps:
         run = run + 1 if step[0]["drafter_passes"] == 0 else 0
@@ -601,7 +608,7 @@ def test_the_device_skip_changes_no_draft():
     assert all(r["drafter_passes"] == 1 for r in every)  # the config without it: a pass every step
     # where the skipping config ran its drafter, its head token is the every-pass config's (float32)
     for config, _, records in skipping:
-        ran = [(r["drafter_token"], e["drafter_token"]) for r, e in zip(records, every) if r["drafter_token"] >= 0]
+        ran = [(r["drafter_tokens"], e["drafter_tokens"]) for r, e in zip(records, every) if r["drafter_tokens"]]
         assert ran and all(a == b for a, b in ran), config.catch_up
 
 
