@@ -40,14 +40,13 @@ class TeacherForcedDrafter:
     name: ClassVar[str] = "draft"
 
     def __init__(self, drafter: DraftProposer, prompt_ids: Sequence[int], output_ids: Sequence[int],
-                 chunk: int = 512, forced: Mapping[int, int | Sequence[int]] | None = None) -> None:
+                 chunk: int = 512, forced: Mapping[int, Sequence[int]] | None = None) -> None:
         if drafter.config.temperature > 0:
             raise ConfigError("teacher forcing reproduces greedy drafts only (drafter temperature must be 0)")
         self.drafter, self.config, self.k = drafter, drafter.config, drafter.k
         self.seq = np.asarray([*prompt_ids, *output_ids], dtype=np.int64)
-        # the history length - 1 a step drafted from -> the tokens it drafted (a single int: its head)
-        self.forced = {int(t): [int(block)] if isinstance(block, (int, np.integer)) else [int(x) for x in block]
-                       for t, block in (forced or {}).items()}
+        # the history length - 1 a step drafted from -> the tokens it drafted, head first
+        self.forced = {int(t): [int(x) for x in block] for t, block in (forced or {}).items()}
         bad = [t for t in self.forced if not 0 <= t < len(self.seq)]
         if bad:
             raise ConfigError(f"forced drafter tokens after prefixes the trace does not have (positions {bad[:5]}; "
@@ -74,9 +73,8 @@ class TeacherForcedDrafter:
             idx = logits.argmax(dim=-1)
             part = (d.draft_to_target[idx] if d.draft_to_target is not None else idx).cpu().numpy()
             for t in (t for t in compare if start <= t < start + len(part)):
-                mine = int(part[t - start])
+                mine, row = int(part[t - start]), logits[t - start].float()
                 for token in sorted(compare[t] - {mine}):
-                    row = logits[t - start].float()
                     self.flips.append((t, mine, token, float(row[mine] - row[token])))
             out.append(part)
         return np.concatenate(out)

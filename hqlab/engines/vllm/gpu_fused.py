@@ -266,9 +266,10 @@ class FusedRecorder(RecordRing):
                 if kind == "device":  # the device chose: its last catch-up pass's width (0: none) and the passes
                     passes, width = row["ran_passes"], row["ran_width"]
                 n = row["proposed"]  # the block's real tokens; pad follows up to k
-                # the tokens the drafter drafted this step: its head (draft_block passes) on a full step, one token
-                # on a catch-up-only step or a device-skip step that ran it, none where it did not run (stale)
-                drafted = {"full": self.draft_block, "catch_up": 1, "lookup": 0}.get(kind, 1 if passes > 0 else 0)
+                # the tokens the drafter drafted this step, one a pass up to its head (a device-skip step's loop
+                # passes draft nothing; its last pass drafts the one token of draft_block=1); none where it did not
+                # run (the buffer's are stale)
+                drafted = min(max(passes, 0), self.draft_block)
                 out.append({"request": rid, "row": i, "context_len": row["context_len"],
                             "match_len": row["match_len"], "tokens": [int(t) for t in tokens[slot, i, :n]],
                             "sources": [int(s) for s in sources[slot, i, :n]], "propose_s": host_s,
