@@ -618,8 +618,44 @@ def burst_blocks(steps: pl.DataFrame, run: str) -> pl.DataFrame:
     return pl.DataFrame(rows, schema=schema)
 
 
+# What a step decided: a rerun whose records agree on these at every step made the same run, whatever its timing.
+STEP_DECISIONS = ("context_len", "verify_len", "proposed", "sources", "match_len", "accepted", "emitted", "block",
+                  "batch", "drafter_passes")
+
+
+def same_steps(steps: pl.DataFrame, run: str, rerun: str, config: str) -> bool:
+    """Whether `rerun`'s step records of `config` repeat `run`'s step for step: the same requests, loads and steps,
+    and every decision (`STEP_DECISIONS`: history length, verify width, proposal and its sources, acceptance, block,
+    batch, drafter passes) equal. False where either run lacks the config."""
+    def of(name: str) -> pl.DataFrame:
+        return (steps.filter((pl.col("run") == name) & (pl.col("config") == config))
+                .select("request", "load", "step", *STEP_DECISIONS).sort("request", "load", "step"))
+
+    a, b = of(run), of(rerun)
+    return a.height > 0 and a.equals(b)
+
+
+def _replay_point(replayed: pl.DataFrame, run: str, steps: pl.DataFrame | None, rerun: str | None
+                  ) -> tuple[pl.DataFrame, str]:
+    """`run`'s replay rows, where a config's rows are not all exact and `rerun` repeated that config step for step
+    (`same_steps`) with a replay of its own, `rerun`'s rows for it instead; and a note naming the configs taken."""
+    mine = replayed.filter(pl.col("run") == run)
+    if rerun is None or steps is None or mine.is_empty():
+        return mine, ""
+    taken = []
+    for config in mine["config"].unique(maintain_order=True).to_list():
+        rows = mine.filter(pl.col("config") == config)
+        other = replayed.filter((pl.col("run") == rerun) & (pl.col("config") == config))
+        if (rows["difference"] != 0).any() and other.height and same_steps(steps, run, config=config, rerun=rerun):
+            mine = pl.concat([mine.filter(pl.col("config") != config), other], how="diagonal_relaxed")
+            taken.append(short_label(config))
+    note = (f"; replay of run {rerun} for {', '.join(taken)}, which it repeated step for step with the drafter's "
+            f"whole block recorded" if taken else "")
+    return mine, note
+
+
 def fused_acceptance(results: pl.DataFrame, repeats: pl.DataFrame, replayed: pl.DataFrame, run: str,
-                     steps: pl.DataFrame | None = None) -> pl.DataFrame:
+                     steps: pl.DataFrame | None = None, rerun: str | None = None) -> pl.DataFrame:
     """The fused issue's acceptance points for one run of `vllm_fused_h200.parquet`, each with its measured value,
     its target and whether the run met it (None: the run lacks what the point needs). Speed points take the fastest
     gpu-fused config per class (`best_fused`: ratio of class medians; the paired-by-round median is in its table):
@@ -633,7 +669,9 @@ def fused_acceptance(results: pl.DataFrame, repeats: pl.DataFrame, replayed: pl.
     requests keep in the burst the long-block share they had alone (`burst_blocks`, within 5 points: the copy
     request long, its prose neighbours short), None where the run has no adaptive config (`schedule=long` holds
     every request long by setting); no output of the run differs from `none`'s but at a near tie; step efficiency
-    reported (the lowest class median of the fastest fused configs)."""
+    reported (the lowest class median of the fastest fused configs). With `rerun` (and `steps`), a config whose
+    replay is off in `run` takes `rerun`'s replay where `rerun` ran it again with the same decisions at every step
+    (`same_steps`): e.g. `fn3a`, whose records carry the drafter's whole block, for `fn2`'s adaptive config."""
     table = best_fused(results, repeats, run)
     points = _Points()
     add = points.add
@@ -655,7 +693,7 @@ def fused_acceptance(results: pl.DataFrame, repeats: pl.DataFrame, replayed: pl.
         value = ratio(category, "vs_best_vllm_draft")
         add(f"{category} >= 2x vllm-draft", f"{category}: best fused ÷ best vllm-draft", value, ">= 2",
             None if value is None else value >= 2)
-    mine = replayed.filter(pl.col("run") == run) if replayed.height else replayed
+    mine, rerun_note = _replay_point(replayed, run, steps, rerun) if replayed.height else (replayed, "")
     if mine.height:
         off = mine.with_columns(pl.col("difference").abs().alias("off"))  # already relative: vLLM ÷ replay - 1
         exact = int((off["off"] == 0).sum())
@@ -666,8 +704,8 @@ def fused_acceptance(results: pl.DataFrame, repeats: pl.DataFrame, replayed: pl.
                       f"replay's drafter would have drafted another at {int(off['drafter_flips'].sum())}"
                       + (f", margins <= {widest:.3g}" if widest is not None else ""))
         add("replay equals vLLM", f"fused (config, prompt) pairs whose replay gives vLLM's tokens/step (of "
-            f"{off.height}; widest difference {off['off'].max():.2%}{forced})", float(exact), f"{off.height}",
-            exact == off.height)
+            f"{off.height}; widest difference {off['off'].max():.2%}{forced}{rerun_note})", float(exact),
+            f"{off.height}", exact == off.height)
     else:
         add("replay equals vLLM", "replay (not run)", None, "every pair", None)
     here = results.filter(pl.col("run") == run)
@@ -799,4 +837,4 @@ __all__ = ["short_label", "run_ratios", "summary", "concurrency", "step_breakdow
            "fused_ratios_across", "speculator_host_ms", "exact_skip_share", "round_ratios", "best_fused",
            "device_skip_what_if", "round_step_ms", "gpu_phases", "GPU_PHASES",
            "pass_kernel_parts", "KERNEL_PARTS", "tile_sweep",
-           "gpu_lookup_acceptance", "fused_acceptance", "PROSE", "DOCUMENTS"]
+           "gpu_lookup_acceptance", "fused_acceptance", "same_steps", "STEP_DECISIONS", "PROSE", "DOCUMENTS"]

@@ -707,3 +707,40 @@ def test_run_fn2_meets_every_point_but_the_replay_of_the_config_drafting_seven_t
     # the steps carry the drafter's tokens wherever it ran: one on a one-pass config's step
     steps = data["steps"].filter((pl.col("run") == "fn2") & pl.col("config").str.contains("draft_block=1,"))
     assert (steps["drafter_tokens"].list.len() == (steps["drafter_passes"] > 0).cast(pl.UInt32)).all()
+
+
+def test_run_fn3a_repeats_fn2s_adaptive_config_and_its_whole_blocks_make_the_replay_exact():
+    """Run fn3a ran fn2's adaptive config again (k = 15, drafter block 7; alone and in the burst, 3 repeats), its
+    records carrying the drafter's whole block. Its steps repeat fn2's step for step, and with every drafted token
+    vLLM's the replay gives vLLM's tokens/step on all 14 prompts, the three chat prompts fn2's head-only records left
+    1-3 % off among them: the fusion, schedule and verify decisions agree; the difference was the drafter's near
+    ties. fn2's acceptance with fn3a's replay standing in for that config meets every point; a rerun whose steps
+    differ (one accepted count changed) stands in for nothing."""
+    import polars as pl
+
+    from hqlab.bench import vllm_report
+
+    data = vllm_report.load(ROOT / "data" / "results" / "vllm_fused_h200.parquet")
+    replayed = pl.read_parquet(ROOT / "data" / "results" / "vllm_fused_h200.replay.parquet")
+    steps = data["steps"]
+    fn3a = replayed.filter(pl.col("run") == "fn3a")
+    assert fn3a.height == 14 and (fn3a["difference"] == 0).all()
+    assert (fn3a["real_drafts"] == 0).all() and (fn3a["forced_drafts"] == fn3a["steps"]).all()  # every block vLLM's
+    assert fn3a["drafter_flips"].sum() > 0  # where the float32 drafter alone would have drafted otherwise
+    (config,) = fn3a["config"].unique().to_list()
+    assert "draft_block=7," in config
+    fn2_off = replayed.filter((pl.col("run") == "fn2") & (pl.col("config") == config) & (pl.col("difference") != 0))
+    assert set(fn2_off["prompt_id"]) == {"chat-explainer", "chat-travel", "chat-blog"}
+    assert vllm_report.same_steps(steps, "fn2", "fn3a", config)
+    ran = steps.filter((pl.col("run") == "fn3a") & (pl.col("drafter_passes") > 0))
+    assert (ran["drafter_tokens"].list.len() == 7).all()  # the whole block wherever the drafter ran
+    met = vllm_report.fused_acceptance(data["results"], data["repeats"], replayed, "fn2", steps, rerun="fn3a")
+    assert met["met"].all(), met
+    assert dict(zip(met["key"], met["value"]))["replay equals vLLM"] == 42
+    assert "replay of run fn3a" in met.filter(pl.col("key") == "replay equals vLLM")["point"][0]
+    changed = steps.with_columns(
+        pl.when((pl.col("run") == "fn3a") & (pl.col("request") == "chat-travel") & (pl.col("step") == 3))
+        .then(pl.col("accepted") - 1).otherwise(pl.col("accepted")).alias("accepted"))
+    assert not vllm_report.same_steps(changed, "fn2", "fn3a", config)
+    kept = vllm_report.fused_acceptance(data["results"], data["repeats"], replayed, "fn2", changed, rerun="fn3a")
+    assert [key for key, ok in zip(kept["key"], kept["met"]) if ok is not True] == ["replay equals vLLM"]
