@@ -640,8 +640,12 @@ def _replay_point(replayed: pl.DataFrame, run: str, steps: pl.DataFrame | None, 
     """`run`'s replay rows, where a config's rows are not all exact and `rerun` repeated that config step for step
     (`same_steps`) with a replay of its own, `rerun`'s rows for it instead; and a note naming the configs taken."""
     mine = replayed.filter(pl.col("run") == run)
-    if rerun is None or steps is None or mine.is_empty():
+    if rerun is None:
         return mine, ""
+    if steps is None:
+        raise ConfigError(f"rerun={rerun!r}: give the step records too (steps=...), to check it repeated {run!r}")
+    if rerun not in set(replayed["run"]):
+        raise ConfigError(f"rerun={rerun!r}: no replay of that run (replayed runs: {sorted(set(replayed['run']))})")
     taken = []
     for config in mine["config"].unique(maintain_order=True).to_list():
         rows = mine.filter(pl.col("config") == config)

@@ -744,3 +744,9 @@ def test_run_fn3a_repeats_fn2s_adaptive_config_and_its_whole_blocks_make_the_rep
     assert not vllm_report.same_steps(changed, "fn2", "fn3a", config)
     kept = vllm_report.fused_acceptance(data["results"], data["repeats"], replayed, "fn2", changed, rerun="fn3a")
     assert [key for key, ok in zip(kept["key"], kept["met"]) if ok is not True] == ["replay equals vLLM"]
+    from hqlab.config import ConfigError
+
+    with pytest.raises(ConfigError, match="no replay of that run"):
+        vllm_report.fused_acceptance(data["results"], data["repeats"], replayed, "fn2", steps, rerun="fn3")
+    with pytest.raises(ConfigError, match="give the step records"):
+        vllm_report.fused_acceptance(data["results"], data["repeats"], replayed, "fn2", rerun="fn3a")
