@@ -54,6 +54,11 @@ GPU_WHEELS = [
     "annotated-types==0.8.0", "typing-inspection==0.4.5", "fastapi==0.136.3", "starlette==1.10.0",
     "openai==2.54.0", "jiter==0.19.0", "distro==1.9.0", "sniffio==1.3.1", "openai-harmony==0.0.8",
     "partial-json-parser==0.2.1.1.post7", "gguf==0.19.0",
+    # `vllm serve` and `vllm bench serve` beyond the engine (found the same way from vLLM's API server, CLI and
+    # benchmark modules): the HTTP server, its reloader, SageMaker's route standards (imported unconditionally) and
+    # form parsing for the upload routes
+    "uvicorn==0.54.0", "watchfiles==1.3.0", "jmespath==1.1.0", "model-hosting-container-standards==0.1.16",
+    "python-multipart==0.0.34",
 ]
 PLATFORMS = ["manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_27_x86_64", "manylinux_2_28_x86_64",
              "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_35_x86_64", "manylinux1_x86_64"]

@@ -53,7 +53,9 @@ import numpy as np
 import torch
 
 from hqlab.config import ConfigError, resolve_spec
-from hqlab.engines.vllm.gpu_lookup import RECORD_KEY, RecordRing, bind_histories, is_custom_class, pad_token
+from hqlab.engines.vllm import batch_k
+from hqlab.engines.vllm.gpu_lookup import (RECORD_KEY, RecordRing, batch_k_table, bind_histories, is_custom_class,
+                                           pad_token, with_batch_k)
 from hqlab.proposers.fused import FusedConfig
 
 NAME = "gpu-fused"
@@ -105,9 +107,18 @@ class GpuFusedConfig(FusedConfig):
     catch_up: str = "lazy"
     layers: str = "torch"
     attention: str = "auto"
+    batch_k: str = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.batch_k:
+            widths = batch_k.parse(self.batch_k, self.k)
+            # a load that verifies nothing skips the whole drafting step; only the lazy catch-up reads what the
+            # drafter missed meanwhile, however long (the narrow pass would feed k + 1 of it and lose the rest)
+            if any(w == 0 for _, w in widths) and not (self.device_skip and self.catch_up == "lazy"):
+                raise ConfigError(f"{NAME}: batch_k={self.batch_k!r} turns drafting off at some loads, which needs "
+                                  f"device_skip=true with catch_up=lazy (the drafter then catches up when drafting "
+                                  f"resumes); add them or give every batch size a width >= 1")
         if self.device_skip:
             # the skip is exact only where the drafter's tokens cannot change the block: one head token, taken from
             # the lookup at a strong match under the threshold rule, and no other skip rule beside it
@@ -151,8 +162,11 @@ def fused_config(spec: str) -> GpuFusedConfig:
 
 
 def speculative_config(spec: str) -> dict[str, Any]:
-    """vLLM's `speculative_config` for a `gpu-fused` spec: k draft positions verified every step."""
-    return {"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": fused_config(spec).k}
+    """vLLM's `speculative_config` for a `gpu-fused` spec: k draft positions verified every step (or, with
+    `batch_k`, as many as vLLM's scheduler looks up for the step's batch size)."""
+    config = fused_config(spec)
+    return with_batch_k({"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": config.k},
+                        config.batch_k, config.k)
 
 
 def is_gpu_fused(speculative_config: Any) -> bool:
@@ -310,6 +324,7 @@ class GpuFusedSpeculator:
                     max_model_len=int(vllm_config.model_config.max_model_len), pad=pad, device=device,
                     dtype=dtype if isinstance(dtype, torch.dtype) else torch.bfloat16,
                     record=bool(extra.get(RECORD_KEY, False)))
+        self.k_table = batch_k_table(vllm_config, self.config.batch_k, self.config.k)
 
     @classmethod
     def standalone(cls, config: GpuFusedConfig, *, max_num_reqs: int, max_model_len: int, pad: int,
@@ -320,6 +335,8 @@ class GpuFusedSpeculator:
         self.spec, self.config, self.vocab = f"{NAME}:...", config, None
         self._setup(max_num_reqs=max_num_reqs, max_model_len=max_model_len, pad=pad, device=device, dtype=dtype,
                     record=record)
+        self.k_table = batch_k.dense(batch_k.parse(config.batch_k, config.k), max_num_reqs, config.k) \
+            if config.batch_k else None
         return self
 
     def _setup(self, *, max_num_reqs: int, max_model_len: int, pad: int, device: torch.device | str,
@@ -380,6 +397,8 @@ class GpuFusedSpeculator:
         self.steps_by_kind = dict.fromkeys(KINDS, 0)  # plain counters: drafting steps per kind of graph run
         if c.device_skip:
             self.steps_by_kind = {"device": 0}  # one kind of step: the device chooses what of the drafter runs
+        self.steps_by_kind["off"] = 0  # steps whose drafting `batch_k` turned off (the next step verifies nothing)
+        self._fresh_slots: set[int] = set()  # slots whose first sampling step fell in such a step
         # with `device_skip`: what this step runs of the drafter (int32 flags the conditional nodes read, and what
         # ran, `FLAGS`), the conditional bodies' memory pool (made at capture), and whether a warm-up is running (it
         # runs every body once, as the capture will record them)
@@ -532,6 +551,16 @@ class GpuFusedSpeculator:
             end = int(computed_prefill[i]) + int(scheduled[i])
             fresh[i] = end >= int(prefill_len[i])  # the prompt is done: this step sampled the request's first token
             self._prefill(req_ids[i], int(slots_np[i]), end, done=bool(fresh[i]))
+        if batch_k.next_k(self.k_table, n, self.config.k) == 0:
+            # The next step verifies nothing at this load (`batch_k`): nothing to draft. The prompt was read above;
+            # the tokens emitted meanwhile are read by the lazy catch-up when drafting resumes, and a request's
+            # first step (its scheduler state's reset) is remembered for that step.
+            self._fresh_slots.update(int(s) for s in slots_np[fresh])
+            self.steps_by_kind["off"] += 1
+            return self.out[:n]
+        if self._fresh_slots:
+            fresh |= np.isin(slots_np, list(self._fresh_slots)) & ~(prefilling & ~fresh)
+            self._fresh_slots.clear()
         if self._slots_host is None or not np.array_equal(self._slots_host, slots_np):
             self.slots[:n].copy_(slots)
             self._slots_host = np.array(slots_np, copy=True)

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from hqlab.config import ConfigError, LookupConfig, resolve_spec
+from hqlab.engines.vllm import batch_k
 from hqlab.trace import Source
 
 NAME = "gpu-lookup"  # the config name in `hqlab bench --engine vllm`
@@ -59,14 +60,19 @@ class GpuLookupConfig(LookupConfig):
     min_valid: the fewest proposable tokens that keep a request's next-but-one step wide (width "stale").
     graphs:    capture the drafting step in CUDA graphs when vLLM captures its own (false: launch it eagerly every
                step, to measure what the graphs save).
+    batch_k:   draft positions verified by batch size, e.g. "4:15/16:3/0" (`batch_k.py`): vLLM's scheduler narrows
+               the verify as the load grows, and the speculator skips its drafting where the width is 0.
     """
 
     width: str = "fixed"
     min_valid: int = 1
     graphs: bool = True
+    batch_k: str = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.batch_k:
+            batch_k.parse(self.batch_k, self.k)
         if self.width not in WIDTHS:
             raise ConfigError(f"width must be one of {', '.join(WIDTHS)} (got {self.width!r})")
         if not 1 <= self.min_valid <= self.k:
@@ -81,8 +87,34 @@ def lookup_config(spec: str) -> GpuLookupConfig:
 
 
 def speculative_config(spec: str) -> dict[str, Any]:
-    """vLLM's `speculative_config` for a `gpu-lookup` spec: k draft positions verified every step."""
-    return {"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": lookup_config(spec).k}
+    """vLLM's `speculative_config` for a `gpu-lookup` spec: k draft positions verified every step (or, with
+    `batch_k`, as many as vLLM's scheduler looks up for the step's batch size)."""
+    config = lookup_config(spec)
+    return with_batch_k({"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": config.k},
+                        config.batch_k, config.k)
+
+
+def with_batch_k(speculative: dict[str, Any], value: str, k: int) -> dict[str, Any]:
+    """`speculative` plus vLLM's `num_speculative_tokens_per_batch_size` for a `batch_k` value ("" = none)."""
+    if value:
+        speculative["num_speculative_tokens_per_batch_size"] = batch_k.vllm_schedule(batch_k.parse(value, k))
+    return speculative
+
+
+def batch_k_table(vllm_config: Any, value: str, k: int) -> list[int] | None:
+    """The width per batch size vLLM's scheduler will use (None: always k), checked against the spec's `batch_k`:
+    a speculator that skips its drafting where the spec says 0 while vLLM still verifies k would waste every
+    such step, so the two must agree (`speculative_config(spec)` makes them agree)."""
+    spec_config = vllm_config.speculative_config
+    theirs = getattr(spec_config, "num_speculative_tokens_per_batch_size", None)
+    ours = batch_k.vllm_schedule(batch_k.parse(value, k)) if value else None
+    if ours is not None and [list(map(int, r)) for r in (theirs or [])] != ours:
+        raise ConfigError(f"batch_k={value!r} asks vLLM for num_speculative_tokens_per_batch_size={ours}, but vLLM "
+                          f"has {theirs}: build the speculative config with speculative_config(spec)")
+    if not theirs:
+        return None
+    entries = [(int(last), int(width)) for _, last, width in sorted(theirs)]
+    return batch_k.dense(entries, int(vllm_config.scheduler_config.max_num_seqs), k)
 
 
 def is_custom_class(speculative_config: Any, class_path: str) -> bool:
@@ -229,6 +261,7 @@ class GpuLookupSpeculator:
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.pad = pad_token(vllm_config)
         self._setup(record=bool((getattr(vllm_config, "additional_config", None) or {}).get(RECORD_KEY, False)))
+        self.k_table = batch_k_table(vllm_config, self.config.batch_k, self.k)
 
     @classmethod
     def standalone(cls, config: LookupConfig, *, max_num_reqs: int, max_model_len: int, pad: int,
@@ -239,6 +272,8 @@ class GpuLookupSpeculator:
         self.device, self.max_num_reqs, self.max_model_len, self.pad = torch.device(device), max_num_reqs, \
             max_model_len, pad
         self._setup(record=record)
+        self.k_table = batch_k.dense(batch_k.parse(config.batch_k, config.k), max_num_reqs, config.k) \
+            if getattr(config, "batch_k", "") else None
         return self
 
     def _setup(self, *, record: bool) -> None:
@@ -253,6 +288,7 @@ class GpuLookupSpeculator:
         self.row_offsets: torch.Tensor | None = None
         self.state: _RequestState | None = None
         self.recorder = StepRecorder(RECORD_CAPACITY, self.max_num_reqs, self.k, self.device) if record else None
+        self.skipped_steps = 0  # steps whose drafting `batch_k` skipped (a plain counter)
         # Width "stale": each request's next-but-one width, computed on the device and copied to pinned host
         # memory without waiting; the scheduler reads it through the step's output (plugin.py).
         self.stale = getattr(self.config, "width", "fixed") == "stale"
@@ -310,6 +346,9 @@ class GpuLookupSpeculator:
                 skip_attn_for_dummy_run: bool = False, mm_inputs: Any = None, is_profile: bool = False) -> torch.Tensor:
         n = int(input_batch.num_reqs)
         if dummy_run or self.state is None:  # warm-up and profiling runs: vLLM only needs the shape
+            return self.draft_tokens[:n]
+        if batch_k.next_k(self.k_table, n, self.k) == 0:  # the next step verifies nothing at this load: no drafting
+            self.skipped_steps += 1
             return self.draft_tokens[:n]
         start = time.perf_counter()
         drafts = self.lookup(input_batch.idx_mapping, n)

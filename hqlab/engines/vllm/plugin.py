@@ -122,8 +122,15 @@ def _patch_init_speculator() -> None:
 
             _patch_runner_binding()
             if is_gpu_fused(vllm_config.speculative_config):
-                return GpuFusedSpeculator(vllm_config, device)
-            return GpuLookupSpeculator(vllm_config, device)
+                speculator = GpuFusedSpeculator(vllm_config, device)
+            else:
+                speculator = GpuLookupSpeculator(vllm_config, device)
+            from hqlab.engines.vllm import fault
+
+            planted = fault.fault_of(vllm_config)
+            if planted is not None:  # a test server that must fail the sampling test
+                fault.install(planted, speculator.pad)
+            return speculator
         return init_speculator
 
     _wrap(spec_decode, "init_speculator", make)

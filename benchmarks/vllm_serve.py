@@ -1,0 +1,233 @@
+"""hqlab through `vllm serve`: throughput and latency under load (vLLM's own `vllm bench serve`), greedy text through
+the `openai` package, and the sampling test's samples; one server process per config, results saved after every
+load point.
+
+  GPU (through tools/gpu_host/vllm_host.py run, which installs vLLM and the models on an offline host):
+      python3 benchmarks/vllm_serve.py bench --tag s1 --commit $(git rev-parse --short HEAD) \\
+          --config none --config "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,batch_k=1:15/8:3/0"
+    keeps its files under a work folder that outlives one call (a later call with the same tag adds the configs it
+    names; a config already done is skipped) and copies them to $OUT: vllm_serve_<tag>.jsonl (one row per load point,
+    hqlab.bench.serve.SERVE_COLUMNS), serve_greedy_<tag>.jsonl (greedy chat texts), serve_samples_<tag>.jsonl (the
+    sampling test's token ids), serve_<tag>_<n>.log (each server's log).
+  CPU (here):
+      python benchmarks/vllm_serve.py finish RETURNED_DIR --out data/results/vllm_serve_h200.parquet
+    writes the load rows (appending the run to rows of earlier runs), <out stem>.samples.parquet and
+    <out stem>.greedy.parquet beside it.
+
+--planted-fault CONFIG starts one more server for CONFIG with the planted verification bug (hqlab.engines.vllm.fault)
+and takes only the sampling test's samples from it (the test must fail there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # a bare checkout on the GPU host
+
+TARGET = "qwen2.5-coder-1.5b"
+DATASETS = ("chat", "labd", "prose")
+PROSE = ROOT / "data" / "workloads" / "prose.jsonl"
+# the sampling test's prompt: a list the answer repeats, so the lookup drafts at most steps, and sampling at
+# temperature 1 leaves several likely tokens at most positions
+SAMPLE_PROMPT = ("Write the sequence 'red, green, blue, yellow' five times on one line, separated by commas, "
+                 "then name one more colour.")
+GREEDY_PROMPTS = 3  # chat prompts whose greedy text every server returns through the openai package
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def dataset_prompts(name: str, tokenizer) -> list[str]:
+    """The user turn of each prompt of a dataset (`vllm bench serve` applies the chat template)."""
+    from hqlab.workloads import load_workload
+
+    prompts = load_workload(str(PROSE) if name == "prose" else name, doc_tokens=2000 if name == "labd" else None,
+                            tokenizer=tokenizer)
+    out = []
+    for p in prompts:
+        if len(p.messages) != 1 or p.messages[0]["role"] != "user":
+            raise ValueError(f"{name}:{p.id}: the load benchmark sends one user turn per request")
+        out.append(p.messages[0]["content"])
+    return out
+
+
+def append_jsonl(path: Path, row: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def done_configs(path: Path) -> set[str]:
+    if not path.exists():
+        return set()
+    return {json.loads(line)["config"] for line in path.read_text().splitlines() if line.strip()}
+
+
+def bench(args: argparse.Namespace) -> int:
+    import vllm  # noqa: F401  (first: a wheel missing from the carried set fails here)
+
+    from transformers import AutoTokenizer
+
+    from hqlab import models
+    from hqlab.bench import serve
+    from hqlab.engines.vllm.serving import serve_command
+    from hqlab.provenance import machine_description, package_version
+
+    work = Path(args.work or Path(tempfile.gettempdir()) / "hqlab-serve" / args.tag)
+    work.mkdir(parents=True, exist_ok=True)
+    out = Path(os.environ.get("OUT") or work / "out")
+    out.mkdir(parents=True, exist_ok=True)
+    rows_path, greedy_path, samples_path = (work / f"vllm_serve_{args.tag}.jsonl", work / f"serve_greedy_{args.tag}.jsonl",
+                                            work / f"serve_samples_{args.tag}.jsonl")
+    model = models.prepare(args.model)
+    for spec in args.config:  # the drafter's folder, made once here rather than in a server's worker
+        if spec.startswith("gpu-fused"):
+            from hqlab.engines.vllm.gpu_fused import fused_config
+
+            models.prepare(fused_config(spec).model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    data = work / "datasets"
+    data.mkdir(exist_ok=True)
+    for name in args.dataset:
+        with open(data / f"{name}.jsonl", "w") as f:
+            for text in dataset_prompts(name, tokenizer):
+                f.write(json.dumps({"prompt": text}) + "\n")
+    chat = dataset_prompts("chat", tokenizer)[:GREEDY_PROMPTS]
+    machine, version = machine_description(vllm=True), package_version("vllm")
+    points = serve.load_points(args.dataset, args.temperature, args.concurrency)
+    servers = [(spec, None) for spec in args.config] + [(spec, "accept_first_draft") for spec in args.planted_fault]
+    already = done_configs(rows_path) | done_configs(samples_path)
+    for n, (spec, planted) in enumerate(servers):
+        label = spec if planted is None else f"{spec} [planted {planted}]"
+        if label in already:
+            log(f"{label}: done in an earlier call, skipped")
+            continue
+        argv = [sys.executable, "-m", "vllm.entrypoints.cli.main"] + serve_command(
+            model, spec, max_num_seqs=args.max_num_seqs, port=args.port, planted_fault=planted,
+            extra=["--served-model-name", "target", "--max-model-len", str(args.max_model_len),
+                   "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--disable-uvicorn-access-log",
+                   "--seed", "0"])[1:]
+        log(f"{label}: starting `{' '.join(argv[3:6])} ...`")
+        server_log = work / f"serve_{args.tag}_{len(already) + n}.log"
+        try:
+            with serve.Server(argv, server_log, port=args.port, timeout_s=args.start_timeout) as server:
+                log(f"{label}: ready in {server.ready_s:.0f} s")
+                if planted is None:
+                    texts = serve.chat_texts(server.base_url, "target", chat, max_tokens=args.greedy_tokens)
+                    append_jsonl(greedy_path, {"run": args.tag, "config": label, "texts": texts})
+                t0 = time.perf_counter()
+                samples = serve.sample_token_ids(server.base_url, "target", SAMPLE_PROMPT, samples=args.samples,
+                                                 max_tokens=args.sample_tokens, temperature=1.0,
+                                                 concurrency=args.sample_concurrency)
+                append_jsonl(samples_path, {"run": args.tag, "config": label, "temperature": 1.0,
+                                            "concurrency": args.sample_concurrency, "prompt": SAMPLE_PROMPT,
+                                            "token_ids": samples})
+                log(f"{label}: {len(samples)} samples in {time.perf_counter() - t0:.0f} s")
+                if planted is not None:
+                    continue
+                for point in points:
+                    name = f"{point.dataset}_t{point.temperature:g}_c{point.max_concurrency}"
+                    bench_args = serve.bench_args(server.base_url, "target", model, data / f"{point.dataset}.jsonl",
+                                                  point, output_len=args.output_len, result_dir=work / "bench",
+                                                  result_file=f"{n}_{name}.json")
+                    (work / "bench").mkdir(exist_ok=True)
+                    result = serve.run_load(bench_args)
+                    row = serve.load_row(result, run=args.tag, config=spec, point=point, model=args.model,
+                                         machine=machine, vllm_version=version, git_commit=args.commit)
+                    append_jsonl(rows_path, row)
+                    log(f"{label} {name}: {row['output_throughput']:.0f} tok/s, TPOT p50 "
+                        f"{row['median_tpot_ms']:.2f} ms, TTFT p50 {row['median_ttft_ms']:.0f} ms, "
+                        f"acceptance length {row['acceptance_length']:.2f}")
+        except Exception as e:  # the next config still runs; what was saved stays
+            log(f"{label}: FAILED {type(e).__name__}: {e}")
+            if args.fail_fast:
+                break
+        finally:
+            for f in [rows_path, greedy_path, samples_path, server_log]:
+                if f.exists():
+                    shutil.copy(f, out / f.name)
+    return 0
+
+
+def finish(args: argparse.Namespace) -> int:
+    import polars as pl
+
+    from hqlab.bench.serve import SERVE_COLUMNS
+    from hqlab.io import write_parquet
+
+    src = Path(args.returned)
+    rows = [json.loads(line) for f in sorted(src.glob("vllm_serve_*.jsonl")) for line in f.read_text().splitlines()
+            if line.strip()]
+    if not rows:
+        raise SystemExit(f"no vllm_serve_*.jsonl rows under {src}")
+    frame = pl.DataFrame(rows).select(SERVE_COLUMNS)
+    out = Path(args.out)
+    if out.exists():
+        old = pl.read_parquet(out)
+        frame = pl.concat([old.filter(~pl.col("run").is_in(frame["run"].unique().to_list())), frame], how="diagonal")
+    write_parquet(frame, out)
+    for kind in ("samples", "greedy"):
+        extra = [json.loads(line) for f in sorted(src.glob(f"serve_{kind}_*.jsonl")) for line in f.read_text().splitlines()
+                 if line.strip()]
+        if extra:
+            path = out.with_name(f"{out.stem}.{kind}.parquet")
+            new = pl.DataFrame(extra)
+            if path.exists():
+                new = pl.concat([pl.read_parquet(path).filter(~pl.col("run").is_in(new["run"].unique().to_list())),
+                                 new], how="diagonal")
+            write_parquet(new, path)
+    print(f"{len(rows)} load rows -> {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("bench", help="GPU host: one vllm serve per config, loads, greedy texts, samples")
+    b.add_argument("--tag", required=True)
+    b.add_argument("--commit", default="unknown", help="the code's commit (the host's copy has no git history)")
+    b.add_argument("--model", default=TARGET)
+    b.add_argument("--config", action="append", default=[], help="a served config (none, gpu-lookup:..., gpu-fused:...)")
+    b.add_argument("--planted-fault", action="append", default=[], help="a config to serve with the planted bug")
+    b.add_argument("--dataset", action="append", choices=DATASETS, default=None)
+    b.add_argument("--temperature", action="append", type=float, default=None)
+    b.add_argument("--concurrency", action="append", type=int, default=None)
+    b.add_argument("--output-len", type=int, default=256)
+    b.add_argument("--samples", type=int, default=600)
+    b.add_argument("--sample-tokens", type=int, default=24)
+    b.add_argument("--sample-concurrency", type=int, default=4,
+                   help="requests in flight while sampling: keep it where batch_k still speculates")
+    b.add_argument("--greedy-tokens", type=int, default=128)
+    b.add_argument("--max-num-seqs", type=int, default=32)
+    b.add_argument("--max-model-len", type=int, default=4096)
+    b.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    b.add_argument("--port", type=int, default=8321)
+    b.add_argument("--start-timeout", type=float, default=600)
+    b.add_argument("--work", default=None)
+    b.add_argument("--fail-fast", action="store_true")
+    f = sub.add_parser("finish", help="CPU: the returned files -> data/results")
+    f.add_argument("returned")
+    f.add_argument("--out", default=str(ROOT / "data" / "results" / "vllm_serve_h200.parquet"))
+    args = p.parse_args(argv)
+    if args.cmd == "bench":
+        args.dataset = args.dataset or list(DATASETS)
+        args.temperature = args.temperature or [0.0, 0.7]
+        args.concurrency = args.concurrency or [1, 32]
+        if not args.config and not args.planted_fault:
+            p.error("name at least one --config or --planted-fault")
+        return bench(args)
+    return finish(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

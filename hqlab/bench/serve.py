@@ -1,0 +1,320 @@
+"""Serving benchmarks: real `vllm serve` processes, loaded by vLLM's own load generator, checked by an OpenAI client.
+
+- `Server`: one `vllm serve` process per config (`hqlab.engines.vllm.serving.serve_command`), started, waited for
+  (`/health`) and stopped (its whole process group) by the benchmark; its log kept.
+- `run_load`: `vllm bench serve` (vLLM's load generator, not a client of ours) against it for one (dataset,
+  temperature, max_concurrency); `load_row` turns its result file into a row of `SERVE_COLUMNS`.
+- `chat_texts` and `sample_token_ids`: the `openai` package against the same server, for the greedy equality check
+  and the sampling test's samples (token ids, through vLLM's `return_token_ids`).
+- `distribution_test`: per-position token frequencies of two sample sets compared with a chi-square test of
+  homogeneity (scipy's), Bonferroni over positions: the sampling test that a speculator keeps the target's
+  distribution, and that fails on a planted verification bug (`hqlab.engines.vllm.fault`).
+
+Everything that starts processes runs on the GPU host (benchmarks/vllm_serve.py); the rows, the test and the tables
+run anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from hqlab.config import ConfigError
+
+# one row per (config, dataset, temperature, max_concurrency) in data/results/vllm_serve_h200.parquet
+SERVE_COLUMNS = ["run", "config", "dataset", "temperature", "max_concurrency", "num_prompts", "completed",
+                 "output_throughput", "request_throughput", "total_output_tokens", "duration_s",
+                 "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms",
+                 "median_e2el_ms", "p99_e2el_ms", "acceptance_length", "acceptance_rate",
+                 "per_position_acceptance", "model", "machine", "vllm_version", "git_commit"]
+
+
+@dataclass(frozen=True)
+class LoadPoint:
+    """One load level of the benchmark: a dataset at one temperature and concurrency."""
+
+    dataset: str
+    temperature: float
+    max_concurrency: int
+    num_prompts: int
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0 (got {self.temperature})")
+        if self.max_concurrency < 1:
+            raise ConfigError(f"max_concurrency must be >= 1 (got {self.max_concurrency})")
+        if self.num_prompts < self.max_concurrency:
+            raise ConfigError(f"num_prompts ({self.num_prompts}) must be >= max_concurrency "
+                              f"({self.max_concurrency}), else the load never reaches its level")
+
+
+def load_points(datasets: Sequence[str], temperatures: Sequence[float], concurrencies: Sequence[int], *,
+                prompts_per_slot: int = 2, min_prompts: int = 8) -> list[LoadPoint]:
+    """Every (dataset, temperature, concurrency), with enough prompts that each concurrency slot runs
+    `prompts_per_slot` requests (at least `min_prompts`)."""
+    return [LoadPoint(d, float(t), int(c), max(min_prompts, prompts_per_slot * int(c)))
+            for d in datasets for t in temperatures for c in concurrencies]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the server
+
+
+class Server:
+    """A `vllm serve` process (argv from `serving.serve_command`), ready once `/health` answers.
+
+    A context manager: entering starts it in a process group of its own and waits; leaving stops the group (the
+    API server, its engine core and workers). The output goes to `log_path`; a server that exits while starting
+    raises with the log's tail."""
+
+    def __init__(self, argv: list[str], log_path: str | Path, *, port: int, env: dict[str, str] | None = None,
+                 timeout_s: float = 900.0) -> None:
+        self.argv, self.log_path, self.port, self.env, self.timeout_s = list(argv), Path(log_path), port, env, timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.ready_s = float("nan")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "Server":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        start = time.perf_counter()
+        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        self.ready_s = time.perf_counter() - start
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode} while starting; its log ends:\n"
+                                   + tail(self.log_path))
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"vllm serve did not answer /health within {self.timeout_s:.0f} s; its log ends:\n"
+                           + tail(self.log_path))
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=60)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(timeout=30)
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+            self._log = None
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vLLM's load generator
+
+
+def bench_args(base_url: str, served_model: str, tokenizer: str, dataset_path: str | Path, point: LoadPoint, *,
+               output_len: int, result_dir: str | Path, result_file: str, seed: int = 0) -> list[str]:
+    """`vllm bench serve`'s flags for one load point: the dataset's prompts (a JSONL of {"prompt": ...}, sent through
+    the model's chat template by vLLM's custom dataset), `output_len` new tokens at most (a request may stop earlier
+    at end of sequence), all requests at once held to `max_concurrency` in flight, the spec-decode counters read
+    from the server's /metrics before and after. `vllm bench serve ARGS` on a shell; `run_load` in this process."""
+    return ["--backend", "vllm", "--base-url", base_url, "--endpoint", "/v1/completions",
+            "--model", served_model, "--tokenizer", tokenizer,
+            "--dataset-name", "custom", "--dataset-path", str(dataset_path), "--custom-output-len", str(output_len),
+            "--num-prompts", str(point.num_prompts), "--max-concurrency", str(point.max_concurrency),
+            "--request-rate", "inf", "--temperature", str(point.temperature), "--top-p", "1.0", "--seed", str(seed),
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+            "--num-warmups", str(min(2, point.max_concurrency)), "--disable-tqdm",
+            "--save-result", "--result-dir", str(result_dir), "--result-filename", result_file]
+
+
+def bench_namespace(args: list[str]) -> Any:
+    """`vllm bench serve`'s own parser applied to `args` (a flag it does not know fails here)."""
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm bench serve")
+    add_cli_args(parser)
+    return parser.parse_args(args)
+
+
+def run_load(args: list[str]) -> dict:
+    """Run `vllm bench serve` with `args` in this process (one import of vLLM for every load point) and return its
+    result (the same dictionary it saves)."""
+    from vllm.benchmarks.serve import main
+
+    return main(bench_namespace(args))
+
+
+def load_row(result: dict[str, Any], *, run: str, config: str, point: LoadPoint, model: str, machine: str,
+             vllm_version: str, git_commit: str) -> dict[str, Any]:
+    """One row of `SERVE_COLUMNS` from `vllm bench serve`'s result; configs without speculation have no
+    acceptance (NaN)."""
+    def num(key: str) -> float:
+        value = result.get(key)
+        return float(value) if value is not None else float("nan")
+
+    per_pos = result.get("spec_decode_per_position_acceptance_rates") or []
+    return {"run": run, "config": config, "dataset": point.dataset, "temperature": point.temperature,
+            "max_concurrency": point.max_concurrency, "num_prompts": point.num_prompts,
+            "completed": int(result.get("completed", 0)), "output_throughput": num("output_throughput"),
+            "request_throughput": num("request_throughput"),
+            "total_output_tokens": int(result.get("total_output_tokens", 0)), "duration_s": num("duration"),
+            **{f"{s}_{m}_ms": num(f"{s}_{m}_ms") for m in ("ttft", "tpot", "itl", "e2el") for s in ("median", "p99")},
+            "acceptance_length": num("spec_decode_acceptance_length"),
+            "acceptance_rate": num("spec_decode_acceptance_rate") / 100.0,
+            "per_position_acceptance": [float(x) for x in per_pos], "model": model, "machine": machine,
+            "vllm_version": vllm_version, "git_commit": git_commit}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the OpenAI client: greedy texts and samples
+
+
+def _client(base_url: str) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="EMPTY", timeout=600.0, max_retries=0)
+
+
+def chat_texts(base_url: str, served_model: str, prompts: Sequence[str], *, max_tokens: int) -> list[str]:
+    """Greedy chat completions of `prompts`, one request at a time, through the `openai` package."""
+    client = _client(base_url)
+    out = []
+    for prompt in prompts:
+        reply = client.chat.completions.create(model=served_model, messages=[{"role": "user", "content": prompt}],
+                                               max_tokens=max_tokens, temperature=0.0, seed=0)
+        out.append(reply.choices[0].message.content or "")
+    return out
+
+
+def sample_token_ids(base_url: str, served_model: str, prompt: str, *, samples: int, max_tokens: int,
+                     temperature: float, concurrency: int = 32) -> list[list[int]]:
+    """`samples` independent sampled chat completions of one prompt (no seed: each request draws its own), their
+    token ids as vLLM generated them (`return_token_ids`), `concurrency` requests in flight."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = _client(base_url)
+
+    def one(_: int) -> list[int]:
+        reply = client.chat.completions.create(
+            model=served_model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+            temperature=temperature, top_p=1.0, extra_body={"return_token_ids": True})
+        choice = reply.choices[0]
+        ids = getattr(choice, "token_ids", None)
+        if ids is None:
+            ids = (choice.model_extra or {}).get("token_ids")
+        if ids is None:
+            raise RuntimeError("the server returned no token_ids (vLLM's return_token_ids extension)")
+        return [int(t) for t in ids]
+
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        return list(pool.map(one, range(samples)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the sampling test
+
+
+def distribution_test(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]], *, positions: int,
+                      min_expected: float = 5.0) -> list[dict[str, Any]]:
+    """Per output position < `positions`: are the tokens of sample sets `a` and `b` drawn from one distribution?
+
+    Each position is a 2 x C contingency table (set x token) over the samples that reached it; tokens too rare for
+    the chi-square approximation (expected count < `min_expected` in either set) are pooled into one "other" column
+    (dropped if that is still too rare). Returns one dict per position with the chi-square statistic, its degrees of
+    freedom and p-value (scipy.stats.chi2_contingency, no continuity correction); a position where every sample
+    agrees has p = 1. A sample that ended before a position (end of sequence) counts as the token -1 there, so
+    lengths are compared too."""
+    import numpy as np
+    from scipy.stats import chi2_contingency
+
+    if not a or not b:
+        raise ValueError("both sample sets must be non-empty")
+    out = []
+    for pos in range(positions):
+        ta = [s[pos] if pos < len(s) else -1 for s in a]
+        tb = [s[pos] if pos < len(s) else -1 for s in b]
+        tokens = sorted(set(ta) | set(tb))
+        counts = np.array([[ta.count(t) for t in tokens], [tb.count(t) for t in tokens]], dtype=float)
+        expected = counts.sum(0) * counts.sum(1)[:, None] / counts.sum()
+        common = (expected >= min_expected).all(0)
+        table = counts[:, common]
+        rare = counts[:, ~common].sum(1)
+        if (~common).any() and (rare.sum() * counts.sum(1) / counts.sum() >= min_expected).all():
+            table = np.column_stack([table, rare])
+        if table.shape[1] < 2:
+            out.append({"position": pos, "chi2": 0.0, "dof": 0, "p": 1.0, "tokens": len(tokens)})
+            continue
+        chi2, p, dof, _ = chi2_contingency(table, correction=False)
+        out.append({"position": pos, "chi2": float(chi2), "dof": int(dof), "p": float(p), "tokens": len(tokens)})
+    return out
+
+
+def same_distribution(per_position: Sequence[dict[str, Any]], alpha: float = 0.01) -> bool:
+    """The verdict over positions: no position rejects at `alpha` after Bonferroni's correction."""
+    if not per_position:
+        raise ValueError("no positions tested")
+    return min(r["p"] for r in per_position) * len(per_position) >= alpha
+
+
+def speedup_table(rows: Any, reference: str = "none") -> Any:
+    """Output throughput of each config ÷ the reference config's, per (dataset, temperature, max_concurrency) of
+    the same run (a polars frame of `SERVE_COLUMNS` rows -> one row per group and config with `ratio`)."""
+    import polars as pl
+
+    keys = ["run", "dataset", "temperature", "max_concurrency"]
+    ref = rows.filter(pl.col("config") == reference).select(keys + [pl.col("output_throughput").alias("ref")])
+    if ref.is_empty():
+        raise ValueError(f"no {reference!r} rows to divide by")
+    return (rows.join(ref, on=keys, how="inner")
+            .with_columns((pl.col("output_throughput") / pl.col("ref")).alias("ratio"))
+            .sort(keys + ["config"]))
+
+
+def best_ratio(table: Any, reference: str = "none") -> Any:
+    """Per group, the best non-reference config's ratio (the issue's 'best hqlab config ≥ 0.95× none')."""
+    import polars as pl
+
+    keys = ["run", "dataset", "temperature", "max_concurrency"]
+    return (table.filter(pl.col("config") != reference).sort("ratio", descending=True)
+            .group_by(keys, maintain_order=True).first().sort(keys))
+
+
+def finite(x: float) -> bool:
+    return x is not None and not math.isnan(x)

@@ -1,0 +1,74 @@
+"""`vllm serve` with hqlab's speculators: the flags a config needs, and the whole command.
+
+    hqlab serve-command MODEL "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,batch_k=4:15/16:3/0"
+
+prints a `vllm serve` command line. hqlab's plugin (installed with `pip install "hqlab[vllm]"`, a
+`vllm.general_plugins` entry point) is loaded by vLLM in the API server, the engine core and every worker, so the
+server needs nothing else: the speculator is named by `--speculative-config` (vLLM's `custom_class` method with
+hqlab's class path) and configured by `--additional-config` (the spec itself). The same dictionaries are what the
+offline `LLM(...)` takes (`speculative_config=`, `additional_config=`), so both paths build one engine config.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+from hqlab.config import ConfigError, parse_spec
+from hqlab.engines.vllm import fault, gpu_fused, gpu_lookup
+
+SERVED = ("none", gpu_lookup.NAME, gpu_fused.NAME)  # what the server path runs
+
+
+def engine_configs(spec: str, *, planted_fault: str | None = None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(speculative_config, additional_config) of vLLM's engine for one served config; `planted_fault` plants a
+    verification bug (`fault.py`) in a test server."""
+    name, values = parse_spec(spec)
+    if name == "none":
+        if values:
+            raise ConfigError(f"'none' takes no keys (got {spec!r})")
+        if planted_fault:
+            raise ConfigError("a planted fault needs a speculator to plant it in")
+        return None, {}
+    if name == gpu_lookup.NAME:
+        speculative = gpu_lookup.speculative_config(spec)
+    elif name == gpu_fused.NAME:
+        speculative = gpu_fused.speculative_config(spec)
+    else:
+        raise ConfigError(f"{spec!r}: the server path runs {', '.join(SERVED)} (hqlab inside vLLM's GPU step); "
+                          f"for vLLM's own methods pass vLLM's --speculative-config directly")
+    extra: dict[str, Any] = {gpu_lookup.SPEC_KEY: spec.strip()}
+    if planted_fault:
+        if planted_fault not in fault.FAULTS:
+            raise ConfigError(f"planted_fault must be one of {', '.join(fault.FAULTS)} (got {planted_fault!r})")
+        extra[fault.KEY] = planted_fault
+    return speculative, extra
+
+
+def vllm_args(spec: str, *, max_num_seqs: int = 32, planted_fault: str | None = None) -> list[str]:
+    """The `vllm serve` flags one config adds: its speculative and additional configs, and CUDA graphs large enough
+    for `max_num_seqs` requests verifying k + 1 positions each (vLLM's default capture size is sized for one
+    position a request)."""
+    speculative, extra = engine_configs(spec, planted_fault=planted_fault)
+    if speculative is None:
+        return []
+    k = int(speculative["num_speculative_tokens"])
+    compact = {"separators": (",", ":")}
+    return ["--speculative-config", json.dumps(speculative, **compact),
+            "--additional-config", json.dumps(extra, **compact),
+            "--compilation-config", json.dumps({"max_cudagraph_capture_size": max(32, max_num_seqs * (k + 1))},
+                                               **compact)]
+
+
+def serve_command(model: str, spec: str, *, max_num_seqs: int = 32, port: int = 8000,
+                  extra: list[str] | None = None, planted_fault: str | None = None) -> list[str]:
+    """`vllm serve MODEL ...` for one config (argv)."""
+    if max_num_seqs < 1:
+        raise ConfigError(f"max_num_seqs must be >= 1 (got {max_num_seqs})")
+    return (["vllm", "serve", model, "--max-num-seqs", str(max_num_seqs), "--port", str(port)]
+            + vllm_args(spec, max_num_seqs=max_num_seqs, planted_fault=planted_fault) + list(extra or []))
+
+
+def shell_line(argv: list[str]) -> str:
+    return " ".join(shlex.quote(a) for a in argv)

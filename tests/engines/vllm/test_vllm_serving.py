@@ -1,0 +1,164 @@
+"""The server path on the CPU, as far as a CPU allows: `vllm serve`'s own parser takes the command hqlab builds and
+hands the engine hqlab's configs; the batch schedule is vLLM's own table; a speculator skips its drafting where that
+table says the next step verifies nothing; the planted verification bug does what it says; `vllm bench serve`'s own
+parser takes the load benchmark's flags. The server itself runs on the GPU host (benchmarks/vllm_serve.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="the vllm extra is not installed (make setup-vllm)")
+
+from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup  # noqa: E402
+
+from hqlab.config import ConfigError  # noqa: E402
+from hqlab.engines.vllm import batch_k, fault, gpu_fused, gpu_lookup, plugin  # noqa: E402
+from hqlab.engines.vllm.serving import engine_configs, serve_command  # noqa: E402
+
+LOOKUP = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,batch_k=1:15/8:3/0"
+FUSED = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,schedule=long,nmin_tail=1,device_skip=true,"
+         "batch_k=1:15/16:7/0")
+
+
+@pytest.fixture
+def cpu_platform(monkeypatch):
+    """vLLM's argument parser builds config defaults that ask the platform for its device type; this machine has
+    no GPU platform, so the device type stands in (nothing else of the platform is used)."""
+    import vllm.platforms as platforms
+
+    monkeypatch.setattr(type(platforms.current_platform), "device_type", "cpu", raising=False)
+
+
+def parse_serve(argv: list[str]):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    ServeSubcommand().subparser_init(parser.add_subparsers())
+    args = parser.parse_args(argv[1:])  # argv[0] is `vllm`
+    args.model = args.model_tag  # what `vllm serve`'s command does before building the engine
+    return AsyncEngineArgs.from_cli_args(args)
+
+
+@pytest.mark.parametrize("spec", [LOOKUP, FUSED, "gpu-lookup:nmin=1,nmax=32,k=7,policy=earliest"])
+def test_vllm_serves_parser_hands_the_engine_hqlabs_configs(cpu_platform, spec):
+    engine = parse_serve(serve_command("/models/target", spec, max_num_seqs=32, port=8321,
+                                       extra=["--max-model-len", "4096"]))
+    speculative, extra = engine_configs(spec)
+    assert engine.model == "/models/target" and engine.max_num_seqs == 32 and engine.max_model_len == 4096
+    assert engine.speculative_config == speculative and engine.additional_config == extra
+    assert extra[gpu_lookup.SPEC_KEY] == spec
+    k = speculative["num_speculative_tokens"]
+    assert engine.compilation_config.max_cudagraph_capture_size == 32 * (k + 1)
+    assert ("batch_k" in spec) == ("num_speculative_tokens_per_batch_size" in speculative)
+    # the plugin recognises the config the server built: model runner V2, asynchronous scheduling
+    plugin.register()
+    assert plugin._ours(type("C", (), {"speculative_config": engine.speculative_config})())
+
+
+def test_none_adds_no_flags_and_other_methods_are_refused(cpu_platform):
+    assert serve_command("m", "none") == ["vllm", "serve", "m", "--max-num-seqs", "32", "--port", "8000"]
+    with pytest.raises(ConfigError, match="server path runs"):
+        engine_configs("lookup:k=7")
+    with pytest.raises(ConfigError, match="planted_fault"):
+        engine_configs(LOOKUP, planted_fault="accept_everything")
+    _, extra = engine_configs(LOOKUP, planted_fault="accept_first_draft")
+    assert extra[fault.KEY] == "accept_first_draft"
+
+
+@pytest.mark.parametrize("value,k", [("1:15/8:3/0", 15), ("4:15/16:3/0", 15), ("7", 7), ("2:31/4:15/16:7/32:3", 31),
+                                     ("1:3/2:2/3:1/0", 3)])
+def test_the_batch_table_is_vllms_own(value, k):
+    entries = batch_k.parse(value, k)
+    schedule = batch_k.vllm_schedule(entries)
+    for max_batch in (1, 8, 32, 256):
+        theirs = build_dynamic_sd_schedule_lookup(schedule, vllm_max_batch_size=max_batch, vllm_num_speculative_tokens=k)
+        assert batch_k.dense(entries, max_batch, k) == theirs
+        assert [batch_k.next_k(theirs, b, k) for b in range(1, max_batch + 1)] == theirs[1:]
+    assert batch_k.next_k(None, 5, k) == k
+
+
+@pytest.mark.parametrize("value,match", [("", "empty"), ("4:16/0", r"\[0, k=15\]"), ("8:3/4:1/0", "increase"),
+                                         ("0:3/0", ">= 1"), ("3/8:1", "batch bound"), ("a:b", "integers")])
+def test_bad_batch_schedules_say_what_to_fix(value, match):
+    with pytest.raises(ConfigError, match=match):
+        batch_k.parse(value, 15)
+
+
+def test_fused_turns_drafting_off_only_with_the_lazy_catch_up():
+    with pytest.raises(ConfigError, match="device_skip=true with catch_up=lazy"):
+        gpu_fused.fused_config("gpu-fused:k=15,draft_block=1,batch_k=4:15/0")
+    gpu_fused.fused_config("gpu-fused:k=15,draft_block=1,batch_k=4:15/3")  # no zero: any config
+    assert gpu_fused.fused_config(FUSED).batch_k == "1:15/16:7/0"
+
+
+def test_the_lookup_skips_its_drafting_where_the_next_step_verifies_nothing():
+    """Batch 1 drafts (equal to the reference rule), batches 9+ skip the kernel and count the step."""
+    from hqlab.rules.lookup import suffix_match
+
+    config = gpu_lookup.lookup_config(LOOKUP)
+    spec = gpu_lookup.GpuLookupSpeculator.standalone(config, max_num_reqs=16, max_model_len=256, pad=99,
+                                                     device="cpu")
+    hist = np.tile(np.array([5, 6, 7, 8], dtype=np.int32), 20)
+    tokens = torch.zeros(16, 256, dtype=torch.int32)
+    tokens[:, :hist.size] = torch.from_numpy(hist)
+    lengths = torch.full((16,), hist.size, dtype=torch.int32)
+    spec.bind(tokens, lengths)
+
+    class Batch:
+        def __init__(self, n: int) -> None:
+            self.num_reqs, self.req_ids = n, [f"r{i}" for i in range(n)]
+            self.idx_mapping = torch.arange(n, dtype=torch.int32)
+
+    one = spec.propose(Batch(1), num_sampled=torch.ones(1, dtype=torch.int32))
+    ref = suffix_match(hist.tolist(), nmin=1, nmax=32, k=15, policy="earliest")
+    assert one[0, :ref.valid].tolist() == list(ref.tokens) and spec.skipped_steps == 0
+    before = spec.draft_tokens.clone()
+    spec.draft_tokens.fill_(-7)  # a skipped step must not write drafts
+    nine = spec.propose(Batch(9), num_sampled=torch.ones(9, dtype=torch.int32))
+    assert spec.skipped_steps == 1 and bool((nine == -7).all())
+    assert before.shape == spec.draft_tokens.shape
+
+
+def test_the_speculator_refuses_a_schedule_vllm_does_not_have():
+    from types import SimpleNamespace
+
+    with_table = gpu_lookup.with_batch_k({}, "1:15/8:3/0", 15)["num_speculative_tokens_per_batch_size"]
+    config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens_per_batch_size=None),
+                             scheduler_config=SimpleNamespace(max_num_seqs=16))
+    with pytest.raises(ConfigError, match="speculative_config"):
+        gpu_lookup.batch_k_table(config, "1:15/8:3/0", 15)
+    config.speculative_config.num_speculative_tokens_per_batch_size = [tuple(r) for r in with_table]
+    table = gpu_lookup.batch_k_table(config, "1:15/8:3/0", 15)
+    assert table == build_dynamic_sd_schedule_lookup(with_table, vllm_max_batch_size=16, vllm_num_speculative_tokens=15)
+    assert gpu_lookup.batch_k_table(config, "", 15) == table  # vLLM's own schedule is followed without one in the spec
+
+
+def test_the_planted_fault_accepts_a_rejected_first_draft_and_nothing_else():
+    pad = 99
+    # three requests: 3 logits (2 drafts) rejected at the first; 3 logits, first draft is pad; 1 logit (no drafts)
+    cu = torch.tensor([0, 3, 6, 7], dtype=torch.int32)
+    draft_sampled = torch.tensor([10, 11, 12, 20, pad, pad, 30])
+    sampled = torch.tensor([[41, -1, -1], [42, -1, -1], [43, -1, -1]])
+    num_sampled = torch.tensor([1, 1, 1], dtype=torch.int32)
+    out, n = fault.accept_first_draft(sampled, num_sampled, draft_sampled, cu, pad)
+    assert out[0, :2].tolist() == [11, 41] and n.tolist() == [2, 1, 1]
+    assert out[1].tolist() == [42, -1, -1] and out[2].tolist() == [43, -1, -1]
+    # a step the correct rule accepted is left alone
+    same, n2 = fault.accept_first_draft(torch.tensor([[11, 12, 5]]), torch.tensor([3], dtype=torch.int32),
+                                        torch.tensor([10, 11, 12]), torch.tensor([0, 3], dtype=torch.int32), pad)
+    assert same.tolist() == [[11, 12, 5]] and n2.tolist() == [3]
+
+
+def test_the_load_benchmarks_flags_are_vllm_bench_serves_own():
+    from hqlab.bench import serve
+
+    point = serve.LoadPoint("chat", 0.7, 8, 16)
+    ns = serve.bench_namespace(serve.bench_args("http://127.0.0.1:8321", "target", "/models/target", "chat.jsonl",
+                                                point, output_len=256, result_dir="/tmp/r", result_file="r.json"))
+    assert (ns.dataset_name, ns.max_concurrency, ns.temperature, ns.num_prompts) == ("custom", 8, 0.7, 16)
+    assert ns.custom_output_len == 256 and ns.save_result and ns.percentile_metrics == "ttft,tpot,itl,e2el"
+    assert ns.metric_percentiles == "50,99" and ns.base_url == "http://127.0.0.1:8321"
