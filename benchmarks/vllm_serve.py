@@ -73,13 +73,25 @@ def done_configs(path: Path) -> set[str]:
     return {json.loads(line)["config"] for line in path.read_text().splitlines() if line.strip()}
 
 
+def serve_module():
+    """hqlab.bench.serve without the package's __init__ (which imports polars, absent on the GPU host)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hqlab_bench_serve", ROOT / "hqlab" / "bench" / "serve.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def bench(args: argparse.Namespace) -> int:
     import vllm  # noqa: F401  (first: a wheel missing from the carried set fails here)
 
     from transformers import AutoTokenizer
 
     from hqlab import models
-    from hqlab.bench import serve
+
+    serve = serve_module()
     from hqlab.engines.vllm.serving import serve_command
     from hqlab.provenance import machine_description, package_version
 
@@ -145,6 +157,7 @@ def bench(args: argparse.Namespace) -> int:
                     row = serve.load_row(result, run=args.tag, config=spec, point=point, model=args.model,
                                          machine=machine, vllm_version=version, git_commit=args.commit)
                     append_jsonl(rows_path, row)
+                    shutil.copy(rows_path, out / rows_path.name)  # what a call cut at its limit still returns
                     log(f"{label} {name}: {row['output_throughput']:.0f} tok/s, TPOT p50 "
                         f"{row['median_tpot_ms']:.2f} ms, TTFT p50 {row['median_ttft_ms']:.0f} ms, "
                         f"acceptance length {row['acceptance_length']:.2f}")
