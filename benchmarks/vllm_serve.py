@@ -176,7 +176,10 @@ def finish(args: argparse.Namespace) -> int:
     import polars as pl
 
     from hqlab.bench.serve import SERVE_COLUMNS
-    from hqlab.io import write_parquet
+    from hqlab.io import write_atomic
+
+    def write_parquet(frame: "pl.DataFrame", path: Path) -> None:
+        write_atomic(path, lambda tmp: frame.write_parquet(tmp))
 
     src = Path(args.returned)
     rows = [json.loads(line) for f in sorted(src.glob("vllm_serve_*.jsonl")) for line in f.read_text().splitlines()

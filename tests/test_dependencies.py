@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parent.parent
 SOURCES = ["hqlab", "kernels", "notebooks", "tests", "benchmarks"]
 LOCAL = {"hqlab", "hqlab_kernels", "benchmarks", "kernels", "conftest"}
 # import name -> distribution, for packages this environment does not have (vLLM's live in their own environment)
-NOT_HERE = {"vllm": "vllm", "numba": "numba", "arctic_inference": "arctic-inference", "cuda": "cuda-bindings"}
+NOT_HERE = {"vllm": "vllm", "numba": "numba", "arctic_inference": "arctic-inference", "cuda": "cuda-bindings",
+            "openai": "openai"}
 
 
 def _norm(name: str) -> str:

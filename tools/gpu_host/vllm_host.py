@@ -58,7 +58,7 @@ GPU_WHEELS = [
     # benchmark modules): the HTTP server, its reloader, SageMaker's route standards (imported unconditionally) and
     # form parsing for the upload routes
     "uvicorn==0.54.0", "watchfiles==1.3.0", "jmespath==1.1.0", "model-hosting-container-standards==0.1.16",
-    "python-multipart==0.0.34",
+    "python-multipart==0.0.34", "prometheus-fastapi-instrumentator==8.1.0",  # the /metrics route, imported at app build
 ]
 PLATFORMS = ["manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_27_x86_64", "manylinux_2_28_x86_64",
              "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_35_x86_64", "manylinux1_x86_64"]

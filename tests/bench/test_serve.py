@@ -1,0 +1,119 @@
+"""Serving under load and sampling (`hqlab.bench.serve`, benchmarks/vllm_serve.py): the sampling test on synthetic
+samples (it accepts one distribution, rejects a shifted one) and on the committed samples of run s1 (real
+`vllm serve` processes on the H200: gpu-lookup and gpu-fused keep `none`'s distribution, the planted verification
+bug does not); the committed load results meet the serving issue's points where the run shows them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+
+from hqlab.bench import serve
+from hqlab.config import ConfigError
+
+RESULTS = Path(__file__).resolve().parents[2] / "data" / "results"
+LOADS = RESULTS / "vllm_serve_h200.parquet"
+SAMPLES = RESULTS / "vllm_serve_h200.samples.parquet"
+GREEDY = RESULTS / "vllm_serve_h200.greedy.parquet"
+
+
+def draws(probs: list[float], n: int, length: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.choice(len(probs), size=(n, length), p=probs).tolist()
+
+
+def test_the_distribution_test_accepts_one_distribution_and_rejects_another():
+    p = [0.5, 0.2, 0.15, 0.1, 0.05]
+    same = serve.distribution_test(draws(p, 600, 8, 1), draws(p, 600, 8, 2), positions=8)
+    assert serve.same_distribution(same)
+    shifted = [0.4, 0.3, 0.15, 0.1, 0.05]  # ten points of mass moved between two tokens
+    other = serve.distribution_test(draws(p, 600, 8, 1), draws(shifted, 600, 8, 3), positions=8)
+    assert not serve.same_distribution(other)
+    assert all(r["dof"] == 4 for r in same)
+
+
+def test_lengths_count_and_rare_tokens_pool():
+    a = [[1, 2, 3]] * 300 + [[1, 2]] * 300  # half end after two tokens
+    b = [[1, 2, 3]] * 600
+    r = serve.distribution_test(a, b, positions=3)
+    assert r[0]["p"] == 1.0 and r[1]["p"] == 1.0 and r[2]["p"] < 1e-10
+    rare = [[t] for t in range(600)]  # every token once: all pooled, too rare even pooled -> no test
+    assert serve.distribution_test(rare, rare, positions=1)[0]["dof"] == 0
+    with pytest.raises(ValueError):
+        serve.distribution_test([], b, positions=1)
+
+
+def test_load_points_keep_every_concurrency_slot_busy():
+    points = serve.load_points(["chat"], [0.0, 0.7], [1, 32])
+    assert [(p.temperature, p.max_concurrency, p.num_prompts) for p in points] == [(0.0, 1, 8), (0.0, 32, 64),
+                                                                                  (0.7, 1, 8), (0.7, 32, 64)]
+    with pytest.raises(ConfigError, match="never reaches"):
+        serve.LoadPoint("chat", 0.0, 32, 8)
+
+
+@pytest.fixture(scope="module")
+def loads() -> pl.DataFrame:
+    return pl.read_parquet(LOADS)
+
+
+def test_run_s1_has_every_group_the_issue_asks_for(loads):
+    s1 = loads.filter(pl.col("run") == "s1")
+    assert set(s1.columns) >= {"config", "dataset", "temperature", "max_concurrency", "output_throughput",
+                               "median_tpot_ms", "p99_tpot_ms", "median_ttft_ms", "machine", "git_commit"}
+    assert set(s1["temperature"]) >= {0.0, 0.7} and {1, 32} <= set(s1["max_concurrency"])
+    groups = s1.group_by("dataset", "temperature", "max_concurrency").agg(pl.col("config"))
+    assert all("none" in c for c in groups["config"])  # `none` in every (dataset, temperature, load) group
+    assert (s1["completed"] == s1["num_prompts"]).all()  # no request failed
+    assert s1["machine"].str.contains("H200").all()
+
+
+def test_run_s1_the_best_hqlab_config_is_never_slower_than_none(loads):
+    best = serve.best_ratio(serve.speedup_table(loads.filter(pl.col("run") == "s1")))
+    assert best.height == 12
+    assert (best["ratio"] >= 0.95).all(), best.filter(pl.col("ratio") < 0.95)
+
+
+def test_run_s1_under_sampling_at_batch_1_on_prose(loads):
+    """The issue asks >= 1.3x `none` here; run s1 measured the best config (gpu-fused) at 1.17x: recorded as not met
+    (docs/serving.md), and this test fails if a rerun changes the committed number without the docs."""
+    table = serve.speedup_table(loads.filter(pl.col("run") == "s1"))
+    prose = serve.best_ratio(table).filter((pl.col("dataset") == "prose") & (pl.col("temperature") == 0.7)
+                                           & (pl.col("max_concurrency") == 1))
+    assert prose["config"][0].startswith("gpu-fused") and 1.1 < prose["ratio"][0] < 1.3
+
+
+@pytest.fixture(scope="module")
+def samples() -> dict[str, list[list[int]]]:
+    frame = pl.read_parquet(SAMPLES).filter(pl.col("run") == "s1")
+    return dict(zip(frame["config"], frame["token_ids"].to_list()))
+
+
+def test_run_s1_sampled_outputs_keep_nones_distribution(samples):
+    ref = samples["none"]
+    speculators = [c for c in samples if c != "none" and "planted" not in c]
+    assert {c.split(":")[0] for c in speculators} == {"gpu-lookup", "gpu-fused"}
+    for config in speculators:
+        assert len(samples[config]) == len(ref) == 600
+        assert serve.same_distribution(serve.distribution_test(ref, samples[config], positions=24)), config
+
+
+def test_run_s1_the_planted_verification_bug_fails_the_sampling_test(samples):
+    planted = [c for c in samples if "planted accept_first_draft" in c]
+    assert len(planted) == 1
+    per_position = serve.distribution_test(samples["none"], samples[planted[0]], positions=24)
+    assert not serve.same_distribution(per_position)
+    assert min(r["p"] for r in per_position) < 1e-100
+
+
+def test_run_s1_greedy_texts_through_the_openai_client(samples):
+    """The greedy chat texts every server returned through the `openai` package: recorded, with where they part
+    from `none`'s (bf16 near ties: a verify step's shape changes the rounding)."""
+    frame = pl.read_parquet(GREEDY).filter(pl.col("run") == "s1")
+    texts = dict(zip(frame["config"], frame["texts"].to_list()))
+    assert len(texts["none"]) == 3
+    for config, got in texts.items():
+        assert len(got) == 3 and all(t for t in got)
+        assert got[1] == texts["none"][1], config  # the prompt every config agreed on
