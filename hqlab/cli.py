@@ -356,6 +356,14 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_command(args: argparse.Namespace) -> int:
+    """Print the `vllm serve` command line for a config (docs/serving.md)."""
+    from hqlab.engines.vllm.serving import serve_command, shell_line
+
+    print(shell_line(serve_command(args.model, args.spec, max_num_seqs=args.max_num_seqs, port=args.port)))
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     """Convert a GGUF into a safetensors folder in this process: the child `hqlab.models.gguf.convert` starts (a
     process that loaded a GGUF decodes slower afterwards, so the parent never does)."""
@@ -451,6 +459,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("list", help="models, proposers and suites")
     ls.set_defaults(func=cmd_list)
+
+    sc = sub.add_parser("serve-command", help="print the `vllm serve` command for none, gpu-lookup:... or "
+                                              "gpu-fused:... (docs/serving.md)")
+    sc.add_argument("model", help="the model vLLM serves (a hub id or a folder)")
+    sc.add_argument("spec", help='e.g. "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,batch_k=1:15/4:7/0"')
+    sc.add_argument("--max-num-seqs", type=int, default=32, help="requests in flight at most (sizes CUDA graphs)")
+    sc.add_argument("--port", type=int, default=8000)
+    sc.set_defaults(func=cmd_serve_command)
 
     # internal: the GGUF conversion's child process (hqlab.models.gguf.convert runs it)
     cv = sub.add_parser("_convert")

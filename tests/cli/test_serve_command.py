@@ -1,0 +1,30 @@
+"""`hqlab serve-command`: the `vllm serve` line a user copies (docs/serving.md), and a bad spec's one-line error."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+from hqlab.cli import main
+
+
+def test_the_printed_command_carries_the_configs(capsys):
+    spec = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,batch_k=1:15/4:7/0"
+    assert main(["serve-command", "Qwen/Qwen2.5-Coder-1.5B-Instruct", spec, "--max-num-seqs", "16"]) == 0
+    argv = shlex.split(capsys.readouterr().out)
+    assert argv[:3] == ["vllm", "serve", "Qwen/Qwen2.5-Coder-1.5B-Instruct"]
+    flags = dict(zip(argv[3::2], argv[4::2]))
+    assert flags["--max-num-seqs"] == "16"
+    speculative = json.loads(flags["--speculative-config"])
+    assert speculative["num_speculative_tokens"] == 15
+    assert speculative["num_speculative_tokens_per_batch_size"] == [[1, 1, 15], [2, 4, 7], [5, 65536, 0]]
+    assert json.loads(flags["--additional-config"]) == {"hqlab_proposer": spec}
+    assert json.loads(flags["--compilation-config"]) == {"max_cudagraph_capture_size": 16 * 16}
+
+
+def test_none_and_a_bad_schedule(capsys):
+    assert main(["serve-command", "m", "none"]) == 0
+    assert capsys.readouterr().out.strip() == "vllm serve m --max-num-seqs 32 --port 8000"
+    assert main(["serve-command", "m", "gpu-lookup:k=7,batch_k=9:16/0"]) == 2
+    err = capsys.readouterr().err
+    assert "width 16 must be in [0, k=7]" in err and err.count("\n") == 1
