@@ -318,3 +318,24 @@ def best_ratio(table: Any, reference: str = "none") -> Any:
 
 def finite(x: float) -> bool:
     return x is not None and not math.isnan(x)
+
+
+def short_config(config: str) -> str:
+    """A config's name for plots and tables: its proposer and batch schedule (the rest is in docs/serving.md)."""
+    from hqlab.config import parse_spec
+
+    if config == "none":
+        return "none"
+    name, values = parse_spec(config.split(" [")[0])
+    return f"{name} {values['batch_k']}" if "batch_k" in values else f"{name} k={values.get('k', '?')}"
+
+
+def load_curves(rows: Any) -> Any:
+    """The rows a throughput/latency-against-load figure draws: a `config` label, a `group` per (dataset,
+    temperature) and the metrics (a polars frame of `SERVE_COLUMNS` rows)."""
+    import polars as pl
+
+    return (rows.with_columns(pl.col("config").map_elements(short_config, return_dtype=pl.String).alias("label"),
+                              pl.format("{} · T={}", pl.col("dataset"), pl.col("temperature")).alias("group"),
+                              pl.format("{} in flight", pl.col("max_concurrency")).alias("load"))
+            .sort("dataset", "temperature", "label", "max_concurrency"))

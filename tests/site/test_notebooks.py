@@ -26,6 +26,7 @@ SMALL = {
                            live_configs=["lookup:nmin=2,nmax=6,k=15"], rerun=True),
     "kernels": dict(),
     "vllm_gpu": dict(),  # re-plots the committed vLLM runs
+    "serving": dict(),  # re-plots the committed serving run
     # runs the benchmark itself (not only the re-plot), on two prompts
     "core_benchmark": dict(rerun=True, tags=["ci"], configs=["lookup:nmin=6,k=15", "hf-pld:k=10"],
                            suites={"edit": 32, "chat": 16}, doc_tokens=300, limit=1),
