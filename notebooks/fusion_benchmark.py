@@ -69,6 +69,7 @@ from hqlab.bench.suites import fusion_benchmark
 alt.renderers.enable("svg")
 pl.Config.set_tbl_width_chars(160)
 pl.Config.set_tbl_rows(60)
+pl.Config.set_fmt_str_lengths(100)
 figures = Path(figures_dir)
 results = Path(results_dir) if rerun else Path(published_dir)
 if rerun:  # what benchmarks/bench_fusion.py runs
@@ -80,6 +81,13 @@ if rerun:  # what benchmarks/bench_fusion.py runs
 def short(frame: pl.DataFrame) -> pl.DataFrame:
     """Config labels without the drafter's model/dtype/device keys."""
     return frame.with_columns(pl.col("config").str.replace(r",model=[^,]+,dtype=[^,]+,device=\w+", ""))
+
+
+def label(frame: pl.DataFrame) -> pl.DataFrame:
+    """vLLM configs as their `fused_configs` label, or `vllm_report.short_label`."""
+    name = pl.col("config").map_elements(lambda c: fused_configs.get(c) or vllm_report.short_label(c),
+                                         return_dtype=pl.String)
+    return frame.with_columns(name)
 
 
 # %% [markdown]
@@ -135,7 +143,8 @@ data = vllm_report.load(fused_vllm_file)
 here = data["results"].filter(pl.col("run") == run)
 print(here["machine"][0], "|", here["model"][0], here["dtype"][0], "| run", run, "| code", here["git_commit"][0],
       "| lossless:", (here["divergence"] != "mismatch").all())
-vllm_report.best_fused(data["results"], data["repeats"], run)
+label(vllm_report.best_fused(data["results"], data["repeats"], run)).with_columns(
+    pl.col("lookup").map_elements(vllm_report.short_label, return_dtype=pl.String))
 
 # %% [markdown]
 # Each fused config of `fused_configs` over the fastest lookup of each class, both ways: the ratio of class medians
@@ -164,21 +173,16 @@ chart
 # request should keep its long block, its prose neighbours their short one.
 
 # %%
-vllm_report.concurrency(here).with_columns(pl.col("config").map_elements(vllm_report.short_label,
-                                                                         return_dtype=pl.String))
+label(vllm_report.concurrency(here))
 
 # %%
-tokens = (here.filter(pl.col("config").str.starts_with("gpu-"))
-          .group_by("config", "prompt_id", "load").agg(pl.col("tokens_per_step").median())
-          .pivot("load", index=["config", "prompt_id"], values="tokens_per_step")
-          .filter(pl.col("burst").is_not_null())
-          .with_columns(pl.col("config").map_elements(vllm_report.short_label, return_dtype=pl.String))
-          .sort("config", "prompt_id"))
-tokens
+label(here.filter(pl.col("config").str.starts_with("gpu-"))
+      .group_by("config", "prompt_id", "load").agg(pl.col("tokens_per_step").median())
+      .pivot("load", index=["config", "prompt_id"], values="tokens_per_step")
+      .filter(pl.col("burst").is_not_null()).sort("config", "prompt_id"))
 
 # %%
-vllm_report.burst_blocks(data["steps"], run).with_columns(
-    pl.col("config").map_elements(vllm_report.short_label, return_dtype=pl.String))
+label(vllm_report.burst_blocks(data["steps"], run))
 
 # %% [markdown]
 # ## The lab's replay of every step
@@ -193,11 +197,10 @@ vllm_report.burst_blocks(data["steps"], run).with_columns(
 # %%
 replayed = vllm_report.replay_rows(pl.read_parquet(Path(fused_vllm_file).with_suffix(".replay.parquet")), run,
                                    data["steps"], replay_rerun or None)
-(replayed.group_by("config", "replay_run")
- .agg(pl.len().alias("pairs"), (pl.col("difference") == 0).sum().alias("exact"),
-      pl.col("difference").abs().max().alias("widest difference"), pl.col("forced_drafts").sum(),
-      pl.col("drafter_flips").sum(), pl.col("flip_margin_max").max())
- .with_columns(pl.col("config").map_elements(vllm_report.short_label, return_dtype=pl.String)).sort("config"))
+label(replayed.group_by("config", "replay_run")
+      .agg(pl.len().alias("pairs"), (pl.col("difference") == 0).sum().alias("exact"),
+           pl.col("difference").abs().max().alias("widest difference"), pl.col("forced_drafts").sum(),
+           pl.col("drafter_flips").sum(), pl.col("flip_margin_max").max()).sort("config"))
 
 # %% [markdown]
 # ## What a step costs
@@ -208,9 +211,7 @@ replayed = vllm_report.replay_rows(pl.read_parquet(Path(fused_vllm_file).with_su
 # pass.
 
 # %%
-(vllm_report.round_step_ms(data["repeats"], run)
- .with_columns(pl.col("config").map_elements(vllm_report.short_label, return_dtype=pl.String))
- .pivot("category", index="config", values="step_ms").sort("config"))
+label(vllm_report.round_step_ms(data["repeats"], run)).pivot("category", index="config", values="step_ms")
 
 # %% [markdown]
 # GPU time per decode step by phase in `profiled_run` (CUDA events around vLLM's worker calls and the speculator's
@@ -218,8 +219,7 @@ replayed = vllm_report.replay_rows(pl.read_parquet(Path(fused_vllm_file).with_su
 # target's forward, the drafting step (lookup, drafter pass, fusion rule) and the rest of sampling.
 
 # %%
-phases = (vllm_report.gpu_phases(data["phases"], profiled_run)
-          .with_columns(pl.col("config").map_elements(vllm_report.short_label, return_dtype=pl.String)))
+phases = label(vllm_report.gpu_phases(data["phases"], profiled_run))
 display(phases)  # noqa: F821
 plots.stacked_time(phases.drop("gpu_ms"), "config", vllm_report.GPU_PHASES,
                    y_title=f"GPU ms per step (median), run {profiled_run}")

@@ -43,11 +43,12 @@ SHORT_NAMES = {"gpu-lookup": "gpu-lookup", "gpu-fused": "gpu-fused", "lookup": "
 
 def short_label(config: str) -> str:
     """A config as a chart label: `gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,graphs=false` ->
-    `gpu-lookup 1/32 k=15 earliest graphs=false` (match lengths nmin/nmax, k, the policy, then the other settings)."""
+    `gpu-lookup 1/32 k=15 earliest graphs=false` (match lengths nmin/nmax where both are given, k, the policy, then
+    the other settings)."""
     name, values = parse_spec(config)
     parts = [SHORT_NAMES.get(name, name)]
-    if "nmin" in values or "nmax" in values:
-        parts.append(f"{values.pop('nmin', '?')}/{values.pop('nmax', '?')}")
+    if "nmin" in values and "nmax" in values:
+        parts.append(f"{values.pop('nmin')}/{values.pop('nmax')}")
     if "k" in values:
         parts.append(f"k={values.pop('k')}")
     if "policy" in values:

@@ -56,7 +56,8 @@ def referenced_figures() -> set[str]:
 def written_by_notebooks() -> set[str]:
     """Figure names the notebooks write with their default parameters: literal names in their sources, plus the
     core and fusion benchmarks' figures for each default tag (named by `bench.core_figure_names` and
-    `bench.fusion_figure_names`) and the fusion benchmark's figure of its default vLLM run (`vllm_report.run_figure`)."""
+    `bench.fusion_figure_names`) and the fusion benchmark's figure of its default vLLM run
+    (`vllm_report.run_figure`)."""
     import jupytext
 
     from hqlab.bench import core_figure_names, fusion_figure_names, vllm_report
