@@ -284,25 +284,3 @@ display(pl.concat([checks, host_checks]).group_by("model", "run", maintain_order
     pl.len().alias("pairs"), (pl.col("error").abs() <= 0.1).sum().alias("within_10pct"),
     pl.col("error").min().alias("worst_low"), pl.col("error").max().alias("worst_high")))
 error_bars(host_checks, "vllm_gpu_costmodel_host.svg")
-
-# %% [markdown]
-# ### The issue's acceptance points, run by run
-#
-# `vllm_report.gpu_lookup_acceptance` reads each point of the GPU-lookup issue from one run's rows: prose ≥ 0.95×
-# `none`, copy/code/edit ≥ 1.3× the best custom_class adapter, eight requests at once ≥ `none` (per load), no
-# output that differs from `none`'s except at near ties, the host-level cost model within ±10 % on every held-out
-# pair.
-# 1 = met, 0 = missed, blank = the run lacks what the point needs. The runs from j on (the adapter at its best width,
-# k = 31): run p met all six, run w2 all but three cost-model pairs (+10.4 %, +10.4 %, +14.7 %).
-
-# %%
-acceptance_runs = ["j", "k", "l", "m", "n", "o", "p", "r", "s", "t", "u", "v", "w", "w2"]
-acceptance = pl.concat([vllm_report.gpu_lookup_acceptance(data["results"], data["steps"], run)
-                        .with_columns(pl.lit(run).alias("run")) for run in acceptance_runs])
-grid = acceptance.filter(pl.col("met").is_not_null()).with_columns(pl.col("met").cast(pl.Float64))
-chart = plots.heatmap(grid, "run", "key", "met", title="met (1) or missed (0)", fmt=".0f").properties(width=560,
-                                                                                                     height=220)
-plots.save(chart, Path(figures_dir) / "vllm_gpu_acceptance.svg")
-display(acceptance.group_by("key", maintain_order=True).agg(  # noqa: F821
-    pl.col("met").sum().alias("runs met"), pl.col("met").is_not_null().sum().alias("runs measured")))
-chart

@@ -1,5 +1,6 @@
 """Reading vLLM benchmark results (benchmarks/vllm_gpu.py): ratios within a run, throughput under concurrency, and
-where a step's milliseconds go. The vllm_gpu notebook plots these; docs/vllm.md quotes them.
+where a step's milliseconds go. The vllm_gpu and fusion_benchmark notebooks plot these; docs/vllm.md quotes them.
+What each issue asked of its committed runs is asserted in tests/bench/test_vllm_results.py, from these readers.
 
 A *run* is one GPU session's engines, its own `none` reference included. Wall times on a shared host drift between
 runs (the same `none` decode rate varied 360–600 tok/s between calls an hour apart), so every comparison here is a
@@ -17,9 +18,6 @@ from hqlab.config import ConfigError, parse_spec
 CUSTOM_CLASS = "lookup:"  # configs run through the host-side custom_class adapter start with this
 PROSE = ["chat", "summary", "qa", "quote"]  # the task classes where answers are mostly new text
 DOCUMENTS = ["copy", "code", "edit"]  # and where they copy the prompt's document
-# gpu-fused with `skip`: drafter-free steps in a row before a catch-up pass (hqlab.engines.vllm.gpu_fused.SKIP_RUN, kept
-# equal by a test; this module stays free of torch)
-GPU_FUSED_SKIP_RUN = 7
 
 
 def family(config: str) -> str:
@@ -45,11 +43,12 @@ SHORT_NAMES = {"gpu-lookup": "gpu-lookup", "gpu-fused": "gpu-fused", "lookup": "
 
 def short_label(config: str) -> str:
     """A config as a chart label: `gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,graphs=false` ->
-    `gpu-lookup 1/32 k=15 earliest graphs=false` (match lengths nmin/nmax, k, the policy, then the other settings)."""
+    `gpu-lookup 1/32 k=15 earliest graphs=false` (match lengths nmin/nmax where both are given, k, the policy, then
+    the other settings)."""
     name, values = parse_spec(config)
     parts = [SHORT_NAMES.get(name, name)]
-    if "nmin" in values or "nmax" in values:
-        parts.append(f"{values.pop('nmin', '?')}/{values.pop('nmax', '?')}")
+    if "nmin" in values and "nmax" in values:
+        parts.append(f"{values.pop('nmin')}/{values.pop('nmax')}")
     if "k" in values:
         parts.append(f"k={values.pop('k')}")
     if "policy" in values:
@@ -212,122 +211,6 @@ def cost_model_check(steps: pl.DataFrame, runs: list[str], *, name: str | None =
                           (pl.col("measured_s") / pl.col("predicted_s") - 1).alias("error")))
 
 
-def _fused_settings(config: str, *names: str) -> tuple:
-    """Settings of a (gpu-)fused spec, the fused proposer's own defaults filled in for keys the spec leaves out."""
-    from dataclasses import fields
-
-    from hqlab.proposers.fused import FusedConfig
-
-    defaults = {f.name: f.default for f in fields(FusedConfig)}
-    _, values = parse_spec(config)
-    return tuple(type(defaults[n])(values.get(n, defaults[n])) for n in names)
-
-
-def _fused_shape(config: str) -> tuple[int, int]:
-    """(drafter passes per step, k) of a gpu-fused config: its draft_block and verify width."""
-    return _fused_settings(config, "draft_block", "k")
-
-
-def drafter_pass_fit(steps: pl.DataFrame, run: str) -> tuple[pl.DataFrame, dict[str, float]]:
-    """What a drafter pass costs in one run's wall time, from its batch-1 steps (`<results>.steps.parquet`).
-
-    Per request (prompt), each gpu-fused config's median step is modelled as the run's gpu-lookup step of the same
-    width k on that request plus a fixed drafting overhead plus one price per drafter pass (a step runs
-    `draft_block` passes: the catch-up pass, then one per further drafted token):
-    step_ms = lookup_step_ms + fixed_ms + passes * per_pass_ms, fitted by least squares over every (request,
-    config). Configs with `skip` are left out: their steps run a varying number of passes. Returns the per-(request,
-    config) table (tokens per step and median step ms of the config and of the lookup, passes) and the fit
-    {fixed_ms, per_pass_ms, residual_ms}."""
-    import numpy as np
-
-    alone = steps.filter((pl.col("run") == run) & (pl.col("load") == "alone"))
-    per = (alone.group_by(["category", "request", "config"], maintain_order=True)
-           .agg((pl.col("emitted").sum() / pl.len()).alias("tokens_per_step"),
-                (pl.col("step_s").median() * 1e3).alias("step_ms")))
-    lookups = per.filter(pl.col("config").str.starts_with("gpu-lookup"))
-    fused = per.filter(pl.col("config").str.starts_with("gpu-fused"))
-    fused = fused.filter(pl.col("config").map_elements(lambda c: _fused_settings(c, "skip")[0] == 0,
-                                                       return_dtype=pl.Boolean))
-    if lookups.is_empty() or fused.is_empty():
-        raise ConfigError(f"run {run!r}: the drafter-pass fit needs gpu-lookup and gpu-fused steps at batch 1 "
-                          f"(found configs {sorted(per['config'].unique().to_list())})")
-    shapes = {c: _fused_shape(c) for c in fused["config"].unique().to_list()}
-    lookup_k = {c: int(parse_spec(c)[1].get("k", 0)) for c in lookups["config"].unique().to_list()}
-    rows = []
-    for r in fused.iter_rows(named=True):
-        passes, k = shapes[r["config"]]
-        same = [c for c, lk in lookup_k.items() if lk == k]
-        if not same:  # a fused config of another width has no lookup step to stand on
-            continue
-        base = lookups.filter((pl.col("config") == same[0]) & (pl.col("request") == r["request"]))
-        if base.is_empty():
-            continue
-        rows.append(r | {"passes": passes, "k": k, "lookup": same[0],
-                         "lookup_tokens_per_step": base["tokens_per_step"][0], "lookup_step_ms": base["step_ms"][0]})
-    if len({row["passes"] for row in rows}) < 2:
-        raise ConfigError(f"run {run!r}: the drafter-pass fit needs gpu-fused configs with at least two draft_block "
-                          f"values at the width of a gpu-lookup config")
-    table = pl.DataFrame(rows)
-    x = np.stack([np.ones(table.height), table["passes"].to_numpy().astype(float)], 1)
-    y = (table["step_ms"] - table["lookup_step_ms"]).to_numpy()
-    (fixed, per_pass), *_ = np.linalg.lstsq(x, y, rcond=None)
-    residual = y - x @ np.array([fixed, per_pass])
-    return table, {"fixed_ms": float(fixed), "per_pass_ms": float(per_pass),
-                   "residual_ms": float(np.sqrt(np.mean(residual ** 2)))}
-
-
-def fused_what_if(table: pl.DataFrame, fit: dict[str, float], per_pass_ms: list[float],
-                  target: float = 1.0) -> pl.DataFrame:
-    """Each (request, gpu-fused config) of `drafter_pass_fit` at hypothetical prices of a drafter pass, tokens per
-    step as measured: predicted tok/s = tokens/step / (lookup_step_ms + fixed_ms + passes * price), its ratio to the
-    lookup's tokens/step / lookup_step_ms, and `breakeven_pass_ms`, the price at which that ratio reaches `target`
-    (negative: not even a free pass gets there, the fused block carries too few tokens). Per task class, take
-    medians over its requests, as the results tables do."""
-    grid = pl.DataFrame({"per_pass_ms": [float(c) for c in per_pass_ms]})
-    lookup_rate = pl.col("lookup_tokens_per_step") / pl.col("lookup_step_ms")
-    return (table.join(grid, how="cross")
-            .with_columns((1e3 * pl.col("tokens_per_step") / (pl.col("lookup_step_ms") + fit["fixed_ms"]
-                                                                + pl.col("passes") * pl.col("per_pass_ms")))
-                          .alias("predicted_tok_s"))
-            .with_columns((pl.col("predicted_tok_s") / (1e3 * lookup_rate)).alias("vs_lookup"),
-                          ((pl.col("tokens_per_step") / (target * lookup_rate) - pl.col("lookup_step_ms")
-                            - fit["fixed_ms"]) / pl.col("passes")).alias("breakeven_pass_ms")))
-
-
-def skip_what_if(replayed: pl.DataFrame, table: pl.DataFrame, fit: dict[str, float], *,
-                 per_pass_ms: float | None = None, skip_run: int = GPU_FUSED_SKIP_RUN) -> pl.DataFrame:
-    """Replayed `fused` configs (`hqlab.replay.teacher.replay_fused_grid` rows: the spec with its draft_block and
-    skip, prompt_id, tokens_per_step, drafter_share) priced with a run's drafter-pass fit (`drafter_pass_fit`, the
-    same prompts): a step that runs the drafter costs the prompt's gpu-lookup step + fixed_ms + draft_block passes,
-    a step that skips it either the lookup step alone (`lookup_only_ms`: the drafter catches up later, off this
-    step), the lookup step + fixed_ms + one pass (`catch_up_ms`: the catch-up pass still runs every step), or what
-    gpu-fused does at batch 1 (`built_ms`): the lookup step, and the catch-up pass once per `skip_run` + 1 skipped
-    steps (an upper bound on its share: runs of fewer skipped steps need no catch-up of their own). Returns per
-    (config, prompt) the predicted tok/s and their ratios to the lookup's tokens/step / step ms."""
-    price = fit["per_pass_ms"] if per_pass_ms is None else per_pass_ms
-    lookup = table.group_by("request").agg(pl.col("lookup_step_ms").first(),
-                                           pl.col("lookup_tokens_per_step").first())
-    names = ("passes", "skip", "skip_on", "schedule")
-    settings = {spec: _fused_settings(spec, "draft_block", "skip", "skip_on", "schedule")
-                for spec in replayed["config"].unique().to_list()}
-    out = (replayed.join(lookup, left_on="prompt_id", right_on="request", how="inner")
-           .with_columns(*[pl.col("config").replace_strict({spec: v[i] for spec, v in settings.items()}).alias(name)
-                           for i, name in enumerate(names)])
-           .with_columns((pl.col("lookup_step_ms") + fit["fixed_ms"] + pl.col("passes") * price).alias("drafting_ms")))
-    skipped = 1 - pl.col("drafter_share")
-    lookup_rate = pl.col("lookup_tokens_per_step") / pl.col("lookup_step_ms")
-    return (out.with_columns(
-        (pl.col("drafter_share") * pl.col("drafting_ms") + skipped * pl.col("lookup_step_ms")).alias("lookup_only_ms"),
-        (pl.col("drafter_share") * pl.col("drafting_ms")
-         + skipped * (pl.col("lookup_step_ms") + fit["fixed_ms"] + price)).alias("catch_up_ms"),
-        (pl.col("drafter_share") * pl.col("drafting_ms")
-         + skipped * (pl.col("lookup_step_ms") + (fit["fixed_ms"] + price) / (skip_run + 1))).alias("built_ms"))
-        .with_columns(*[(1e3 * pl.col("tokens_per_step") / pl.col(f"{way}_ms")).alias(f"{way}_tok_s")
-                        for way in ("lookup_only", "catch_up", "built")])
-        .with_columns(*[(pl.col(f"{way}_tok_s") / (1e3 * lookup_rate)).alias(f"{way}_vs_lookup")
-                        for way in ("lookup_only", "catch_up", "built")]))
-
-
 def fused_ratios(results: pl.DataFrame, run: str) -> pl.DataFrame:
     """Per (category, config) of one fused run at batch 1: median decode tok/s over the class's prompts, tokens/step,
     step efficiency, and the ratios the fused issue asks for: to `none`, to the run's best gpu-lookup config and to
@@ -465,131 +348,6 @@ def step_ms_by_passes(steps: pl.DataFrame, run: str) -> pl.DataFrame:
             .sort("category", "config", "drafter_passes"))
 
 
-def exact_skip_share(steps: pl.DataFrame, run: str) -> pl.DataFrame:
-    """Per (category, config) of a run's one-pass gpu-fused configs (`draft_block` = 1) at batch 1: the share of steps
-    whose lookup match reached the config's own `nstrong` (the lookup then takes head and tail whatever the drafter
-    says, so the drafter's pass could be skipped at that very step without changing a decision), next to the share
-    of steps that ran without the drafter (`drafter_passes` = 0, the host-proven lag-L skip)."""
-    fused = steps.filter((pl.col("run") == run) & (pl.col("load") == "alone")
-                         & pl.col("config").str.starts_with("gpu-fused"))
-    configs = [c for c in fused["config"].unique(maintain_order=True) if _fused_settings(c, "draft_block")[0] == 1]
-    if not configs:
-        raise ConfigError(f"run {run!r}: no batch-1 step records of a one-pass gpu-fused config (draft_block=1)")
-    strong = {c: _fused_settings(c, "nstrong")[0] for c in configs}
-    return (fused.filter(pl.col("config").is_in(configs))
-            .with_columns(pl.col("config").replace_strict(strong, return_dtype=pl.Int64).alias("nstrong"))
-            .group_by(["category", "config"], maintain_order=True)
-            .agg(pl.len().alias("steps"), (pl.col("match_len") >= pl.col("nstrong")).mean().alias("strong_share"),
-                 (pl.col("drafter_passes") == 0).mean().alias("skipped_share"))
-            .sort("category", "config"))
-
-
-def device_skip_what_if(steps: pl.DataFrame, results: pl.DataFrame, run: str, config: str) -> pl.DataFrame:
-    """What `device_skip=true` should give a one-pass gpu-fused `config` of a run, per task class, from that run's
-    step records at batch 1. The skip is exact, so tokens/step stay the config's; a step whose lookup match reached
-    the config's `nstrong` (`strong_share` of the steps, as `exact_skip_share` counts them: where the device skips)
-    is priced as the class's fastest gpu-lookup step (median ms: the pass and the host's proof both gone, the
-    conditional nodes' ~0.01 ms left out), every other step as the config's own median step with a drafter pass.
-    Returns the measured and predicted ms a step and the predicted decode rate over the fastest lookup's, next to
-    the measured ratio of medians."""
-    (nstrong,) = _fused_settings(config, "nstrong")
-    alone = steps.filter((pl.col("run") == run) & (pl.col("load") == "alone"))
-    mine = alone.filter(pl.col("config") == config)
-    if mine.is_empty():
-        raise ConfigError(f"run {run!r} has no batch-1 step records of {config!r}")
-    table = fused_ratios(results, run)
-    best = (table.filter(pl.col("config").str.starts_with("gpu-lookup"))
-            .sort("decode_tok_s", descending=True).unique("category", keep="first")
-            .select("category", pl.col("config").alias("lookup"), pl.col("tokens_per_step").alias("lookup_tps")))
-    lookup_ms = (alone.join(best, left_on=["category", "config"], right_on=["category", "lookup"])
-                 .group_by("category").agg((1e3 * pl.col("step_s").median()).alias("lookup_step_ms")))
-    # a match is an earlier occurrence of the history's suffix, so it always has a token after it to propose
-    strong = pl.col("match_len") >= nstrong
-    per = mine.group_by("category").agg(
-        strong.mean().alias("strong_share"),
-        (1e3 * pl.col("step_s").filter(pl.col("drafter_passes") != 0).median()).alias("pass_step_ms"))
-    measured = table.filter(pl.col("config") == config).select(
-        "category", pl.col("tokens_per_step").alias("fused_tps"), pl.col("vs_best_gpu_lookup").alias("measured"))
-    return (per.join(lookup_ms, on="category").join(best, on="category").join(measured, on="category")
-            .with_columns((pl.col("strong_share") * pl.col("lookup_step_ms")
-                           + (1 - pl.col("strong_share")) * pl.col("pass_step_ms")).alias("predicted_step_ms"))
-            .with_columns(((pl.col("fused_tps") / pl.col("predicted_step_ms"))
-                           / (pl.col("lookup_tps") / pl.col("lookup_step_ms"))).alias("predicted"),
-                          ((pl.col("fused_tps") / pl.col("pass_step_ms"))
-                           / (pl.col("lookup_tps") / pl.col("lookup_step_ms"))).alias("every_pass"))
-            .select("category", "strong_share", "lookup_step_ms", "pass_step_ms", "predicted_step_ms", "fused_tps",
-                    "lookup_tps", "every_pass", "predicted", "measured")
-            .sort("category"))
-
-
-class _Points:
-    """An acceptance table being written: one row per point (key, what was measured, its value, the target, whether
-    the run met it; None: the run lacks what the point needs)."""
-
-    SCHEMA = {"key": pl.String, "point": pl.String, "value": pl.Float64, "target": pl.String, "met": pl.Boolean}
-
-    def __init__(self) -> None:
-        self.rows: list[dict] = []
-
-    def add(self, key: str, point: str, value: float | None, target: str, met: bool | None) -> None:
-        self.rows.append({"key": key, "point": point, "value": value, "target": target, "met": met})
-
-    def lossless(self, rows: pl.DataFrame) -> None:
-        """No output of `rows` differs from `none`'s but at a near tie (the widest tie margin shown)."""
-        mismatches = int((rows["divergence"] == "mismatch").sum())
-        ties = rows.filter(pl.col("divergence") == "near-tie")["divergence_margin"]
-        widest = ties.max() if ties.len() else 0
-        self.add("lossless", f"outputs that differ from none's (near ties: {ties.len()}, widest margin {widest})",
-                 float(mismatches), "0", mismatches == 0)
-
-    def frame(self) -> pl.DataFrame:
-        return pl.DataFrame(self.rows, schema=self.SCHEMA)
-
-
-def gpu_lookup_acceptance(results: pl.DataFrame, steps: pl.DataFrame, run: str) -> pl.DataFrame:
-    """The GPU-lookup issue's acceptance points for one run of `vllm_gpu_h200.parquet`, each with its measured
-    value, its target and whether the run met it (None: the run lacks what the point needs): the best gpu-lookup
-    config ≥ 0.95× `none` on every prose class and ≥ 1.3× the best custom_class adapter on copy, code and edit at
-    batch 1 (ratios of class medians, as `run_ratios`); eight requests at once ≥ `none` (the best gpu-lookup
-    config, per load the run has); no output that differs from `none`'s except at a near tie (the widest tie
-    margin shown); the host-level cost model within ±10 % on every held-out (config, class) pair
-    (`cost_model_check`)."""
-    alone = run_ratios(results.filter(pl.col("run") == run))
-    if alone.is_empty():
-        raise ConfigError(f"run {run!r}: no batch-1 rows (runs here: {sorted(results['run'].unique().to_list())})")
-    best = alone.group_by("category", "family").agg(pl.col("decode_tok_s").max(), pl.col("vs_none").max())
-    lookup = best.filter(pl.col("family") == family("gpu-lookup"))
-    adapter = best.filter(pl.col("family") == family("lookup:")).select("category",
-                                                                       pl.col("decode_tok_s").alias("adapter"))
-    points = _Points()
-    add = points.add
-    prose = lookup.filter(pl.col("category").is_in(PROSE))
-    weakest = prose["vs_none"].min() if prose.height else None
-    add("prose >= 0.95x none", "prose ÷ none, weakest class", weakest, ">= 0.95",
-        bool(prose.height == len(PROSE) and weakest >= 0.95))
-    docs = lookup.filter(pl.col("category").is_in(DOCUMENTS)).join(adapter, on="category")
-    ratio = (docs["decode_tok_s"] / docs["adapter"]).min() if docs.height else None
-    add("copy/code/edit >= 1.3x adapter", "copy/code/edit ÷ custom_class, weakest class", ratio, ">= 1.3",
-        None if ratio is None else bool(docs.height == len(DOCUMENTS) and ratio >= 1.3))
-    together = concurrency(results.filter(pl.col("run") == run))
-    for load in together["load"].unique(maintain_order=True).to_list() if together.height else []:
-        mine = together.filter((pl.col("load") == load) & pl.col("config").str.starts_with("gpu-lookup"))
-        value = mine["vs_none"].max() if mine.height else None
-        add(f"eight requests ({load}) >= none", f"eight requests ({load}) ÷ none, best config", value, ">= 1.0",
-            None if value is None else bool(value >= 1.0))
-    if not together.height:
-        add("eight requests >= none", "eight requests ÷ none (not run)", None, ">= 1.0", None)
-    points.lossless(results.filter(pl.col("run") == run))
-    try:
-        check = cost_model_check(steps, [run], host_level=True)
-        within = int((check["error"].abs() <= 0.10).sum())
-        add("cost model within 10 %", f"cost model pairs within ±10 % (of {check.height})", float(within),
-            f"{check.height}", within == check.height)
-    except (ConfigError, ValueError) as e:
-        add("cost model within 10 %", f"cost model ({e})", None, "all pairs", None)
-    return points.frame()
-
-
 def burst_blocks(steps: pl.DataFrame, run: str) -> pl.DataFrame:
     """Per adaptive gpu-fused config of one run and request of its burst: the share of the request's steps that
     proposed more than the short block (`draft_block` tokens: the long block was on) in the burst and alone. The
@@ -635,121 +393,51 @@ def same_steps(steps: pl.DataFrame, run: str, rerun: str, config: str) -> bool:
     return a.height > 0 and a.equals(b)
 
 
-def _replay_point(replayed: pl.DataFrame, run: str, steps: pl.DataFrame | None, rerun: str | None
-                  ) -> tuple[pl.DataFrame, str]:
-    """`run`'s replay rows, where a config's rows are not all exact and `rerun` repeated that config step for step
-    (`same_steps`) with a replay of its own, `rerun`'s rows for it instead; and a note naming the configs taken."""
-    mine = replayed.filter(pl.col("run") == run)
+def replay_rows(replayed: pl.DataFrame, run: str, steps: pl.DataFrame | None = None,
+                rerun: str | None = None) -> pl.DataFrame:
+    """The lab's replay of `run` (`benchmarks/vllm_gpu.py replay`'s frame: per fused (config, prompt) the replay's
+    tokens/step and `difference`, vLLM's ÷ the replay's - 1), with a `replay_run` column. With `rerun` (and the step
+    records `steps`), a config whose replay is off in `run` takes `rerun`'s rows where `rerun` ran it again with the
+    same decisions at every step (`same_steps`): e.g. `fn3a`, whose records carry the drafter's whole block, for
+    `fn2`'s adaptive config, whose records carried its head token only."""
+    mine = replayed.filter(pl.col("run") == run).with_columns(pl.col("run").alias("replay_run"))
     if rerun is None:
-        return mine, ""
+        return mine
     if steps is None:
         raise ConfigError(f"rerun={rerun!r}: give the step records too (steps=...), to check it repeated {run!r}")
     if rerun not in set(replayed["run"]):
         raise ConfigError(f"rerun={rerun!r}: no replay of that run (replayed runs: {sorted(set(replayed['run']))})")
-    taken = []
     for config in mine["config"].unique(maintain_order=True).to_list():
-        rows = mine.filter(pl.col("config") == config)
         other = replayed.filter((pl.col("run") == rerun) & (pl.col("config") == config))
-        if (rows["difference"] != 0).any() and other.height and same_steps(steps, run, config=config, rerun=rerun):
-            mine = pl.concat([mine.filter(pl.col("config") != config), other], how="diagonal_relaxed")
-            taken.append(short_label(config))
-    note = (f"; replay of run {rerun} for {', '.join(taken)}, which it repeated step for step with the drafter's "
-            f"whole block recorded" if taken else "")
-    return mine, note
+        off = (mine.filter(pl.col("config") == config)["difference"] != 0).any()
+        if off and other.height and same_steps(steps, run, config=config, rerun=rerun):
+            mine = pl.concat([mine.filter(pl.col("config") != config),
+                              other.with_columns(pl.col("run").alias("replay_run"))], how="diagonal_relaxed")
+    return mine
 
 
-def fused_acceptance(results: pl.DataFrame, repeats: pl.DataFrame, replayed: pl.DataFrame, run: str,
-                     steps: pl.DataFrame | None = None, rerun: str | None = None) -> pl.DataFrame:
-    """The fused issue's acceptance points for one run of `vllm_fused_h200.parquet`, each with its measured value,
-    its target and whether the run met it (None: the run lacks what the point needs). Speed points take the fastest
-    gpu-fused config per class (`best_fused`: ratio of class medians; the paired-by-round median is in its table):
-    chat ≥ 1.2× `none` and ≥ 1.1× the best gpu-lookup; summary and qa ≥ 1.2× `none` and ≥ 0.95× the lookup; copy,
-    code and edit ≥ 0.95× the lookup and ≥ 2× vLLM's draft model. Then: every fused (config, prompt) pair's
-    tokens/step equals the lab's replay over the same outputs (`replayed`: `benchmarks/vllm_gpu.py replay`'s frame;
-    the widest relative difference shown); the burst of four mixes the copy request with prose (`vllm_gpu.py bench
-    --burst copy,chat,qa,summary`; without it the burst is the suite's first four prompts, all documents), each
-    fused config's copy request keeps its tokens/step from running alone within 5 % and no output differs from
-    `none`'s batch-1 output but at a near tie; with `steps` (the run's step records), each adaptive fused config's
-    requests keep in the burst the long-block share they had alone (`burst_blocks`, within 5 points: the copy
-    request long, its prose neighbours short), None where the run has no adaptive config (`schedule=long` holds
-    every request long by setting); no output of the run differs from `none`'s but at a near tie; step efficiency
-    reported (the lowest class median of the fastest fused configs). With `rerun` (and `steps`), a config whose
-    replay is off in `run` takes `rerun`'s replay where `rerun` ran it again with the same decisions at every step
-    (`same_steps`): e.g. `fn3a`, whose records carry the drafter's whole block, for `fn2`'s adaptive config."""
-    table = best_fused(results, repeats, run)
-    points = _Points()
-    add = points.add
+def fused_vs_lookup(results: pl.DataFrame, repeats: pl.DataFrame, run: str, configs: list[str]) -> pl.DataFrame:
+    """Per task class, each of `configs` (gpu-fused configs of `run`) over the class's fastest gpu-lookup config two
+    ways: the ratio of class medians (`how` = "medians", as `fused_ratios`) and the median of the per-request ratios
+    paired round by round (`how` = "paired", as `round_ratios`)."""
+    ratios = fused_ratios(results, run)
+    fused = ratios.filter(pl.col("config").is_in(configs))
+    missing = sorted(set(configs) - set(fused["config"]))
+    if missing:
+        raise ConfigError(f"run {run!r} has no batch-1 rows of {missing}")
+    paired = pl.concat([round_ratios(repeats, run, c).select("category", pl.col("median").alias("ratio"),
+                                                             pl.lit(c).alias("config"))
+                        for c in fused["config"].unique(maintain_order=True)])
+    return pl.concat([
+        fused.select("category", "config", pl.col("vs_best_gpu_lookup").alias("ratio"), pl.lit("medians").alias("how")),
+        paired.select("category", "config", "ratio", pl.lit("paired").alias("how")),
+    ])
 
-    def ratio(category: str, column: str) -> float | None:
-        mine = table.filter(pl.col("category") == category)
-        return None if mine.is_empty() or mine[column][0] is None else float(mine[column][0])
 
-    bars = {"chat": (1.2, 1.1), "summary": (1.2, 0.95), "qa": (1.2, 0.95)}
-    for category, (over_none, over_lookup) in bars.items():
-        for column, bar, name in (("vs_none", over_none, "none"), ("vs_best_gpu_lookup", over_lookup, "lookup")):
-            value = ratio(category, column)
-            add(f"{category} >= {bar}x {name}", f"{category}: best fused ÷ {name}", value, f">= {bar}",
-                None if value is None else value >= bar)
-    for category in DOCUMENTS:
-        value = ratio(category, "vs_best_gpu_lookup")
-        add(f"{category} >= 0.95x lookup", f"{category}: best fused ÷ best gpu-lookup", value, ">= 0.95",
-            None if value is None else value >= 0.95)
-        value = ratio(category, "vs_best_vllm_draft")
-        add(f"{category} >= 2x vllm-draft", f"{category}: best fused ÷ best vllm-draft", value, ">= 2",
-            None if value is None else value >= 2)
-    mine, rerun_note = _replay_point(replayed, run, steps, rerun) if replayed.height else (replayed, "")
-    if mine.height:
-        off = mine.with_columns(pl.col("difference").abs().alias("off"))  # already relative: vLLM ÷ replay - 1
-        exact = int((off["off"] == 0).sum())
-        forced = ""
-        if "forced_drafts" in off.columns and (off["forced_drafts"].fill_null(0) > 0).any():
-            widest = off["flip_margin_max"].max()
-            forced = (f"; vLLM's own drafter tokens taken at {int(off['forced_drafts'].sum())} steps, of which the "
-                      f"replay's drafter would have drafted another at {int(off['drafter_flips'].sum())}"
-                      + (f", margins <= {widest:.3g}" if widest is not None else ""))
-        add("replay equals vLLM", f"fused (config, prompt) pairs whose replay gives vLLM's tokens/step (of "
-            f"{off.height}; widest difference {off['off'].max():.2%}{forced}{rerun_note})", float(exact),
-            f"{off.height}", exact == off.height)
-    else:
-        add("replay equals vLLM", "replay (not run)", None, "every pair", None)
-    here = results.filter(pl.col("run") == run)
-    fused = here.filter(pl.col("config").str.starts_with("gpu-fused"))
-    burst = fused.filter(pl.col("load") == "burst")
-    if burst.height:
-        alone = fused.filter(pl.col("concurrency") <= 1).group_by("config", "prompt_id").agg(
-            pl.col("tokens_per_step").median().alias("alone"))
-        copy = (burst.filter(pl.col("category") == "copy").group_by("config", "prompt_id")
-                .agg(pl.col("tokens_per_step").median()).join(alone, on=["config", "prompt_id"]))
-        worst = float((copy["tokens_per_step"] / copy["alone"] - 1).abs().max()) if copy.height else None
-        held = burst.unique("prompt_id", maintain_order=True)
-        prose = int(held["category"].is_in(["chat", "summary", "qa"]).sum())  # the issue's prose: no quoting
-        add("burst mixes prose", f"burst of four: prose requests beside the copy request (held: "
-            f"{', '.join(held['prompt_id'].to_list())})", float(prose), ">= 1", prose >= 1)
-        add("burst: copy keeps its block", "burst of four: copy's tokens/step off its batch-1 value, worst fused "
-            "config", worst, "<= 5 %", None if worst is None else worst <= 0.05)
-        bad = int((burst["divergence"] == "mismatch").sum())
-        add("burst: outputs identical", "burst of four: fused outputs that differ from batch 1 but at a near tie",
-            float(bad), "0", bad == 0)
-    else:
-        add("burst mixes prose", "burst of four (not run)", None, ">= 1", None)
-        add("burst: copy keeps its block", "burst of four (not run)", None, "<= 5 %", None)
-    blocks = burst_blocks(steps, run) if steps is not None else None
-    if blocks is None or blocks.is_empty():
-        why = "no step records given" if blocks is None else "no adaptive fused config in the burst"
-        add("burst: blocks per request", f"burst of four: long-block share off its batch-1 value ({why})", None,
-            "<= 5 points", None)
-    else:
-        moved = blocks.with_columns((pl.col("long_share_burst") - pl.col("long_share_alone")).abs().alias("moved"))
-        shares = ", ".join(f"{r['request']} {r['long_share_burst']:.0%}" for r in moved.iter_rows(named=True))
-        worst = moved["moved"].max()
-        add("burst: blocks per request", f"burst of four: each request's long-block share off its batch-1 value, "
-            f"worst (adaptive configs; in the burst: {shares})", None if worst is None else float(worst),
-            "<= 5 points", None if worst is None else worst <= 0.05)
-    points.lossless(here)
-    efficiency = table["step_efficiency"].min()  # best_fused has a row per class, or raised
-    add("step efficiency reported", "fused step efficiency, lowest class median",
-        None if efficiency is None else float(efficiency), "reported", True if efficiency is not None else None)
-    return points.frame()
+def run_figure(results_file: str | Path, run: str) -> str:
+    """The figure name of one run of a results file: `vllm_fused_h200.parquet`, run `fn2` ->
+    `vllm_fused_h200_fn2.svg` (the fusion_benchmark notebook writes it; docs embed it by that name)."""
+    return f"{Path(results_file).stem}_{run}.svg"
 
 
 GPU_PHASES = ["target forward", "propose", "sample + accept"]
@@ -836,9 +524,8 @@ def load(results_path: str | Path) -> dict[str, pl.DataFrame]:
 
 
 __all__ = ["short_label", "run_ratios", "summary", "concurrency", "step_breakdown", "request_step_ms",
-           "cost_model_check", "host_probe", "probe_correlation", "load", "family", "PARTS", "drafter_pass_fit",
-           "fused_what_if", "skip_what_if", "fused_ratios", "step_ms_by_passes", "host_level_correlation",
-           "fused_ratios_across", "speculator_host_ms", "exact_skip_share", "round_ratios", "best_fused",
-           "device_skip_what_if", "round_step_ms", "gpu_phases", "GPU_PHASES",
-           "pass_kernel_parts", "KERNEL_PARTS", "tile_sweep",
-           "gpu_lookup_acceptance", "fused_acceptance", "same_steps", "STEP_DECISIONS", "PROSE", "DOCUMENTS"]
+           "cost_model_check", "host_probe", "probe_correlation", "load", "family", "PARTS", "fused_ratios",
+           "step_ms_by_passes", "host_level_correlation", "fused_ratios_across", "speculator_host_ms", "round_ratios",
+           "best_fused", "fused_vs_lookup", "round_step_ms", "gpu_phases", "GPU_PHASES", "pass_kernel_parts",
+           "KERNEL_PARTS", "tile_sweep", "burst_blocks", "same_steps", "replay_rows", "run_figure", "STEP_DECISIONS",
+           "PROSE", "DOCUMENTS"]

@@ -26,6 +26,7 @@ def data():
     ("lookup:nmin=1,nmax=32,k=15,policy=earliest", "custom_class 1/32 k=15 earliest"),
     ("vllm-ngram-gpu:nmin=2,nmax=5,k=7", "vLLM ngram_gpu 2/5 k=7"),
     ("gpu-lookup:nmin=6,nmax=12,k=15", "gpu-lookup 6/12 k=15"),
+    ("gpu-fused:k=15,draft_block=7,nmax=32,policy=earliest", "gpu-fused k=15 earliest draft_block=7 nmax=32"),
 ])
 def test_short_label(config, label):
     assert vllm_report.short_label(config) == label
@@ -74,97 +75,6 @@ def test_concurrency_is_relative_to_the_runs_own_none(data):
 
 
 FUSED = RESULTS.with_name("vllm_fused_h200.parquet")
-
-
-@pytest.fixture(scope="module")
-def fused():
-    return vllm_report.load(FUSED)
-
-
-def test_drafter_pass_fit_explains_the_fused_steps_of_run_fb(fused):
-    """Run fb's gpu-fused steps against its gpu-lookup steps on the same prompts: one price per drafter pass explains
-    them (0.2 ms residual), and the model's fused ÷ lookup rates land near the measured decode ratios per class."""
-    table, fit = vllm_report.drafter_pass_fit(fused["steps"], "fb")
-    assert set(table["passes"].unique().to_list()) == {2, 4, 7}  # draft_block 2, 4, 7 at the lookup's k=15
-    assert 0.8 < fit["per_pass_ms"] < 1.8 and fit["residual_ms"] < 0.5
-    model = (vllm_report.fused_what_if(table, fit, [fit["per_pass_ms"]])
-             .group_by("category", "config").agg(pl.col("vs_lookup").median()))
-    alone = fused["results"].filter((pl.col("run") == "fb") & (pl.col("concurrency") == 1))
-    rate = alone.group_by("category", "config").agg(pl.col("decode_tok_s").median())
-    lookup = rate.filter(pl.col("config").str.starts_with("gpu-lookup")).select(
-        "category", pl.col("decode_tok_s").alias("lookup_tok_s"))
-    measured = rate.join(lookup, on="category").with_columns(
-        (pl.col("decode_tok_s") / pl.col("lookup_tok_s")).alias("measured"))
-    both = model.join(measured, on=["category", "config"])
-    assert both.height == 21  # 7 classes x 3 adaptive configs
-    assert ((both["vs_lookup"] / both["measured"] - 1).abs() < 0.15).all()
-
-
-def test_the_breakeven_price_reaches_the_target_and_prices_order_the_rates(fused):
-    table, fit = vllm_report.drafter_pass_fit(fused["steps"], "fb")
-    grid = vllm_report.fused_what_if(table, fit, [0.0, 0.5, 1.0, 2.0], target=1.1)
-    at_breakeven = vllm_report.fused_what_if(table, fit, [0.0], target=1.1).select(
-        "request", "config", "breakeven_pass_ms")
-    for row in at_breakeven.iter_rows(named=True):
-        again = vllm_report.fused_what_if(table.filter((pl.col("request") == row["request"])
-                                                       & (pl.col("config") == row["config"])),
-                                          fit, [row["breakeven_pass_ms"]], target=1.1)
-        assert again["vs_lookup"][0] == pytest.approx(1.1)
-    dearer = grid.sort("per_pass_ms").group_by("request", "config").agg(pl.col("vs_lookup"))
-    assert all(all(a > b for a, b in zip(v, v[1:])) for v in dearer["vs_lookup"].to_list())
-
-
-def test_drafter_pass_fit_names_the_run_that_has_no_fused_steps(fused):
-    with pytest.raises(ConfigError, match="run 'zz'"):
-        vllm_report.drafter_pass_fit(fused["steps"], "zz")
-
-
-SKIP_REPLAY = RESULTS.with_name("fused_skip_replay.parquet")
-
-
-def test_drafter_pass_fit_leaves_out_configs_that_skip_the_drafter(fused):
-    """A skipping config's steps run 0, 1 or draft_block passes: relabelled as one, run fb's block-4 config drops
-    out of the fit, which then stands on blocks 2 and 7 alone."""
-    block4 = "gpu-fused:k=15,draft_block=4,nmax=32,policy=earliest,compile=true"
-    steps = fused["steps"].with_columns(pl.col("config").replace(block4, block4 + ",skip=2"))
-    table, fit = vllm_report.drafter_pass_fit(steps, "fb")
-    assert sorted(table["passes"].unique().to_list()) == [2, 7]
-    full, _ = vllm_report.drafter_pass_fit(fused["steps"], "fb")
-    assert table.height == full.filter(pl.col("passes") != 4).height
-
-
-def test_skip_replay_prices_agree_with_the_pass_fit_and_with_the_live_replay_check(fused):
-    """benchmarks/fused_skip_replay.py over run fb's outputs, priced by `skip_what_if`: without skipping, its
-    tokens/step are the replay check's for the same configs (same outputs, the run was lossless) and its prices are
-    `fused_what_if`'s; skipping never prices a step above drafting it."""
-    table, fit = vllm_report.drafter_pass_fit(fused["steps"], "fb")
-    replayed = pl.read_parquet(SKIP_REPLAY)
-    priced = vllm_report.skip_what_if(replayed, table, fit)
-    assert priced.height == replayed.height  # every replayed prompt is one of the run's
-    never = priced.filter(pl.col("skip") == 0)
-    assert (never["drafter_share"] == 1.0).all()
-    assert (never["lookup_only_ms"] - never["catch_up_ms"]).abs().max() < 1e-9
-    assert (priced["lookup_only_ms"] <= priced["catch_up_ms"] + 1e-9).all()
-    # gpu-fused as built: between the two, the catch-up pass on one skipped step in SKIP_RUN + 1
-    assert (priced["lookup_only_ms"] <= priced["built_ms"] + 1e-9).all()
-    assert (priced["built_ms"] <= priced["catch_up_ms"] + 1e-9).all()
-    extra = (priced["built_ms"] - priced["lookup_only_ms"]) / (priced["catch_up_ms"] - priced["lookup_only_ms"])
-    share = 1 / (vllm_report.GPU_FUSED_SKIP_RUN + 1)
-    assert extra.drop_nans().is_between(share - 1e-9, share + 1e-9).all()
-    assert (priced.filter(pl.col("skip") > 0)["drafter_share"] < 1.0).any()
-    # the live check replayed run fb's own gpu-fused configs: same settings, skip 0, same tokens/step
-    check = pl.read_parquet(FUSED.with_name("vllm_fused_h200.replay.parquet")).filter(pl.col("run") == "fb")
-    for block in (2, 4, 7):
-        live = check.filter(pl.col("config").str.contains(f"k=15,draft_block={block},"))
-        mine = never.filter(pl.col("passes") == block).join(live.select("prompt_id", "tokens_per_step"),
-                                                            on="prompt_id", suffix="_check")
-        assert mine.height == 14 and (mine["tokens_per_step"] - mine["tokens_per_step_check"]).abs().max() < 1e-9
-    model = vllm_report.fused_what_if(table, fit, [fit["per_pass_ms"]])
-    joined = never.join(model.select("request", "passes", pl.col("tokens_per_step").alias("t"),
-                                     pl.col("lookup_step_ms").alias("s")), left_on=["prompt_id", "passes"],
-                        right_on=["request", "passes"])
-    expected = joined["s"] + fit["fixed_ms"] + joined["passes"] * fit["per_pass_ms"]
-    assert (joined["lookup_only_ms"] - expected).abs().max() < 1e-9
 
 
 def test_host_probe_pairs_each_probed_request_with_its_step_time(data):

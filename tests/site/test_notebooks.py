@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hqlab.site.notebooks import NOTEBOOKS, REPO, declared_parameters, notebook_paths, run_notebook
+from hqlab.site.notebooks import (NOTEBOOKS, REPO, declared_defaults, declared_parameters, notebook_paths,
+                                  run_notebook)
 
 DOCS = REPO / "docs"
 
@@ -56,26 +57,21 @@ def referenced_figures() -> set[str]:
 def written_by_notebooks() -> set[str]:
     """Figure names the notebooks write with their default parameters: literal names in their sources, plus the
     core and fusion benchmarks' figures for each default tag (named by `bench.core_figure_names` and
-    `bench.fusion_figure_names`)."""
-    import ast
-
+    `bench.fusion_figure_names`) and the fusion benchmark's figure of its default vLLM run
+    (`vllm_report.run_figure`)."""
     import jupytext
 
-    from hqlab.bench import core_figure_names
+    from hqlab.bench import core_figure_names, fusion_figure_names, vllm_report
 
     names: set[str] = set()
     for path in notebook_paths():
         names |= set(re.findall(r"[\w\-]+\.svg", path.read_text()))
-    from hqlab.bench import fusion_figure_names
-
     for stem, names_for in (("core_benchmark", core_figure_names),
                             ("fusion_benchmark", lambda tag: list(fusion_figure_names(tag).values()))):
-        nb = jupytext.read(NOTEBOOKS / f"{stem}.py")
-        params = next(c.source for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", []))
-        tags = next(ast.literal_eval(n.value) for n in ast.parse(params).body
-                    if isinstance(n, ast.Assign) and n.targets[0].id == "tags")
-        for tag in tags:
+        for tag in declared_defaults(jupytext.read(NOTEBOOKS / f"{stem}.py"))["tags"]:
             names |= set(names_for(tag))
+    fusion = declared_defaults(jupytext.read(NOTEBOOKS / "fusion_benchmark.py"))
+    names.add(vllm_report.run_figure(fusion["fused_vllm_file"], fusion["run"]))
     return names
 
 

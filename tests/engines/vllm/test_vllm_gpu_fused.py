@@ -682,13 +682,6 @@ def test_drafter_free_graphs_change_no_draft_on_the_gpu(dtype, attention):
     assert {r["drafter_passes"] for r in records} <= {0, 1, config.draft_block}
 
 
-def test_the_report_prices_skipping_with_the_engines_catch_up_run():
-    pytest.importorskip("polars")  # the report's frames (the GPU host's image has no polars)
-    from hqlab.bench import vllm_report
-
-    assert vllm_report.GPU_FUSED_SKIP_RUN == gpu_fused.SKIP_RUN
-
-
 def test_the_device_skip_flags_decide_as_their_definition_compiled_or_not():
     """`device_flags`, `advanced_flags` and `final_flags` (what `device_skip` runs of the drafter) against their
     definition in plain Python on random batches, eager and through torch.compile (`compile_rule`)."""
