@@ -399,6 +399,7 @@ class GpuFusedSpeculator:
             self.steps_by_kind = {"device": 0}  # one kind of step: the device chooses what of the drafter runs
         self.steps_by_kind["off"] = 0  # steps whose drafting `batch_k` turned off (the next step verifies nothing)
         self._fresh_slots: set[int] = set()  # slots whose first sampling step fell in such a step
+        self._deferred: dict[int, tuple[str, int, bool]] = {}  # slot -> (request, prompt end, done): unread prompts
         # with `device_skip`: what this step runs of the drafter (int32 flags the conditional nodes read, and what
         # ran, `FLAGS`), the conditional bodies' memory pool (made at capture), and whether a warm-up is running (it
         # runs every body once, as the capture will record them)
@@ -547,14 +548,21 @@ class GpuFusedSpeculator:
         start = time.perf_counter()
         n = len(req_ids)
         fresh = np.zeros(n, dtype=bool)
+        off = batch_k.next_k(self.k_table, n, self.config.k) == 0
+        if not off and self._deferred:
+            self._prefill_deferred(req_ids, slots_np, prefilling)
         for i in np.flatnonzero(prefilling):
             end = int(computed_prefill[i]) + int(scheduled[i])
             fresh[i] = end >= int(prefill_len[i])  # the prompt is done: this step sampled the request's first token
-            self._prefill(req_ids[i], int(slots_np[i]), end, done=bool(fresh[i]))
-        if batch_k.next_k(self.k_table, n, self.config.k) == 0:
-            # The next step verifies nothing at this load (`batch_k`): nothing to draft. The prompt was read above;
-            # the tokens emitted meanwhile are read by the lazy catch-up when drafting resumes, and a request's
-            # first step (its scheduler state's reset) is remembered for that step.
+            if off:  # read when drafting resumes, if it resumes while the request runs (`_prefill_deferred`)
+                self._deferred[int(slots_np[i])] = (req_ids[i], end, bool(fresh[i]))
+            else:
+                self._prefill(req_ids[i], int(slots_np[i]), end, done=bool(fresh[i]))
+        if off:
+            # The next step verifies nothing at this load (`batch_k`): nothing to draft, and no prompt read (an
+            # eager drafter prefill inside a loaded server's steps delays every request). The tokens emitted
+            # meanwhile are read by the lazy catch-up when drafting resumes, and a request's first step (its
+            # scheduler state's reset) is remembered for that step.
             self._fresh_slots.update(int(s) for s in slots_np[fresh])
             self.steps_by_kind["off"] += 1
             return self.out[:n]
@@ -591,6 +599,19 @@ class GpuFusedSpeculator:
         if self.recorder is not None:
             self.recorder.note(list(req_ids), time.perf_counter() - start, kind, self.passes(kind), width)
         return self.out[:n]
+
+    def _prefill_deferred(self, req_ids: list[str], slots_np: np.ndarray, prefilling: np.ndarray) -> None:
+        """Drafting resumes: read the prompts that arrived while it was off (`batch_k`), for the requests still in
+        their slots; a slot another request took since is forgotten (that request has its own entry or prefill)."""
+        here = {int(s): (rid, bool(p)) for rid, s, p in zip(req_ids, slots_np, prefilling)}
+        for slot, (rid, end, done) in list(self._deferred.items()):
+            now = here.get(slot)
+            if now is None:
+                continue  # not in this step's batch: keep it for a step that has it
+            del self._deferred[slot]
+            if now[0] != rid or now[1]:  # another request, or this one still prefilling (its chunk reads it all)
+                continue
+            self._prefill(rid, slot, end, done=done)
 
     def _choose_kind(self, rows: np.ndarray, started: np.ndarray) -> str:
         """The drafting step's kind: "full" unless the newest skip marks on the host prove that every row that may
