@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from hqlab import models
+    from hqlab.bench.vllm_runs import runs_from_raw
     from hqlab.config import ConfigError, resolve_spec
     from hqlab.engines import vllm as hv
     from hqlab.proposers import make_proposer
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--skips: expected long=L1,L2 or head=L1,L2 with integer lags (got {item!r})")
 
     meta = json.loads(Path(args.raw).with_suffix(".json").read_text())
-    runs = [r for r in hv.runs_from_raw(pl.read_parquet(args.raw))
+    runs = [r for r in runs_from_raw(pl.read_parquet(args.raw))
             if r.config == "none" and r.concurrency <= 1 and r.repeat == 0]
     if not runs:
         raise ConfigError(f"{args.raw}: no `none` run at batch 1 (the outputs to replay over)")

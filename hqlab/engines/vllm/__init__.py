@@ -5,5 +5,5 @@ that puts hqlab's speculators inside vLLM's GPU step (`plugin`, `gpu_lookup`, `g
 Importing this package does not import vLLM: the engine and the plugin import it when they run.
 """
 
-from hqlab.engines.vllm.engine import *  # noqa: F401,F403  (the engine's public names: VLLMEngine, run_configs, ...)
+from hqlab.engines.vllm.engine import *  # noqa: F401,F403  (the engine's public names: VLLMEngine, settings_for, ...)
 from hqlab.engines.vllm.engine import __all__  # noqa: F401

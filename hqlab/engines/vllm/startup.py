@@ -1,4 +1,5 @@
-"""Starting an interleaved call's vLLM engines at the same time (`engine.run_interleaved(parallel_start=True)`).
+"""Starting an interleaved call's vLLM engines at the same time (`run_interleaved(parallel_start=True)` of
+`hqlab.bench.vllm_runs`).
 
 Why: each engine takes ~60 s (0.5B) to ~100 s (1.5B) to start on the H200, most of it in its own processes, so an
 interleaved call of five engines spent 8 of its 10 minutes starting them one after another (run fi1). Here the

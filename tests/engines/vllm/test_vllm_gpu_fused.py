@@ -221,7 +221,7 @@ def test_attention_buckets_cover_every_length():
 
 
 def test_a_burst_can_mix_named_categories_and_ids():
-    from hqlab.engines.vllm.engine import burst_group
+    from hqlab.bench.vllm_runs import burst_group
 
     prompts = [("copy", "copy", [1]), ("qa", "qa", [2]), ("chat-a", "chat", [3]), ("chat-b", "chat", [4])]
     assert burst_group(prompts, 2) == prompts[:2]  # default: the suite's first prompts

@@ -28,8 +28,8 @@ from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers  # noqa: E40
 from hqlab.config import ConfigError, DecodeConfig, LookupConfig  # noqa: E402
 from hqlab.engines.vllm import gpu_lookup, plugin  # noqa: E402
 from hqlab.bench.vllm import frames_from_raw  # noqa: E402
-from hqlab.engines.vllm.engine import (Run, StepEvent, raw_table, runs_from_raw, setting_for,  # noqa: E402
-                                       step_records)
+from hqlab.bench.vllm_runs import Run, raw_table, runs_from_raw  # noqa: E402
+from hqlab.engines.vllm.engine import StepEvent, setting_for, step_records  # noqa: E402
 from hqlab.engines.vllm.gpu_lookup import RECORD_CAPACITY, GpuLookupSpeculator  # noqa: E402
 from hqlab.rules.lookup import suffix_match  # noqa: E402
 from hqlab.trace import Generation  # noqa: E402

@@ -17,8 +17,10 @@ import pytest
 pytest.importorskip("vllm", reason="the vllm extra is not installed (make setup-vllm installs requirements-vllm.txt)")
 
 from hqlab.config import ConfigError, DecodeConfig  # noqa: E402
-from hqlab.engines.vllm import (PARALLEL_START_KV_BYTES, VLLMOptions, engine_args, kv_bytes_per_token,  # noqa: E402
-                                run_interleaved, settings_for, start_engines_together)
+from hqlab.bench.vllm_runs import run_interleaved  # noqa: E402
+from hqlab.engines.vllm import VLLMOptions, engine_args, settings_for  # noqa: E402
+from hqlab.engines.vllm.startup import (PARALLEL_START_KV_BYTES, kv_bytes_per_token,  # noqa: E402
+                                        start_engines_together)
 from hqlab.trace import Generation  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
