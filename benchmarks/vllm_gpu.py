@@ -4,7 +4,7 @@
       python3 benchmarks/vllm_gpu.py bench --tag a --suite all --repeats 3 --concurrency 8 --profile \\
           --config gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest --config lookup:nmin=1,nmax=32,k=15,policy=earliest
     writes $OUT/vllm_gpu_<tag>.parquet (raw runs, after every config) and $OUT/vllm_gpu_<tag>.json (machine, settings,
-    what vLLM chose per engine, and with --profile each engine's phase timings: hqlab.engines.vllm.adapter.StepTimer)
+    what vLLM chose per engine, and with --profile each engine's phase timings: hqlab.engines.vllm.worker.StepTimer)
   CPU (here):
       python benchmarks/vllm_gpu.py finish RETURNED/vllm_gpu_*.parquet --out data/results/vllm_gpu_h200.parquet
     merges the raw runs of several calls into one run (the `none` reference may come from an earlier call), writes

@@ -215,7 +215,7 @@ burst = fused_rows.filter(pl.col("concurrency") > 1).with_columns(label)
 # ### What a drafter pass costs inside vLLM
 #
 # With `--profile` the bench timed each phase of every step on the GPU (CUDA events around vLLM's worker calls and
-# the speculator's `propose`; `hqlab.engines.vllm.adapter.StepTimer`): medians per config. The target's forward
+# the speculator's `propose`; `hqlab.engines.vllm.worker.StepTimer`): medians per config. The target's forward
 # over a step's tokens (`execute_model`) costs 1.9 ms; gpu-fused's drafting step 5.3 ms with 4 drafter passes and
 # 9.0 ms with 7, so one more single-token pass of the 0.5B drafter costs ~1.24 ms, two thirds of the 1.5B target's
 # whole forward. Both are bound by kernel latency at batch 1, not by weight bytes: the drafter has 24 layers to

@@ -37,6 +37,7 @@ from hqlab.config import ConfigError, DecodeConfig, parse_spec, resolve_spec
 from hqlab.engines.vllm import adapter as vllm_proposer
 from hqlab.engines.vllm import gpu_fused, gpu_lookup
 from hqlab.engines.vllm.startup import serial_prometheus_logger
+from hqlab.engines.vllm.worker import EXTENSION_PATH
 from hqlab.proposers import REGISTRY
 from hqlab.trace import Generation, Source, StepRecord, step_record
 from hqlab.workloads import encode_chat
@@ -127,12 +128,12 @@ def setting_for(spec: str) -> EngineSetting:
         config = gpu_lookup.lookup_config(label)
         return EngineSetting(label, gpu_lookup.speculative_config(label),
                              {gpu_lookup.SPEC_KEY: label, gpu_lookup.RECORD_KEY: True},
-                             vllm_proposer.EXTENSION_PATH, k=config.k, fixed_width=True)
+                             EXTENSION_PATH, k=config.k, fixed_width=True)
     if name == gpu_fused.NAME:
         config = gpu_fused.fused_config(label)
         return EngineSetting(label, gpu_fused.speculative_config(label),
                              {gpu_lookup.SPEC_KEY: label, gpu_lookup.RECORD_KEY: True},
-                             vllm_proposer.EXTENSION_PATH, k=config.k, fixed_width=True)
+                             EXTENSION_PATH, k=config.k, fixed_width=True)
     unknown = (f"unknown proposer {{name!r}} in {{spec!r}}; the vllm engine runs none, {gpu_lookup.NAME}, "
                f"{gpu_fused.NAME} "
                f"(hqlab on vLLM's GPU step), {', '.join(sorted(NATIVE))} (vLLM's own) or any of "
@@ -161,7 +162,7 @@ def setting_for(spec: str) -> EngineSetting:
         raise ConfigError(f"{label!r} proposes nothing (k=0); use 'none' for no speculation")
     return EngineSetting(label, vllm_proposer.speculative_config(label, k),
                          {vllm_proposer.SPEC_KEY: label, vllm_proposer.RECORD_KEY: True},
-                         vllm_proposer.EXTENSION_PATH, k=k)
+                         EXTENSION_PATH, k=k)
 
 
 def settings_for(specs: Sequence[str]) -> list[EngineSetting]:
@@ -283,7 +284,7 @@ def engine_args(options: VLLMOptions, setting: EngineSetting) -> Any:
                       compilation_config={"max_cudagraph_capture_size": options.capture_size(setting.k)},
                       additional_config=dict(setting.additional_config),
                       # every engine gets hqlab's worker extension: step records and the phase timer
-                      worker_extension_cls=setting.worker_extension_cls or vllm_proposer.EXTENSION_PATH,
+                      worker_extension_cls=setting.worker_extension_cls or EXTENSION_PATH,
                       disable_log_stats=False,
                       # only when set: vLLM's default (None) sizes the cache by profiling the memory, as before
                       **({"kv_cache_memory_bytes": options.kv_cache_bytes} if options.kv_cache_bytes else {}))
@@ -452,7 +453,7 @@ class VLLMEngine:
         return gens, wall
 
     def profile(self, prompt_ids: Sequence[int], decode: DecodeConfig, request: str = "profile") -> dict[str, Any]:
-        """One request with the worker's phases timed (`adapter.StepTimer`): the generation (its step records carry
+        """One request with the worker's phases timed (`worker.StepTimer`): the generation (its step records carry
         the front end's per-step times) and the worker's per-call phase timings. Needs the worker extension."""
         if not self.engine.collective_rpc("hqlab_profile_start")[0]:
             raise RuntimeError("the worker has no model runner to time")
