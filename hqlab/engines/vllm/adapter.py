@@ -25,32 +25,16 @@ worker.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Sequence
 
 import numpy as np
 
 from hqlab.config import ConfigError
+from hqlab.engines.vllm.speculator import ENV_VAR, RECORD_KEY, SPEC_KEY, proposer_spec, recording
 from hqlab.proposers import make_proposer
 
 CLASS_PATH = "hqlab.engines.vllm.adapter.HqlabProposer"
-SPEC_KEY = "hqlab_proposer"
-RECORD_KEY = "hqlab_record"
-ENV_VAR = "HQLAB_VLLM_PROPOSER"
-
-
-def proposer_spec(vllm_config: Any) -> str:
-    """The hqlab proposer spec for this vLLM config: additional_config first, then the environment."""
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    spec = extra.get(SPEC_KEY) if isinstance(extra, dict) else None
-    if spec is None:
-        spec = os.environ.get(ENV_VAR)
-    if not spec or not str(spec).strip():
-        raise ConfigError(f"no hqlab proposer given to vLLM's custom_class hook: pass "
-                          f"additional_config={{'{SPEC_KEY}': 'lookup:nmin=6,nmax=12,k=15'}} to vllm.LLM, or set "
-                          f"{ENV_VAR}")
-    return str(spec).strip()
 
 
 def speculative_config(spec: str, num_speculative_tokens: int | None = None) -> dict[str, Any]:
@@ -71,8 +55,7 @@ class HqlabProposer:
                               f"num_speculative_tokens is {slots}; make them equal")
         self.k = self.proposer.k
         self.max_model_len = int(vllm_config.model_config.max_model_len)
-        extra = getattr(vllm_config, "additional_config", None) or {}
-        self.recording = bool(extra.get(RECORD_KEY, False)) if isinstance(extra, dict) else False
+        self.recording = recording(vllm_config)
         self.records: list[dict[str, Any]] = []
 
     def propose(self, sampled_token_ids: Sequence[Sequence[int]], num_tokens_no_spec: np.ndarray,

@@ -53,7 +53,8 @@ import numpy as np
 import torch
 
 from hqlab.config import ConfigError, resolve_spec
-from hqlab.engines.vllm.gpu_lookup import RECORD_KEY, RecordRing, bind_histories, is_custom_class, pad_token
+from hqlab.engines.vllm.speculator import (RECORD_KEY, SPEC_KEY, RecordRing, bind_histories, gpu_spec,
+                                           is_custom_class, pad_token, recording)
 from hqlab.proposers.fused import FusedConfig
 
 NAME = "gpu-fused"
@@ -290,26 +291,14 @@ class GpuFusedSpeculator:
     """
 
     def __init__(self, vllm_config: Any, device: torch.device | str | None = None) -> None:
-        from hqlab.engines.vllm.adapter import proposer_spec
-
-        if device is None:
-            raise ConfigError(f"{CLASS_PATH} runs inside vLLM's model runner V2, but vLLM built it as a V1 "
-                              "custom_class proposer: the hqlab vLLM plugin is not active (see "
-                              "hqlab.engines.vllm.plugin)")
-        self.spec = proposer_spec(vllm_config)
-        self.config = fused_config(self.spec)
-        slots = int(vllm_config.speculative_config.num_speculative_tokens)
-        if self.config.k != slots:
-            raise ConfigError(f"{self.spec!r} verifies k={self.config.k} positions but vLLM's num_speculative_tokens "
-                              f"is {slots}; make them equal (gpu_fused.speculative_config does)")
-        extra = getattr(vllm_config, "additional_config", None) or {}
+        self.spec, self.config = gpu_spec(vllm_config, device, CLASS_PATH, fused_config)
         pad = pad_token(vllm_config)
         dtype = getattr(vllm_config.model_config, "dtype", torch.bfloat16)
         self.vocab = int(vllm_config.model_config.get_vocab_size())
         self._setup(max_num_reqs=int(vllm_config.scheduler_config.max_num_seqs),
                     max_model_len=int(vllm_config.model_config.max_model_len), pad=pad, device=device,
                     dtype=dtype if isinstance(dtype, torch.dtype) else torch.bfloat16,
-                    record=bool(extra.get(RECORD_KEY, False)))
+                    record=recording(vllm_config))
 
     @classmethod
     def standalone(cls, config: GpuFusedConfig, *, max_num_reqs: int, max_model_len: int, pad: int,
@@ -744,4 +733,4 @@ class GpuFusedSpeculator:
 
 
 __all__ = ["GpuFusedSpeculator", "GpuFusedConfig", "FusedRecorder", "fused_config", "speculative_config",
-           "is_gpu_fused", "attention_buckets", "NAME", "CLASS_PATH"]
+           "is_gpu_fused", "attention_buckets", "NAME", "CLASS_PATH", "SPEC_KEY", "RECORD_KEY"]

@@ -35,13 +35,12 @@ from typing import Any
 import torch
 
 from hqlab.config import ConfigError, LookupConfig, resolve_spec
+from hqlab.engines.vllm.speculator import (PAD_KEY, RECORD_KEY, SPEC_KEY, RecordRing, RequestState, bind_histories,
+                                           gpu_spec, is_custom_class, pad_token, recording)
 from hqlab.trace import Source
 
 NAME = "gpu-lookup"  # the config name in `hqlab bench --engine vllm`
 CLASS_PATH = "hqlab.engines.vllm.gpu_lookup.GpuLookupSpeculator"
-SPEC_KEY = "hqlab_proposer"  # additional_config key holding the lookup spec (as for the custom_class adapter)
-RECORD_KEY = "hqlab_record"  # additional_config key: keep per-step records on the GPU for `take_records`
-PAD_KEY = "hqlab_pad_token"  # additional_config key: override the pad token id
 RECORD_CAPACITY = 4096  # steps kept between two `take_records` calls
 
 
@@ -85,65 +84,9 @@ def speculative_config(spec: str) -> dict[str, Any]:
     return {"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": lookup_config(spec).k}
 
 
-def is_custom_class(speculative_config: Any, class_path: str) -> bool:
-    """True for a vLLM SpeculativeConfig (or dict) whose `custom_class` is `class_path`."""
-    if speculative_config is None:
-        return False
-    get = speculative_config.get if isinstance(speculative_config, dict) else (
-        lambda key: getattr(speculative_config, key, None))
-    return get("method") == "custom_class" and get("model") == class_path
-
-
 def is_gpu_lookup(speculative_config: Any) -> bool:
     """True for a vLLM SpeculativeConfig (or dict) that asks for this speculator."""
     return is_custom_class(speculative_config, CLASS_PATH)
-
-
-def pad_token(vllm_config: Any) -> int:
-    """The token id written where nothing is proposed: `additional_config[PAD_KEY]`, else the last vocabulary row."""
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    vocab = int(vllm_config.model_config.get_vocab_size())
-    pad = int(extra.get(PAD_KEY, vocab - 1))
-    if not 0 <= pad < vocab:
-        raise ConfigError(f"{PAD_KEY} must be a token id in [0, {vocab}) (got {pad})")
-    return pad
-
-
-class RecordRing:
-    """The bookkeeping of per-step records kept on the GPU (no host read while decoding), read back in one copy.
-
-    A subclass's `write` runs on the device only and takes its ring slot from `next_slot` (a device counter, so it
-    can be captured in a CUDA graph); `note` keeps the host half of the same step (request ids, host time). Every
-    `write` is followed by one `note`, so the n-th noted step sits in slot n mod capacity."""
-
-    def __init__(self, capacity: int, device: torch.device | str) -> None:
-        self.capacity = int(capacity)
-        self.counter = torch.zeros(1, dtype=torch.int64, device=device)  # steps written, on the device
-        self.steps: list[tuple[int, list[str], float]] = []  # (ring slot, request ids, host seconds)
-        self.count = 0  # steps noted, on the host
-
-    def next_slot(self) -> torch.Tensor:
-        """This write's ring slot (a device tensor); advances the device counter."""
-        slot = self.counter.remainder(self.capacity)
-        self.counter += 1
-        return slot
-
-    def note(self, req_ids: list[str], host_s: float) -> None:
-        self.steps.append((self.count % self.capacity, list(req_ids), host_s))
-        self.count += 1
-
-    def restart(self) -> None:
-        """Forget everything (after warm-up and graph capture, which write without a step to note)."""
-        self.counter.zero_()
-        self.steps, self.count = [], 0
-
-    def drain(self) -> list[tuple[int, list[str], float]]:
-        """The steps noted since the last call (clears them); refuses if the ring overwrote some of them."""
-        steps, self.steps = self.steps, []
-        if len(steps) > self.capacity:
-            raise RuntimeError(f"{len(steps)} steps were drafted since the records were last taken but only "
-                               f"{self.capacity} fit: take them more often (after each request)")
-        return steps
 
 
 class StepRecorder(RecordRing):
@@ -177,28 +120,6 @@ class StepRecorder(RecordRing):
         return out
 
 
-def bind_histories(all_token_ids: torch.Tensor, total_len: torch.Tensor, max_num_reqs: int,
-                   device: torch.device) -> tuple["_RequestState", torch.Tensor]:
-    """vLLM's histories checked, and each slot's offset into them flattened (what the suffix-match kernel takes)."""
-    if all_token_ids.dtype != torch.int32 or all_token_ids.dim() != 2 or not all_token_ids.is_contiguous():
-        raise TypeError(f"all_token_ids must be a contiguous 2-D int32 tensor, got {all_token_ids.dtype} "
-                        f"{tuple(all_token_ids.shape)}")
-    if all_token_ids.shape[0] < max_num_reqs or total_len.shape[0] < max_num_reqs:
-        raise ValueError(f"vLLM's request state holds {all_token_ids.shape[0]} slots, fewer than max_num_seqs "
-                         f"{max_num_reqs}")
-    width = all_token_ids.shape[1]
-    offsets = torch.arange(all_token_ids.shape[0], dtype=torch.int64, device=device) * width
-    return _RequestState(all_token_ids, total_len), offsets
-
-
-@dataclass
-class _RequestState:
-    """The slices of vLLM's request state the lookup reads (bound by the plugin when vLLM loads the model)."""
-
-    all_token_ids: torch.Tensor  # [max_num_reqs, max_model_len] int32, prompt + output per request slot
-    total_len: torch.Tensor  # [max_num_reqs] int32, tokens in each slot's history
-
-
 class GpuLookupSpeculator:
     """vLLM V2 speculator: the suffix-match lookup over vLLM's GPU histories, k drafts per request per step.
 
@@ -209,26 +130,13 @@ class GpuLookupSpeculator:
     """
 
     def __init__(self, vllm_config: Any, device: torch.device | str | None = None) -> None:
-        from hqlab.engines.vllm.adapter import proposer_spec
-
-        if device is None:  # vLLM's V1 runner builds custom_class proposers with the config alone
-            raise ConfigError(
-                f"{CLASS_PATH} runs inside vLLM's model runner V2, but vLLM built it as a V1 custom_class proposer: "
-                "the hqlab vLLM plugin is not active (install hqlab with its vllm extra in the environment vLLM runs "
-                "in, leave VLLM_PLUGINS unset or include 'hqlab', and do not set VLLM_USE_V2_MODEL_RUNNER=0), or "
-                "this vLLM version is not the one the plugin was built for (see hqlab.engines.vllm.plugin)")
-        self.spec = proposer_spec(vllm_config)
-        self.config = lookup_config(self.spec)
-        slots = int(vllm_config.speculative_config.num_speculative_tokens)
-        if self.config.k != slots:
-            raise ConfigError(f"{self.spec!r} drafts k={self.config.k} tokens but vLLM's num_speculative_tokens is "
-                              f"{slots}; make them equal (hqlab.engines.vllm.gpu_lookup.speculative_config does)")
-        self.k = slots
+        self.spec, self.config = gpu_spec(vllm_config, device, CLASS_PATH, lookup_config)
+        self.k = self.config.k
         self.device = torch.device(device)
         self.max_num_reqs = int(vllm_config.scheduler_config.max_num_seqs)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.pad = pad_token(vllm_config)
-        self._setup(record=bool((getattr(vllm_config, "additional_config", None) or {}).get(RECORD_KEY, False)))
+        self._setup(record=recording(vllm_config))
 
     @classmethod
     def standalone(cls, config: LookupConfig, *, max_num_reqs: int, max_model_len: int, pad: int,
@@ -251,7 +159,7 @@ class GpuLookupSpeculator:
         self.draft_tokens = torch.zeros(self.max_num_reqs, self.k, dtype=torch.int64, device=self.device)
         self.rows = torch.full((self.max_num_reqs,), -1, dtype=torch.int32, device=self.device)  # slots to draft for
         self.row_offsets: torch.Tensor | None = None
-        self.state: _RequestState | None = None
+        self.state: RequestState | None = None
         self.recorder = StepRecorder(RECORD_CAPACITY, self.max_num_reqs, self.k, self.device) if record else None
         # Width "stale": each request's next-but-one width, computed on the device and copied to pinned host
         # memory without waiting; the scheduler reads it through the step's output (plugin.py).
