@@ -29,6 +29,7 @@ the raw tables a GPU host returns, is `hqlab.bench.vllm_runs`.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -36,7 +37,6 @@ from typing import Any, Callable, Sequence
 from hqlab.config import ConfigError, DecodeConfig, parse_spec, resolve_spec
 from hqlab.engines.vllm import adapter as vllm_proposer
 from hqlab.engines.vllm import gpu_fused, gpu_lookup
-from hqlab.engines.vllm.startup import serial_prometheus_logger
 from hqlab.engines.vllm.worker import EXTENSION_PATH
 from hqlab.proposers import REGISTRY
 from hqlab.trace import Generation, Source, StepRecord, step_record
@@ -264,6 +264,41 @@ def _stat_logger_factory(sink: list) -> Callable[..., Any]:
             _StepStats.__init__(self, sink)
 
     return StepStats
+
+
+_PROMETHEUS_LOCK = threading.Lock()  # engines built in threads of one process (hqlab.engines.vllm.startup)
+CACHE_INFO_METRIC = "vllm:cache_config_info"  # the metric vLLM's Prometheus logger registers once the engine is up
+
+
+def serial_prometheus_logger() -> type:
+    """vLLM's Prometheus stat logger, its registrations taking turns: for engines built in threads of one process.
+
+    Every vLLM engine registers its metrics in prometheus_client's process-wide registry: its PrometheusStatLogger
+    first unregisters every `vllm:` metric, then registers its own (vllm/v1/metrics/loggers.py:459), and
+    `log_engine_initialized` registers `vllm:cache_config_info` (loggers.py:1076-1093), both in the front end, in
+    the thread that builds the engine (vllm/v1/engine/llm_engine.py:113-121). Engines built one after another take
+    turns; engines finishing their start in threads at the same moment interleave these steps, and a name
+    registered twice raises ValueError ("Duplicated timeseries"). Here each step holds a lock, and the info metric
+    replaces one another engine left. Given as a custom stat logger it replaces vLLM's default Prometheus logger
+    (StatLoggerManager adds that one only when no custom logger is a PrometheusStatLogger, loggers.py:1351-1373),
+    so each engine keeps exactly one, and hqlab reads none of their metrics."""
+    from prometheus_client import REGISTRY
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    class SerialPrometheusStatLogger(PrometheusStatLogger):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            with _PROMETHEUS_LOCK:
+                super().__init__(*args, **kwargs)
+
+        def log_engine_initialized(self) -> None:
+            with _PROMETHEUS_LOCK:
+                # the registry's own bookkeeping, as vLLM's unregister_vllm_metrics reads it
+                for collector in list(REGISTRY._collector_to_names):
+                    if getattr(collector, "_name", None) == CACHE_INFO_METRIC:
+                        REGISTRY.unregister(collector)
+                super().log_engine_initialized()
+
+    return SerialPrometheusStatLogger
 
 
 def engine_args(options: VLLMOptions, setting: EngineSetting) -> Any:
