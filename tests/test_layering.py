@@ -1,7 +1,8 @@
 """The house plan (docs/architecture.md) holds in the import graph: every module of hqlab sits on a floor, imports
 only its own floor or lower ones (lazy imports inside functions included), and no modules import each other in a
-circle, when they load or later (lazy imports counted). The Triton kernels import nothing from hqlab; at most 8 modules lie loose in hqlab/, every package
-is installed (pyproject.toml), and the notebooks call the library instead of running other programs."""
+circle, when they load or later (lazy imports counted). The Triton kernels import nothing from hqlab; at most 8
+modules lie loose in hqlab/, every package is installed (pyproject.toml), and the notebooks call the library
+instead of running other programs."""
 
 from __future__ import annotations
 
