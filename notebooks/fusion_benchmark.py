@@ -42,11 +42,11 @@ interleaved_run = "fg"  # ff's compiled config again, its engine alive next to n
 draft_model_run = "fg2"  # vLLM's draft model and the same fused config interleaved, with the burst of four
 skip_config = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,skip=2,"
                "skip_on=head,nmin_alone=1,compile_rule=true")
-fused_profile_file = "data/results/fused_drafter_profile_h200_fb.json"  # benchmarks/fused_drafter_profile.py
+fused_profile_file = "data/results/fused_drafter_profile_h200_fb.json"  # experiments/drafting_step_profile/fused_drafter_profile.py
 # the same profile run with --variants --autotune: FlashAttention splits, plan once, torch.compile max-autotune
 kernel_settings_file = "data/results/fused_drafter_profile_h200_fc.json"
-fused_skip_host_file = "data/results/fused_skip_host_h200.parquet"  # benchmarks/fused_skip_host.py --fold
-# benchmarks/fused_skip_replay.py over run fg's outputs: the skip config at k = 15 and 31, the lookup alone at both
+fused_skip_host_file = "data/results/fused_skip_host_h200.parquet"  # experiments/host_proven_skip/fused_skip_host.py --fold
+# experiments/drafter_skip_replayed/fused_skip_replay.py over run fg's outputs: the skip config at k = 15 and 31, the lookup alone at both
 width_replay_file = "data/results/fused_width_replay.parquet"
 widths_run = "fh"  # both lookup widths and the skip config at k = 31, interleaved with none (3 rounds)
 widths_burst_run = "fh2"  # the k = 31 skip config again, alone and in the burst of four
@@ -269,7 +269,7 @@ pl.concat([vllm_report.fused_what_if(table.filter(pl.col("category") == c), fit,
 # request runs no drafter on a step when its step L steps earlier verified the long block (`skip_on=long`) or had
 # its whole head filled by the lookup (`skip_on=head`); an engine that learns decisions asynchronously knows them
 # only some steps late, hence the lag. gpu-fused runs it inside vLLM (built, not yet measured on the GPU).
-# `benchmarks/fused_skip_replay.py` replays it over run `fb`'s own outputs (teacher-forced drafter on the CPU,
+# `experiments/drafter_skip_replayed/fused_skip_replay.py` replays it over run `fb`'s own outputs (teacher-forced drafter on the CPU,
 # `data/results/fused_skip_replay.parquet`; with `--schedule long`, `fused_long_replay.parquet`) and
 # `vllm_report.skip_what_if` prices each replay with the run's fitted drafter pass. A skipped step costs the lookup's
 # step if the drafter catches up later (`lookup only`); gpu-fused as built adds its catch-up pass once per
@@ -315,7 +315,7 @@ best.sort("built_vs_lookup", descending=True).group_by("category", maintain_orde
 # Inside vLLM a drafter pass costs ~1.24 ms, so the cheapest drafter is one pass: `draft_block=1`, the catch-up pass
 # alone, a head of one token. With the long block always and `nmin_tail=1`, a step proposes the lookup's whole
 # continuation whenever the drafter's token equals the lookup's first (or the match is strong), else the drafter's
-# one token: the drafter confirms the lookup instead of competing with it. `benchmarks/fused_skip_replay.py
+# one token: the drafter confirms the lookup instead of competing with it. `experiments/drafter_skip_replayed/fused_skip_replay.py
 # --schedule long --blocks 1,2 --no-skip --vary nmin_tail=1,2,4 --vary nstrong=4,6` replayed it over run `fb`'s
 # outputs (`data/results/fused_threshold_replay.parquet`, with `--blocks 1 --vary nmin_tail=1 --vary nstrong=6`
 # for the skip settings too), priced as above. Predicted gpu-fused ÷ gpu-lookup with one pass, nmin_tail 1 and
@@ -412,7 +412,7 @@ chart
 measured.select("category", "config", "decode_tok_s", "tokens_per_step", "ms_per_step", "vs_none", "vs_gpu_lookup")
 
 # %% [markdown]
-# The host's side of the skip, outside vLLM (`benchmarks/fused_skip_host.py`: the real drafter, the lookup kernel and
+# The host's side of the skip, outside vLLM (`experiments/host_proven_skip/fused_skip_host.py`: the real drafter, the lookup kernel and
 # the rule in their CUDA graphs on the H200, one request copying a passage or copying it with one token in 40
 # changed, a stand-in for the target's forward of 1.9 ms and for vLLM's host work of 2.3 ms a step, the host at most
 # one or two steps ahead of the GPU): the host proves the skip on 76-80 % of the copy's steps, and the skip's
@@ -428,7 +428,7 @@ plots.save(chart, figures / "fused_skip_host_h200.svg")
 chart
 
 # %% [markdown]
-# How much a longer lag would leave to skip, replayed over run `fd`'s outputs (`benchmarks/fused_skip_replay.py
+# How much a longer lag would leave to skip, replayed over run `fd`'s outputs (`experiments/drafter_skip_replayed/fused_skip_replay.py
 # RAW --schedule long --blocks 1 --vary nmin_tail=1 --vary nstrong=6 --skips head=2,3,4,6`,
 # `data/results/fused_lag_replay.parquet`), priced as above. A longer lag gives the host's copies of the marks more
 # time to arrive, but every request drafts its first `skip` steps, and a document answer here is only ~17 steps
@@ -452,7 +452,7 @@ lags.pivot("skip", index="category", values="drafter_share")
 # lookup's head only at a match of `nstrong` = 6 or more, and below that proposed nothing, though vLLM verifies and
 # pays for all k positions anyway. `nmin_alone=N` lets such a step take the lookup's head at a match of N
 # (`hqlab.rules.fusion`, its GPU twin tested decision for decision). Replayed over run `fe`'s outputs
-# (`benchmarks/fused_skip_replay.py RAW --schedule long --blocks 1 --vary nmin_tail=1 --vary nstrong=6 --vary
+# (`experiments/drafter_skip_replayed/fused_skip_replay.py RAW --schedule long --blocks 1 --vary nmin_tail=1 --vary nstrong=6 --vary
 # nmin_alone=0,1,2,4 --skips head=0,2,4`, `data/results/fused_alone_replay.parquet`) and priced as above: with
 # nmin_alone 1 or 2, code keeps 15.0 tokens/step at lag 2 (13.4 without) and runs the drafter on 18 % of its steps
 # instead of 32 %; prose and the other documents keep their tokens/step (chat 2.26-2.27). Not measured in vLLM yet.
@@ -563,7 +563,7 @@ draft_model.filter(pl.col("config") != "none").select("category", "config", "dec
 # ### A longer block: k = 31, replayed
 #
 # Every fused run so far compared the fused config with the GPU lookup at k = 15 only. Over run `fg`'s own outputs
-# (`benchmarks/fused_skip_replay.py ... --settings k=31,nmax=32,policy=earliest --lookup-k 15,31`, the 0.5B drafter
+# (`experiments/drafter_skip_replayed/fused_skip_replay.py ... --settings k=31,nmax=32,policy=earliest --lookup-k 15,31`, the 0.5B drafter
 # teacher-forced on the CPU) the lookup at k = 31 takes 25.5-31.9 tokens a step on copy, code and edit (14.2-15.9 at
 # k = 15), so it is the best gpu-lookup config there, and the fused config at k = 15 could reach only about half of
 # it. The same fused settings at k = 31 keep up (28.3-31.9) and stay ahead on prose (chat 2.29 against 1.57, qa 4.8
@@ -973,7 +973,7 @@ vllm_report.fused_acceptance(fused_data["results"], fused_repeats, pl.read_parqu
 # %% [markdown]
 # ### The drafting step outside vLLM
 #
-# `benchmarks/fused_drafter_profile.py` timed the drafting step on the same H200 outside vLLM, with the same
+# `experiments/drafting_step_profile/fused_drafter_profile.py` timed the drafting step on the same H200 outside vLLM, with the same
 # drafter and vLLM-shaped state (8 request slots): one whole step replayed from its CUDA graph (7 drafter passes: a
 # 16-token catch-up pass and 6 single-token ones, then the lookup and the fusion rule), for 1 and 8 requests, per
 # history length. The drafter attends through vLLM's paged FlashAttention, which reads each row only up to its own

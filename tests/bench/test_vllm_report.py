@@ -134,9 +134,9 @@ def test_drafter_pass_fit_leaves_out_configs_that_skip_the_drafter(fused):
 
 
 def test_skip_replay_prices_agree_with_the_pass_fit_and_with_the_live_replay_check(fused):
-    """benchmarks/fused_skip_replay.py over run fb's outputs, priced by `skip_what_if`: without skipping, its
-    tokens/step are the replay check's for the same configs (same outputs, the run was lossless) and its prices are
-    `fused_what_if`'s; skipping never prices a step above drafting it."""
+    """experiments/drafter_skip_replayed/fused_skip_replay.py over run fb's outputs, priced by `skip_what_if`:
+    without skipping, its tokens/step are the replay check's for the same configs (same outputs, the run was
+    lossless) and its prices are `fused_what_if`'s; skipping never prices a step above drafting it."""
     table, fit = vllm_report.drafter_pass_fit(fused["steps"], "fb")
     replayed = pl.read_parquet(SKIP_REPLAY)
     priced = vllm_report.skip_what_if(replayed, table, fit)
@@ -195,9 +195,9 @@ def test_host_probe_names_runs_without_a_probe(data):
 
 
 def test_width_replay_agrees_with_the_live_run_it_replays():
-    """benchmarks/fused_skip_replay.py --settings k=31 --lookup-k 15,31 over run fg's outputs: its k = 15 rows are
-    what vLLM measured in run fg (the lookup exactly, the fused config as the replay check found it), and at k = 31
-    the lookup and the fused config take more tokens a step where the lookup copies."""
+    """experiments/drafter_skip_replayed/fused_skip_replay.py --settings k=31 --lookup-k 15,31 over run fg's
+    outputs: its k = 15 rows are what vLLM measured in run fg (the lookup exactly, the fused config as the replay
+    check found it), and at k = 31 the lookup and the fused config take more tokens a step where the lookup copies."""
     widths = pl.read_parquet(RESULTS.with_name("fused_width_replay.parquet"))
     live = pl.read_parquet(FUSED).filter((pl.col("run") == "fg") & (pl.col("concurrency") == 1))
     lookup15 = widths.filter(pl.col("config") == "lookup:nmin=1,nmax=32,k=15,policy=earliest")

@@ -2,7 +2,8 @@
 run's own greedy outputs, with teacher-forced drafts of the real drafter on the CPU.
 
   CPU (here):
-      python benchmarks/fused_skip_replay.py RETURNED/vllm_gpu_fb1.parquet --out data/results/fused_skip_replay.parquet
+      python experiments/drafter_skip_replayed/fused_skip_replay.py RETURNED/vllm_gpu_fb1.parquet \\
+          --out data/results/fused_skip_replay.parquet
   reads the raw run (and its .json: model, suite, document length), takes `none`'s outputs (first repeat, alone;
   every config's outputs equal them: the run is lossless), and replays the lab's `fused` proposer with the run's
   gpu-fused settings (k=15, nmax=32, earliest match) at draft_block 2, 4 and 7, skipping the drafter after long-block
@@ -28,7 +29,7 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 BLOCKS = (2, 4, 7)
