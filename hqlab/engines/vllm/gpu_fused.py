@@ -54,7 +54,7 @@ import torch
 
 from hqlab.config import ConfigError, resolve_spec
 from hqlab.engines.vllm.speculator import (RECORD_KEY, SPEC_KEY, RecordRing, bind_histories, gpu_spec,
-                                           is_custom_class, pad_token, recording)
+                                           is_custom_class, pad_token, recording, refuse_retired)
 from hqlab.proposers.fused import FusedConfig
 
 NAME = "gpu-fused"
@@ -77,10 +77,7 @@ CATCH_UPS = ("lazy", "bounded")  # device_skip: when a drafter that skipped step
 class GpuFusedConfig(FusedConfig):
     """`FusedConfig` (k = long block, draft_block = drafter head = short block, lookup, fusion and scheduler keys)
     plus graphs: capture the drafting step in CUDA graphs when vLLM captures its own; compile: torch.compile the
-    drafter layers' elementwise work (fewer kernels per pass; compiles on the first steps); compile_mode: the
-    torch.compile mode ("default" or "max-autotune-no-cudagraphs", which also tunes the small matrix products);
-    splits and plan_once: the drafter's FlashAttention calls (`drafter.StaticQwen2`: 1 = no key-length split and so
-    no combine kernel; plan_once = one FA3 scheduling call per pass instead of one per layer); compile_rule:
+    drafter layers' elementwise work (fewer kernels per pass; compiles on the first steps); compile_rule:
     torch.compile the fusion and schedule rule (`FusedStep`: ~100 small operations a step into a few kernels);
     prefill_chunk: prompt tokens the drafter reads per eager call (vLLM prefills up to max_num_batched_tokens, 2,048
     by default, per step: one call per vLLM chunk at 2048); device_skip: the drafting step itself skips the drafter's
@@ -97,9 +94,6 @@ class GpuFusedConfig(FusedConfig):
 
     graphs: bool = True
     compile: bool = False
-    compile_mode: str = "default"
-    splits: int = 0
-    plan_once: bool = False
     compile_rule: bool = False
     prefill_chunk: int = PREFILL_CHUNK
     device_skip: bool = False
@@ -126,17 +120,12 @@ class GpuFusedConfig(FusedConfig):
         if self.prefill_chunk < 1:
             raise ConfigError(f"{NAME}: prefill_chunk must be >= 1 prompt token per drafter call "
                               f"(got {self.prefill_chunk})")
-        from hqlab.engines.vllm.drafter import ATTENTION, COMPILE_MODES, LAYERS
+        from hqlab.engines.vllm.drafter import ATTENTION, LAYERS
 
-        if self.compile_mode not in COMPILE_MODES:
-            raise ConfigError(f"{NAME}: compile_mode must be one of {', '.join(COMPILE_MODES)} "
-                              f"(got {self.compile_mode!r})")
         if self.layers not in LAYERS:
             raise ConfigError(f"{NAME}: layers must be one of {', '.join(LAYERS)} (got {self.layers!r})")
         if self.attention not in ATTENTION:
             raise ConfigError(f"{NAME}: attention must be one of {', '.join(ATTENTION)} (got {self.attention!r})")
-        if self.splits < 0:
-            raise ConfigError(f"{NAME}: splits must be >= 0 (0: FlashAttention decides; got {self.splits})")
         if self.temperature != 0:
             raise ConfigError(f"{NAME}: the drafter drafts greedily inside vLLM (temperature=0); got "
                               f"temperature={self.temperature}")
@@ -145,8 +134,21 @@ class GpuFusedConfig(FusedConfig):
                               f"vocab={self.vocab!r})")
 
 
+# Keys measured as no gain and removed (run fc: the 7-pass drafting step replayed from its graph; fk2: the one-pass
+# step's kernels); a spec naming one fails with where to read why.
+RETIRED = {
+    "splits": "FlashAttention's key-length split: splits=1 equal at 512 tokens of history, up to +46 % at 3,900 "
+              "(runs fc, fk2)",
+    "plan_once": "one FA3 scheduling call per pass instead of one a layer: ~1 % of a pass, within the spread (run "
+                 "fc), -21 us of a 1.49 ms step (fk2), and nothing in the drafting passes with attention=triton, "
+                 "which the served config uses",
+    "compile_mode": "torch.compile's max-autotune-no-cudagraphs: +32 % to +111 % a drafting step (run fc)",
+}
+
+
 def fused_config(spec: str) -> GpuFusedConfig:
-    """The settings of a `gpu-fused:...` spec, validated."""
+    """The settings of a `gpu-fused:...` spec, validated (a retired key is an error that says so)."""
+    refuse_retired(spec, RETIRED, NAME)
     unknown = f"{{spec!r}} is not a {NAME} spec (expected '{NAME}:k=15,draft_block=7,model=..,nmax=..')"
     return resolve_spec(spec, {NAME: GpuFusedConfig}, unknown=unknown, context=f"proposer {NAME!r}")[1]
 
@@ -421,8 +423,7 @@ class GpuFusedSpeculator:
         folder = folder or models.prepare(self.config.model)
         c = self.config
         drafter = StaticQwen2.load(folder, slots=self.max_num_reqs, max_len=self.cache_len, device=self.device,
-                                   dtype=self.dtype, compile=c.compile, compile_mode=c.compile_mode, splits=c.splits,
-                                   plan_once=c.plan_once, layers=c.layers, attention=c.attention)
+                                   dtype=self.dtype, compile=c.compile, layers=c.layers, attention=c.attention)
         if self.vocab is not None and drafter.vocab != self.vocab:
             raise ConfigError(f"{NAME}: the drafter {self.config.model!r} has a vocabulary of {drafter.vocab} rows and "
                               f"the target {self.vocab}; the drafter must share the target's tokenizer")
@@ -733,4 +734,4 @@ class GpuFusedSpeculator:
 
 
 __all__ = ["GpuFusedSpeculator", "GpuFusedConfig", "FusedRecorder", "fused_config", "speculative_config",
-           "is_gpu_fused", "attention_buckets", "NAME", "CLASS_PATH", "SPEC_KEY", "RECORD_KEY"]
+           "is_gpu_fused", "attention_buckets", "NAME", "CLASS_PATH", "SPEC_KEY", "RECORD_KEY", "RETIRED"]

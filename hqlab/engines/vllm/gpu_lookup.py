@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from hqlab.config import ConfigError, LookupConfig, resolve_spec
+from hqlab.config import LookupConfig, resolve_spec
 from hqlab.engines.vllm.speculator import (PAD_KEY, RECORD_KEY, SPEC_KEY, RecordRing, RequestState, bind_histories,
-                                           gpu_spec, is_custom_class, pad_token, recording)
+                                           gpu_spec, is_custom_class, pad_token, recording, refuse_retired)
 from hqlab.trace import Source
 
 NAME = "gpu-lookup"  # the config name in `hqlab bench --engine vllm`
@@ -44,36 +44,26 @@ CLASS_PATH = "hqlab.engines.vllm.gpu_lookup.GpuLookupSpeculator"
 RECORD_CAPACITY = 4096  # steps kept between two `take_records` calls
 
 
-WIDTHS = ("fixed", "stale")
-
-
 @dataclass(frozen=True)
 class GpuLookupConfig(LookupConfig):
-    """The lookup's settings plus how many positions a step verifies (SPEC §2.5's stale flag, for the lookup).
+    """The lookup's settings plus graphs: capture the drafting step in CUDA graphs when vLLM captures its own (false:
+    launch it eagerly every step, to measure what the graphs save). Every step verifies k draft positions per request
+    (vLLM's scheduler reserves them before the drafts exist)."""
 
-    width:     "fixed": every step verifies k draft positions per request (vLLM's scheduler reserves them before
-               the drafts exist). "stale": a request verifies k positions only if the lookup found at least
-               `min_valid` tokens to propose one step earlier, else none (a plain step); the scheduler learns it a
-               step late, as HyperQwen read its qualify flag.
-    min_valid: the fewest proposable tokens that keep a request's next-but-one step wide (width "stale").
-    graphs:    capture the drafting step in CUDA graphs when vLLM captures its own (false: launch it eagerly every
-               step, to measure what the graphs save).
-    """
-
-    width: str = "fixed"
-    min_valid: int = 1
     graphs: bool = True
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.width not in WIDTHS:
-            raise ConfigError(f"width must be one of {', '.join(WIDTHS)} (got {self.width!r})")
-        if not 1 <= self.min_valid <= self.k:
-            raise ConfigError(f"min_valid must be in [1, k={self.k}] (got {self.min_valid})")
+
+# Keys measured as no gain and removed, with the vLLM scheduler patches they needed; a spec naming one fails with
+# where to read why.
+_STALE = ("a request's width read a step late through the step's output: every class slower than the fixed width "
+          "(run e: chat 0.63x none against 1.21x, 0.53x throughput with eight requests)")
+RETIRED = {"width": "width=stale, " + _STALE, "min_valid": "the threshold of width=stale, " + _STALE}
 
 
 def lookup_config(spec: str) -> GpuLookupConfig:
-    """The settings of a `gpu-lookup:...` (or `lookup:...`) spec, validated."""
+    """The settings of a `gpu-lookup:...` (or `lookup:...`) spec, validated (a retired key is an error that says
+    so)."""
+    refuse_retired(spec, RETIRED, NAME)
     unknown = f"{{spec!r}} is not a {NAME} spec (expected '{NAME}:nmin=..,nmax=..,k=..,policy=..')"
     return resolve_spec(spec, {NAME: GpuLookupConfig, "lookup": GpuLookupConfig}, unknown=unknown,
                         context=f"proposer {NAME!r}")[1]
@@ -161,14 +151,6 @@ class GpuLookupSpeculator:
         self.row_offsets: torch.Tensor | None = None
         self.state: RequestState | None = None
         self.recorder = StepRecorder(RECORD_CAPACITY, self.max_num_reqs, self.k, self.device) if record else None
-        # Width "stale": each request's next-but-one width, computed on the device and copied to pinned host
-        # memory without waiting; the scheduler reads it through the step's output (plugin.py).
-        self.stale = getattr(self.config, "width", "fixed") == "stale"
-        self.widths = torch.zeros(self.max_num_reqs, dtype=torch.int32, device=self.device)
-        self.pending: tuple[list[str], Any, Any] | None = None  # (request ids, host copy, copy-done event)
-        self._host_widths = [torch.zeros(self.max_num_reqs, dtype=torch.int32,
-                                         pin_memory=self.device.type == "cuda") for _ in range(4)]
-        self._host_turn = 0
         self.use_graphs = False  # vLLM's cudagraph mode, from init_cudagraph_manager
         self.graphs: dict[int, Any] = {}  # batch size -> captured drafting step (`capture`)
         # What vLLM's V2 runner reads from a speculator.
@@ -221,28 +203,9 @@ class GpuLookupSpeculator:
             return self.draft_tokens[:n]
         start = time.perf_counter()
         drafts = self.lookup(input_batch.idx_mapping, n)
-        if self.stale:
-            self.pending = self._copy_widths(list(input_batch.req_ids), n)
         if self.recorder is not None:
             self.recorder.note(input_batch.req_ids, time.perf_counter() - start)
         return drafts
-
-    def _copy_widths(self, req_ids: list[str], n: int) -> tuple[list[str], torch.Tensor, Any]:
-        """Start copying this step's widths to the host (no wait); a ring of pinned buffers, since up to three
-        steps are in flight under asynchronous scheduling."""
-        self._host_turn = (self._host_turn + 1) % len(self._host_widths)
-        host = self._host_widths[self._host_turn][:n]
-        host.copy_(self.widths[:n], non_blocking=True)
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        return req_ids, host, event
-
-    def take_pending_widths(self) -> tuple[list[str], torch.Tensor, Any] | None:
-        """The widths of the step just proposed (for the runner's output), once."""
-        pending, self.pending = self.pending, None
-        return pending
 
     # The drafting step itself --------------------------------------------------------------------------------
 
@@ -272,8 +235,6 @@ class GpuLookupSpeculator:
         drafts = self.draft_tokens[:m]
         drafts.copy_(proposals)
         drafts.masked_fill_(proposals < 0, self.pad)
-        if self.stale:
-            self.widths[:m] = torch.where(valid >= self.config.min_valid, self.k, 0)
         if self.recorder is not None:
             self.recorder.write(lengths, match_len, valid, proposals)
 
@@ -282,16 +243,7 @@ class GpuLookupSpeculator:
         return self.recorder.take() if self.recorder is not None else []
 
 
-__all__ = ["GpuLookupSpeculator", "GpuLookupConfig", "StepRecorder", "RecordRing", "lookup_config", "widths_of",
+__all__ = ["GpuLookupSpeculator", "GpuLookupConfig", "StepRecorder", "RecordRing", "lookup_config", "RETIRED",
            "speculative_config", "is_gpu_lookup", "is_custom_class", "pad_token", "bind_histories", "NAME",
            "CLASS_PATH", "SPEC_KEY", "RECORD_KEY", "PAD_KEY"]
 
-
-def widths_of(pending: tuple[list[str], torch.Tensor, Any] | None) -> dict[str, int]:
-    """request id -> width, once the copy started by `propose` has landed (waits for that copy only)."""
-    if pending is None:
-        return {}
-    req_ids, host, event = pending
-    if event is not None:
-        event.synchronize()
-    return dict(zip(req_ids, host.tolist()))

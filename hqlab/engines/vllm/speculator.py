@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from hqlab.config import ConfigError
+from hqlab.config import ConfigError, parse_spec
 
 SPEC_KEY = "hqlab_proposer"  # additional_config key holding the hqlab spec (adapter and GPU speculators alike)
 RECORD_KEY = "hqlab_record"  # additional_config key: keep per-step records for `take_records`
@@ -58,6 +58,15 @@ def pad_token(vllm_config: Any) -> int:
     if not 0 <= pad < vocab:
         raise ConfigError(f"{PAD_KEY} must be a token id in [0, {vocab}) (got {pad})")
     return pad
+
+
+def refuse_retired(spec: str, retired: dict[str, str], name: str) -> None:
+    """Raise ConfigError when `spec` names a key measurement retired (`retired`: key -> what measured it)."""
+    _, values = parse_spec(spec)
+    for key in values:
+        if key in retired:
+            raise ConfigError(f"{name}: {key!r} was retired after measurement showed no gain ({retired[key]}); "
+                              f"docs/journal/ has the runs and why, and the code is in git history")
 
 
 def gpu_spec(vllm_config: Any, device: Any, class_path: str, parse: Callable[[str], Any]) -> tuple[str, Any]:
@@ -138,4 +147,4 @@ class RecordRing:
 
 
 __all__ = ["SPEC_KEY", "RECORD_KEY", "PAD_KEY", "ENV_VAR", "proposer_spec", "recording", "is_custom_class",
-           "pad_token", "gpu_spec", "RequestState", "bind_histories", "RecordRing"]
+           "pad_token", "refuse_retired", "gpu_spec", "RequestState", "bind_histories", "RecordRing"]
