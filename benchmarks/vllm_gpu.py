@@ -4,7 +4,7 @@
       python3 benchmarks/vllm_gpu.py bench --tag a --suite all --repeats 3 --concurrency 8 --profile \\
           --config gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest --config lookup:nmin=1,nmax=32,k=15,policy=earliest
     writes $OUT/vllm_gpu_<tag>.parquet (raw runs, after every config) and $OUT/vllm_gpu_<tag>.json (machine, settings,
-    what vLLM chose per engine, and with --profile each engine's phase timings: hqlab.engines.vllm.adapter.StepTimer)
+    what vLLM chose per engine, and with --profile each engine's phase timings: hqlab.engines.vllm.worker.StepTimer)
   CPU (here):
       python benchmarks/vllm_gpu.py finish RETURNED/vllm_gpu_*.parquet --out data/results/vllm_gpu_h200.parquet
     merges the raw runs of several calls into one run (the `none` reference may come from an earlier call), writes
@@ -29,7 +29,7 @@ stalled after the first prompt (data/results/vllm_gpu_h200_i.log), so engine pro
 --parallel-start (with --interleave) builds those engines at the same time, each in a thread of its own, with a
 4 GiB KV cache each (vLLM's memory profiling cannot tell engines starting together apart), then warms them up one
 at a time as before, so the start-up should take about as long as the slowest engine's (~100 s) rather than
-the sum (not measured on the GPU yet; hqlab/engines/vllm/engine.py says what was checked in vLLM for it).
+the sum (not measured on the GPU yet; hqlab/engines/vllm/startup.py says what was checked in vLLM for it).
 `none` always runs first in a call unless --skip-reference; a failing config is logged and the
 others still run (--fail-fast stops at the first failure instead, to save device time while a new path is brought
 up).
@@ -59,6 +59,7 @@ def bench(args: argparse.Namespace) -> int:
     import vllm  # noqa: F401  (first: a wheel missing from the carried set fails here, before the conversion)
 
     from hqlab import models, provenance
+    from hqlab.bench import vllm_runs
     from hqlab.config import DecodeConfig
     from hqlab.engines import vllm as hv
     from hqlab.trace import drafter_pass_shares
@@ -90,12 +91,12 @@ def bench(args: argparse.Namespace) -> int:
     if burst:
         args.concurrency = len(burst)
         options = dataclasses_replace(options, max_num_seqs=max(8, len(burst)))
-    group = hv.burst_group(encoded, args.concurrency, burst)  # a bad name fails here, before any engine starts
+    group = vllm_runs.burst_group(encoded, args.concurrency, burst)  # a bad name fails here, before any engine starts
     if group and not burst and any(s.label.startswith("gpu-fused") for s in settings):
         # runs fl1 and fm1 measured "four at once" over four documents this way, with no prose beside the copy
         log(f"note: the {len(group)} requests at once are the suite's first prompts ("
             f"{', '.join(p[0] for p in group)}); --burst copy,chat,qa,summary mixes the copy request with prose")
-    hv.check_prompts(options, encoded, decode)
+    vllm_runs.check_prompts(options, encoded, decode)
     log("configs: " + ", ".join(s.label for s in settings))
     described: list[dict] = []
     runs: list = []
@@ -103,7 +104,7 @@ def bench(args: argparse.Namespace) -> int:
     def save() -> None:
         import pyarrow.parquet as pq
 
-        pq.write_table(hv.raw_table(runs), str(raw_path) + ".tmp")
+        pq.write_table(vllm_runs.raw_table(runs), str(raw_path) + ".tmp")
         os.replace(str(raw_path) + ".tmp", raw_path)
         meta = {"machine": machine, "versions": versions, "model": args.model, "dtype": options.dtype,
                 "doc_tokens": args.doc_tokens,
@@ -133,9 +134,10 @@ def bench(args: argparse.Namespace) -> int:
             save()
             log(f"saved {len(got)} runs: {what}")
 
-        hv.run_interleaved(dataclasses.replace(options, gpu_memory_utilization=args.gpu_memory), settings, encoded,
-                           decode, repeats=args.repeats, concurrency=args.concurrency, sustained=args.sustained,
-                           profile=args.profile, saved=saved, burst=burst, parallel_start=args.parallel_start)
+        vllm_runs.run_interleaved(dataclasses.replace(options, gpu_memory_utilization=args.gpu_memory), settings,
+                                  encoded, decode, repeats=args.repeats, concurrency=args.concurrency,
+                                  sustained=args.sustained, profile=args.profile, saved=saved, burst=burst,
+                                  parallel_start=args.parallel_start)
         for setting in settings:
             alone = [r for r in runs if r.config == setting.label and r.concurrency <= 1 and r.repeat >= 0]
             rate = sorted(r.generation.decode_tok_s() for r in alone)
@@ -145,9 +147,9 @@ def bench(args: argparse.Namespace) -> int:
     for setting in settings:
         t = time.time()
         try:
-            more, description = hv.run_setting(options, setting, encoded, decode, repeats=args.repeats,
-                                               concurrency=args.concurrency, sustained=args.sustained,
-                                               profile=args.profile, burst=burst)
+            more, description = vllm_runs.run_setting(options, setting, encoded, decode, repeats=args.repeats,
+                                                      concurrency=args.concurrency, sustained=args.sustained,
+                                                      profile=args.profile, burst=burst)
         except Exception as e:  # one config failing must not lose the others
             import traceback
 
@@ -177,13 +179,13 @@ def finish(args: argparse.Namespace) -> None:
 
     from hqlab import bench as hb
     from hqlab.bench.vllm import frames_from_raw, repeat_rows
+    from hqlab.bench.vllm_runs import runs_from_raw
     from hqlab.config import DecodeConfig
-    from hqlab.engines import vllm as hv
 
     runs, metas = [], []
     source: dict[str, str] = {}
     for path in [*args.raw, *([args.reference] if args.reference else [])]:
-        more = hv.runs_from_raw(pl.read_parquet(path))
+        more = runs_from_raw(pl.read_parquet(path))
         meta = json.loads(Path(path).with_suffix(".json").read_text())
         if path == args.reference:  # only its `none` rows: the reference of a call run with --skip-reference
             more = [r for r in more if r.config == "none"]
@@ -241,12 +243,13 @@ def replay(args: argparse.Namespace) -> None:
 
     from hqlab import models
     from hqlab.bench.vllm import fused_replay_check
+    from hqlab.bench.vllm_runs import runs_from_raw
     from hqlab.engines import vllm as hv
     from hqlab.replay.teacher import load_drafter
     from hqlab.workloads import load_workload
 
     meta = json.loads(Path(args.raw).with_suffix(".json").read_text())
-    runs = hv.runs_from_raw(pl.read_parquet(args.raw))
+    runs = runs_from_raw(pl.read_parquet(args.raw))
     if args.category:
         runs = [r for r in runs if r.category in args.category]
     tokenizer = AutoTokenizer.from_pretrained(models.prepare(meta["model"]))

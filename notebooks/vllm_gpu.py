@@ -35,8 +35,8 @@ cost_runs = [["l", "l2"], ["j"], ["k"], ["l"], ["m"], ["n"], ["o"], ["p"], ["s"]
 # every engine alive at once, each prompt on each in turn (paired by round)
 interleaved_runs = ["s", "t", "u", "v", "w", "w2"]
 probe_runs = ["o", "p"]  # runs with the CPU speed probe around each request (`--pin-threads`, host_unit_ms)
-probe_file = "data/results/host_threads_h200.parquet"  # benchmarks/vllm_host_threads.py
-cpu_file = "data/results/host_speed_h200.parquet"  # benchmarks/host_speed.py: plain Python, no GPU
+probe_file = "data/results/host_threads_h200.parquet"  # experiments/host_two_speeds/vllm_host_threads.py
+cpu_file = "data/results/host_speed_h200.parquet"  # experiments/host_two_speeds/host_speed.py: plain Python, no GPU
 
 # %%
 from pathlib import Path
@@ -162,7 +162,7 @@ chart
 # %% [markdown]
 # ### Is it where the threads run? The probe
 #
-# `benchmarks/vllm_host_threads.py` ran the suite twice on one engine per config, sampled which host threads were
+# `experiments/host_two_speeds/vllm_host_threads.py` ran the suite twice on one engine per config, sampled which host threads were
 # busy and where (`hqlab.engines.vllm.affinity`), pinned the one busy thread (the engine core's) to a CPU of its
 # own, and ran the suite twice more on the same engine.
 
@@ -209,7 +209,7 @@ chart
 # %% [markdown]
 # ### The machine itself: plain Python, no GPU
 #
-# `benchmarks/host_speed.py` times a fixed ~1 ms piece of Python over and over on the same lent machine: first on
+# `experiments/host_two_speeds/host_speed.py` times a fixed ~1 ms piece of Python over and over on the same lent machine: first on
 # one CPU with the rest idle, then on all sixteen at once. Medians per quarter second, and per CPU the share of
 # units slower than 1.45x the machine's fastest decile.
 

@@ -3,21 +3,40 @@ records, written together (`write_results`: `<out>.parquet` and `<out>.steps.par
 
 - `harness`: `run_bench` and `run_batch_bench` (one engine, interleaved configs, lossless checks), spec and
   workload checks, `write_results`.
-- `vllm`: the same on vLLM, one engine per config, and raw GPU runs turned into results.
+- `vllm_runs`: configs on vLLM, one engine each or all alive at once with interleaved requests, and the raw runs a
+  GPU host returns (vLLM, torch and pyarrow only: it runs where polars is not installed).
+- `vllm`: those raw runs turned into results, and the same benchmark on vLLM from here.
 - `suites`: `run_suites` (suites through the transformers engine or vLLM) and the project's benchmarks (core,
   fusion, draft-vocabulary acceptance) as library calls.
 - `report`: summaries and the benchmarks' figures; `vllm_report`: vLLM runs read back (ratios, breakdowns).
 - `lossless`: is an output identical to the reference, or a near-tie flip; chi-square checks for sampling.
+
+The names below load their module on first use, so importing `hqlab.bench.vllm_runs` on a GPU host does not import
+the harness (polars).
 """
 
-from hqlab.bench.harness import (EXTERNAL, HFPLDConfig, HFPlainConfig, RunConfig, check_specs, check_workload,
-                                 encode_prompts, known, parse_configs, part_path, prompt_rows, run_batch_bench,
-                                 run_bench, run_meta, with_provenance, write_results)
-from hqlab.bench.report import (CORE_FIGURE_KINDS, acceptance_by_position, core_figure_names, core_figures,
-                                fusion_figure_names, summarize)
-from hqlab.bench.suites import run_suites
+from __future__ import annotations
 
-__all__ = ["EXTERNAL", "known", "HFPLDConfig", "HFPlainConfig", "RunConfig", "check_specs", "check_workload",
-           "encode_prompts", "parse_configs", "part_path", "prompt_rows", "run_batch_bench", "run_bench", "run_meta",
-           "run_suites", "with_provenance", "write_results", "CORE_FIGURE_KINDS", "acceptance_by_position",
-           "core_figure_names", "core_figures", "fusion_figure_names", "summarize"]
+import importlib
+from typing import Any
+
+_FROM = {
+    "harness": ["EXTERNAL", "HFPLDConfig", "HFPlainConfig", "RunConfig", "check_specs", "check_workload",
+                "encode_prompts", "known", "parse_configs", "part_path", "prompt_rows", "run_batch_bench",
+                "run_bench", "run_meta", "with_provenance", "write_results"],
+    "report": ["CORE_FIGURE_KINDS", "acceptance_by_position", "core_figure_names", "core_figures",
+               "fusion_figure_names", "summarize"],
+    "suites": ["run_suites"],
+}
+_MODULE_OF = {name: module for module, names in _FROM.items() for name in names}
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hqlab.bench' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"hqlab.bench.{module}"), name)
+    globals()[name] = value
+    return value

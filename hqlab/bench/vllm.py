@@ -1,5 +1,5 @@
-"""The benchmark harness on vLLM: a workload through one vLLM engine per config (`hqlab.engines.vllm`), and the
-raw runs a GPU host returns (`hqlab.engines.vllm.raw_table`) turned into the results and step frames
+"""The benchmark harness on vLLM: a workload through one vLLM engine per config (`hqlab.bench.vllm_runs`), and the
+raw runs a GPU host returns (`hqlab.bench.vllm_runs.raw_table`) turned into the results and step frames
 `hqlab.bench` writes for every engine."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import polars as pl
 
 from hqlab.bench.harness import _append_steps, _lossless_columns, prompt_rows
 from hqlab.bench.lossless import NEAR_TIE_TOL, compare
+from hqlab.bench.vllm_runs import Run, run_configs
 from hqlab.config import ConfigError, DecodeConfig
-from hqlab.engines.vllm.engine import Run, VLLMOptions, encode_prompts, run_configs, settings_for
+from hqlab.engines.vllm.engine import VLLMOptions, encode_prompts, settings_for
 from hqlab.provenance import machine_description
 from hqlab.trace import Generation
 from hqlab.workloads import Prompt

@@ -107,7 +107,7 @@ PARTS = ["execute_model (host)", "sample + verify (host)", "propose (host)", "sc
 
 
 def step_breakdown(phases: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
-    """Milliseconds per decode step, by part, per (run, config) of the profiled runs (`adapter.StepTimer`).
+    """Milliseconds per decode step, by part, per (run, config) of the profiled runs (`worker.StepTimer`).
 
     The worker's host time in the model runner's `execute_model` (inputs and the forward's launches), in
     `sample_tokens` less the proposer (sampling, verification, bookkeeping), in the proposer's `propose`, and the

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from hqlab.bench.vllm import fused_replay_check
+from hqlab.bench.vllm_runs import Run
 from hqlab.config import ConfigError, resolve_spec
-from hqlab.engines.vllm.engine import Run
 from hqlab.proposers.fused import FusedProposer
 from hqlab.replay import replay
 from hqlab.trace import Generation

@@ -105,9 +105,9 @@ def test_host_probe_names_runs_without_a_probe(data):
 
 
 def test_width_replay_agrees_with_the_live_run_it_replays():
-    """benchmarks/fused_skip_replay.py --settings k=31 --lookup-k 15,31 over run fg's outputs: its k = 15 rows are
-    what vLLM measured in run fg (the lookup exactly, the fused config as the replay check found it), and at k = 31
-    the lookup and the fused config take more tokens a step where the lookup copies."""
+    """experiments/drafter_skip_replayed/fused_skip_replay.py --settings k=31 --lookup-k 15,31 over run fg's
+    outputs: its k = 15 rows are what vLLM measured in run fg (the lookup exactly, the fused config as the replay
+    check found it), and at k = 31 the lookup and the fused config take more tokens a step where the lookup copies."""
     widths = pl.read_parquet(RESULTS.with_name("fused_width_replay.parquet"))
     live = pl.read_parquet(FUSED).filter((pl.col("run") == "fg") & (pl.col("concurrency") == 1))
     lookup15 = widths.filter(pl.col("config") == "lookup:nmin=1,nmax=32,k=15,policy=earliest")

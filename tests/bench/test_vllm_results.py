@@ -25,7 +25,7 @@ def test_raw_runs_round_trip_and_become_bench_rows():
 
     from hqlab.config import DecodeConfig
     from hqlab.bench.vllm import frames_from_raw
-    from hqlab.engines.vllm import Run, raw_table, runs_from_raw
+    from hqlab.bench.vllm_runs import Run, raw_table, runs_from_raw
 
     ref = [5, 6, 7, 8, 9, 10]
     runs = [Run("none", "copy", "copy", -1, _generation(ref, margins=[3.0, 0.2, 4.0, 4.0, 4.0, 4.0], total=9.0)),
@@ -77,7 +77,7 @@ def test_gpu_finish_turns_returned_raw_runs_into_bench_results(tmp_path):
     import polars as pl
     import pyarrow.parquet as pq
 
-    from hqlab.engines.vllm import Run, raw_table
+    from hqlab.bench.vllm_runs import Run, raw_table
 
     spec = importlib.util.spec_from_file_location("vllm_gpu", ROOT / "benchmarks" / "vllm_gpu.py")
     script = importlib.util.module_from_spec(spec)
@@ -136,7 +136,7 @@ def test_burst_and_sustained_loads_are_kept_apart_and_old_tables_read_as_burst()
     from hqlab.bench import vllm_report
     from hqlab.bench.vllm import frames_from_raw
     from hqlab.config import DecodeConfig
-    from hqlab.engines.vllm import Run, raw_table, runs_from_raw
+    from hqlab.bench.vllm_runs import Run, raw_table, runs_from_raw
 
     ref = [5, 6, 7, 8, 9, 10]
     runs = [Run("none", "copy", "copy", 0, _generation(ref, total=2.0))]

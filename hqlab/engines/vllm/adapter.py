@@ -18,39 +18,23 @@ travels to vLLM's worker processes with the rest of the config), else from the e
 `HQLAB_VLLM_PROPOSER`. The proposer's k must not exceed `num_speculative_tokens` (vLLM sizes its buffers by it).
 
 Step records: with `additional_config["hqlab_record"] = True` the adapter keeps one record per draft it makes
-(history length, tokens, match length, time spent). Add `HqlabWorkerExtension` as vLLM's `worker_extension_cls` and
-call `llm.collective_rpc("hqlab_take_records")` to collect (and clear) them from the worker.
+(history length, tokens, match length, time spent). Add `hqlab.engines.vllm.worker.HqlabWorkerExtension` as vLLM's
+`worker_extension_cls` and call `llm.collective_rpc("hqlab_take_records")` to collect (and clear) them from the
+worker.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Sequence
 
 import numpy as np
 
 from hqlab.config import ConfigError
+from hqlab.engines.vllm.speculator import ENV_VAR, RECORD_KEY, SPEC_KEY, proposer_spec, recording
 from hqlab.proposers import make_proposer
 
 CLASS_PATH = "hqlab.engines.vllm.adapter.HqlabProposer"
-EXTENSION_PATH = "hqlab.engines.vllm.adapter.HqlabWorkerExtension"
-SPEC_KEY = "hqlab_proposer"
-RECORD_KEY = "hqlab_record"
-ENV_VAR = "HQLAB_VLLM_PROPOSER"
-
-
-def proposer_spec(vllm_config: Any) -> str:
-    """The hqlab proposer spec for this vLLM config: additional_config first, then the environment."""
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    spec = extra.get(SPEC_KEY) if isinstance(extra, dict) else None
-    if spec is None:
-        spec = os.environ.get(ENV_VAR)
-    if not spec or not str(spec).strip():
-        raise ConfigError(f"no hqlab proposer given to vLLM's custom_class hook: pass "
-                          f"additional_config={{'{SPEC_KEY}': 'lookup:nmin=6,nmax=12,k=15'}} to vllm.LLM, or set "
-                          f"{ENV_VAR}")
-    return str(spec).strip()
 
 
 def speculative_config(spec: str, num_speculative_tokens: int | None = None) -> dict[str, Any]:
@@ -71,8 +55,7 @@ class HqlabProposer:
                               f"num_speculative_tokens is {slots}; make them equal")
         self.k = self.proposer.k
         self.max_model_len = int(vllm_config.model_config.max_model_len)
-        extra = getattr(vllm_config, "additional_config", None) or {}
-        self.recording = bool(extra.get(RECORD_KEY, False)) if isinstance(extra, dict) else False
+        self.recording = recording(vllm_config)
         self.records: list[dict[str, Any]] = []
 
     def propose(self, sampled_token_ids: Sequence[Sequence[int]], num_tokens_no_spec: np.ndarray,
@@ -110,82 +93,4 @@ class HqlabProposer:
         return records
 
 
-class StepTimer:
-    """Where a step's time goes inside vLLM's worker: host time and GPU span of the model runner's
-    `execute_model` (inputs + forward), `sample_tokens` (sampling, bookkeeping and, on V2, the speculator) and the
-    proposer's `propose`, per call. GPU spans come from CUDA events (no synchronisation while decoding); they are
-    read once, in `stop`. Installed on one runner instance (instance attributes shadow its methods), removed by
-    `stop`."""
-
-    PHASES = (("execute_model", None), ("sample_tokens", None), ("propose", "drafter"), ("propose", "speculator"))
-
-    def __init__(self, runner: Any) -> None:
-        self.runner, self.calls, self.installed = runner, [], []
-        for name, holder in self.PHASES:
-            owner = runner if holder is None else getattr(runner, holder, None)
-            if owner is not None and hasattr(owner, name):
-                self._wrap(owner, name, name if holder is None else f"propose ({holder})")
-
-    def _wrap(self, owner: Any, name: str, phase: str) -> None:
-        import torch
-
-        original = getattr(owner, name)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            t0 = time.perf_counter()
-            out = original(*args, **kwargs)
-            t1 = time.perf_counter()
-            end.record()
-            self.calls.append((phase, t0, t1, start, end))
-            return out
-
-        setattr(owner, name, timed)
-        self.installed.append((owner, name))
-
-    def stop(self) -> list[dict[str, Any]]:
-        import torch
-
-        for owner, name in self.installed:
-            delattr(owner, name)  # the class's method shows through again
-        torch.cuda.synchronize()
-        if not self.calls:
-            return []
-        base_t, base_ev = self.calls[0][1], self.calls[0][3]
-        return [{"phase": phase, "host_start_ms": 1e3 * (t0 - base_t), "host_ms": 1e3 * (t1 - t0),
-                 "gpu_start_ms": base_ev.elapsed_time(start), "gpu_ms": start.elapsed_time(end)}
-                for phase, t0, t1, start, end in self.calls]
-
-
-class HqlabWorkerExtension:
-    """Mixed into vLLM's worker (`worker_extension_cls`): lets the engine collect the step records hqlab's code
-    kept inside vLLM — the adapter's (V1 runner: `model_runner.drafter`) or the GPU speculator's (V2 runner:
-    `model_runner.speculator`)."""
-
-    def hqlab_take_records(self) -> list[dict[str, Any]]:
-        from hqlab.engines.vllm.gpu_fused import GpuFusedSpeculator
-        from hqlab.engines.vllm.gpu_lookup import GpuLookupSpeculator
-
-        runner = getattr(self, "model_runner", None)
-        for found in (getattr(runner, "drafter", None), getattr(runner, "speculator", None)):
-            if isinstance(found, (HqlabProposer, GpuLookupSpeculator, GpuFusedSpeculator)):
-                return found.take_records()
-        return []
-
-    def hqlab_profile_start(self) -> bool:
-        """Start timing the model runner's phases (see StepTimer); False if this worker has no model runner."""
-        runner = getattr(self, "model_runner", None)
-        if runner is None:
-            return False
-        self._hqlab_timer = StepTimer(runner)
-        return True
-
-    def hqlab_profile_stop(self) -> list[dict[str, Any]]:
-        timer = getattr(self, "_hqlab_timer", None)
-        self._hqlab_timer = None
-        return timer.stop() if timer is not None else []
-
-
-__all__ = ["HqlabProposer", "HqlabWorkerExtension", "StepTimer", "proposer_spec", "speculative_config", "CLASS_PATH",
-           "EXTENSION_PATH", "SPEC_KEY", "RECORD_KEY", "ENV_VAR"]
+__all__ = ["HqlabProposer", "proposer_spec", "speculative_config", "CLASS_PATH", "SPEC_KEY", "RECORD_KEY", "ENV_VAR"]

@@ -182,7 +182,8 @@ class ThreadSampler:
 
 def python_unit() -> int:
     """About a millisecond of interpreter work (on a 2020s server core), like a slice of a host-bound decode step:
-    the fixed workload whose time tells how fast a CPU runs Python right now (benchmarks/host_speed.py)."""
+    the fixed workload whose time tells how fast a CPU runs Python right now
+    (experiments/host_two_speeds/host_speed.py)."""
     total = 0
     for i in range(20_000):
         total += i * i % 7

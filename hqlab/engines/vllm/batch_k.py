@@ -17,6 +17,8 @@ speculation off for that load: the step is a plain decode step, and hqlab's spec
 
 from __future__ import annotations
 
+from typing import Any
+
 from hqlab.config import ConfigError
 
 KEY = "batch_k"  # the spec key of gpu-lookup and gpu-fused
@@ -78,3 +80,26 @@ def next_k(table: list[int] | None, batch: int, k: int) -> int:
     if table is None or batch <= 0:
         return k
     return table[min(batch, len(table) - 1)]
+
+
+def with_schedule(speculative: dict[str, Any], value: str, k: int) -> dict[str, Any]:
+    """`speculative` plus vLLM's `num_speculative_tokens_per_batch_size` for a `batch_k` value ("" = none)."""
+    if value:
+        speculative["num_speculative_tokens_per_batch_size"] = vllm_schedule(parse(value, k))
+    return speculative
+
+
+def table_for(vllm_config: Any, value: str, k: int) -> list[int] | None:
+    """The width per batch size vLLM's scheduler will use (None: always k), checked against the spec's `batch_k`:
+    a speculator that skips its drafting where the spec says 0 while vLLM still verifies k would waste every
+    such step, so the two must agree (gpu_lookup's and gpu_fused's `speculative_config(spec)` make them agree)."""
+    spec_config = vllm_config.speculative_config
+    theirs = getattr(spec_config, "num_speculative_tokens_per_batch_size", None)
+    ours = vllm_schedule(parse(value, k)) if value else None
+    if ours is not None and [list(map(int, r)) for r in (theirs or [])] != ours:
+        raise ConfigError(f"batch_k={value!r} asks vLLM for num_speculative_tokens_per_batch_size={ours}, but vLLM "
+                          f"has {theirs}: build the speculative config with speculative_config(spec)")
+    if not theirs:
+        return None
+    entries = [(int(last), int(width)) for _, last, width in sorted(theirs)]
+    return dense(entries, int(vllm_config.scheduler_config.max_num_seqs), k)

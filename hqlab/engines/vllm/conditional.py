@@ -4,8 +4,9 @@ Why: a drafting step replays from one CUDA graph, and which of its parts should 
 a wide catch-up) is known only on the device, from the lookup the same graph just ran. Deciding on the host means
 reading the device first (a wait) or deciding from stale copies (the host-proven skip, `gpu_fused`'s `skip`). An IF
 node lets the graph decide: a one-thread kernel sets the node's condition from the flag, and the node runs its body
-graph only when the condition is set. Measured on the H200 (`benchmarks/cuda_conditional_probe.py`): a replay costs
-0.022 ms with a 24-kernel body skipped, 0.146 ms with it taken, 0.137 ms for the same body in a plain graph.
+graph only when the condition is set. Measured on the H200
+(`experiments/conditional_graph_node/cuda_conditional_probe.py`): a replay costs 0.022 ms with a 24-kernel body
+skipped, 0.146 ms with it taken, 0.137 ms for the same body in a plain graph.
 
 `run_if(flag, body)` runs `body` where the flag is set; `run_while(flag, body)` runs it again and again while the
 flag is set, `body` itself updating the flag (a WHILE node). While the current stream captures a CUDA graph they add

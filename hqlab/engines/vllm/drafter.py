@@ -51,30 +51,26 @@ BLOCK = 16  # positions per cache page (vLLM's own block size, which its FlashAt
 # auto: FlashAttention where vLLM has it on this device, else sdpa; triton: hqlab_kernels.drafter_attention for the
 # drafting passes (one kernel a layer), FlashAttention (where present) or sdpa for prompt chunks
 ATTENTION = ("auto", "flash", "sdpa", "triton")
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # torch.compile modes for the layer regions
 LAYERS = ("torch", "triton")  # how a layer runs: torch operations, or hqlab_kernels.drafter_layers' four kernels
 # The most query rows (requests x positions) a call may have for the Triton layers: their block sizes are chosen for
 # the drafting passes (16 positions for a few requests); a prompt chunk of hundreds of rows runs faster in cuBLAS.
 TRITON_MAX_ROWS = 64
 
 
-def _flash_attention(device: torch.device, head_dim: int) -> tuple[Callable | None, Callable | None]:
-    """vLLM's paged FlashAttention in the version vLLM itself picks for this GPU (FA3 on Hopper), and FA3's
-    scheduler (`get_scheduler_metadata`: the work split of a call, computed once and reused by every layer of a
-    pass); (None, None) where it cannot run (no CUDA device, no vLLM build for it)."""
+def _flash_attention(device: torch.device, head_dim: int) -> Callable | None:
+    """vLLM's paged FlashAttention in the version vLLM itself picks for this GPU (FA3 on Hopper); None where it
+    cannot run (no CUDA device, no vLLM build for it)."""
     if device.type != "cuda":
-        return None, None
+        return None
     try:
         from functools import partial
 
         from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
-        from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
     except Exception:  # noqa: BLE001 - any import failure means: not available here
-        return None, None
+        return None
     version = get_flash_attn_version(head_size=head_dim)
-    if version is None:
-        return flash_attn_varlen_func, None
-    return partial(flash_attn_varlen_func, fa_version=version), get_scheduler_metadata if version == 3 else None
+    return flash_attn_varlen_func if version is None else partial(flash_attn_varlen_func, fa_version=version)
 
 
 def _cache_writer(device: torch.device) -> Callable | None:
@@ -122,20 +118,13 @@ class StaticQwen2:
 
     def __init__(self, config: dict, weights: dict[str, torch.Tensor], *, slots: int, max_len: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
-                 compile: bool = False, attention: str = "auto", splits: int = 0, plan_once: bool = False,
-                 compile_mode: str = "default", layers: str = "torch") -> None:
+                 compile: bool = False, attention: str = "auto", layers: str = "torch") -> None:
         if layers not in LAYERS:
             raise ConfigError(f"StaticQwen2: layers must be one of {', '.join(LAYERS)} (got {layers!r})")
         if slots < 1 or max_len < 1:
             raise ConfigError(f"StaticQwen2 needs slots >= 1 and max_len >= 1 (got slots={slots}, max_len={max_len})")
         if attention not in ATTENTION:
             raise ConfigError(f"StaticQwen2: attention must be one of {', '.join(ATTENTION)} (got {attention!r})")
-        if splits < 0:
-            raise ConfigError(f"StaticQwen2: splits must be >= 0 (0: FlashAttention picks the key-length split; 1: "
-                              f"no split, one kernel less per layer call; got {splits})")
-        if compile_mode not in COMPILE_MODES:
-            raise ConfigError(f"StaticQwen2: compile_mode must be one of {', '.join(COMPILE_MODES)} "
-                              f"(got {compile_mode!r})")
         scaling = config.get("rope_scaling") or {}
         rope_type = (config.get("rope_parameters") or {}).get("rope_type") or scaling.get("rope_type") or \
             scaling.get("type") or "default"
@@ -194,8 +183,8 @@ class StaticQwen2:
                     qkv_rows=(self.heads + 2 * self.kv_heads) * self.head_dim, max_rows=TRITON_MAX_ROWS,
                     max_split=max_split, device=self.device)
         half = dtype in (torch.bfloat16, torch.float16)  # FlashAttention's dtypes
-        self.flash, planner = _flash_attention(self.device, self.head_dim) \
-            if attention in ("auto", "flash", "triton") and half else (None, None)
+        self.flash = _flash_attention(self.device, self.head_dim) \
+            if attention in ("auto", "flash", "triton") and half else None
         # the Triton attention of the drafting passes, its scratch sized for every slot at once and its most splits
         self.attention_kernel, self.attention_workspace = None, None
         if attention == "triton":
@@ -206,14 +195,6 @@ class StaticQwen2:
         if attention == "flash" and self.flash is None:
             raise ConfigError("StaticQwen2: attention='flash' needs vLLM's FlashAttention on a CUDA device and a "
                               f"bf16 or fp16 model (got {self.device}, {dtype})")
-        # splits: FlashAttention's split of the key length over thread blocks (0 = its heuristic, which for one
-        # query row over thousands of keys splits and adds a combine kernel per call); plan_once: compute FA3's
-        # work split once per pass and hand it to every layer, instead of a scheduling kernel in each call.
-        self.splits = int(splits)
-        if self.attention_kernel is not None and self.splits > self.attention_kernel.MAX_SPLITS:
-            raise ConfigError(f"StaticQwen2: attention='triton' splits the keys over at most "
-                              f"{self.attention_kernel.MAX_SPLITS} programs (got splits={self.splits})")
-        self.plan = planner if plan_once and self.flash is not None else None
         self.write_cache = _cache_writer(self.device) if self.flash is not None else None
         # Rotary tables in float32 for every position the cache can hold (transformers computes them in float32
         # and casts to the activations' dtype).
@@ -227,10 +208,9 @@ class StaticQwen2:
         # elementwise work across the layer boundary (a pass is launch-bound at small batch: kernels, not bytes).
         self._pre, self._mid, self._post = self._pre_impl, self._mid_impl, self._post_impl
         if compile:
-            mode = None if compile_mode == "default" else compile_mode
-            self._pre = torch.compile(self._pre_impl, dynamic=True, mode=mode)
-            self._mid = torch.compile(self._mid_impl, dynamic=True, mode=mode)
-            self._post = torch.compile(self._post_impl, dynamic=True, mode=mode)
+            self._pre = torch.compile(self._pre_impl, dynamic=True)
+            self._mid = torch.compile(self._mid_impl, dynamic=True)
+            self._post = torch.compile(self._post_impl, dynamic=True)
 
     @classmethod
     def load(cls, folder: str | Path, *, slots: int, max_len: int, device: str | torch.device = "cpu",
@@ -340,21 +320,14 @@ class StaticQwen2:
             n, 1, q_len * self.groups, attn_len)
 
     def _flash_inputs(self, slots: torch.Tensor, start: torch.Tensor, q_len: int,
-                      attn_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """FlashAttention's paged inputs: query offsets, each row's key count (its causal end), block table, and
-        with `plan_once` FA3's work split for this pass (shared by its layers)."""
+                      attn_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """FlashAttention's paged inputs: query offsets, each row's key count (its causal end), block table."""
         n = slots.shape[0]
         cu_q = torch.arange(0, (n + 1) * q_len, q_len, dtype=torch.int32, device=self.device)
         used = (start + q_len).to(torch.int32)
         pages = -(-attn_len // BLOCK)
         table = (slots[:, None] * self.blocks + torch.arange(pages, device=self.device)).to(torch.int32)
-        plan = None
-        if self.plan is not None:
-            plan = self.plan(batch_size=n, max_seqlen_q=q_len, max_seqlen_k=attn_len, num_heads_q=self.heads,
-                             num_heads_kv=self.kv_heads, headdim=self.head_dim, cache_seqlens=used,
-                             qkv_dtype=self.dtype, cu_seqlens_q=cu_q, page_size=BLOCK, causal=True,
-                             num_splits=self.splits)
-        return cu_q, used, table, plan
+        return cu_q, used, table
 
     def _attend(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, attn_len: int,
                 attend: Any) -> torch.Tensor:
@@ -362,15 +335,15 @@ class StaticQwen2:
         n, q_len, h, d = q.shape
         if isinstance(attend, tuple) and attend[0] == "triton":
             kernel, (_, slots, start) = self.attention_kernel, attend
-            splits = self.splits or kernel.default_splits(attn_len, n, self.kv_heads)
+            splits = kernel.default_splits(attn_len, n, self.kv_heads)
             o = kernel.decode_attention(q.reshape(n * q_len, h, d), kc, vc, slots, start, max_len=self.max_len,
                                         attn_len=attn_len, splits=splits, workspace=self.attention_workspace)
             return o.view(n, q_len, h * d)
         if self.flash is not None:
-            cu_q, used, table, plan = attend
+            cu_q, used, table = attend
             o = self.flash(q.reshape(n * q_len, h, d), kc, vc, max_seqlen_q=q_len, cu_seqlens_q=cu_q,
                            max_seqlen_k=attn_len, seqused_k=used, causal=True, block_table=table,
-                           scheduler_metadata=plan, num_splits=self.splits)
+                           num_splits=0)  # 0: FlashAttention's own key-length split
             return o.reshape(n, q_len, h * d)
         kvh, g = self.kv_heads, self.groups
         rows = slots[:, None] * self.blocks + torch.arange(-(-attn_len // BLOCK), device=self.device)

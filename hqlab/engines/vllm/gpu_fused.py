@@ -54,8 +54,8 @@ import torch
 
 from hqlab.config import ConfigError, resolve_spec
 from hqlab.engines.vllm import batch_k
-from hqlab.engines.vllm.gpu_lookup import (RECORD_KEY, RecordRing, batch_k_table, bind_histories, is_custom_class,
-                                           pad_token, with_batch_k)
+from hqlab.engines.vllm.speculator import (RECORD_KEY, SPEC_KEY, RecordRing, bind_histories, gpu_spec,
+                                           is_custom_class, pad_token, recording, refuse_retired)
 from hqlab.proposers.fused import FusedConfig
 
 NAME = "gpu-fused"
@@ -78,10 +78,7 @@ CATCH_UPS = ("lazy", "bounded")  # device_skip: when a drafter that skipped step
 class GpuFusedConfig(FusedConfig):
     """`FusedConfig` (k = long block, draft_block = drafter head = short block, lookup, fusion and scheduler keys)
     plus graphs: capture the drafting step in CUDA graphs when vLLM captures its own; compile: torch.compile the
-    drafter layers' elementwise work (fewer kernels per pass; compiles on the first steps); compile_mode: the
-    torch.compile mode ("default" or "max-autotune-no-cudagraphs", which also tunes the small matrix products);
-    splits and plan_once: the drafter's FlashAttention calls (`drafter.StaticQwen2`: 1 = no key-length split and so
-    no combine kernel; plan_once = one FA3 scheduling call per pass instead of one per layer); compile_rule:
+    drafter layers' elementwise work (fewer kernels per pass; compiles on the first steps); compile_rule:
     torch.compile the fusion and schedule rule (`FusedStep`: ~100 small operations a step into a few kernels);
     prefill_chunk: prompt tokens the drafter reads per eager call (vLLM prefills up to max_num_batched_tokens, 2,048
     by default, per step: one call per vLLM chunk at 2048); device_skip: the drafting step itself skips the drafter's
@@ -98,9 +95,6 @@ class GpuFusedConfig(FusedConfig):
 
     graphs: bool = True
     compile: bool = False
-    compile_mode: str = "default"
-    splits: int = 0
-    plan_once: bool = False
     compile_rule: bool = False
     prefill_chunk: int = PREFILL_CHUNK
     device_skip: bool = False
@@ -136,17 +130,12 @@ class GpuFusedConfig(FusedConfig):
         if self.prefill_chunk < 1:
             raise ConfigError(f"{NAME}: prefill_chunk must be >= 1 prompt token per drafter call "
                               f"(got {self.prefill_chunk})")
-        from hqlab.engines.vllm.drafter import ATTENTION, COMPILE_MODES, LAYERS
+        from hqlab.engines.vllm.drafter import ATTENTION, LAYERS
 
-        if self.compile_mode not in COMPILE_MODES:
-            raise ConfigError(f"{NAME}: compile_mode must be one of {', '.join(COMPILE_MODES)} "
-                              f"(got {self.compile_mode!r})")
         if self.layers not in LAYERS:
             raise ConfigError(f"{NAME}: layers must be one of {', '.join(LAYERS)} (got {self.layers!r})")
         if self.attention not in ATTENTION:
             raise ConfigError(f"{NAME}: attention must be one of {', '.join(ATTENTION)} (got {self.attention!r})")
-        if self.splits < 0:
-            raise ConfigError(f"{NAME}: splits must be >= 0 (0: FlashAttention decides; got {self.splits})")
         if self.temperature != 0:
             raise ConfigError(f"{NAME}: the drafter drafts greedily inside vLLM (temperature=0); got "
                               f"temperature={self.temperature}")
@@ -155,8 +144,21 @@ class GpuFusedConfig(FusedConfig):
                               f"vocab={self.vocab!r})")
 
 
+# Keys measured as no gain and removed (run fc: the 7-pass drafting step replayed from its graph; fk2: the one-pass
+# step's kernels); a spec naming one fails with where to read why.
+RETIRED = {
+    "splits": "FlashAttention's key-length split: splits=1 equal at 512 tokens of history, up to +46 % at 3,900 "
+              "(runs fc, fk2)",
+    "plan_once": "one FA3 scheduling call per pass instead of one a layer: ~1 % of a pass, within the spread (run "
+                 "fc), -21 us of a 1.49 ms step (fk2), and nothing in the drafting passes with attention=triton, "
+                 "which the served config uses",
+    "compile_mode": "torch.compile's max-autotune-no-cudagraphs: +32 % to +111 % a drafting step (run fc)",
+}
+
+
 def fused_config(spec: str) -> GpuFusedConfig:
-    """The settings of a `gpu-fused:...` spec, validated."""
+    """The settings of a `gpu-fused:...` spec, validated (a retired key is an error that says so)."""
+    refuse_retired(spec, RETIRED, NAME)
     unknown = f"{{spec!r}} is not a {NAME} spec (expected '{NAME}:k=15,draft_block=7,model=..,nmax=..')"
     return resolve_spec(spec, {NAME: GpuFusedConfig}, unknown=unknown, context=f"proposer {NAME!r}")[1]
 
@@ -165,7 +167,7 @@ def speculative_config(spec: str) -> dict[str, Any]:
     """vLLM's `speculative_config` for a `gpu-fused` spec: k draft positions verified every step (or, with
     `batch_k`, as many as vLLM's scheduler looks up for the step's batch size)."""
     config = fused_config(spec)
-    return with_batch_k({"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": config.k},
+    return batch_k.with_schedule({"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": config.k},
                         config.batch_k, config.k)
 
 
@@ -304,27 +306,15 @@ class GpuFusedSpeculator:
     """
 
     def __init__(self, vllm_config: Any, device: torch.device | str | None = None) -> None:
-        from hqlab.engines.vllm.adapter import proposer_spec
-
-        if device is None:
-            raise ConfigError(f"{CLASS_PATH} runs inside vLLM's model runner V2, but vLLM built it as a V1 "
-                              "custom_class proposer: the hqlab vLLM plugin is not active (see "
-                              "hqlab.engines.vllm.plugin)")
-        self.spec = proposer_spec(vllm_config)
-        self.config = fused_config(self.spec)
-        slots = int(vllm_config.speculative_config.num_speculative_tokens)
-        if self.config.k != slots:
-            raise ConfigError(f"{self.spec!r} verifies k={self.config.k} positions but vLLM's num_speculative_tokens "
-                              f"is {slots}; make them equal (gpu_fused.speculative_config does)")
-        extra = getattr(vllm_config, "additional_config", None) or {}
+        self.spec, self.config = gpu_spec(vllm_config, device, CLASS_PATH, fused_config)
         pad = pad_token(vllm_config)
         dtype = getattr(vllm_config.model_config, "dtype", torch.bfloat16)
         self.vocab = int(vllm_config.model_config.get_vocab_size())
         self._setup(max_num_reqs=int(vllm_config.scheduler_config.max_num_seqs),
                     max_model_len=int(vllm_config.model_config.max_model_len), pad=pad, device=device,
                     dtype=dtype if isinstance(dtype, torch.dtype) else torch.bfloat16,
-                    record=bool(extra.get(RECORD_KEY, False)))
-        self.k_table = batch_k_table(vllm_config, self.config.batch_k, self.config.k)
+                    record=recording(vllm_config))
+        self.k_table = batch_k.table_for(vllm_config, self.config.batch_k, self.config.k)
 
     @classmethod
     def standalone(cls, config: GpuFusedConfig, *, max_num_reqs: int, max_model_len: int, pad: int,
@@ -452,8 +442,7 @@ class GpuFusedSpeculator:
         folder = folder or models.prepare(self.config.model)
         c = self.config
         drafter = StaticQwen2.load(folder, slots=self.max_num_reqs, max_len=self.cache_len, device=self.device,
-                                   dtype=self.dtype, compile=c.compile, compile_mode=c.compile_mode, splits=c.splits,
-                                   plan_once=c.plan_once, layers=c.layers, attention=c.attention)
+                                   dtype=self.dtype, compile=c.compile, layers=c.layers, attention=c.attention)
         if self.vocab is not None and drafter.vocab != self.vocab:
             raise ConfigError(f"{NAME}: the drafter {self.config.model!r} has a vocabulary of {drafter.vocab} rows and "
                               f"the target {self.vocab}; the drafter must share the target's tokenizer")
@@ -794,4 +783,4 @@ class GpuFusedSpeculator:
 
 
 __all__ = ["GpuFusedSpeculator", "GpuFusedConfig", "FusedRecorder", "fused_config", "speculative_config",
-           "is_gpu_fused", "attention_buckets", "NAME", "CLASS_PATH"]
+           "is_gpu_fused", "attention_buckets", "NAME", "CLASS_PATH", "SPEC_KEY", "RECORD_KEY", "RETIRED"]

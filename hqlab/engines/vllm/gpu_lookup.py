@@ -34,38 +34,25 @@ from typing import Any
 
 import torch
 
-from hqlab.config import ConfigError, LookupConfig, resolve_spec
+from hqlab.config import LookupConfig, resolve_spec
 from hqlab.engines.vllm import batch_k
+from hqlab.engines.vllm.speculator import (PAD_KEY, RECORD_KEY, SPEC_KEY, RecordRing, RequestState, bind_histories,
+                                           gpu_spec, is_custom_class, pad_token, recording, refuse_retired)
 from hqlab.trace import Source
 
 NAME = "gpu-lookup"  # the config name in `hqlab bench --engine vllm`
 CLASS_PATH = "hqlab.engines.vllm.gpu_lookup.GpuLookupSpeculator"
-SPEC_KEY = "hqlab_proposer"  # additional_config key holding the lookup spec (as for the custom_class adapter)
-RECORD_KEY = "hqlab_record"  # additional_config key: keep per-step records on the GPU for `take_records`
-PAD_KEY = "hqlab_pad_token"  # additional_config key: override the pad token id
 RECORD_CAPACITY = 4096  # steps kept between two `take_records` calls
-
-
-WIDTHS = ("fixed", "stale")
 
 
 @dataclass(frozen=True)
 class GpuLookupConfig(LookupConfig):
-    """The lookup's settings plus how many positions a step verifies (SPEC §2.5's stale flag, for the lookup).
+    """The lookup's settings plus graphs: capture the drafting step in CUDA graphs when vLLM captures its own (false:
+    launch it eagerly every step, to measure what the graphs save). Every step verifies k draft positions per request
+    (vLLM's scheduler reserves them before the drafts exist), or with batch_k as many as the step's batch size gets,
+    e.g. "1:15/4:7/0" (`batch_k.py`: vLLM's scheduler narrows the verify as the load grows, and the speculator skips
+    its drafting where the width is 0)."""
 
-    width:     "fixed": every step verifies k draft positions per request (vLLM's scheduler reserves them before
-               the drafts exist). "stale": a request verifies k positions only if the lookup found at least
-               `min_valid` tokens to propose one step earlier, else none (a plain step); the scheduler learns it a
-               step late, as HyperQwen read its qualify flag.
-    min_valid: the fewest proposable tokens that keep a request's next-but-one step wide (width "stale").
-    graphs:    capture the drafting step in CUDA graphs when vLLM captures its own (false: launch it eagerly every
-               step, to measure what the graphs save).
-    batch_k:   draft positions verified by batch size, e.g. "4:15/16:3/0" (`batch_k.py`): vLLM's scheduler narrows
-               the verify as the load grows, and the speculator skips its drafting where the width is 0.
-    """
-
-    width: str = "fixed"
-    min_valid: int = 1
     graphs: bool = True
     batch_k: str = ""
 
@@ -73,14 +60,18 @@ class GpuLookupConfig(LookupConfig):
         super().__post_init__()
         if self.batch_k:
             batch_k.parse(self.batch_k, self.k)
-        if self.width not in WIDTHS:
-            raise ConfigError(f"width must be one of {', '.join(WIDTHS)} (got {self.width!r})")
-        if not 1 <= self.min_valid <= self.k:
-            raise ConfigError(f"min_valid must be in [1, k={self.k}] (got {self.min_valid})")
+
+# Keys measured as no gain and removed, with the vLLM scheduler patches they needed; a spec naming one fails with
+# where to read why.
+_STALE = ("a request's width read a step late through the step's output: every class slower than the fixed width "
+          "(run e: chat 0.63x none against 1.21x, 0.53x throughput with eight requests)")
+RETIRED = {"width": "width=stale, " + _STALE, "min_valid": "the threshold of width=stale, " + _STALE}
 
 
 def lookup_config(spec: str) -> GpuLookupConfig:
-    """The settings of a `gpu-lookup:...` (or `lookup:...`) spec, validated."""
+    """The settings of a `gpu-lookup:...` (or `lookup:...`) spec, validated (a retired key is an error that says
+    so)."""
+    refuse_retired(spec, RETIRED, NAME)
     unknown = f"{{spec!r}} is not a {NAME} spec (expected '{NAME}:nmin=..,nmax=..,k=..,policy=..')"
     return resolve_spec(spec, {NAME: GpuLookupConfig, "lookup": GpuLookupConfig}, unknown=unknown,
                         context=f"proposer {NAME!r}")[1]
@@ -90,92 +81,13 @@ def speculative_config(spec: str) -> dict[str, Any]:
     """vLLM's `speculative_config` for a `gpu-lookup` spec: k draft positions verified every step (or, with
     `batch_k`, as many as vLLM's scheduler looks up for the step's batch size)."""
     config = lookup_config(spec)
-    return with_batch_k({"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": config.k},
+    return batch_k.with_schedule({"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": config.k},
                         config.batch_k, config.k)
-
-
-def with_batch_k(speculative: dict[str, Any], value: str, k: int) -> dict[str, Any]:
-    """`speculative` plus vLLM's `num_speculative_tokens_per_batch_size` for a `batch_k` value ("" = none)."""
-    if value:
-        speculative["num_speculative_tokens_per_batch_size"] = batch_k.vllm_schedule(batch_k.parse(value, k))
-    return speculative
-
-
-def batch_k_table(vllm_config: Any, value: str, k: int) -> list[int] | None:
-    """The width per batch size vLLM's scheduler will use (None: always k), checked against the spec's `batch_k`:
-    a speculator that skips its drafting where the spec says 0 while vLLM still verifies k would waste every
-    such step, so the two must agree (`speculative_config(spec)` makes them agree)."""
-    spec_config = vllm_config.speculative_config
-    theirs = getattr(spec_config, "num_speculative_tokens_per_batch_size", None)
-    ours = batch_k.vllm_schedule(batch_k.parse(value, k)) if value else None
-    if ours is not None and [list(map(int, r)) for r in (theirs or [])] != ours:
-        raise ConfigError(f"batch_k={value!r} asks vLLM for num_speculative_tokens_per_batch_size={ours}, but vLLM "
-                          f"has {theirs}: build the speculative config with speculative_config(spec)")
-    if not theirs:
-        return None
-    entries = [(int(last), int(width)) for _, last, width in sorted(theirs)]
-    return batch_k.dense(entries, int(vllm_config.scheduler_config.max_num_seqs), k)
-
-
-def is_custom_class(speculative_config: Any, class_path: str) -> bool:
-    """True for a vLLM SpeculativeConfig (or dict) whose `custom_class` is `class_path`."""
-    if speculative_config is None:
-        return False
-    get = speculative_config.get if isinstance(speculative_config, dict) else (
-        lambda key: getattr(speculative_config, key, None))
-    return get("method") == "custom_class" and get("model") == class_path
 
 
 def is_gpu_lookup(speculative_config: Any) -> bool:
     """True for a vLLM SpeculativeConfig (or dict) that asks for this speculator."""
     return is_custom_class(speculative_config, CLASS_PATH)
-
-
-def pad_token(vllm_config: Any) -> int:
-    """The token id written where nothing is proposed: `additional_config[PAD_KEY]`, else the last vocabulary row."""
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    vocab = int(vllm_config.model_config.get_vocab_size())
-    pad = int(extra.get(PAD_KEY, vocab - 1))
-    if not 0 <= pad < vocab:
-        raise ConfigError(f"{PAD_KEY} must be a token id in [0, {vocab}) (got {pad})")
-    return pad
-
-
-class RecordRing:
-    """The bookkeeping of per-step records kept on the GPU (no host read while decoding), read back in one copy.
-
-    A subclass's `write` runs on the device only and takes its ring slot from `next_slot` (a device counter, so it
-    can be captured in a CUDA graph); `note` keeps the host half of the same step (request ids, host time). Every
-    `write` is followed by one `note`, so the n-th noted step sits in slot n mod capacity."""
-
-    def __init__(self, capacity: int, device: torch.device | str) -> None:
-        self.capacity = int(capacity)
-        self.counter = torch.zeros(1, dtype=torch.int64, device=device)  # steps written, on the device
-        self.steps: list[tuple[int, list[str], float]] = []  # (ring slot, request ids, host seconds)
-        self.count = 0  # steps noted, on the host
-
-    def next_slot(self) -> torch.Tensor:
-        """This write's ring slot (a device tensor); advances the device counter."""
-        slot = self.counter.remainder(self.capacity)
-        self.counter += 1
-        return slot
-
-    def note(self, req_ids: list[str], host_s: float) -> None:
-        self.steps.append((self.count % self.capacity, list(req_ids), host_s))
-        self.count += 1
-
-    def restart(self) -> None:
-        """Forget everything (after warm-up and graph capture, which write without a step to note)."""
-        self.counter.zero_()
-        self.steps, self.count = [], 0
-
-    def drain(self) -> list[tuple[int, list[str], float]]:
-        """The steps noted since the last call (clears them); refuses if the ring overwrote some of them."""
-        steps, self.steps = self.steps, []
-        if len(steps) > self.capacity:
-            raise RuntimeError(f"{len(steps)} steps were drafted since the records were last taken but only "
-                               f"{self.capacity} fit: take them more often (after each request)")
-        return steps
 
 
 class StepRecorder(RecordRing):
@@ -209,28 +121,6 @@ class StepRecorder(RecordRing):
         return out
 
 
-def bind_histories(all_token_ids: torch.Tensor, total_len: torch.Tensor, max_num_reqs: int,
-                   device: torch.device) -> tuple["_RequestState", torch.Tensor]:
-    """vLLM's histories checked, and each slot's offset into them flattened (what the suffix-match kernel takes)."""
-    if all_token_ids.dtype != torch.int32 or all_token_ids.dim() != 2 or not all_token_ids.is_contiguous():
-        raise TypeError(f"all_token_ids must be a contiguous 2-D int32 tensor, got {all_token_ids.dtype} "
-                        f"{tuple(all_token_ids.shape)}")
-    if all_token_ids.shape[0] < max_num_reqs or total_len.shape[0] < max_num_reqs:
-        raise ValueError(f"vLLM's request state holds {all_token_ids.shape[0]} slots, fewer than max_num_seqs "
-                         f"{max_num_reqs}")
-    width = all_token_ids.shape[1]
-    offsets = torch.arange(all_token_ids.shape[0], dtype=torch.int64, device=device) * width
-    return _RequestState(all_token_ids, total_len), offsets
-
-
-@dataclass
-class _RequestState:
-    """The slices of vLLM's request state the lookup reads (bound by the plugin when vLLM loads the model)."""
-
-    all_token_ids: torch.Tensor  # [max_num_reqs, max_model_len] int32, prompt + output per request slot
-    total_len: torch.Tensor  # [max_num_reqs] int32, tokens in each slot's history
-
-
 class GpuLookupSpeculator:
     """vLLM V2 speculator: the suffix-match lookup over vLLM's GPU histories, k drafts per request per step.
 
@@ -241,27 +131,14 @@ class GpuLookupSpeculator:
     """
 
     def __init__(self, vllm_config: Any, device: torch.device | str | None = None) -> None:
-        from hqlab.engines.vllm.adapter import proposer_spec
-
-        if device is None:  # vLLM's V1 runner builds custom_class proposers with the config alone
-            raise ConfigError(
-                f"{CLASS_PATH} runs inside vLLM's model runner V2, but vLLM built it as a V1 custom_class proposer: "
-                "the hqlab vLLM plugin is not active (install hqlab with its vllm extra in the environment vLLM runs "
-                "in, leave VLLM_PLUGINS unset or include 'hqlab', and do not set VLLM_USE_V2_MODEL_RUNNER=0), or "
-                "this vLLM version is not the one the plugin was built for (see hqlab.engines.vllm.plugin)")
-        self.spec = proposer_spec(vllm_config)
-        self.config = lookup_config(self.spec)
-        slots = int(vllm_config.speculative_config.num_speculative_tokens)
-        if self.config.k != slots:
-            raise ConfigError(f"{self.spec!r} drafts k={self.config.k} tokens but vLLM's num_speculative_tokens is "
-                              f"{slots}; make them equal (hqlab.engines.vllm.gpu_lookup.speculative_config does)")
-        self.k = slots
+        self.spec, self.config = gpu_spec(vllm_config, device, CLASS_PATH, lookup_config)
+        self.k = self.config.k
         self.device = torch.device(device)
         self.max_num_reqs = int(vllm_config.scheduler_config.max_num_seqs)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.pad = pad_token(vllm_config)
-        self._setup(record=bool((getattr(vllm_config, "additional_config", None) or {}).get(RECORD_KEY, False)))
-        self.k_table = batch_k_table(vllm_config, self.config.batch_k, self.k)
+        self._setup(record=recording(vllm_config))
+        self.k_table = batch_k.table_for(vllm_config, self.config.batch_k, self.k)
 
     @classmethod
     def standalone(cls, config: LookupConfig, *, max_num_reqs: int, max_model_len: int, pad: int,
@@ -286,17 +163,9 @@ class GpuLookupSpeculator:
         self.draft_tokens = torch.zeros(self.max_num_reqs, self.k, dtype=torch.int64, device=self.device)
         self.rows = torch.full((self.max_num_reqs,), -1, dtype=torch.int32, device=self.device)  # slots to draft for
         self.row_offsets: torch.Tensor | None = None
-        self.state: _RequestState | None = None
+        self.state: RequestState | None = None
         self.recorder = StepRecorder(RECORD_CAPACITY, self.max_num_reqs, self.k, self.device) if record else None
         self.skipped_steps = 0  # steps whose drafting `batch_k` skipped (a plain counter)
-        # Width "stale": each request's next-but-one width, computed on the device and copied to pinned host
-        # memory without waiting; the scheduler reads it through the step's output (plugin.py).
-        self.stale = getattr(self.config, "width", "fixed") == "stale"
-        self.widths = torch.zeros(self.max_num_reqs, dtype=torch.int32, device=self.device)
-        self.pending: tuple[list[str], Any, Any] | None = None  # (request ids, host copy, copy-done event)
-        self._host_widths = [torch.zeros(self.max_num_reqs, dtype=torch.int32,
-                                         pin_memory=self.device.type == "cuda") for _ in range(4)]
-        self._host_turn = 0
         self.use_graphs = False  # vLLM's cudagraph mode, from init_cudagraph_manager
         self.graphs: dict[int, Any] = {}  # batch size -> captured drafting step (`capture`)
         # What vLLM's V2 runner reads from a speculator.
@@ -352,28 +221,9 @@ class GpuLookupSpeculator:
             return self.draft_tokens[:n]
         start = time.perf_counter()
         drafts = self.lookup(input_batch.idx_mapping, n)
-        if self.stale:
-            self.pending = self._copy_widths(list(input_batch.req_ids), n)
         if self.recorder is not None:
             self.recorder.note(input_batch.req_ids, time.perf_counter() - start)
         return drafts
-
-    def _copy_widths(self, req_ids: list[str], n: int) -> tuple[list[str], torch.Tensor, Any]:
-        """Start copying this step's widths to the host (no wait); a ring of pinned buffers, since up to three
-        steps are in flight under asynchronous scheduling."""
-        self._host_turn = (self._host_turn + 1) % len(self._host_widths)
-        host = self._host_widths[self._host_turn][:n]
-        host.copy_(self.widths[:n], non_blocking=True)
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        return req_ids, host, event
-
-    def take_pending_widths(self) -> tuple[list[str], torch.Tensor, Any] | None:
-        """The widths of the step just proposed (for the runner's output), once."""
-        pending, self.pending = self.pending, None
-        return pending
 
     # The drafting step itself --------------------------------------------------------------------------------
 
@@ -403,8 +253,6 @@ class GpuLookupSpeculator:
         drafts = self.draft_tokens[:m]
         drafts.copy_(proposals)
         drafts.masked_fill_(proposals < 0, self.pad)
-        if self.stale:
-            self.widths[:m] = torch.where(valid >= self.config.min_valid, self.k, 0)
         if self.recorder is not None:
             self.recorder.write(lengths, match_len, valid, proposals)
 
@@ -413,16 +261,7 @@ class GpuLookupSpeculator:
         return self.recorder.take() if self.recorder is not None else []
 
 
-__all__ = ["GpuLookupSpeculator", "GpuLookupConfig", "StepRecorder", "RecordRing", "lookup_config", "widths_of",
+__all__ = ["GpuLookupSpeculator", "GpuLookupConfig", "StepRecorder", "RecordRing", "lookup_config", "RETIRED",
            "speculative_config", "is_gpu_lookup", "is_custom_class", "pad_token", "bind_histories", "NAME",
            "CLASS_PATH", "SPEC_KEY", "RECORD_KEY", "PAD_KEY"]
 
-
-def widths_of(pending: tuple[list[str], torch.Tensor, Any] | None) -> dict[str, int]:
-    """request id -> width, once the copy started by `propose` has landed (waits for that copy only)."""
-    if pending is None:
-        return {}
-    req_ids, host, event = pending
-    if event is not None:
-        event.synchronize()
-    return dict(zip(req_ids, host.tolist()))

@@ -11,10 +11,7 @@ that ask for an hqlab GPU speculator (`gpu_lookup.is_gpu_lookup`, `gpu_fused.is_
 2. asynchronous scheduling stays on for it (as vLLM does for EAGLE: placeholders for the k draft positions are
    reserved by the scheduler, the drafts are filled in on the GPU), unless the user turned it off;
 3. `init_speculator` builds `GpuLookupSpeculator` (or `gpu_fused.GpuFusedSpeculator`), which is bound to the
-   runner's request state when vLLM loads the model (the fused one also loads its draft model then);
-4. with `width=stale`, each request's width for its next-but-one step travels from the speculator through the
-   step's output to the scheduler, which reserves that many draft positions for the request instead of k (the
-   runner's `sample_tokens`, the output's `get_output` and the scheduler's `update_from_output` carry it).
+   runner's request state when vLLM loads the model (the fused one also loads its draft model then).
 
 Nothing of vLLM is forked or copied. On any other vLLM version `register` patches nothing and says so, and a
 config that asks for the speculator fails with a clear error (`check_vllm_version`).
@@ -56,7 +53,6 @@ def register() -> None:
         return
     _patch_config()
     _patch_init_speculator()
-    _patch_scheduler()
 
 
 def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
@@ -162,67 +158,5 @@ def _patch_runner_binding() -> None:
 
     _wrap(GPUModelRunner, "load_model", make)
 
-    def sample(original: Callable) -> Callable:
-        def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
-            out = original(self, *args, **kwargs)
-            speculator = getattr(self, "speculator", None)
-            if isinstance(speculator, GpuLookupSpeculator) and speculator.stale and out is not None:
-                out.hqlab_widths = speculator.take_pending_widths()
-            return out
-        return sample_tokens
 
-    _wrap(GPUModelRunner, "sample_tokens", sample)
-
-    from vllm.v1.worker.gpu.async_utils import AsyncOutput
-
-    from hqlab.engines.vllm.gpu_lookup import widths_of
-
-    def output(original: Callable) -> Callable:
-        def get_output(self: Any) -> Any:
-            result = original(self)
-            pending = getattr(self, "hqlab_widths", None)
-            if pending is not None:
-                result.hqlab_widths = widths_of(pending)
-            return result
-        return get_output
-
-    _wrap(AsyncOutput, "get_output", output)
-
-
-def _patch_scheduler() -> None:
-    """In every process: the scheduler may live apart from the workers (several GPUs)."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    from hqlab.engines.vllm.gpu_lookup import widths_of
-
-    def update(original: Callable) -> Callable:
-        def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
-            result = original(self, scheduler_output, model_runner_output)
-            widths = getattr(model_runner_output, "hqlab_widths", None)
-            if isinstance(widths, tuple):  # an output that skipped get_output (synchronous scheduling)
-                widths = widths_of(widths)
-            apply_widths(self.requests, widths)
-            return result
-        return update_from_output
-
-    _wrap(Scheduler, "update_from_output", update)
-
-
-def apply_widths(requests: dict[str, Any], widths: dict[str, int] | None) -> int:
-    """Set each running request's reserved draft positions for its next scheduling to its width (vLLM's
-    asynchronous scheduler reserves `spec_token_ids` placeholders, -1 each). Requests that finished, are still
-    prefilling or have real draft tokens (not placeholders) are left alone. Returns how many were set."""
-    changed = 0
-    for rid, width in (widths or {}).items():
-        request = requests.get(rid)
-        if request is None or request.is_finished() or getattr(request, "is_prefill_chunk", False):
-            continue
-        current = request.spec_token_ids
-        if current and any(t != -1 for t in current):
-            continue
-        request.spec_token_ids = [-1] * int(width)
-        changed += 1
-    return changed
-
-
-__all__ = ["register", "check_vllm_version", "apply_widths", "VLLM_VERSION"]
+__all__ = ["register", "check_vllm_version", "VLLM_VERSION"]

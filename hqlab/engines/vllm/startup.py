@@ -1,10 +1,12 @@
-"""Starting an interleaved call's vLLM engines at the same time (`engine.run_interleaved(parallel_start=True)`).
+"""Starting an interleaved call's vLLM engines at the same time (`run_interleaved(parallel_start=True)` of
+`hqlab.bench.vllm_runs`).
 
 Why: each engine takes ~60 s (0.5B) to ~100 s (1.5B) to start on the H200, most of it in its own processes, so an
 interleaved call of five engines spent 8 of its 10 minutes starting them one after another (run fi1). Here the
 engines are built at once, one thread each (`start_engines_together`), after what must not run in several threads
 at once has run in the calling one (`prepare_parallel_start`), each with an explicit KV cache, and with vLLM's
-Prometheus registrations taking turns (`serial_prometheus_logger`). The comment before `PARALLEL_START_KV_BYTES`
+Prometheus registrations taking turns (`engine.serial_prometheus_logger`, which an engine built with
+`started_together` uses). The comment before `PARALLEL_START_KV_BYTES`
 says what was checked in vLLM 0.26's sources.
 """
 
@@ -12,48 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from hqlab.config import ConfigError
 
 if TYPE_CHECKING:
     from hqlab.engines.vllm.engine import EngineSetting, VLLMOptions
-
-_PROMETHEUS_LOCK = threading.Lock()
-CACHE_INFO_METRIC = "vllm:cache_config_info"  # the metric vLLM's Prometheus logger registers once the engine is up
-
-
-def serial_prometheus_logger() -> type:
-    """vLLM's Prometheus stat logger, its registrations taking turns: for engines built in threads of one process.
-
-    Every vLLM engine registers its metrics in prometheus_client's process-wide registry: its PrometheusStatLogger
-    first unregisters every `vllm:` metric, then registers its own (vllm/v1/metrics/loggers.py:459), and
-    `log_engine_initialized` registers `vllm:cache_config_info` (loggers.py:1076-1093), both in the front end, in
-    the thread that builds the engine (vllm/v1/engine/llm_engine.py:113-121). Engines built one after another take
-    turns; engines finishing their start in threads at the same moment interleave these steps, and a name
-    registered twice raises ValueError ("Duplicated timeseries"). Here each step holds a lock, and the info metric
-    replaces one another engine left. Given as a custom stat logger it replaces vLLM's default Prometheus logger
-    (StatLoggerManager adds that one only when no custom logger is a PrometheusStatLogger, loggers.py:1351-1373),
-    so each engine keeps exactly one, and hqlab reads none of their metrics."""
-    from prometheus_client import REGISTRY
-    from vllm.v1.metrics.loggers import PrometheusStatLogger
-
-    class SerialPrometheusStatLogger(PrometheusStatLogger):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            with _PROMETHEUS_LOCK:
-                super().__init__(*args, **kwargs)
-
-        def log_engine_initialized(self) -> None:
-            with _PROMETHEUS_LOCK:
-                # the registry's own bookkeeping, as vLLM's unregister_vllm_metrics reads it
-                for collector in list(REGISTRY._collector_to_names):
-                    if getattr(collector, "_name", None) == CACHE_INFO_METRIC:
-                        REGISTRY.unregister(collector)
-                super().log_engine_initialized()
-
-    return SerialPrometheusStatLogger
-
 
 # Building vLLM 0.26 engines in threads of one process, as checked in its sources (paths under vllm/): hqlab builds
 # one with LLMEngine.from_engine_args (v1/engine/llm_engine.py:161-186; vllm.LLM is not on the path), whose
@@ -62,7 +28,7 @@ def serial_prometheus_logger() -> type:
 # (utils.py:126-214) starts the engine core in a process of its own. Nothing on that path needs the main thread:
 # vLLM calls signal.signal only in its engine core's and workers' own processes (v1/engine/core.py:1320,
 # v1/executor/multiproc_executor.py:829), and each engine has its own ZMQ context, sockets, IPC paths (fresh
-# uuids) and processes. What the threads do share: prometheus_client's registry (`serial_prometheus_logger`);
+# uuids) and processes. What the threads do share: prometheus_client's registry (`engine.serial_prometheus_logger`);
 # hqlab's plugin, which patches vLLM's classes, and the model cache draft models are converted into (both done
 # once in the calling thread first, `prepare_parallel_start`, as are vLLM's first imports: two threads importing
 # the same modules for the first time can meet a circular import half done); and fork, which in a process with
@@ -183,5 +149,5 @@ def _close_built(futures: Sequence[Any], error: BaseException) -> None:
             error.add_note(f"closing the engine of {label!r} failed too: {type(e).__name__}: {e}")
 
 
-__all__ = ["start_engines_together", "kv_bytes_per_token", "PARALLEL_START_KV_BYTES", "serial_prometheus_logger",
+__all__ = ["start_engines_together", "kv_bytes_per_token", "PARALLEL_START_KV_BYTES",
            "check_parallel_start_environment", "prepare_parallel_start"]

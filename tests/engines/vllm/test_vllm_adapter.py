@@ -22,7 +22,8 @@ from vllm.v1.spec_decode.ngram_proposer import NgramProposer  # noqa: E402
 
 from hqlab.config import ConfigError  # noqa: E402
 from hqlab.engines.vllm import adapter as vllm_proposer  # noqa: E402
-from hqlab.engines.vllm.adapter import HqlabProposer, HqlabWorkerExtension  # noqa: E402
+from hqlab.engines.vllm.adapter import HqlabProposer  # noqa: E402
+from hqlab.engines.vllm.worker import HqlabWorkerExtension  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 MAX_MODEL_LEN = 8192

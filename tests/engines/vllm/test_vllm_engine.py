@@ -91,7 +91,8 @@ def test_interleaved_runs_visit_every_engine_once_per_prompt_and_check_their_lim
     goes first rotates, each round runs every load, and impossible settings fail before an engine starts (no GPU is
     touched)."""
     from hqlab.config import DecodeConfig
-    from hqlab.engines.vllm import VLLMOptions, interleaved_order, round_plan, run_interleaved, settings_for
+    from hqlab.bench.vllm_runs import interleaved_order, round_plan, run_interleaved
+    from hqlab.engines.vllm import VLLMOptions, settings_for
 
     order = interleaved_order(3, 4)
     assert [i for i, _ in order] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]

@@ -28,8 +28,8 @@ from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers  # noqa: E40
 from hqlab.config import ConfigError, DecodeConfig, LookupConfig  # noqa: E402
 from hqlab.engines.vllm import gpu_lookup, plugin  # noqa: E402
 from hqlab.bench.vllm import frames_from_raw  # noqa: E402
-from hqlab.engines.vllm.engine import (Run, StepEvent, raw_table, runs_from_raw, setting_for,  # noqa: E402
-                                       step_records)
+from hqlab.bench.vllm_runs import Run, raw_table, runs_from_raw  # noqa: E402
+from hqlab.engines.vllm.engine import StepEvent, setting_for, step_records  # noqa: E402
 from hqlab.engines.vllm.gpu_lookup import RECORD_CAPACITY, GpuLookupSpeculator  # noqa: E402
 from hqlab.rules.lookup import suffix_match  # noqa: E402
 from hqlab.trace import Generation  # noqa: E402
@@ -143,12 +143,10 @@ def test_bad_configs_are_clear_errors():
 
 
 def test_plugin_moves_only_hqlab_speculators_to_v2_and_async_scheduling():
-    from vllm.v1.core.sched.scheduler import Scheduler
-
     plugin.register()
     plugin.register()  # idempotent: vLLM loads plugins in every process, sometimes twice
-    assert getattr(Scheduler.update_from_output, "_hqlab_patched", False)
-    assert not getattr(Scheduler.update_from_output.__wrapped__, "_hqlab_patched", False)  # wrapped once
+    assert getattr(VllmConfig.__post_init__, "_hqlab_patched", False)
+    assert not getattr(VllmConfig.__post_init__.__wrapped__, "_hqlab_patched", False)  # wrapped once
     ours = vllm_config("gpu-lookup:nmin=1,nmax=32,k=7", k=7, stand_in=False)
     assert ours.scheduler_config.async_scheduling is True
     assert not any("custom_class" in f for f in ours._get_v2_model_runner_unsupported_features())
@@ -297,49 +295,16 @@ def test_captured_drafting_equals_eager_drafting_on_the_gpu():
     assert graphed.take_records() == eager.take_records()
 
 
-def test_stale_widths_follow_the_lookup_and_reach_vllms_requests():
-    """width=stale: a request whose lookup found at least min_valid tokens keeps k draft positions for its
-    next-but-one step, the others get none; the scheduler side sets vLLM's own Request placeholders."""
-    from vllm import SamplingParams
-    from vllm.v1.request import Request, RequestStatus
-
-    spec = "gpu-lookup:nmin=2,nmax=8,k=6,width=stale,min_valid=3"
-    speculator = GpuLookupSpeculator(vllm_config(spec, k=6), device="cpu")
-    assert speculator.stale
-    histories = real_histories()
-    tokens, lengths = vllm_rows(histories)
-    speculator.bind(tokens, lengths)
-    rows = [0, 5, 6, 7]  # real text, a period-3 repetition, one token, empty
-    speculator.propose(batch(rows))
-    widths = gpu_lookup.widths_of(speculator.take_pending_widths())
-    assert speculator.take_pending_widths() is None  # handed over once
-    for slot in rows:
-        want = suffix_match(histories[slot], nmin=2, nmax=8, k=6)
-        assert widths[f"r{slot}-x"] == (6 if want.valid >= 3 else 0), slot
-    assert widths["r5-x"] == 6 and widths["r6-x"] == 0 and widths["r7-x"] == 0
-
-    def request(rid: str, spec_ids: list[int]) -> Request:
-        r = Request(rid, [1, 2, 3], SamplingParams(max_tokens=8), None)
-        r.status = RequestStatus.RUNNING
-        r.spec_token_ids = spec_ids
-        return r
-
-    requests = {"r0-x": request("r0-x", [-1] * 6), "r5-x": request("r5-x", [-1] * 6),
-                "r6-x": request("r6-x", [-1] * 6), "r7-x": request("r7-x", [4, 5])}  # r7: real drafts, kept
-    done = request("gone", [-1] * 6)
-    done.status = RequestStatus.FINISHED_STOPPED
-    requests["gone"] = done
-    assert plugin.apply_widths(requests, {**widths, "gone": 6, "unknown": 6}) == 3
-    assert [len(requests[r].spec_token_ids) for r in ("r5-x", "r6-x")] == [6, 0]
-    assert requests["r7-x"].spec_token_ids == [4, 5] and requests["gone"].spec_token_ids == [-1] * 6
-
-
-def test_width_settings_are_checked():
-    with pytest.raises(ConfigError, match="width must be one of fixed, stale"):
-        gpu_lookup.lookup_config("gpu-lookup:width=sometimes")
-    with pytest.raises(ConfigError, match="min_valid must be in"):
-        gpu_lookup.lookup_config("gpu-lookup:k=4,min_valid=5")
-    assert not GpuLookupSpeculator(vllm_config("gpu-lookup:k=4", k=4), device="cpu").stale
+@pytest.mark.parametrize("retired", ["width=stale", "width=fixed", "min_valid=3"])
+def test_the_retired_width_settings_are_refused_with_where_to_read_why(retired):
+    """width=stale (with min_valid) was measured slower than the fixed width (run e) and removed with the vLLM
+    scheduler patches it needed: a spec naming either key fails before an engine starts and says why."""
+    assert gpu_lookup.lookup_config("gpu-lookup:nmin=2,nmax=8,k=6").k == 6
+    with pytest.raises(ConfigError, match=r"gpu-lookup: '(width|min_valid)' was retired after measurement showed no "
+                                          r"gain \(.*run e.*\); docs/journal/"):
+        gpu_lookup.lookup_config(f"gpu-lookup:nmin=2,nmax=8,k=6,{retired}")
+    with pytest.raises(ConfigError, match="was retired"):
+        setting_for(f"gpu-lookup:k=6,{retired}")
 
 
 def test_several_workers_tensor_parallel_options_and_one_ranks_records():

@@ -17,8 +17,10 @@ import pytest
 pytest.importorskip("vllm", reason="the vllm extra is not installed (make setup-vllm installs requirements-vllm.txt)")
 
 from hqlab.config import ConfigError, DecodeConfig  # noqa: E402
-from hqlab.engines.vllm import (PARALLEL_START_KV_BYTES, VLLMOptions, engine_args, kv_bytes_per_token,  # noqa: E402
-                                run_interleaved, settings_for, start_engines_together)
+from hqlab.bench.vllm_runs import run_interleaved  # noqa: E402
+from hqlab.engines.vllm import VLLMOptions, engine_args, settings_for  # noqa: E402
+from hqlab.engines.vllm.startup import (PARALLEL_START_KV_BYTES, kv_bytes_per_token,  # noqa: E402
+                                        start_engines_together)
 from hqlab.trace import Generation  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -278,7 +280,7 @@ def test_vllms_own_prometheus_logger_fails_when_two_engines_start_together(vllm_
     the serialised one does not."""
     from vllm.v1.metrics.loggers import PrometheusStatLogger
 
-    from hqlab.engines.vllm.startup import serial_prometheus_logger
+    from hqlab.engines.vllm.engine import serial_prometheus_logger
 
     first, second = PrometheusStatLogger(vllm_config), PrometheusStatLogger(vllm_config)
     first.log_engine_initialized()
@@ -294,11 +296,11 @@ def test_vllms_own_prometheus_logger_fails_when_two_engines_start_together(vllm_
 def test_the_serialised_prometheus_logger_waits_its_turn_and_replaces_vllms_own(vllm_config):
     from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerManager
 
-    from hqlab.engines.vllm import startup
+    from hqlab.engines.vllm import engine
 
-    serial = startup.serial_prometheus_logger()
+    serial = engine.serial_prometheus_logger()
     done = threading.Event()
-    with startup._PROMETHEUS_LOCK:  # another engine is registering its metrics
+    with engine._PROMETHEUS_LOCK:  # another engine is registering its metrics
         builder = threading.Thread(target=lambda: (serial(vllm_config), done.set()))
         builder.start()
         assert not done.wait(0.3)

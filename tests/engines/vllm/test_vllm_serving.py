@@ -126,15 +126,15 @@ def test_the_lookup_skips_its_drafting_where_the_next_step_verifies_nothing():
 def test_the_speculator_refuses_a_schedule_vllm_does_not_have():
     from types import SimpleNamespace
 
-    with_table = gpu_lookup.with_batch_k({}, "1:15/8:3/0", 15)["num_speculative_tokens_per_batch_size"]
+    with_table = batch_k.with_schedule({}, "1:15/8:3/0", 15)["num_speculative_tokens_per_batch_size"]
     config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens_per_batch_size=None),
                              scheduler_config=SimpleNamespace(max_num_seqs=16))
     with pytest.raises(ConfigError, match="speculative_config"):
-        gpu_lookup.batch_k_table(config, "1:15/8:3/0", 15)
+        batch_k.table_for(config, "1:15/8:3/0", 15)
     config.speculative_config.num_speculative_tokens_per_batch_size = [tuple(r) for r in with_table]
-    table = gpu_lookup.batch_k_table(config, "1:15/8:3/0", 15)
+    table = batch_k.table_for(config, "1:15/8:3/0", 15)
     assert table == build_dynamic_sd_schedule_lookup(with_table, vllm_max_batch_size=16, vllm_num_speculative_tokens=15)
-    assert gpu_lookup.batch_k_table(config, "", 15) == table  # vLLM's own schedule is followed without one in the spec
+    assert batch_k.table_for(config, "", 15) == table  # vLLM's own schedule is followed without one in the spec
 
 
 def test_the_planted_fault_accepts_a_rejected_first_draft_and_nothing_else():

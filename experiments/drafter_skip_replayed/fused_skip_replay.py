@@ -2,7 +2,8 @@
 run's own greedy outputs, with teacher-forced drafts of the real drafter on the CPU.
 
   CPU (here):
-      python benchmarks/fused_skip_replay.py RETURNED/vllm_gpu_fb1.parquet --out data/results/fused_skip_replay.parquet
+      python experiments/drafter_skip_replayed/fused_skip_replay.py RETURNED/vllm_gpu_fb1.parquet \\
+          --out data/results/fused_skip_replay.parquet
   reads the raw run (and its .json: model, suite, document length), takes `none`'s outputs (first repeat, alone;
   every config's outputs equal them: the run is lossless), and replays the lab's `fused` proposer with the run's
   gpu-fused settings (k=15, nmax=32, earliest match) at draft_block 2, 4 and 7, skipping the drafter after long-block
@@ -28,7 +29,7 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 BLOCKS = (2, 4, 7)
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from hqlab import models
+    from hqlab.bench.vllm_runs import runs_from_raw
     from hqlab.config import ConfigError, resolve_spec
     from hqlab.engines import vllm as hv
     from hqlab.proposers import make_proposer
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--skips: expected long=L1,L2 or head=L1,L2 with integer lags (got {item!r})")
 
     meta = json.loads(Path(args.raw).with_suffix(".json").read_text())
-    runs = [r for r in hv.runs_from_raw(pl.read_parquet(args.raw))
+    runs = [r for r in runs_from_raw(pl.read_parquet(args.raw))
             if r.config == "none" and r.concurrency <= 1 and r.repeat == 0]
     if not runs:
         raise ConfigError(f"{args.raw}: no `none` run at batch 1 (the outputs to replay over)")

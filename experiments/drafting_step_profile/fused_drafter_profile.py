@@ -2,7 +2,7 @@
 fusion rule on vLLM-shaped state, timed per (batch size, history length) and per piece, plus a torch.profiler table.
 
   GPU (through tools/gpu_host/vllm_host.py run, which converts the 0.5B):
-      python3 benchmarks/fused_drafter_profile.py [--tag a] [--variants] [--autotune]
+      python3 experiments/drafting_step_profile/fused_drafter_profile.py [--tag a] [--variants] [--autotune]
   writes $OUT/fused_drafter_profile_<tag>.json (timings) and prints the profiler's top kernels. --variants also times
   the whole step under the drafter's FlashAttention settings (splits=1, plan_once) and --autotune under
   torch.compile's max-autotune mode: which of them makes a pass cheaper (docs/vllm.md prices what a pass must cost).
@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_step_timing import cuda_ms, standalone_speculator  # noqa: E402

@@ -8,7 +8,7 @@ engine per config, samples which threads of the front end and the engine core ar
 speeds; the CPU itself has two) is in docs/vllm.md, "The host has two speeds".
 
   GPU (through tools/gpu_host/vllm_host.py run):
-      python3 benchmarks/vllm_host_threads.py --tag a --passes 2 --config none \\
+      python3 experiments/host_two_speeds/vllm_host_threads.py --tag a --passes 2 --config none \\
           --config gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest
     writes $OUT/host_threads_<tag>.parquet (one row per request: config, variant free|pinned, pass, prompt, median
     step ms, decode tok/s, the busy threads and their CPUs) and $OUT/host_threads_<tag>.json (topology, plans).
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

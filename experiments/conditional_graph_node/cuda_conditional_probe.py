@@ -4,7 +4,7 @@ it, so its first run on the GPU host is its test.
 
 On the GPU host (through tools/gpu_host/vllm_host.py run; needs `cuda-bindings`, which the host's image has):
 
-    python3 benchmarks/cuda_conditional_probe.py [--layers 24]
+    python3 experiments/conditional_graph_node/cuda_conditional_probe.py [--layers 24]
 
 One graph is captured with torch: a small "lookup" kernel, then a one-thread kernel (compiled with NVRTC) that sets
 the IF node's condition from a device flag, then the IF node, whose body holds `--layers` matrix products of the 0.5B
@@ -29,7 +29,7 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from hqlab.engines.vllm import conditional  # noqa: E402 - after the path setup

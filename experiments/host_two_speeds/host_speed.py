@@ -7,7 +7,7 @@ idle machine shows the same two levels, the cause is below the Python of vLLM an
 Phases: `alone` runs one worker on one CPU; `all` runs one worker on every CPU at once (if two of the machine's
 CPUs are hardware threads of one core, their workers slow each other there, whatever the topology the VM reports).
 
-    python3 benchmarks/host_speed.py --seconds 30 --out $OUT/host_speed.parquet
+    python3 experiments/host_two_speeds/host_speed.py --seconds 30 --out $OUT/host_speed.parquet
 writes one row per timed unit: phase, cpu, t (s since the phase began), unit_ms.
 """
 
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hqlab.engines.vllm.affinity import python_unit  # noqa: E402  (the fixed workload; imports no vLLM)
 

@@ -2,7 +2,7 @@
 paged FlashAttention against the masked sdpa path, per attention length and query length. Random weights and
 cache contents (attention time does not depend on values).
 
-  GPU (through tools/gpu_host/vllm_host.py run):  python3 benchmarks/drafter_attention.py
+  GPU (through tools/gpu_host/vllm_host.py run):  python3 experiments/drafter_attention_flash/drafter_attention.py
   prints one JSON row per setting and writes $OUT/drafter_attention.json
 """
 
@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ into repetitive loops that context lookup predicts. Checks:
   2. the lookup proposer given CUDA histories (Triton kernel) returns exactly the reference proposals.
 Writes $OUT/gpu_engine_check.json (or ./gpu_engine_check.json).
 
-Usage (on a CUDA machine): PYTHONPATH=. python benchmarks/gpu_engine_check.py
+Usage (on a CUDA machine): PYTHONPATH=. python experiments/hf_engine_on_cuda/gpu_engine_check.py
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def ensure_kernels_importable() -> None:
     try:
         import hqlab_kernels  # noqa: F401
     except ImportError:
-        root = Path(__file__).resolve().parents[1] / "kernels"
+        root = Path(__file__).resolve().parents[2] / "kernels"
         spec = importlib.util.spec_from_file_location("hqlab_kernels", root / "__init__.py",
                                                       submodule_search_locations=[str(root)])
         module = importlib.util.module_from_spec(spec)

@@ -12,13 +12,14 @@ kind (full, catch_up, lookup: what the host chose), the median host time of `ste
 choice, the graph launch, the bookkeeping), GPU ms per step and tokens per step. Run on the GPU host through
 tools/gpu_host/vllm_host.py run (it converts the 0.5B):
 
-    python3 benchmarks/fused_skip_host.py [--tag a]
+    python3 experiments/host_proven_skip/fused_skip_host.py [--tag a]
 
 writes $OUT/fused_skip_host_<tag>.json (kept as data/results/fused_skip_host_h200_<tag>.json).
-`TRITON_INTERPRET=1 python benchmarks/fused_skip_host.py --device cpu --steps 3 --repeats 1` runs the same code on
-the CPU (the kernel in Triton's interpreter; no graphs, no stand-ins): a check of the script, not a measurement.
-Here (CPU): `python benchmarks/fused_skip_host.py --fold data/results/fused_skip_host_h200_a.json` writes the medians
-over repeats to data/results/fused_skip_host_h200.parquet (the fusion benchmark notebook draws
+`TRITON_INTERPRET=1 python experiments/host_proven_skip/fused_skip_host.py --device cpu --steps 3 --repeats 1`
+runs the same code on the CPU (the kernel in Triton's interpreter; no graphs, no stand-ins): a check of the script,
+not a measurement. Here (CPU):
+`python experiments/host_proven_skip/fused_skip_host.py --fold data/results/fused_skip_host_h200_a.json` writes the
+medians over repeats to data/results/fused_skip_host_h200.parquet (the fusion benchmark notebook draws
 figures/fused_skip_host_h200.svg from it).
 """
 
@@ -33,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 BASE = "gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1"

@@ -1,0 +1,93 @@
+"""What hqlab adds to vLLM's worker: `HqlabWorkerExtension`, mixed into the worker through vLLM's
+`worker_extension_cls` (pass `EXTENSION_PATH`), through which the engine collects the step records hqlab's code kept
+inside vLLM (`llm.collective_rpc("hqlab_take_records")`) and times the model runner's phases (`StepTimer`,
+`hqlab_profile_start` / `hqlab_profile_stop`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from hqlab.engines.vllm.adapter import HqlabProposer
+from hqlab.engines.vllm.gpu_fused import GpuFusedSpeculator
+from hqlab.engines.vllm.gpu_lookup import GpuLookupSpeculator
+
+EXTENSION_PATH = "hqlab.engines.vllm.worker.HqlabWorkerExtension"  # vLLM imports it by this name in the worker
+
+
+class StepTimer:
+    """Where a step's time goes inside vLLM's worker: host time and GPU span of the model runner's
+    `execute_model` (inputs + forward), `sample_tokens` (sampling, bookkeeping and, on V2, the speculator) and the
+    proposer's `propose`, per call. GPU spans come from CUDA events (no synchronisation while decoding); they are
+    read once, in `stop`. Installed on one runner instance (instance attributes shadow its methods), removed by
+    `stop`."""
+
+    PHASES = (("execute_model", None), ("sample_tokens", None), ("propose", "drafter"), ("propose", "speculator"))
+
+    def __init__(self, runner: Any) -> None:
+        self.runner, self.calls, self.installed = runner, [], []
+        for name, holder in self.PHASES:
+            owner = runner if holder is None else getattr(runner, holder, None)
+            if owner is not None and hasattr(owner, name):
+                self._wrap(owner, name, name if holder is None else f"propose ({holder})")
+
+    def _wrap(self, owner: Any, name: str, phase: str) -> None:
+        import torch
+
+        original = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            out = original(*args, **kwargs)
+            t1 = time.perf_counter()
+            end.record()
+            self.calls.append((phase, t0, t1, start, end))
+            return out
+
+        setattr(owner, name, timed)
+        self.installed.append((owner, name))
+
+    def stop(self) -> list[dict[str, Any]]:
+        import torch
+
+        for owner, name in self.installed:
+            delattr(owner, name)  # the class's method shows through again
+        torch.cuda.synchronize()
+        if not self.calls:
+            return []
+        base_t, base_ev = self.calls[0][1], self.calls[0][3]
+        return [{"phase": phase, "host_start_ms": 1e3 * (t0 - base_t), "host_ms": 1e3 * (t1 - t0),
+                 "gpu_start_ms": base_ev.elapsed_time(start), "gpu_ms": start.elapsed_time(end)}
+                for phase, t0, t1, start, end in self.calls]
+
+
+class HqlabWorkerExtension:
+    """Mixed into vLLM's worker (`worker_extension_cls`): lets the engine collect the step records hqlab's code
+    kept inside vLLM — the adapter's (V1 runner: `model_runner.drafter`) or the GPU speculator's (V2 runner:
+    `model_runner.speculator`)."""
+
+    def hqlab_take_records(self) -> list[dict[str, Any]]:
+        runner = getattr(self, "model_runner", None)
+        for found in (getattr(runner, "drafter", None), getattr(runner, "speculator", None)):
+            if isinstance(found, (HqlabProposer, GpuLookupSpeculator, GpuFusedSpeculator)):
+                return found.take_records()
+        return []
+
+    def hqlab_profile_start(self) -> bool:
+        """Start timing the model runner's phases (see StepTimer); False if this worker has no model runner."""
+        runner = getattr(self, "model_runner", None)
+        if runner is None:
+            return False
+        self._hqlab_timer = StepTimer(runner)
+        return True
+
+    def hqlab_profile_stop(self) -> list[dict[str, Any]]:
+        timer = getattr(self, "_hqlab_timer", None)
+        self._hqlab_timer = None
+        return timer.stop() if timer is not None else []
+
+
+__all__ = ["HqlabWorkerExtension", "StepTimer", "EXTENSION_PATH"]
