@@ -99,8 +99,8 @@ def bench(args: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
     out = Path(os.environ.get("OUT") or work / "out")
     out.mkdir(parents=True, exist_ok=True)
-    rows_path, greedy_path, samples_path = (work / f"vllm_serve_{args.tag}.jsonl", work / f"serve_greedy_{args.tag}.jsonl",
-                                            work / f"serve_samples_{args.tag}.jsonl")
+    rows_path = work / f"vllm_serve_{args.tag}.jsonl"
+    greedy_path, samples_path = work / f"serve_greedy_{args.tag}.jsonl", work / f"serve_samples_{args.tag}.jsonl"
     model = models.prepare(args.model)
     for spec in args.config:  # the drafter's folder, made once here rather than in a server's worker
         if spec.startswith("gpu-fused"):
@@ -193,8 +193,8 @@ def finish(args: argparse.Namespace) -> int:
         frame = pl.concat([old.filter(~pl.col("run").is_in(frame["run"].unique().to_list())), frame], how="diagonal")
     write_parquet(frame, out)
     for kind in ("samples", "greedy"):
-        extra = [json.loads(line) for f in sorted(src.glob(f"serve_{kind}_*.jsonl")) for line in f.read_text().splitlines()
-                 if line.strip()]
+        extra = [json.loads(line) for f in sorted(src.glob(f"serve_{kind}_*.jsonl"))
+                 for line in f.read_text().splitlines() if line.strip()]
         if extra:
             path = out.with_name(f"{out.stem}.{kind}.parquet")
             new = pl.DataFrame(extra)
@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--tag", required=True)
     b.add_argument("--commit", default="unknown", help="the code's commit (the host's copy has no git history)")
     b.add_argument("--model", default=TARGET)
-    b.add_argument("--config", action="append", default=[], help="a served config (none, gpu-lookup:..., gpu-fused:...)")
+    b.add_argument("--config", action="append", default=[],
+                   help="a served config (none, gpu-lookup:..., gpu-fused:...)")
     b.add_argument("--planted-fault", action="append", default=[], help="a config to serve with the planted bug")
     b.add_argument("--dataset", action="append", choices=DATASETS, default=None)
     b.add_argument("--temperature", action="append", type=float, default=None)

@@ -1,6 +1,6 @@
 """Can a CUDA graph that torch captures hold a conditional (IF) node whose body torch fills, and what does a skipped
-body cost? A probe for the device-decided drafter skip (docs/vllm-fused-design.md §9); written before any GPU run of
-it, so its first run on the GPU host is its test.
+body cost? A probe for the device-decided drafter skip (docs/vllm-internals.md, the device-decided skip); written
+before any GPU run of it, so its first run on the GPU host is its test.
 
 On the GPU host (through tools/gpu_host/vllm_host.py run; needs `cuda-bindings`, which the host's image has):
 

@@ -1,7 +1,7 @@
 """A Qwen2 draft model in plain torch over a static KV cache with one row per request slot.
 
 The fused speculator (`hqlab.engines.vllm.gpu_fused`) runs a small same-tokenizer drafter inside vLLM's GPU step,
-after the target's sampling. vLLM 0.26's V2 runner has no plain draft-model path (docs/vllm-fused-design.md), and
+after the target's sampling. vLLM 0.26's V2 runner has no plain draft-model path (docs/vllm-internals.md), and
 its own model classes need its attention metadata and forward context. A drafter that owns its cache needs neither:
 
 - the cache holds one row of `max_len` positions per vLLM request slot (`[layers, slots * blocks, BLOCK, kv_heads,

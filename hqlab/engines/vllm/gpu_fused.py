@@ -38,8 +38,8 @@ a request that copies to its end never runs the drafter after its first steps.
 
 The drafter (`drafter.StaticQwen2`) keeps its own KV cache, one row per request slot, outside vLLM's paged cache:
 vLLM 0.26's V2 runner has no plain draft-model path, and a cache of its own needs no attention metadata, block-table
-lookahead or scheduler change (docs/vllm-fused-design.md discusses the in-cache alternative). Its size is
-layers x slots x (max_model_len + k + draft_block) positions, allocated when vLLM loads the target.
+lookahead or scheduler change (docs/vllm-internals.md discusses the in-cache alternative). Its size is layers x
+slots x (max_model_len + k + draft_block) positions, allocated when vLLM loads the target.
 """
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ class GpuFusedConfig(FusedConfig):
     pass where the lookup alone decides every sampling row's block (a match of at least nstrong with a token to
     propose: with one drafter token a step and the threshold rule the block is then the lookup's whatever the drafter
     says), decided on the device behind CUDA graph conditional nodes (`conditional.run_if`), with no host proof and
-    no lag; decision for decision the config without it (docs/vllm-fused-design.md §9); catch_up (with device_skip):
-    when a drafter that skipped steps reads what it missed, "lazy" (only at a step that needs its token, in as many
+    no lag; decision for decision the config without it (docs/vllm-internals.md, the device-decided skip);
+    catch_up (with device_skip): when a drafter that skipped steps reads what it missed, "lazy" (only at a step that needs its token, in as many
     wide passes as its lag takes, a loop behind a WHILE node: a copy that never needs the drafter never runs it) or
     "bounded" (a wide pass once it lags SKIP_RUN steps, needed or not: run fm1's code); layers: how the drafter runs
     its layers ("torch", or "triton": four Triton kernels per layer in its drafting passes, `layers=triton`);

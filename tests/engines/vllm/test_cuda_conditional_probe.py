@@ -3,7 +3,7 @@ NVRTC and no CUDA headers (the GPU image lacks crt/host_defines.h), into the sam
 runtime's header, whose call is a driver syscall (nothing to link); and `run_if` outside a capture runs its body
 exactly where the flag is set. The capture itself needs the GPU host
 (experiments/conditional_graph_node/cuda_conditional_probe.py, which passed on the H200 with run fi1;
-docs/vllm-fused-design.md §9)."""
+docs/vllm-internals.md, the device-decided skip)."""
 
 from __future__ import annotations
 
