@@ -12,6 +12,7 @@ The GPU run (graphs, vLLM itself) is benchmarks/vllm_gpu.py; the config plumbing
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -255,6 +256,13 @@ def tiny_qwen2(slots: int, max_len: int, *, device: str = "cpu", dtype: torch.dt
     paths under test do not depend on the weights."""
     from hqlab.engines.vllm.drafter import StaticQwen2
 
+    cfg, weights = tiny_qwen2_weights()
+    return StaticQwen2(cfg, weights, slots=slots, max_len=max_len, device=device, dtype=dtype, attention=attention,
+                       compile=compile, **options)
+
+
+def tiny_qwen2_weights() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """tiny_qwen2's (config, weights), seeded: the same every call."""
     hidden, inter, vocab = 256, 384, 64
     cfg = {"hidden_size": hidden, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
            "intermediate_size": inter, "vocab_size": vocab, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
@@ -272,8 +280,38 @@ def tiny_qwen2(slots: int, max_len: int, *, device: str = "cpu", dtype: torch.dt
         weights[p + "mlp.down_proj.weight"] = torch.randn(hidden, inter, generator=g) * 0.1
         weights[p + "input_layernorm.weight"] = torch.ones(hidden)
         weights[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
-    return StaticQwen2(cfg, weights, slots=slots, max_len=max_len, device=device, dtype=dtype, attention=attention,
-                       compile=compile, **options)
+    return cfg, weights
+
+
+def test_the_gpu_fused_spec_takes_layers_and_attention_and_passes_them_to_the_drafter(tmp_path):
+    """`layers` and `attention` are validated with the spec and reach the drafter `load_drafter` builds (its Triton
+    kernels: tests/kernels/test_drafter_layers.py and test_drafter_attention.py)."""
+    from safetensors.torch import save_file
+
+    from hqlab_kernels import drafter_layers
+
+    assert fused_config("gpu-fused:k=15,draft_block=2").layers == "torch"
+    config = fused_config("gpu-fused:k=3,draft_block=2,nmax=4,layers=triton")
+    assert config.layers == "triton"
+    with pytest.raises(ConfigError, match="layers must be one of torch, triton") as err:
+        fused_config("gpu-fused:k=15,layers=bogus")
+    assert "'bogus'" in str(err.value)
+    cfg, weights = tiny_qwen2_weights()
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen2"}))
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ConfigError, match="attention must be one of auto, flash, sdpa, triton"):
+        fused_config("gpu-fused:k=15,attention=fa4")
+    with_attention = fused_config("gpu-fused:k=3,draft_block=2,nmax=4,layers=triton,attention=triton")
+    assert with_attention.attention == "triton"
+    plain = fused_config("gpu-fused:k=3,draft_block=2,nmax=4")
+    for spec_config, kernels, attention in ((config, drafter_layers, False), (plain, None, False),
+                                            (with_attention, drafter_layers, True)):
+        speculator = GpuFusedSpeculator.standalone(spec_config, max_num_reqs=2, max_model_len=32, pad=0,
+                                                   device="cpu", dtype=torch.float32)
+        speculator.load_drafter(str(tmp_path))
+        assert speculator.drafter.layer_kernels is kernels
+        assert (speculator.drafter.attention_kernel is not None) == attention
+        assert speculator.buckets == [speculator.cache_len] if attention else len(speculator.buckets) >= 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's FlashAttention needs a CUDA device")

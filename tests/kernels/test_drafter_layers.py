@@ -1,8 +1,11 @@
 """The drafter's Triton layers (`hqlab_kernels.drafter_layers`, `StaticQwen2(layers="triton")`) against torch.
 
 On the CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set below before the kernels are imported),
-in float32 so that the tolerances can be tight, on a tiny random Qwen2 (hidden 64, 4 heads, 2 KV heads of 16,
-intermediate 96, 3 layers, vocabulary 128):
+in float32, on a tiny random Qwen2 (hidden 64, 4 heads, 2 KV heads of 16, intermediate 96, 3 layers, vocabulary
+128). The kernels and torch sum the same products in different orders, so every comparison allows, element by
+element, what float32 rounding can move that element's sum (`sum_spread` and the bounds after it derive it from
+the reduction length and the magnitudes of the products), and each kernel test shows that a kernel reading one
+weight element off by a little fails the same comparison:
 
 - each kernel against its torch formula on random inputs: row counts that are no multiple of the row block, several
   row blocks, several reduction steps, rotary tiles of part of a half head, rows at scattered positions and cache
@@ -11,8 +14,8 @@ intermediate 96, 3 layers, vocabulary 128):
   prefills over the row bound, which take the torch path, then drafting passes and single-token passes under it,
   at different starts and slots): hidden states, logits and both KV caches agree, and the kernels ran exactly
   where the bound says;
-- bad `layers` values are refused by StaticQwen2 and by the gpu-fused spec, and `layers=triton` reaches the drafter
-  that `load_drafter` builds.
+- bad `layers` values are refused by StaticQwen2 (the gpu-fused spec's `layers` and `attention`:
+  tests/engines/vllm/test_vllm_gpu_fused.py).
 
 With CUDA, one test runs the 0.5B's layer shapes in bf16 (random weights, no checkpoint): the triton path against
 the torch path, and the triton path replayed from a CUDA graph against its eager call.
@@ -32,15 +35,15 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit definition
 
-pytest.importorskip("triton", reason="the Triton layers need Triton (vLLM's environment has it)")
+pytest.importorskip("triton", reason="the Triton layers need Triton")
 
 from hqlab.config import ConfigError  # noqa: E402
 from hqlab.engines.vllm.drafter import TRITON_MAX_ROWS, StaticQwen2  # noqa: E402
 from hqlab_kernels import drafter_layers as dl  # noqa: E402
 
 EPS = 1e-6
-TIGHT = dict(rtol=1e-5, atol=1e-5)  # float32, the same sums in another order
 TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, layers=3, vocab=128)
+BUG = 2e-3  # one weight element off by 1% of the random weights' scale (0.2): each kernel test must catch it
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -69,8 +72,117 @@ def randn(*shape: int, g: torch.Generator, scale: float = 1.0) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------------------------
+# what float32 rounding can do to each element: the bounds the comparisons allow
+# --------------------------------------------------------------------------------------------------------------
+#
+# u = 2^-24 is float32's unit roundoff (half its machine epsilon). A float32 sum of n terms p_k, in any order
+# (blocked, split, with or without FMA), adds at each of its n - 1 additions a rounding error delta_i * s_i, with
+# |delta_i| <= u and s_i the partial sum so far, so |s_i| <= m = sum_k |p_k|, the terms' mass (Higham, Accuracy and
+# Stability of Numerical Algorithms, 3.1). The worst case, all n roundings of size u m in one direction, is n u m;
+# roundings are independent with mean zero and variance at most u^2 / 3, so the error's standard deviation is at
+# most u m sqrt(n / 3). The kernel and torch are two such orders: their difference has a deviation of at most
+# u m sqrt(2 n / 3), and SIGMAS of them bound it (a normal variable passes 6 deviations once in 5e8 draws; m is
+# already an upper bound of every |s_i|). Each side may also round each product once (2 u m in all). That bounds
+# each element by its own reduction length and products' magnitudes, not by the CPU, the BLAS or the tile sizes.
+#
+# The norm kernels: each side computes its RMS factor r = rsqrt(mean(x^2) + eps) itself: a sum of H positive squares
+# (mass = the sum itself: relative deviation u sqrt(H / 3), halved by the square root) and a few roundings (mean,
+# eps, rsqrt: 4 u), then x * r and the norm weight (2 u): every normalised input is within rho of exact, relative,
+# which moves a product's sum by at most rho m on each side. The elementwise epilogues (rotary, silu * up) add their
+# own few roundings and carry their inputs' error through their derivatives (at each bound below). The products'
+# magnitudes are taken in float64 from the reference's inputs.
+
+U = 2.0 ** -24
+SIGMAS = 6.0
+
+
+def sum_spread(n: int) -> float:
+    """How far two float32 orders of an n-term sum can be apart, relative to the terms' mass."""
+    return SIGMAS * U * (2 * n / 3) ** 0.5 + 2 * U
+
+
+def norm_spread(hidden: int) -> float:
+    """rho: how far one side's RMS-normalised input can be from exact, relative."""
+    return SIGMAS * U * (hidden / 3) ** 0.5 / 2 + 6 * U
+
+
+def mass(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_k |a_k w_k| (+ |bias|) for every output element of a @ weight^T (+ bias), in float64."""
+    total = a.double().abs() @ weight.double().abs().T
+    return total if bias is None else total + bias.double().abs()
+
+
+def dot_bound(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+              normed: bool = False) -> torch.Tensor:
+    """How far two float32 computations of a @ weight^T (+ bias) can be apart, element by element; `normed`: a is an
+    RMS-normalised row that each side normalises itself. A bias, or a residual added in the kernel, is one more
+    term of the sum."""
+    terms = a.shape[-1] + (bias is not None)
+    rho = norm_spread(a.shape[-1]) if normed else 0.0
+    return (sum_spread(terms) + 2 * rho) * mass(a, weight, bias)
+
+
+def rotary_bound(y: torch.Tensor, bound: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The bound after rotate(y) = y cos + rotate_half(y) sin (same tables on both sides), given y's bound: each
+    input's error times its coefficient, plus the two products and the add of each side (2 u of their sizes)."""
+    half = y.shape[-1] // 2
+    swap = lambda t: torch.cat([t[..., half:], t[..., :half]], dim=-1)  # noqa: E731
+    y, bound, cos, sin = y.double().abs(), bound.double(), cos.double().abs(), sin.double().abs()
+    return cos * bound + sin * swap(bound) + 4 * U * (y * cos + swap(y) * sin)
+
+
+def silu_mul_bound(gate: torch.Tensor, up: torch.Tensor, gate_bound: torch.Tensor,
+                   up_bound: torch.Tensor) -> torch.Tensor:
+    """The bound after silu(gate) * up, given the inputs' bounds: |silu'| <= 1.1 everywhere, so silu(g') * u' -
+    silu(g) * u is at most 1.1 |dg| (|u| + |du|) + |silu(g)| |du|; each side's exp (2 u), add, divide and two
+    multiplies (4 u) add 6 u of the result."""
+    gate, up = gate.double(), up.double()
+    silu = F.silu(gate).abs()
+    return 1.1 * gate_bound * (up.abs() + up_bound) + silu * up_bound + 12 * U * silu * up.abs()
+
+
+def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, what: str = "") -> None:
+    """|got - want| <= bound at every element (NaN nowhere)."""
+    err = (got.double() - want.double()).abs()
+    over = ~(err <= bound)
+    if over.any():
+        worst = int((err - bound).argmax())
+        raise AssertionError(f"{what}{int(over.sum())} of {err.numel()} elements beyond the rounding bound; worst: "
+                             f"|got - want| {err.flatten()[worst]:.3g} > bound {bound.flatten()[worst]:.3g}")
+
+
+def assert_caught(run, want: torch.Tensor, bound: torch.Tensor, what: str = "") -> None:
+    """The bound still sees a real bug: `run()` (the kernel with a weight element moved) fails the comparison."""
+    with pytest.raises(AssertionError, match="beyond the rounding bound"):
+        assert_within(run(), want, bound, what)
+
+
+def nudged(weight: torch.Tensor, row: int, col: int, by: float = BUG) -> torch.Tensor:
+    """The weight with one element moved by `by`: a kernel that read it so is wrong, and must fail."""
+    bad = weight.clone()
+    bad[row, col] += by
+    return bad
+
+
+# --------------------------------------------------------------------------------------------------------------
 # (a) each kernel against torch
 # --------------------------------------------------------------------------------------------------------------
+
+
+def qkv_reference(x, norm, weight, bias, cos, sin, pos, heads: int, kv_heads: int):
+    """K1's q, k and v from the formulas, and their rounding bounds."""
+    rows, head_dim = x.shape[0], cos.shape[-1]
+    a = rms(x, norm)
+    qkv = F.linear(a, weight, bias)
+    bound = dot_bound(a, weight, bias, normed=True)
+    c, s = cos[pos][:, None, :], sin[pos][:, None, :]
+    q_cols, k_cols = slice(0, heads * head_dim), slice(heads * head_dim, (heads + kv_heads) * head_dim)
+    v_cols = slice((heads + kv_heads) * head_dim, None)
+    qv, kv = qkv[:, q_cols].view(rows, heads, head_dim), qkv[:, k_cols].view(rows, kv_heads, head_dim)
+    return (rotate(qv, c, s), rotate(kv, c, s), qkv[:, v_cols].view(rows, kv_heads, head_dim),
+            rotary_bound(qv, bound[:, q_cols].view(rows, heads, head_dim), c, s),
+            rotary_bound(kv, bound[:, k_cols].view(rows, kv_heads, head_dim), c, s),
+            bound[:, v_cols].view(rows, kv_heads, head_dim))
 
 
 @pytest.mark.parametrize("rows, hidden, block_rows, head_dim, half_block, block_k",
@@ -95,25 +207,34 @@ def test_norm_qkv_rope_cache_matches_torch(rows, hidden, block_rows, head_dim, h
     index[0] = cache_rows  # a row outside the cache: its K/V are dropped, not written past the cache's end
     k_before, v_before = k_cache.clone(), v_cache.clone()
 
-    q = dl.norm_qkv_rope_cache(x, norm, weight, bias, cos, sin, pos, index, k_cache, v_cache, heads=heads,
-                               kv_heads=kv_heads, eps=EPS, block_rows=block_rows, half_block=half_block,
-                               block_k=block_k)
+    def run(w: torch.Tensor) -> torch.Tensor:
+        return dl.norm_qkv_rope_cache(x, norm, w, bias, cos, sin, pos, index, k_cache, v_cache, heads=heads,
+                                      kv_heads=kv_heads, eps=EPS, block_rows=block_rows, half_block=half_block,
+                                      block_k=block_k)
 
-    qkv = F.linear(rms(x, norm), weight, bias)
-    c, s = cos[pos][:, None, :], sin[pos][:, None, :]
-    want_q = rotate(qkv[:, :heads * head_dim].view(rows, heads, head_dim), c, s)
-    want_k = rotate(qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(rows, kv_heads, head_dim), c, s)
-    want_v = qkv[:, (heads + kv_heads) * head_dim:].view(rows, kv_heads, head_dim)
+    q = run(weight)
+
+    want_q, want_k, want_v, bound_q, bound_k, bound_v = qkv_reference(x, norm, weight, bias, cos, sin, pos, heads,
+                                                                      kv_heads)
     assert q.shape == (rows, heads, head_dim)
-    torch.testing.assert_close(q, want_q, **TIGHT)
+    assert_within(q, want_q, bound_q, "q: ")
     k_rows, v_rows = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
     written = index[1:]
-    torch.testing.assert_close(k_rows[written], want_k[1:], **TIGHT)
-    torch.testing.assert_close(v_rows[written], want_v[1:], **TIGHT)
+    assert_within(k_rows[written], want_k[1:], bound_k[1:], "k: ")
+    assert_within(v_rows[written], want_v[1:], bound_v[1:], "v: ")
     untouched = torch.ones(cache_rows, dtype=torch.bool)
     untouched[written] = False
     assert torch.equal(k_rows[untouched], k_before.view(-1, kv_heads, head_dim)[untouched])
     assert torch.equal(v_rows[untouched], v_before.view(-1, kv_heads, head_dim)[untouched])
+    # the weight of q's first column, and of v's, read off by BUG in its first input column: both caught
+    assert_caught(lambda: run(nudged(weight, 0, 0)), want_q, bound_q, "q: ")
+    assert_caught(lambda: (run(nudged(weight, (heads + kv_heads) * head_dim, 0)), v_rows[written])[1],
+                  want_v[1:], bound_v[1:], "v: ")
+
+
+def residual_bound(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x + a @ weight^T: the residual is one more term of each sum (a bias of the product)."""
+    return dot_bound(a, weight, x)
 
 
 @pytest.mark.parametrize("rows, block_rows, block_n, block_k", [(7, None, 8, None), (21, 16, 16, 16),
@@ -126,10 +247,11 @@ def test_o_proj_and_down_residual_match_torch(rows, block_rows, block_n, block_k
     o, wo = randn(rows, width, g=g), randn(hidden, width, g=g, scale=0.2)
     h, wd = randn(rows, inter, g=g), randn(hidden, inter, g=g, scale=0.2)
     x_before = x.clone()
-    got = dl.o_proj_residual(x, o, wo, block_rows=block_rows, block_n=block_n, block_k=block_k)
-    torch.testing.assert_close(got, x + F.linear(o, wo), **TIGHT)
-    got = dl.down_residual(x, h, wd, block_rows=block_rows, block_n=block_n, block_k=block_k)
-    torch.testing.assert_close(got, x + F.linear(h, wd), **TIGHT)
+    tiles = dict(block_rows=block_rows, block_n=block_n, block_k=block_k)
+    for kernel, a, w in ((dl.o_proj_residual, o, wo), (dl.down_residual, h, wd)):
+        want, bound = x + F.linear(a, w), residual_bound(x, a, w)
+        assert_within(kernel(x, a, w, **tiles), want, bound, f"{kernel.__name__}: ")
+        assert_caught(lambda: kernel(x, a, nudged(w, hidden - 1, 0), **tiles), want, bound, f"{kernel.__name__}: ")
     assert torch.equal(x, x_before)  # the residual stream is an input, not overwritten
 
 
@@ -142,9 +264,20 @@ def test_norm_gate_up_silu_matches_torch(rows, hidden, block_rows, block_n, bloc
     inter = 80  # the last column tile is partial at every block_n here
     x, norm = randn(rows, hidden, g=g), 1 + randn(hidden, g=g, scale=0.3)
     weight = randn(2 * inter, hidden, g=g, scale=0.2)
-    got = dl.norm_gate_up_silu(x, norm, weight, eps=EPS, block_rows=block_rows, block_n=block_n, block_k=block_k)
-    gate, up = F.linear(rms(x, norm), weight).chunk(2, dim=-1)
-    torch.testing.assert_close(got, F.silu(gate) * up, **TIGHT)
+    tiles = dict(eps=EPS, block_rows=block_rows, block_n=block_n, block_k=block_k)
+    want, bound = gate_up_reference(x, norm, weight)
+    assert_within(dl.norm_gate_up_silu(x, norm, weight, **tiles), want, bound)
+    # a gate weight and an up weight read off by BUG: both caught
+    for row in (0, inter + 1):
+        assert_caught(lambda: dl.norm_gate_up_silu(x, norm, nudged(weight, row, 1), **tiles), want, bound)
+
+
+def gate_up_reference(x: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K3's silu(gate) * up from the formulas, and its rounding bound."""
+    a = rms(x, norm)
+    gate, up = F.linear(a, weight).chunk(2, dim=-1)
+    gate_bound, up_bound = dot_bound(a, weight, normed=True).chunk(2, dim=-1)
+    return F.silu(gate) * up, silu_mul_bound(gate, up, gate_bound, up_bound)
 
 
 @pytest.mark.parametrize("rows, split_k, block_k", [(7, 2, 16), (21, 4, 16), (5, 8, 32)],
@@ -167,15 +300,14 @@ def test_split_reductions_match_torch_bitwise_from_call_to_call_and_reset_their_
         return first
 
     o, wo = randn(rows, hidden, g=g), randn(hidden, hidden, g=g, scale=0.2)
-    torch.testing.assert_close(twice(lambda: dl.o_proj_residual(x, o, wo, block_n=16, **split)),
-                               x + F.linear(o, wo), **TIGHT)
+    assert_within(twice(lambda: dl.o_proj_residual(x, o, wo, block_n=16, **split)), x + F.linear(o, wo),
+                  residual_bound(x, o, wo), "o_proj: ")
     h, wd = randn(rows, inter, g=g), randn(hidden, inter, g=g, scale=0.2)
-    torch.testing.assert_close(twice(lambda: dl.down_residual(x, h, wd, block_n=8, **split)),
-                               x + F.linear(h, wd), **TIGHT)
+    assert_within(twice(lambda: dl.down_residual(x, h, wd, block_n=8, **split)), x + F.linear(h, wd),
+                  residual_bound(x, h, wd), "down: ")
     w_gu = randn(2 * inter, hidden, g=g, scale=0.2)
-    gate, up = F.linear(rms(x, norm), w_gu).chunk(2, dim=-1)
-    torch.testing.assert_close(twice(lambda: dl.norm_gate_up_silu(x, norm, w_gu, eps=EPS, block_n=16, **split)),
-                               F.silu(gate) * up, **TIGHT)
+    assert_within(twice(lambda: dl.norm_gate_up_silu(x, norm, w_gu, eps=EPS, block_n=16, **split)),
+                  *gate_up_reference(x, norm, w_gu), "gate_up: ")
     width = (heads + 2 * kv_heads) * head_dim
     w_qkv, b_qkv = randn(width, hidden, g=g, scale=0.2), randn(width, g=g, scale=0.2)
     cos, sin = rotary_tables(positions, head_dim)
@@ -184,13 +316,11 @@ def test_split_reductions_match_torch_bitwise_from_call_to_call_and_reset_their_
     index = torch.randperm(rows, generator=g)
     q = twice(lambda: dl.norm_qkv_rope_cache(x, norm, w_qkv, b_qkv, cos, sin, pos, index, k_cache, v_cache,
                                              heads=heads, kv_heads=kv_heads, eps=EPS, half_block=4, **split))
-    qkv = F.linear(rms(x, norm), w_qkv, b_qkv)
-    c, s = cos[pos][:, None, :], sin[pos][:, None, :]
-    torch.testing.assert_close(q, rotate(qkv[:, :heads * head_dim].view(rows, heads, head_dim), c, s), **TIGHT)
-    want_k = rotate(qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(rows, kv_heads, head_dim), c, s)
-    torch.testing.assert_close(k_cache[index], want_k, **TIGHT)
-    torch.testing.assert_close(v_cache[index], qkv[:, (heads + kv_heads) * head_dim:].view(rows, kv_heads, head_dim),
-                               **TIGHT)
+    want_q, want_k, want_v, bound_q, bound_k, bound_v = qkv_reference(x, norm, w_qkv, b_qkv, cos, sin, pos, heads,
+                                                                      kv_heads)
+    assert_within(q, want_q, bound_q, "q: ")
+    assert_within(k_cache[index], want_k, bound_k, "k: ")
+    assert_within(v_cache[index], want_v, bound_v, "v: ")
 
 
 def test_tiles_and_workspaces_are_checked():
@@ -200,7 +330,7 @@ def test_tiles_and_workspaces_are_checked():
         dl.Tiles(8, num_stages=0)
     x, o, wo = torch.zeros(4, 32), torch.zeros(4, 32), torch.zeros(32, 32)
     # a split call given no workspace gets its own
-    torch.testing.assert_close(dl.o_proj_residual(x, o, wo, split_k=2), dl.o_proj_residual(x, o, wo, split_k=1))
+    assert torch.equal(dl.o_proj_residual(x, o, wo, split_k=2), dl.o_proj_residual(x, o, wo, split_k=1))  # zeros
     small = dl.Workspace.allocate(16, 1, "cpu")
     with pytest.raises(ValueError, match="the workspace is too small for this call"):
         dl.o_proj_residual(x, o, wo, split_k=2, workspace=small)
@@ -316,6 +446,26 @@ class KernelCalls:
         return count
 
 
+def model_atol(want: torch.Tensor, layers: int) -> float:
+    """How far the two drafters' float32 values can drift apart after `layers` layers, from the arithmetic: every
+    value is the end of a chain of sums (per layer K1, the attention, K2, K3, K4; then the final norm and lm_head),
+    each of at most K = 96 terms (hidden 64, intermediate 96, attention over at most 96 positions). A float32
+    reordering of such a sum moves it by a random walk of its roundings, each at most u = 2^-24 of a partial sum no
+    larger than the values' scale: about sqrt(K) u of the scale, 8 such standard deviations bound it, and the two
+    sides and the chain's sums add up. Random weights at scale 0.1 keep every layer's gain near 1, so the scale is
+    the largest |value| compared (here 2 to 6). With this TINY model: 8 * sqrt(96) * 2 * 17 * u * scale ~ 1.6e-4 *
+    scale, where the two drafters differ by ~3e-7 * scale; a wrong weight, cache slot or row (the bugs this test
+    is for) moves values by a sizeable part of their scale."""
+    k = max(TINY["hidden"], TINY["inter"], TINY["heads"] * TINY["head_dim"])
+    sums = 5 * layers + 2
+    return 8 * k ** 0.5 * 2 * sums * U * float(want.abs().max())
+
+
+def assert_model_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    atol = model_atol(want, TINY["layers"])
+    torch.testing.assert_close(got, want, rtol=0, atol=atol, msg=lambda m: f"{what} (atol {atol:.3g}): {m}")
+
+
 @pytest.mark.parametrize("attention", ["auto", "triton"])
 def test_triton_layers_equal_torch_layers_over_prefill_and_drafting_passes(monkeypatch, attention):
     """With attention="triton" the triton side's attention is hqlab_kernels.drafter_attention too (every call here
@@ -351,16 +501,17 @@ def test_triton_layers_equal_torch_layers_over_prefill_and_drafting_passes(monke
         a = torch_side.hidden_states(rows, tokens, start, attn_len)
         b = triton_side.hidden_states(rows, tokens, start, attn_len)
         assert calls.take() == (TINY["layers"] if n_rows <= TRITON_MAX_ROWS else 0), f"call {step}: {n_rows} rows"
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4, msg=lambda m: f"call {step} hidden states: {m}")
+        assert_model_close(b, a, f"call {step} hidden states")
         la = torch_side.logits(rows, tokens, start, last, attn_len)
         lb = triton_side.logits(rows, tokens, start, last, attn_len)
-        torch.testing.assert_close(lb, la, rtol=1e-4, atol=1e-4, msg=lambda m: f"call {step} logits: {m}")
-        assert torch.equal(lb.argmax(-1), la.argmax(-1))
+        assert_model_close(lb, la, f"call {step} logits")
+        # the greedy token is the same wherever the top two are further apart than the two sides can drift
+        top2 = la.topk(2, dim=-1).values
+        clear = top2[..., 0] - top2[..., 1] > 2 * model_atol(la, TINY["layers"])
+        assert clear.float().mean() > 0.9 and torch.equal(lb.argmax(-1)[clear], la.argmax(-1)[clear])
         calls.take()
-        torch.testing.assert_close(triton_side.k_cache, torch_side.k_cache, rtol=1e-4, atol=1e-4,
-                                   msg=lambda m: f"call {step} k cache: {m}")
-        torch.testing.assert_close(triton_side.v_cache, torch_side.v_cache, rtol=1e-4, atol=1e-4,
-                                   msg=lambda m: f"call {step} v cache: {m}")
+        assert_model_close(triton_side.k_cache, torch_side.k_cache, f"call {step} k cache")
+        assert_model_close(triton_side.v_cache, torch_side.v_cache, f"call {step} v cache")
     # the caches were written, not left at zero: the comparison above compared something
     assert triton_side.k_cache.abs().amax(dim=(0, 2, 3, 4)).gt(0).sum() > 0
     # extend is the argmax of those logits on the triton path too
@@ -388,36 +539,6 @@ def test_triton_layers_on_the_cpu_need_the_interpreter(monkeypatch):
         StaticQwen2(cfg, weights, slots=1, max_len=16, dtype=torch.float32, layers="triton")
 
 
-def test_the_gpu_fused_spec_takes_layers_and_attention_and_passes_them_to_the_drafter(tmp_path):
-    pytest.importorskip("vllm", reason="the vllm extra is not installed")
-    from safetensors.torch import save_file
-
-    from hqlab.engines.vllm.gpu_fused import GpuFusedSpeculator, fused_config
-
-    assert fused_config("gpu-fused:k=15,draft_block=2").layers == "torch"
-    config = fused_config("gpu-fused:k=3,draft_block=2,nmax=4,layers=triton")
-    assert config.layers == "triton"
-    with pytest.raises(ConfigError, match="layers must be one of torch, triton") as err:
-        fused_config("gpu-fused:k=15,layers=bogus")
-    assert "'bogus'" in str(err.value)
-    cfg, weights = tiny_weights(**{**TINY, "layers": 1})
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen2"}))
-    save_file(weights, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ConfigError, match="attention must be one of auto, flash, sdpa, triton"):
-        fused_config("gpu-fused:k=15,attention=fa4")
-    with_attention = fused_config("gpu-fused:k=3,draft_block=2,nmax=4,layers=triton,attention=triton")
-    assert with_attention.attention == "triton"
-    plain = fused_config("gpu-fused:k=3,draft_block=2,nmax=4")
-    for spec_config, kernels, attention in ((config, dl, False), (plain, None, False),
-                                            (with_attention, dl, True)):
-        speculator = GpuFusedSpeculator.standalone(spec_config, max_num_reqs=2, max_model_len=32, pad=0,
-                                                   device="cpu", dtype=torch.float32)
-        speculator.load_drafter(str(tmp_path))
-        assert speculator.drafter.layer_kernels is kernels
-        assert (speculator.drafter.attention_kernel is not None) == attention
-        assert speculator.buckets == [speculator.cache_len] if attention else len(speculator.buckets) >= 1
-
-
 # --------------------------------------------------------------------------------------------------------------
 # GPU: the 0.5B's shapes in bf16
 # --------------------------------------------------------------------------------------------------------------
@@ -431,6 +552,7 @@ def test_triton_layers_on_the_gpu_at_the_05b_shapes_and_in_a_cuda_graph():
     all where the choice is clear), caches close; a drafting pass captured in a CUDA graph and replayed with new
     inputs gives its eager result."""
     shapes = dict(hidden=896, heads=14, kv_heads=2, head_dim=64, inter=4864, layers=4, vocab=151_936)
+    pytest.importorskip("vllm", reason="the torch side's attention is vLLM's FlashAttention")
     cfg, weights = tiny_weights(**shapes, seed=1, scale=0.03)
     slots, max_len = 4, 512
     torch_side = StaticQwen2(cfg, weights, slots=slots, max_len=max_len, device="cuda")
