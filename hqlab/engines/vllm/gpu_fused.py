@@ -54,8 +54,9 @@ import torch
 
 from hqlab.config import ConfigError, resolve_spec
 from hqlab.engines.vllm import batch_k
-from hqlab.engines.vllm.speculator import (RECORD_KEY, SPEC_KEY, RecordRing, bind_histories, gpu_spec,
-                                           is_custom_class, pad_token, recording, refuse_retired)
+from hqlab.engines.vllm.speculator import (RECORD_KEY, SPEC_KEY, RecordRing, V2Speculator, bind_histories,
+                                           custom_class_config, gpu_spec, is_custom_class, pad_token, recording,
+                                           refuse_retired)
 from hqlab.proposers.fused import FusedConfig
 
 NAME = "gpu-fused"
@@ -164,11 +165,9 @@ def fused_config(spec: str) -> GpuFusedConfig:
 
 
 def speculative_config(spec: str) -> dict[str, Any]:
-    """vLLM's `speculative_config` for a `gpu-fused` spec: k draft positions verified every step (or, with
-    `batch_k`, as many as vLLM's scheduler looks up for the step's batch size)."""
+    """vLLM's `speculative_config` for a `gpu-fused` spec (`speculator.custom_class_config`)."""
     config = fused_config(spec)
-    return batch_k.with_schedule({"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": config.k},
-                        config.batch_k, config.k)
+    return custom_class_config(CLASS_PATH, config.k, config.batch_k)
 
 
 def is_gpu_fused(speculative_config: Any) -> bool:
@@ -297,7 +296,7 @@ class FusedRecorder(RecordRing):
         return out
 
 
-class GpuFusedSpeculator:
+class GpuFusedSpeculator(V2Speculator):
     """vLLM V2 speculator: the lookup and a draft model fused per position, block length per request.
 
     Same contract with vLLM's runner as `GpuLookupSpeculator`: `propose(...)` returns [num_reqs, k] int64 drafts on
@@ -515,11 +514,7 @@ class GpuFusedSpeculator:
     def ready(self) -> bool:
         return self.state is not None and self.drafter is not None
 
-    def propose(self, input_batch: Any, attn_metadata: Any = None, slot_mappings: Any = None,
-                last_hidden_states: Any = None, aux_hidden_states: Any = None, num_sampled: Any = None,
-                num_rejected: Any = None, last_sampled: Any = None, next_prefill_tokens: Any = None,
-                temperature: Any = None, seeds: Any = None, num_tokens_across_dp: Any = None, dummy_run: bool = False,
-                skip_attn_for_dummy_run: bool = False, mm_inputs: Any = None, is_profile: bool = False) -> torch.Tensor:
+    def draft(self, input_batch: Any, num_sampled: Any, dummy_run: bool) -> torch.Tensor:
         n = int(input_batch.num_reqs)
         if dummy_run or not self.ready or num_sampled is None:
             return self.out[:n]

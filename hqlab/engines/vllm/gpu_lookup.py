@@ -36,8 +36,9 @@ import torch
 
 from hqlab.config import LookupConfig, resolve_spec
 from hqlab.engines.vllm import batch_k
-from hqlab.engines.vllm.speculator import (PAD_KEY, RECORD_KEY, SPEC_KEY, RecordRing, RequestState, bind_histories,
-                                           gpu_spec, is_custom_class, pad_token, recording, refuse_retired)
+from hqlab.engines.vllm.speculator import (PAD_KEY, RECORD_KEY, SPEC_KEY, RecordRing, RequestState, V2Speculator,
+                                           bind_histories, custom_class_config, gpu_spec, is_custom_class, pad_token,
+                                           recording, refuse_retired)
 from hqlab.trace import Source
 
 NAME = "gpu-lookup"  # the config name in `hqlab bench --engine vllm`
@@ -78,11 +79,9 @@ def lookup_config(spec: str) -> GpuLookupConfig:
 
 
 def speculative_config(spec: str) -> dict[str, Any]:
-    """vLLM's `speculative_config` for a `gpu-lookup` spec: k draft positions verified every step (or, with
-    `batch_k`, as many as vLLM's scheduler looks up for the step's batch size)."""
+    """vLLM's `speculative_config` for a `gpu-lookup` spec (`speculator.custom_class_config`)."""
     config = lookup_config(spec)
-    return batch_k.with_schedule({"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": config.k},
-                        config.batch_k, config.k)
+    return custom_class_config(CLASS_PATH, config.k, config.batch_k)
 
 
 def is_gpu_lookup(speculative_config: Any) -> bool:
@@ -121,7 +120,7 @@ class StepRecorder(RecordRing):
         return out
 
 
-class GpuLookupSpeculator:
+class GpuLookupSpeculator(V2Speculator):
     """vLLM V2 speculator: the suffix-match lookup over vLLM's GPU histories, k drafts per request per step.
 
     vLLM's V2 runner calls `propose(input_batch, ..., dummy_run=...)` after sampling and expects [num_reqs, k]
@@ -208,11 +207,7 @@ class GpuLookupSpeculator:
         if self.recorder is not None:
             self.recorder.restart()
 
-    def propose(self, input_batch: Any, attn_metadata: Any = None, slot_mappings: Any = None,
-                last_hidden_states: Any = None, aux_hidden_states: Any = None, num_sampled: Any = None,
-                num_rejected: Any = None, last_sampled: Any = None, next_prefill_tokens: Any = None,
-                temperature: Any = None, seeds: Any = None, num_tokens_across_dp: Any = None, dummy_run: bool = False,
-                skip_attn_for_dummy_run: bool = False, mm_inputs: Any = None, is_profile: bool = False) -> torch.Tensor:
+    def draft(self, input_batch: Any, num_sampled: Any, dummy_run: bool) -> torch.Tensor:
         n = int(input_batch.num_reqs)
         if dummy_run or self.state is None:  # warm-up and profiling runs: vLLM only needs the shape
             return self.draft_tokens[:n]

@@ -50,6 +50,16 @@ def is_custom_class(speculative_config: Any, class_path: str) -> bool:
     return get("method") == "custom_class" and get("model") == class_path
 
 
+def custom_class_config(class_path: str, k: int, widths: str = "") -> dict[str, Any]:
+    """vLLM's `speculative_config` for an hqlab GPU speculator: vLLM's `custom_class` method naming its class, k
+    draft positions verified every step, or with a `batch_k` value (`widths`) as many as vLLM's scheduler looks up
+    for the step's batch size."""
+    from hqlab.engines.vllm import batch_k
+
+    return batch_k.with_schedule({"method": "custom_class", "model": class_path, "num_speculative_tokens": k},
+                                 widths, k)
+
+
 def pad_token(vllm_config: Any) -> int:
     """The token id written where nothing is proposed: `additional_config[PAD_KEY]`, else the last vocabulary row."""
     extra = getattr(vllm_config, "additional_config", None) or {}
@@ -148,3 +158,22 @@ class RecordRing:
 
 __all__ = ["SPEC_KEY", "RECORD_KEY", "PAD_KEY", "ENV_VAR", "proposer_spec", "recording", "is_custom_class",
            "pad_token", "refuse_retired", "gpu_spec", "RequestState", "bind_histories", "RecordRing"]
+
+
+class V2Speculator:
+    """vLLM 0.26's V2 runner calls `propose` with a dozen arguments (hidden states, attention metadata, sampling
+    state) that EAGLE-style speculators need; hqlab's read vLLM's histories instead, so they implement the narrow
+    `draft(input_batch, num_sampled, dummy_run)` and this class takes vLLM's call."""
+
+    def propose(self, input_batch: Any, attn_metadata: Any = None, slot_mappings: Any = None,
+                last_hidden_states: Any = None, aux_hidden_states: Any = None, num_sampled: Any = None,
+                num_rejected: Any = None, last_sampled: Any = None, next_prefill_tokens: Any = None,
+                temperature: Any = None, seeds: Any = None, num_tokens_across_dp: Any = None, dummy_run: bool = False,
+                skip_attn_for_dummy_run: bool = False, mm_inputs: Any = None, is_profile: bool = False) -> torch.Tensor:
+        return self.draft(input_batch, num_sampled, dummy_run)
+
+    def draft(self, input_batch: Any, num_sampled: Any, dummy_run: bool) -> torch.Tensor:
+        """[num_reqs, k] int64 draft tokens on the device for the step vLLM just sampled (`num_sampled` per request:
+        accepted drafts + 1); a dummy run (warm-up, profiling) needs only the shape."""
+        raise NotImplementedError
+
