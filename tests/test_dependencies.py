@@ -18,7 +18,7 @@ from hqlab.models import gguf
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = ["hqlab", "kernels", "notebooks", "tests", "benchmarks", "experiments"]
-LOCAL = {"hqlab", "hqlab_kernels", "benchmarks", "kernels", "conftest"}
+LOCAL = {"hqlab", "hqlab_kernels", "benchmarks", "kernels", "conftest", "rounding"}  # rounding: tests/kernels
 # import name -> distribution, for packages this environment does not have (vLLM's live in their own environment)
 NOT_HERE = {"vllm": "vllm", "numba": "numba", "arctic_inference": "arctic-inference", "cuda": "cuda-bindings",
             "openai": "openai"}

@@ -33,6 +33,7 @@ pytest.importorskip("triton", reason="the Triton attention needs Triton")
 
 from hqlab.engines.vllm.drafter import BLOCK, StaticQwen2  # noqa: E402
 from hqlab_kernels import drafter_attention as da  # noqa: E402
+from rounding import assert_within  # noqa: E402  (tests/kernels/rounding.py)
 
 # The interpreter turns the kernel's runtime loop bounds (one-element arrays) into ints in a way NumPy deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
@@ -128,16 +129,6 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots:
         row_bound = per_row.T[:, :, None].expand(q_len, heads, head_dim)
         bound[b * q_len:(b + 1) * q_len] = row_bound + (BF16_CAST * o.abs() if bf16 else 0)
     return out.reshape(rows, heads * head_dim), bound.reshape(rows, heads * head_dim)
-
-
-def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, what: str = "") -> None:
-    """|got - want| <= bound at every element (NaN nowhere)."""
-    err = (got.double() - want.double()).abs()
-    over = ~(err <= bound)
-    if over.any():
-        worst = int((err - bound).argmax())
-        raise AssertionError(f"{what}{int(over.sum())} of {err.numel()} elements beyond the rounding bound; worst: "
-                             f"|got - want| {err.flatten()[worst]:.3g} > bound {bound.flatten()[worst]:.3g}")
 
 
 def index(values: list[int], dtype: torch.dtype = torch.long, device: str = "cpu") -> torch.Tensor:

@@ -40,6 +40,7 @@ pytest.importorskip("triton", reason="the Triton layers need Triton")
 from hqlab.config import ConfigError  # noqa: E402
 from hqlab.engines.vllm.drafter import TRITON_MAX_ROWS, StaticQwen2  # noqa: E402
 from hqlab_kernels import drafter_layers as dl  # noqa: E402
+from rounding import assert_within  # noqa: E402  (tests/kernels/rounding.py)
 
 EPS = 1e-6
 TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, layers=3, vocab=128)
@@ -139,16 +140,6 @@ def silu_mul_bound(gate: torch.Tensor, up: torch.Tensor, gate_bound: torch.Tenso
     gate, up = gate.double(), up.double()
     silu = F.silu(gate).abs()
     return 1.1 * gate_bound * (up.abs() + up_bound) + silu * up_bound + 12 * U * silu * up.abs()
-
-
-def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, what: str = "") -> None:
-    """|got - want| <= bound at every element (NaN nowhere)."""
-    err = (got.double() - want.double()).abs()
-    over = ~(err <= bound)
-    if over.any():
-        worst = int((err - bound).argmax())
-        raise AssertionError(f"{what}{int(over.sum())} of {err.numel()} elements beyond the rounding bound; worst: "
-                             f"|got - want| {err.flatten()[worst]:.3g} > bound {bound.flatten()[worst]:.3g}")
 
 
 def assert_caught(run, want: torch.Tensor, bound: torch.Tensor, what: str = "") -> None:
