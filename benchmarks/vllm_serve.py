@@ -175,7 +175,7 @@ def bench(args: argparse.Namespace) -> int:
 def finish(args: argparse.Namespace) -> int:
     import polars as pl
 
-    from hqlab.bench.serve import SERVE_COLUMNS
+    from hqlab.bench.serve import SERVE_COLUMNS, server_log_facts
     from hqlab.io import write_atomic
 
     def write_parquet(frame: "pl.DataFrame", path: Path) -> None:
@@ -187,6 +187,14 @@ def finish(args: argparse.Namespace) -> int:
     if not rows:
         raise SystemExit(f"no vllm_serve_*.jsonl rows under {src}")
     frame = pl.DataFrame(rows).select(SERVE_COLUMNS)
+    # the model runner each server used, as its own log says (a served config's log names its spec)
+    runners = {}
+    for log_file in sorted(src.glob("serve_*_[0-9]*.log")):
+        facts = server_log_facts(log_file.read_text(errors="replace"))
+        if not facts["planted"]:
+            runners[facts["config"]] = facts["vllm_runner"]
+    frame = frame.with_columns(pl.col("config").replace_strict(runners, default=None, return_dtype=pl.String)
+                               .alias("vllm_runner"))
     out = Path(args.out)
     if out.exists():
         old = pl.read_parquet(out)

@@ -17,7 +17,6 @@ run anywhere.
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import subprocess
@@ -316,10 +315,6 @@ def best_ratio(table: Any, reference: str = "none") -> Any:
             .group_by(keys, maintain_order=True).first().sort(keys))
 
 
-def finite(x: float) -> bool:
-    return x is not None and not math.isnan(x)
-
-
 def short_config(config: str) -> str:
     """A config's name for plots and tables: its proposer and batch schedule (the rest is in docs/serving.md)."""
     from hqlab.config import parse_spec
@@ -339,3 +334,13 @@ def load_curves(rows: Any) -> Any:
                               pl.format("{} · T={}", pl.col("dataset"), pl.col("temperature")).alias("group"),
                               pl.format("{} in flight", pl.col("max_concurrency")).alias("load"))
             .sort("dataset", "temperature", "label", "max_concurrency"))
+
+
+def server_log_facts(text: str) -> dict[str, Any]:
+    """What a `vllm serve` log says about the engine it started: the hqlab spec it served ("none" without one), whether
+    a planted fault was in it, and the model runner vLLM chose ("V2" or "V1"; None where the log does not say)."""
+    import re
+
+    spec = re.search(r"'hqlab_proposer': '([^']+)'", text)
+    runner = "V2" if "Using V2 Model Runner" in text else "V1" if "Using V1 Model Runner" in text else None
+    return {"config": spec.group(1) if spec else "none", "planted": "hqlab_fault" in text, "vllm_runner": runner}

@@ -68,6 +68,12 @@ def test_run_s1_has_every_group_the_issue_asks_for(loads):
     assert all("none" in c for c in groups["config"])  # `none` in every (dataset, temperature, load) group
     assert (s1["completed"] == s1["num_prompts"]).all()  # no request failed
     assert s1["machine"].str.contains("H200").all()
+    # every server ran vLLM's model runner V2, as its own log says (the plugin moves hqlab's configs there)
+    assert (s1["vllm_runner"] == "V2").all()
+    logs = [serve.server_log_facts(f.read_text(errors="replace"))
+            for f in sorted((RESULTS / "serve_s1").glob("serve_s1_[0-9]*.log"))]
+    assert {f["config"] for f in logs if not f["planted"]} == set(s1["config"])
+    assert [f["planted"] for f in logs].count(True) == 1
 
 
 def test_run_s1_the_best_hqlab_config_is_never_slower_than_none(loads):
