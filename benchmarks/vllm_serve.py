@@ -73,25 +73,13 @@ def done_configs(path: Path) -> set[str]:
     return {json.loads(line)["config"] for line in path.read_text().splitlines() if line.strip()}
 
 
-def serve_module():
-    """hqlab.bench.serve without the package's __init__ (which imports polars, absent on the GPU host)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("hqlab_bench_serve", ROOT / "hqlab" / "bench" / "serve.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def bench(args: argparse.Namespace) -> int:
     import vllm  # noqa: F401  (first: a wheel missing from the carried set fails here)
 
     from transformers import AutoTokenizer
 
     from hqlab import models
-
-    serve = serve_module()
+    from hqlab.bench import serve  # no polars needed: hqlab.bench loads its harness lazily (the GPU host has none)
     from hqlab.engines.vllm.serving import serve_command
     from hqlab.provenance import machine_description, package_version
 

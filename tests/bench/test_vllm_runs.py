@@ -1,5 +1,5 @@
-"""`hqlab.bench.vllm_runs` runs on the GPU host, where polars is not installed: importing it must not import polars
-(nor the harness that needs it)."""
+"""`hqlab.bench.vllm_runs` and `hqlab.bench.serve` run on the GPU host, where polars is not installed: importing them
+must not import polars (nor the harness that needs it)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_the_gpu_side_of_the_vllm_benchmark_imports_no_polars():
-    probe = ("import sys; import hqlab.bench.vllm_runs; "
+@pytest.mark.parametrize("module", ["hqlab.bench.vllm_runs", "hqlab.bench.serve"])
+def test_the_gpu_side_of_the_vllm_benchmarks_imports_no_polars(module):
+    """benchmarks/vllm_gpu.py and benchmarks/vllm_serve.py import these on the GPU host."""
+    probe = (f"import sys; import {module}; "
              "print(sorted(m for m in ('polars', 'hqlab.bench.harness') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
