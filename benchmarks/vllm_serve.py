@@ -160,6 +160,137 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_point(text: str) -> tuple["object", int]:
+    """`prose:0.7:1:12:3` -> (LoadPoint(prose, T 0.7, 1 in flight, 12 prompts), 3 repeats); the repeats default to 1."""
+    from hqlab.bench.serve import LoadPoint
+
+    parts = text.split(":")
+    if len(parts) not in (4, 5):
+        raise SystemExit(f"--point {text!r}: write DATASET:TEMPERATURE:CONCURRENCY:PROMPTS[:REPEATS]")
+    if parts[0] not in DATASETS:
+        raise SystemExit(f"--point {text!r}: dataset must be one of {', '.join(DATASETS)}")
+    return LoadPoint(parts[0], float(parts[1]), int(parts[2]), int(parts[3])), int(parts[4]) if len(parts) == 5 else 1
+
+
+def together(args: argparse.Namespace) -> int:
+    """Every config's server started at once (each its own port, KV cache and compile cache), then the load points
+    run server after server, repeat after repeat: the configs of a point are measured minutes apart, not a config's
+    whole run apart, so a drift of the host's speed touches them alike, and the servers' start-up is paid once."""
+    import vllm  # noqa: F401
+
+    from transformers import AutoTokenizer
+
+    from hqlab import models
+    from hqlab.bench import serve
+    from hqlab.engines.vllm.serving import serve_command
+    from hqlab.provenance import machine_description, package_version
+
+    started = time.monotonic()
+    work = Path(args.work or Path(tempfile.gettempdir()) / "hqlab-serve" / args.tag)
+    work.mkdir(parents=True, exist_ok=True)
+    out = Path(os.environ.get("OUT") or work / "out")
+    out.mkdir(parents=True, exist_ok=True)
+    rows_path = work / f"vllm_serve_{args.tag}.jsonl"
+    greedy_path, samples_path = work / f"serve_greedy_{args.tag}.jsonl", work / f"serve_samples_{args.tag}.jsonl"
+    model = models.prepare(args.model)
+    for spec in args.config:
+        if spec.startswith("gpu-fused"):
+            from hqlab.engines.vllm.gpu_fused import fused_config
+
+            models.prepare(fused_config(spec).model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    data = work / "datasets"
+    data.mkdir(exist_ok=True)
+    points = [parse_point(p) for p in args.point]
+    for name in sorted({p.dataset for p, _ in points}):
+        with open(data / f"{name}.jsonl", "w") as f:
+            for text in dataset_prompts(name, tokenizer):
+                f.write(json.dumps({"prompt": text}) + "\n")
+    chat = dataset_prompts("chat", tokenizer)[:GREEDY_PROMPTS]
+    machine, version = machine_description(vllm=True), package_version("vllm")
+    share = min(0.9 / len(args.config), 0.9)
+    servers = []
+    for n, spec in enumerate(args.config):
+        argv = [sys.executable, "-m", "vllm.entrypoints.cli.main"] + serve_command(
+            model, spec, max_num_seqs=args.max_num_seqs, port=args.port + n,
+            extra=["--served-model-name", "target", "--max-model-len", str(args.max_model_len),
+                   "--gpu-memory-utilization", f"{share:.3f}", "--kv-cache-memory-bytes",
+                   str(int(args.kv_cache_gib * (1 << 30))), "--disable-uvicorn-access-log", "--seed", "0"])[1:]
+        env = {**os.environ, "VLLM_CACHE_ROOT": str(work / f"vllm-cache-{n}")}  # no two compiles share a file
+        servers.append((spec, serve.Server(argv, work / f"serve_{args.tag}_{n}.log", port=args.port + n, env=env,
+                                           timeout_s=args.start_timeout)))
+    live = []
+    try:
+        for spec, server in servers:
+            server.start()
+        for spec, server in servers:
+            try:
+                server.wait()
+                live.append((spec, server))
+                log(f"{spec}: ready in {server.ready_s:.0f} s")
+            except Exception as e:
+                log(f"{spec}: FAILED to start: {type(e).__name__}: {str(e)[-2000:]}")
+
+        def save() -> None:
+            for f in [rows_path, greedy_path, samples_path] + [srv.log_path for _, srv in servers]:
+                if f.exists():
+                    shutil.copy(f, out / f.name)
+
+        for spec, server in live:
+            greedy = serve.greedy_tokens(server.base_url, "target", chat, max_tokens=args.greedy_tokens)
+            append_jsonl(greedy_path, {"run": args.tag, "config": spec, "texts": [g["text"] for g in greedy],
+                                       "token_ids": [g["token_ids"] for g in greedy],
+                                       "margins": [g["margins"] for g in greedy]})
+        save()
+        for spec, server in live:
+            if spec not in args.sample_config:
+                continue
+            t0 = time.perf_counter()
+            samples = serve.sample_token_ids(server.base_url, "target", SAMPLE_PROMPT, samples=args.samples,
+                                             max_tokens=args.sample_tokens, temperature=1.0,
+                                             concurrency=args.sample_concurrency)
+            append_jsonl(samples_path, {"run": args.tag, "config": spec, "temperature": 1.0,
+                                        "concurrency": args.sample_concurrency, "prompt": SAMPLE_PROMPT,
+                                        "token_ids": samples})
+            log(f"{spec}: {len(samples)} samples in {time.perf_counter() - t0:.0f} s")
+        save()
+        (work / "bench").mkdir(exist_ok=True)
+        for point, repeats in points:
+            name = f"{point.dataset}_t{point.temperature:g}_c{point.max_concurrency}"
+            for repeat in range(repeats):
+                for n, (spec, server) in enumerate(live):
+                    if point.max_concurrency > 1 and spec in args.batch1_config:
+                        continue
+                    if time.monotonic() - started > args.budget_s:
+                        log(f"budget of {args.budget_s:.0f} s spent: {name} repeat {repeat} and later not run")
+                        save()
+                        return 0
+                    bench_args = serve.bench_args(server.base_url, "target", model, data / f"{point.dataset}.jsonl",
+                                                  point, output_len=args.output_len, result_dir=work / "bench",
+                                                  result_file=f"{n}_{name}_r{repeat}.json")
+                    result = serve.run_load(bench_args)
+                    row = serve.load_row(result, run=args.tag, config=spec, point=point, model=args.model,
+                                         machine=machine, vllm_version=version, git_commit=args.commit)
+                    row["repeat"] = repeat
+                    append_jsonl(rows_path, row)
+                    shutil.copy(rows_path, out / rows_path.name)
+                    log(f"{short(spec)} {name} r{repeat}: {row['output_throughput']:.0f} tok/s, TPOT p50 "
+                        f"{row['median_tpot_ms']:.2f} ms, TTFT p50 {row['median_ttft_ms']:.0f} ms, "
+                        f"acceptance length {row['acceptance_length']:.2f}")
+        save()
+    finally:
+        for _, server in servers:
+            server.stop()
+        for f in [rows_path, greedy_path, samples_path] + [srv.log_path for _, srv in servers]:
+            if f.exists():
+                shutil.copy(f, out / f.name)
+    return 0
+
+
+def short(spec: str) -> str:
+    return spec if len(spec) <= 60 else spec[:57] + "..."
+
+
 def finish(args: argparse.Namespace) -> int:
     import polars as pl
 
@@ -174,7 +305,8 @@ def finish(args: argparse.Namespace) -> int:
             if line.strip()]
     if not rows:
         raise SystemExit(f"no vllm_serve_*.jsonl rows under {src}")
-    frame = pl.DataFrame(rows).select(SERVE_COLUMNS)
+    frame = pl.DataFrame(rows)
+    frame = frame.select(SERVE_COLUMNS + (["repeat"] if "repeat" in frame.columns else []))
     # the model runner each server used, as its own log says (a served config's log names its spec)
     runners = {}
     for log_file in sorted(src.glob("serve_*_[0-9]*.log")):
@@ -228,6 +360,28 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--start-timeout", type=float, default=600)
     b.add_argument("--work", default=None)
     b.add_argument("--fail-fast", action="store_true")
+    t = sub.add_parser("together", help="GPU host: every config's server at once, points interleaved, repeats")
+    t.add_argument("--tag", required=True)
+    t.add_argument("--commit", default="unknown")
+    t.add_argument("--model", default=TARGET)
+    t.add_argument("--config", action="append", default=[], required=True)
+    t.add_argument("--point", action="append", default=[], required=True,
+                   help="DATASET:TEMPERATURE:CONCURRENCY:PROMPTS[:REPEATS], run in the order given")
+    t.add_argument("--batch1-config", action="append", default=[], help="a config run at concurrency 1 only")
+    t.add_argument("--sample-config", action="append", default=[], help="a config whose sampling-test samples "
+                   "are taken")
+    t.add_argument("--output-len", type=int, default=256)
+    t.add_argument("--samples", type=int, default=600)
+    t.add_argument("--sample-tokens", type=int, default=24)
+    t.add_argument("--sample-concurrency", type=int, default=4)
+    t.add_argument("--greedy-tokens", type=int, default=128)
+    t.add_argument("--max-num-seqs", type=int, default=32)
+    t.add_argument("--max-model-len", type=int, default=4096)
+    t.add_argument("--kv-cache-gib", type=float, default=4.0)
+    t.add_argument("--port", type=int, default=8321)
+    t.add_argument("--start-timeout", type=float, default=420)
+    t.add_argument("--budget-s", type=float, default=560, help="start no load point after this many seconds")
+    t.add_argument("--work", default=None)
     f = sub.add_parser("finish", help="CPU: the returned files -> data/results")
     f.add_argument("returned")
     f.add_argument("--out", default=str(ROOT / "data" / "results" / "vllm_serve_h200.parquet"))
@@ -239,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.config and not args.planted_fault:
             p.error("name at least one --config or --planted-fault")
         return bench(args)
+    if args.cmd == "together":
+        return together(args)
     return finish(args)
 
 

@@ -87,17 +87,26 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> "Server":
+        self.start()
+        return self.wait()
+
+    def start(self) -> "Server":
+        """Start the process without waiting (servers started together each `wait` afterwards)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
-        start = time.perf_counter()
+        self._start = time.perf_counter()
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
+        return self
+
+    def wait(self) -> "Server":
+        """Wait until the started server answers `/health` (stopping it if it fails to)."""
         try:
             self._wait_ready()
         except BaseException:
             self.stop()
             raise
-        self.ready_s = time.perf_counter() - start
+        self.ready_s = time.perf_counter() - self._start
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -220,6 +229,38 @@ def chat_texts(base_url: str, served_model: str, prompts: Sequence[str], *, max_
                                                max_tokens=max_tokens, temperature=0.0, seed=0)
         out.append(reply.choices[0].message.content or "")
     return out
+
+
+def greedy_tokens(base_url: str, served_model: str, prompts: Sequence[str], *, max_tokens: int,
+                  top: int = 2) -> list[dict[str, Any]]:
+    """Greedy chat completions of `prompts` through the `openai` package with each position's token ids and `top`
+    log-probabilities: where two servers' greedy texts part, the reference's margin (top-1 minus top-2
+    log-probability) at that position says whether it was a near tie that bf16 rounding can flip
+    (`first_divergence`)."""
+    client = _client(base_url)
+    out = []
+    for prompt in prompts:
+        reply = client.chat.completions.create(
+            model=served_model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+            temperature=0.0, seed=0, logprobs=True, top_logprobs=top, extra_body={"return_token_ids": True})
+        choice = reply.choices[0]
+        ids = getattr(choice, "token_ids", None)
+        if ids is None:
+            ids = (choice.model_extra or {}).get("token_ids")
+        content = (choice.logprobs.content if choice.logprobs is not None else None) or []
+        margins = [(c.top_logprobs[0].logprob - c.top_logprobs[1].logprob) if len(c.top_logprobs) > 1
+                   else float("inf") for c in content]
+        out.append({"text": choice.message.content or "", "token_ids": [int(t) for t in ids or []],
+                    "margins": margins})
+    return out
+
+
+def first_divergence(reference: Sequence[int], other: Sequence[int]) -> int | None:
+    """The first position where two token sequences differ (a shorter one differs where it ends); None if equal."""
+    for i, (a, b) in enumerate(zip(reference, other)):
+        if a != b:
+            return i
+    return None if len(reference) == len(other) else min(len(reference), len(other))
 
 
 def sample_token_ids(base_url: str, served_model: str, prompt: str, *, samples: int, max_tokens: int,

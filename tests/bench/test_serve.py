@@ -123,3 +123,11 @@ def test_run_s1_greedy_texts_through_the_openai_client(samples):
     for config, got in texts.items():
         assert len(got) == 3 and all(t for t in got)
         assert got[1] == texts["none"][1], config  # the prompt every config agreed on
+
+
+def test_first_divergence_names_where_two_greedy_outputs_part():
+    from hqlab.bench.serve import first_divergence
+
+    assert first_divergence([5, 6, 7], [5, 6, 7]) is None
+    assert first_divergence([5, 6, 7], [5, 9, 7]) == 1
+    assert first_divergence([5, 6, 7], [5, 6]) == 2  # a shorter output parts where it ends

@@ -1,4 +1,5 @@
-"""A planted verification bug, for proving that the sampling test can fail (never for serving).
+"""Verification faults planted on purpose (never for serving): a bug the sampling test must catch, and a benchmark's
+fixed step.
 
 `additional_config={"hqlab_fault": "accept_first_draft"}` makes vLLM's rejection sampler accept each request's first
 draft token unconditionally: where the correct rule rejected it (the step kept one token, the target's own), the
@@ -6,6 +7,12 @@ step keeps the draft and then that target token. Greedy outputs barely change wh
 usually right; sampled outputs drift towards the drafts, which is what a distribution test must catch
 (`hqlab.bench.serve.distribution_test`). The rule sits in a pure function (`accept_first_draft`, tested on the
 CPU); `install` wraps vLLM 0.26's `rejection_sample` with it in the worker that builds the speculator.
+
+`reject_all_drafts` keeps only each request's first sampled token, as if every draft were rejected: every step then
+emits exactly one token a request while still verifying its full width. It is no bug to catch but a measuring
+device: step costs at a chosen verify width (benchmarks/vllm_step_cost.py) need requests that advance in lockstep
+whatever the drafts (with random weights the lookup would match the model's degenerate output at random). Greedy
+output is unchanged by it (the first sampled token is the target's own at that position); only speed is.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import torch
 from hqlab.config import ConfigError
 
 KEY = "hqlab_fault"  # additional_config key
-FAULTS = ("accept_first_draft",)
+FAULTS = ("accept_first_draft", "reject_all_drafts")
 log = logging.getLogger("hqlab.vllm")
 
 
@@ -49,9 +56,18 @@ def accept_first_draft(sampled: torch.Tensor, num_sampled: torch.Tensor, draft_s
     return out, torch.where(force, num_sampled + 1, num_sampled)
 
 
+def reject_all_drafts(sampled: torch.Tensor, num_sampled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The benchmark's fixed step on the rejection sampler's outputs (sampled [num_reqs, k + 1], num_sampled
+    [num_reqs]): each request keeps its first sampled token only (a request that sampled none keeps none)."""
+    return sampled, num_sampled.clamp(max=1)
+
+
 def install(fault: str, pad: int) -> None:
     """Wrap vLLM 0.26's V2 `rejection_sample` (as its rejection sampler module holds it) with the fault."""
     import vllm.v1.worker.gpu.spec_decode.rejection_sampler as module
+
+    if fault not in FAULTS:
+        raise ConfigError(f"{KEY} must be one of {', '.join(FAULTS)} (got {fault!r})")
 
     original: Callable = module.rejection_sample
     if getattr(original, "_hqlab_fault", None):
@@ -60,9 +76,11 @@ def install(fault: str, pad: int) -> None:
     def rejection_sample(target_logits: Any, draft_logits: Any, draft_sampled: torch.Tensor,
                          cu_num_logits: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         sampled, num_sampled = original(target_logits, draft_logits, draft_sampled, cu_num_logits, *args, **kwargs)
+        if fault == "reject_all_drafts":
+            return reject_all_drafts(sampled, num_sampled)
         return accept_first_draft(sampled, num_sampled, draft_sampled, cu_num_logits, pad)
 
     rejection_sample._hqlab_fault = fault  # type: ignore[attr-defined]
     module.rejection_sample = rejection_sample
-    log.warning("hqlab: PLANTED FAULT %s installed in vLLM's rejection sampler (a test server, never for serving)",
-                fault)
+    log.warning("hqlab: PLANTED FAULT %s installed in vLLM's rejection sampler (a test or benchmark engine, never for "
+                "serving)", fault)

@@ -153,6 +153,17 @@ def test_the_planted_fault_accepts_a_rejected_first_draft_and_nothing_else():
     assert same.tolist() == [[11, 12, 5]] and n2.tolist() == [3]
 
 
+def test_the_benchmarks_fixed_step_keeps_one_token_a_request():
+    # accepted 2 drafts + bonus, rejected at the first draft, and a request with nothing sampled (a padded row)
+    sampled = torch.tensor([[11, 12, 5], [42, -1, -1], [-1, -1, -1]])
+    num_sampled = torch.tensor([3, 1, 0], dtype=torch.int32)
+    out, n = fault.reject_all_drafts(sampled, num_sampled)
+    assert n.tolist() == [1, 1, 0] and out[:, 0].tolist() == [11, 42, -1]
+    assert "reject_all_drafts" in fault.FAULTS
+    _, extra = engine_configs(LOOKUP, planted_fault="reject_all_drafts")
+    assert extra[fault.KEY] == "reject_all_drafts"
+
+
 def test_the_load_benchmarks_flags_are_vllm_bench_serves_own():
     from hqlab.bench import serve
 

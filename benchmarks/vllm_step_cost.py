@@ -1,0 +1,296 @@
+"""Verify-step costs of Qwen2.5-shaped targets from 0.5B to 32B inside vLLM 0.26 (CUDA graphs, random weights), as a
+function of the verify width, the context length and the batch: the measurement behind docs/seed-scale.md (#41).
+
+No weights travel: vLLM builds each target from its config alone (`load_format="dummy"`), and timing does not
+depend on the weights' values. Every step runs through hqlab's `gpu-lookup` speculator (or `gpu-fused` with the real
+0.5B drafter), so a step is exactly what a served config runs: the speculator's drafting, vLLM's verify over
+`width` positions a request, its rejection sampler and bookkeeping. Two devices make the width a free variable:
+- one engine per shape captures a CUDA graph for every width at once: its `batch_k` table gives each width a batch
+  size of its own (1:31/2:15/3:7/4:3/5:1/0, vLLM's dynamic speculative decoding), and before each point the
+  benchmark sets vLLM's scheduler table and the speculator's to one width for every batch size (the engine runs in
+  this process, VLLM_ENABLE_V1_MULTIPROCESSING=0, so both are plain lists it can reach);
+- the benchmark-only fault `reject_all_drafts` (hqlab.engines.vllm.fault) keeps one token a request a step, so all
+  requests advance in lockstep whatever random weights make the lookup propose.
+The requests of a point share one prompt of `context` random tokens, computed once (prefix caching): the KV cache
+holds it once, and each request's attention still reads all of it, as distinct prompts of that length would.
+
+  GPU (through tools/gpu_host/vllm_host.py run; results saved after every point, a later call with the same tag
+  skips the (shape, config) pairs already done):
+      python3 benchmarks/vllm_step_cost.py run --tag s1 --commit $(git rev-parse --short HEAD) --budget-s 560
+  CPU (here):
+      python benchmarks/vllm_step_cost.py finish RETURNED_DIR   -> data/results/seed_scale_h200.parquet
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # a bare checkout on the GPU host
+
+# Qwen2.5 shapes (the published configs' values); "qwen2.5-27b" is a dense Qwen2.5-style shape of the seeds'
+# 27B class (Qwen2.5 has none): the 32B's width and depth with a narrower MLP, 27.2B parameters.
+SHAPES = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "qwen2.5-14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                        num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    "qwen2.5-27b": dict(hidden_size=5120, intermediate_size=22016, num_hidden_layers=64, num_attention_heads=40,
+                        num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    "qwen2.5-32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                        num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+}
+TOKENIZER_FROM = "qwen2.5-coder-1.5b"  # its tokenizer files and base config (same tokenizer family)
+DRAFTER = "qwen2.5-coder-0.5b"
+WIDTHS = (1, 2, 4, 8, 16, 32)
+CONTEXTS = (1024, 8192, 32768)
+BATCHES = (1, 8, 32)
+K = 31
+LADDER = "1:31/2:15/3:7/4:3/5:1/0"  # a batch size per width, so vLLM captures every width's graphs
+FUSED_LADDER = "1:31/2:15/3:7/4:3/1"  # gpu-fused without device_skip takes no width 0 (width 1 is `none` anyway)
+LOOKUP = f"gpu-lookup:nmin=1,nmax=32,k={K},policy=earliest,batch_k={LADDER}"
+# the served fused config (docs/serving.md) without device_skip: with random weights the lookup matches the
+# model's degenerate output, and device_skip would then skip the very drafter pass being measured
+FUSED = (f"gpu-fused:k={K},draft_block=1,model={DRAFTER},nmax=32,policy=earliest,compile=true,schedule=long,"
+         f"nmin_tail=1,compile_rule=true,layers=triton,attention=triton,batch_k={FUSED_LADDER}")
+# (shape, quant, config) in the order they run: the validation shapes first, then the large ones
+PLAN = [("qwen2.5-0.5b", "bf16", "gpu-lookup"), ("qwen2.5-1.5b", "bf16", "gpu-lookup"),
+        ("qwen2.5-1.5b", "bf16", "gpu-fused"), ("qwen2.5-7b", "bf16", "gpu-lookup"),
+        ("qwen2.5-32b", "bf16", "gpu-lookup"), ("qwen2.5-27b", "bf16", "gpu-lookup"),
+        ("qwen2.5-14b", "bf16", "gpu-lookup"), ("qwen2.5-27b", "fp8", "gpu-lookup")]
+MEASURED_STEPS = 12  # steps timed per point, after WARM_STEPS
+WARM_STEPS = 3
+MAX_MODEL_LEN = max(CONTEXTS) + 64
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def params_b(shape: dict) -> float:
+    """Parameters in billions of a Qwen2 config (embeddings counted once when tied)."""
+    h, i, n = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    head = h // shape["num_attention_heads"]
+    kv = shape["num_key_value_heads"] * head
+    layer = h * h + 2 * h * kv + (h + 2 * kv) + h * h + 3 * h * i + 2 * h  # q,k,v (+bias), o, mlp, norms
+    embed = shape["vocab_size"] * h * (1 if shape["tie_word_embeddings"] else 2)
+    return (n * layer + embed + h) / 1e9
+
+
+def points(config: str) -> list[tuple[int, int, int]]:
+    """(context, batch, width) measured for a config, in the order they run (contexts outermost: one prefill each).
+    gpu-fused's drafter keeps a cache of its own and prefills each request's prompt itself (no prefix caching):
+    its 32k context runs at batch 1 only."""
+    widths = WIDTHS if config == "gpu-lookup" else tuple(w for w in WIDTHS if w > 1)
+    return [(c, b, w) for c in CONTEXTS for b in BATCHES for w in widths
+            if config == "gpu-lookup" or c < 32768 or b == 1]
+
+
+def model_folder(shape_name: str, work: Path) -> str:
+    """A folder vLLM can build the shape from: the tokenizer's files and a config.json with the shape's values."""
+    from hqlab import models
+
+    base = Path(models.prepare(TOKENIZER_FROM))
+    folder = work / "models" / shape_name
+    folder.mkdir(parents=True, exist_ok=True)
+    config = json.loads((base / "config.json").read_text())
+    config.update(SHAPES[shape_name])
+    config["max_position_embeddings"] = max(int(config.get("max_position_embeddings", 0)), MAX_MODEL_LEN)
+    config.pop("sliding_window", None)
+    config["use_sliding_window"] = False
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    for f in base.iterdir():
+        if f.name.startswith(("tokenizer", "vocab", "merges", "generation_config", "special_tokens")):
+            shutil.copy(f, folder / f.name)
+    return str(folder)
+
+
+def one(args: argparse.Namespace) -> int:
+    """One (shape, quant, config): build the engine in this process, measure every point, append rows."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler and the worker live in this process
+    import numpy as np
+    from vllm import EngineArgs, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from hqlab import models
+    from hqlab.engines.vllm import plugin
+    from hqlab.engines.vllm.serving import engine_configs
+    from hqlab.provenance import machine_description, package_version
+
+    work, rows_path = Path(args.work), Path(args.rows)
+    config = args.config
+    spec = LOOKUP if config == "gpu-lookup" else FUSED
+    if config == "gpu-fused":
+        models.prepare(DRAFTER)
+    folder = model_folder(args.shape, work)
+    speculative, extra = engine_configs(spec, planted_fault="reject_all_drafts")
+    capture = sorted({b * w for b in BATCHES for w in WIDTHS} | {1 << i for i in range(11)})
+    plugin.check_vllm_version()
+    plugin.register()
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=folder, load_format="dummy", dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=max(BATCHES),
+        gpu_memory_utilization=0.88, enable_prefix_caching=True, seed=0, speculative_config=speculative,
+        additional_config=extra, compilation_config={"cudagraph_capture_sizes": capture},
+        max_num_batched_tokens=8192, **({"quantization": "fp8"} if args.quant == "fp8" else {})))
+    start_s = time.perf_counter() - t0
+    log(f"{args.shape} {args.quant} {config}: engine ready in {start_s:.0f} s")
+    core = engine.engine_core.engine_core  # in-process: InprocClient -> EngineCore
+    scheduler = core.scheduler
+    if scheduler.dynamic_sd_lookup is None:
+        raise RuntimeError("vLLM built no per-batch-size width table: the width cannot be set")
+
+    def set_width(width: int) -> None:
+        scheduler.dynamic_sd_lookup[:] = [width - 1] * len(scheduler.dynamic_sd_lookup)
+
+        def worker_side(worker, k):  # the speculator's copy of the table (it skips its drafting where k = 0)
+            table = worker.model_runner.speculator.k_table
+            table[:] = [k] * len(table)
+            return len(table)
+        engine.collective_rpc(worker_side, args=(width - 1,))
+
+    machine, version = machine_description(vllm=True), package_version("vllm")
+    shape = SHAPES[args.shape]
+    counter = 0
+    prompt_of: dict[int, list[int]] = {}
+
+    def run(prompt: list[int], batch: int, max_tokens: int) -> list[float]:
+        nonlocal counter
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+        for _ in range(batch):
+            counter += 1
+            engine.add_request(f"r{counter}", TokensPrompt(prompt_token_ids=prompt), params)
+        times = []
+        while engine.has_unfinished_requests():
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        return times
+
+    for context, batch, width in points(config):
+        if context not in prompt_of:
+            rng = np.random.default_rng(context)
+            prompt_of[context] = rng.integers(1000, 150000, size=context).tolist()
+            t = time.perf_counter()
+            run(prompt_of[context], 1, 1)  # the prefill, kept by the prefix cache for every point of this context
+            log(f"  context {context}: prefilled in {time.perf_counter() - t:.1f} s")
+        set_width(width)
+        try:
+            times = run(prompt_of[context], batch, WARM_STEPS + MEASURED_STEPS + 1)
+        except Exception as e:  # e.g. out of KV cache: the point is absent, the rest still runs
+            log(f"  c={context} b={batch} w={width}: FAILED {type(e).__name__}: {e}")
+            continue
+        steady = times[WARM_STEPS:-1] or times
+        ms = sorted(1e3 * s for s in steady)
+        row = {"run": args.tag, "shape": args.shape, "target_params_b": round(params_b(shape), 3),
+               "layers": shape["num_hidden_layers"], "hidden": shape["hidden_size"], "quant": args.quant,
+               "config": config, "width": width, "context": context, "batch": batch,
+               "step_ms": statistics.median(ms), "step_ms_p10": ms[int(0.1 * (len(ms) - 1))],
+               "step_ms_p90": ms[int(round(0.9 * (len(ms) - 1)))], "steps": len(ms),
+               "drafter": DRAFTER if config == "gpu-fused" else "", "engine_start_s": round(start_s, 1),
+               "machine": machine, "vllm_version": version, "git_commit": args.commit}
+        with open(rows_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        log(f"  c={context} b={batch} w={width}: {row['step_ms']:.2f} ms "
+            f"(p10 {row['step_ms_p10']:.2f}, p90 {row['step_ms_p90']:.2f}, {len(times)} steps)")
+    return 0
+
+
+def run_all(args: argparse.Namespace) -> int:
+    work = Path(args.work or Path(tempfile.gettempdir()) / "hqlab-step-cost" / args.tag)
+    work.mkdir(parents=True, exist_ok=True)
+    out = Path(os.environ.get("OUT") or work / "out")
+    out.mkdir(parents=True, exist_ok=True)
+    rows = work / f"seed_scale_{args.tag}.jsonl"
+    done_file = work / "done.txt"
+    done = set(done_file.read_text().split()) if done_file.exists() else set()
+    start = time.monotonic()
+    plan = [p for p in PLAN if not args.only or f"{p[0]}:{p[1]}:{p[2]}" in args.only or p[0] in args.only]
+    for shape, quant, config in plan:
+        key = f"{shape}:{quant}:{config}"
+        if key in done:
+            log(f"{key}: done in an earlier call, skipped")
+            continue
+        left = args.budget_s - (time.monotonic() - start)
+        if left < args.min_left_s:
+            log(f"{key}: {left:.0f} s left of the budget, not started")
+            break
+        log(f"{key}: starting ({left:.0f} s left)")
+        cmd = [sys.executable, __file__, "one", "--shape", shape, "--quant", quant, "--config", config,
+               "--tag", args.tag, "--commit", args.commit, "--work", str(work), "--rows", str(rows)]
+        try:
+            rc = subprocess.run(cmd, timeout=max(30.0, left - 5)).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        if rc == 0:
+            with open(done_file, "a") as f:
+                f.write(key + "\n")
+        else:
+            log(f"{key}: exited {rc}")
+        if rows.exists():
+            shutil.copy(rows, out / rows.name)
+    return 0
+
+
+def finish(args: argparse.Namespace) -> int:
+    import polars as pl
+
+    from hqlab.io import write_atomic
+
+    src = Path(args.returned)
+    rows = [json.loads(line) for f in sorted(src.glob("seed_scale_*.jsonl")) for line in f.read_text().splitlines()
+            if line.strip()]
+    if not rows:
+        raise SystemExit(f"no seed_scale_*.jsonl rows under {src}")
+    frame = pl.DataFrame(rows)
+    out = Path(args.out)
+    if out.exists():
+        old = pl.read_parquet(out)
+        frame = pl.concat([old.filter(~pl.col("run").is_in(frame["run"].unique().to_list())), frame], how="diagonal")
+    frame = frame.sort("run", "target_params_b", "quant", "config", "context", "batch", "width")
+    write_atomic(out, lambda tmp: frame.write_parquet(tmp))
+    print(f"{len(rows)} rows -> {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="GPU host: every (shape, config) of the plan, one process each")
+    r.add_argument("--tag", required=True)
+    r.add_argument("--commit", default="unknown")
+    r.add_argument("--budget-s", type=float, default=560)
+    r.add_argument("--min-left-s", type=float, default=90, help="start no shape with less time left")
+    r.add_argument("--only", action="append", default=[], help="shape or shape:quant:config to run (default all)")
+    r.add_argument("--work", default=None)
+    o = sub.add_parser("one", help="one (shape, quant, config) in this process (run starts these)")
+    o.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    o.add_argument("--quant", choices=("bf16", "fp8"), default="bf16")
+    o.add_argument("--config", choices=("gpu-lookup", "gpu-fused"), default="gpu-lookup")
+    o.add_argument("--tag", required=True)
+    o.add_argument("--commit", default="unknown")
+    o.add_argument("--work", required=True)
+    o.add_argument("--rows", required=True)
+    f = sub.add_parser("finish", help="CPU: the returned rows -> data/results/seed_scale_h200.parquet")
+    f.add_argument("returned")
+    f.add_argument("--out", default=str(ROOT / "data" / "results" / "seed_scale_h200.parquet"))
+    args = p.parse_args(argv)
+    return {"run": run_all, "one": one, "finish": finish}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
