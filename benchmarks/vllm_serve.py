@@ -186,6 +186,15 @@ def together(args: argparse.Namespace) -> int:
     from hqlab.provenance import machine_description, package_version
 
     started = time.monotonic()
+    if args.plan:  # a committed plan: configs by name, which run at batch 1 only, which are sampled, the points
+        plan = json.loads(Path(args.plan).read_text())
+        named = plan["configs"]
+        args.config += list(named.values())
+        args.batch1_config += [named[n] for n in plan.get("batch1", [])]
+        args.sample_config += [named[n] for n in plan.get("sample", [])]
+        args.point += plan["points"]
+    if not args.config or not args.point:
+        raise SystemExit("name the configs and points (--config/--point or --plan)")
     work = Path(args.work or Path(tempfile.gettempdir()) / "hqlab-serve" / args.tag)
     work.mkdir(parents=True, exist_ok=True)
     out = Path(os.environ.get("OUT") or work / "out")
@@ -364,8 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--tag", required=True)
     t.add_argument("--commit", default="unknown")
     t.add_argument("--model", default=TARGET)
-    t.add_argument("--config", action="append", default=[], required=True)
-    t.add_argument("--point", action="append", default=[], required=True,
+    t.add_argument("--plan", default=None, help="a JSON plan: {configs: {name: spec}, batch1: [name], sample: [name], "
+                   "points: [point]}")
+    t.add_argument("--config", action="append", default=[])
+    t.add_argument("--point", action="append", default=[],
                    help="DATASET:TEMPERATURE:CONCURRENCY:PROMPTS[:REPEATS], run in the order given")
     t.add_argument("--batch1-config", action="append", default=[], help="a config run at concurrency 1 only")
     t.add_argument("--sample-config", action="append", default=[], help="a config whose sampling-test samples "
