@@ -110,6 +110,8 @@ def model_folder(shape_name: str, work: Path) -> str:
     config.update(SHAPES[shape_name])
     config["max_position_embeddings"] = max(int(config.get("max_position_embeddings", 0)), MAX_MODEL_LEN)
     config.pop("sliding_window", None)
+    config.pop("layer_types", None)  # the base model's per-layer list: its length is the base's depth
+    config["max_window_layers"] = SHAPES[shape_name]["num_hidden_layers"]
     config["use_sliding_window"] = False
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     for f in base.iterdir():
