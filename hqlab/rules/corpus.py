@@ -61,7 +61,7 @@ class CorpusConfig:
     """A corpus of recent documents.
 
     tokens:  most tokens kept over all live documents (the memory and the per-step search cost are linear in it).
-    docs:    most documents kept (the GPU corpus's document table has this many rows).
+    docs:    most documents kept (bounds the host's table of live documents; the GPU ring needs none).
     policy:  which source wins when both match: "own" (own history first, the corpus only without an own match) or
              "longest" (the longer capped match; ties go to own history).
     prompts: also add each finished request's prompt (as one document, prompt then output); default outputs only.
