@@ -187,6 +187,13 @@ class CorpusRing:
         self.state[1].fill_(self.live)
         return seq
 
+    def clear(self) -> None:
+        """Empty the corpus, keeping its tensors (a captured graph reads them) and restarting insertion numbers."""
+        self.docs.clear()
+        self.head = self.write = self.live = 0
+        self.inserted = 0
+        self.state.zero_()
+
     def documents(self) -> list[tuple[int, np.ndarray]]:
         """(insertion number, tokens) of every live document, oldest first, read back from the device (tests)."""
         ring = self.tokens.cpu().numpy()
