@@ -403,7 +403,8 @@ class GpuLookupSpeculator(V2Speculator):
         return self.recorder.take() if self.recorder is not None else []
 
 
-__all__ = ["GpuLookupSpeculator", "GpuLookupConfig", "StepRecorder", "CorpusStepRecorder", "RecordRing", "lookup_config", "RETIRED",
+__all__ = ["GpuLookupSpeculator", "GpuLookupConfig", "StepRecorder", "CorpusStepRecorder", "RecordRing",
+           "lookup_config", "RETIRED",
            "speculative_config", "is_gpu_lookup", "is_custom_class", "pad_token", "bind_histories", "NAME",
            "CLASS_PATH", "SPEC_KEY", "RECORD_KEY", "PAD_KEY"]
 
