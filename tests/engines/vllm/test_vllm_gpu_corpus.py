@@ -169,3 +169,43 @@ def test_plugin_installs_the_corpus_delivery_for_corpus_configs_only():
     assert plugin._corpus_prompts(vllm_config(SPECS[2], 7)) is True
     assert plugin._corpus_prompts(vllm_config(SPECS[0], 15)) is False
     assert plugin._corpus_prompts(vllm_config("gpu-lookup:k=15", 15)) is None  # no corpus: nothing delivered
+
+
+def test_finished_requests_travel_from_the_scheduler_to_the_speculator():
+    """The plugin's three steps on vLLM's own Request and SchedulerOutput objects: the scheduler frees a finished
+    request (its exact ids are kept), the next scheduler output carries them, the runner hands them to the
+    speculator with the step's new requests. A scheduler of a config without a corpus keeps nothing."""
+    from vllm import SamplingParams
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+    from vllm.v1.request import Request
+
+    def request(rid, prompt, output):
+        r = Request(rid, prompt, SamplingParams(max_tokens=8), None)
+        r.append_output_token_ids(output)
+        return r
+
+    config = vllm_config(SPECS[0], 15)
+    scheduler = SimpleNamespace(vllm_config=config)
+    runner = SimpleNamespace(speculator=GpuLookupSpeculator(config, device="cpu"))
+    a, b = request("a-1", [1, 2, 3], [4, 5, 6, 7]), request("b-2", [9], [8])
+    first = SchedulerOutput.make_empty()
+    first.scheduled_new_reqs = [NewRequestData.from_request(r, ([],)) for r in (a, b)]
+    plugin._attach_freed(scheduler, first)
+    plugin._deliver(runner, first)  # admits a and b
+    plugin._note_freed(scheduler, b)
+    plugin._note_freed(scheduler, a)
+    a.append_output_token_ids([99])  # vLLM's lists are not ours: the copy keeps what was freed
+    second = SchedulerOutput.make_empty()
+    plugin._attach_freed(scheduler, second)
+    assert getattr(second, plugin.CORPUS_DOCS) == [("b-2", [9], [8]), ("a-1", [1, 2, 3], [4, 5, 6, 7])]
+    plugin._deliver(runner, second)
+    assert [(d["seq"], d["request"], d["length"]) for d in runner.speculator.take_corpus_log()] == \
+        [(0, "b-2", 1), (1, "a-1", 4)]
+    third = SchedulerOutput.make_empty()
+    plugin._attach_freed(scheduler, third)
+    assert getattr(third, plugin.CORPUS_DOCS) == []  # each freed request travels once
+    plain = SimpleNamespace(vllm_config=vllm_config("gpu-lookup:k=15", 15))
+    plugin._note_freed(plain, a)
+    out = SchedulerOutput.make_empty()
+    plugin._attach_freed(plain, out)
+    assert not hasattr(out, plugin.CORPUS_DOCS) and "_hqlab_freed" not in plain.__dict__
