@@ -18,8 +18,8 @@ it and against no speculation, on the corpus workloads and prose, one request at
 
 What runs. Three engines of Qwen2.5-Coder-1.5B-Instruct (`hqlab.models.prepare("qwen2.5-coder-1.5b")`), one per
 config, started together and alive at once (`hqlab.engines.vllm.startup`): `none`, BASE and BASE with the corpus
-(CORPUS_KEYS). A point is (config, workload, load, repeat): the first --requests-b1 (load 1: one at a time) or
---requests-b8 (load 8: kept in flight, a closed loop) requests of a workload in file order, each its messages with
+(CORPUS_KEYS). A point is (config, workload, load, repeat): the first --requests (REQUESTS: load 1 one at a time, load
+8 kept in flight as a closed loop) requests of a workload in file order, each its messages with
 the chat template applied, greedy, 256 new tokens; the corpus is emptied before each point, so every point starts
 from nothing and its corpus holds only that point's earlier outputs. Points run repeat by repeat, workload by
 workload, the three configs of a (workload, load) back to back with the first rotating, so the ratios compare runs
@@ -55,6 +55,12 @@ CONFIGS = ("none", BASE, f"{BASE},{CORPUS_KEYS}")
 WORKLOADS = ("data/workloads/corpus_multiturn.jsonl", "data/workloads/corpus_template.jsonl",
              "data/workloads/corpus_agent.jsonl", "data/workloads/prose.jsonl")
 LOADS = (1, 8)
+# Requests per point, in file order: LOAD=N for every workload, STEM:LOAD=N for one. The corpus workloads are written
+# in waves of 8 (every session's turn t, then turn t + 1): 10 one at a time reach into the second wave, 16 with 8 in
+# flight are two waves. Prose (no reuse to find, only the >= 0.97x check) gets fewer to keep the call in budget:
+# with `none`'s speed everywhere the plan is an upper bound of ~370 s; at the speedups the lookup reached before
+# (~1.6x at batch 1) it is ~300 s, and --budget-s cuts the tail of the last repeat if it runs longer.
+REQUESTS = ("1=10", "8=16", "prose:1=6")
 MODEL = "qwen2.5-coder-1.5b"
 MAX_NEW_TOKENS = 256
 RESULTS = ROOT / "data" / "results" / "vllm_corpus_h200.parquet"
@@ -113,6 +119,21 @@ def plan_points(workloads: list[str], configs: list[str], repeats: int, loads: t
     return points
 
 
+def request_counts(specs: list[str]) -> dict[tuple[str | None, int], int]:
+    """`REQUESTS`-style entries -> {(workload stem or None, load): requests}; later entries win."""
+    out: dict[tuple[str | None, int], int] = {}
+    for item in specs:
+        where, _, n = item.partition("=")
+        stem, _, load = where.rpartition(":")
+        try:
+            out[(stem or None, int(load))] = int(n)
+        except ValueError:
+            raise SystemExit(f"--requests {item!r}: expected LOAD=N or WORKLOAD:LOAD=N (e.g. 8=16, prose:1=6)")
+        if int(n) < 1:
+            raise SystemExit(f"--requests {item!r}: N must be >= 1")
+    return out
+
+
 def estimate_s(n_requests: int, load: int) -> float:
     return n_requests * MAX_NEW_TOKENS / EST_TOK_S[load] + 0.05 * n_requests
 
@@ -134,18 +155,21 @@ def bench(args: argparse.Namespace) -> int:
             raise SystemExit(f"{path}: no such workload (the corpus workloads come from the corpus-lab branch)")
         workloads[path] = read_workload(p)
     loads = tuple(args.load or LOADS)
-    count = {1: args.requests_b1, 8: args.requests_b8}
+    count = request_counts([*REQUESTS, *(args.requests or [])])
     configs = list(args.config or CONFIGS)
     if configs[0] != "none":
         configs = ["none", *[c for c in configs if c != "none"]]
     points = plan_points(list(workloads), configs, args.repeats, loads)
 
     def chosen(workload: str, load: int) -> list[Request]:
-        return workloads[workload][: count.get(load, args.requests_b8)]
+        n = count.get((Path(workload).stem, load), count.get((None, load)))
+        if n is None:
+            raise SystemExit(f"no request count for load {load}: add --requests {load}=N")
+        return workloads[workload][:n]
 
     est = EST_START_S + sum(estimate_s(len(chosen(w, load)), load) for _, w, load, _ in points)
     log(f"plan: {len(configs)} engines ({', '.join(configs)}), {len(points)} points, repeats {args.repeats}, loads "
-        f"{loads}; estimated {est:.0f} s with `none` speeds everywhere (budget {args.budget_s:.0f} s)")
+        f"{loads}; at most ~{est:.0f} s (`none`'s speed everywhere) (budget {args.budget_s:.0f} s)")
     for w, reqs in workloads.items():
         chars = [sum(len(c) for _, c in r.messages) for r in reqs]
         log(f"  {w}: {len(reqs)} requests in the file; load 1 runs {len(chosen(w, 1))}, load 8 runs "
@@ -192,7 +216,7 @@ def run_bench(args, workloads, configs, points, chosen, t_start) -> int:
     described: list[dict[str, Any]] = []
     meta = {"machine": machine, "versions": versions, "model": args.model, "max_new_tokens": MAX_NEW_TOKENS,
             "configs": configs, "repeats": args.repeats, "loads": list(args.load or LOADS),
-            "requests": {"1": args.requests_b1, "8": args.requests_b8}, "budget_s": args.budget_s,
+            "requests": [*REQUESTS, *(args.requests or [])], "budget_s": args.budget_s,
             "points_planned": len(points), "points_done": 0, "stopped": "", "engines": described}
 
     def save() -> None:
@@ -466,8 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--workload", action="append", default=None, help=f"a JSONL workload (default {WORKLOADS})")
     b.add_argument("--load", action="append", type=int, default=None, help="requests in flight (default 1 and 8)")
     b.add_argument("--repeats", type=int, default=2)
-    b.add_argument("--requests-b1", type=int, default=8, help="requests per point one at a time (file order)")
-    b.add_argument("--requests-b8", type=int, default=16, help="requests per point with 8 in flight (file order)")
+    b.add_argument("--requests", action="append", default=None,
+                   help=f"requests per point in file order, LOAD=N or WORKLOAD:LOAD=N (repeatable; defaults {REQUESTS})")
     b.add_argument("--budget-s", type=float, default=330.0,
                    help="the whole call's time, engine starts included: no point starts that would end past it")
     b.add_argument("--gpu-memory", type=float, default=0.85, help="GPU memory fraction shared by the engines")

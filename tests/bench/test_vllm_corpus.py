@@ -180,9 +180,10 @@ def test_dry_run_prints_the_plan(tmp_path, capsys):
     workload.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     prose = ROOT / "data" / "workloads" / "prose.jsonl"
     assert bench.main(["bench", "--tag", "t", "--dry-run", "--workload", str(workload), "--workload", str(prose),
-                       "--requests-b1", "3"]) == 0
+                       "--requests", "tiny:1=3"]) == 0
     out = capsys.readouterr().out
-    assert "24 points" in out and "load 1 runs 3, load 8 runs 5" in out  # 2 repeats x 2 workloads x 2 loads x 3
+    assert "24 points" in out  # 2 repeats x 2 workloads x 2 loads x 3 configs
+    assert "load 1 runs 3, load 8 runs 5" in out and "load 1 runs 6, load 8 runs 16" in out  # tiny, prose
     assert "start no engine" not in out and "point 23:" in out
 
 
@@ -194,3 +195,6 @@ def test_points_interleave_configs_and_keep_whole_repeats():
     assert len({g[0][3] for g in groups}) == 3  # the config that goes first rotates
     assert bench.without_corpus(CORPUS, {"none", BASE, CORPUS}) == BASE
     assert bench.without_corpus(BASE, {"none", BASE, CORPUS}) is None
+    assert bench.request_counts(["1=12", "8=16", "prose:1=6", "1=4"]) == {(None, 1): 4, (None, 8): 16, ("prose", 1): 6}
+    with pytest.raises(SystemExit, match="LOAD=N"):
+        bench.request_counts(["prose=3"])
