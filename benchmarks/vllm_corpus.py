@@ -462,7 +462,8 @@ def finish(args: argparse.Namespace) -> int:
 
 
 def _step_columns(steps: list[dict[str, Any]]) -> dict[str, list]:
-    return {"step_context_len": [s["context_len"] for s in steps], "step_corpus_docs": [s["corpus_docs"] for s in steps],
+    return {"step_context_len": [s["context_len"] for s in steps],
+            "step_corpus_docs": [s["corpus_docs"] for s in steps],
             "step_emitted": [s["emitted"] for s in steps], "step_accepted": [s["accepted"] for s in steps],
             "step_source": [s["source"] for s in steps]}
 
@@ -491,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--load", action="append", type=int, default=None, help="requests in flight (default 1 and 8)")
     b.add_argument("--repeats", type=int, default=2)
     b.add_argument("--requests", action="append", default=None,
-                   help=f"requests per point in file order, LOAD=N or WORKLOAD:LOAD=N (repeatable; defaults {REQUESTS})")
+                   help=f"requests per point in file order, LOAD=N or WORKLOAD:LOAD=N (repeatable; defaults "
+                        f"{REQUESTS})")
     b.add_argument("--budget-s", type=float, default=330.0,
                    help="the whole call's time, engine starts included: no point starts that would end past it")
     b.add_argument("--gpu-memory", type=float, default=0.85, help="GPU memory fraction shared by the engines")

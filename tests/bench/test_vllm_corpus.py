@@ -89,7 +89,8 @@ def simulate(config: str, reqs, in_flight: int) -> list[dict]:
             rest = output[pos:]
             emitted = min(bench_accept(rec["tokens"], rest) + 1, len(rest))
             steps[i].append({"context_len": len(prompt) + pos, "emitted": emitted, "accepted": emitted - 1,
-                             "corpus_docs": rec.get("corpus_docs", -1), "drafted": rec["tokens"] if speculator else None,
+                             "corpus_docs": rec.get("corpus_docs", -1),
+                             "drafted": rec["tokens"] if speculator else None,
                              "source": rec.get("source", ""), "match_len": rec.get("match_len", -1), "t_end": 0.0})
             pos += emitted
             history = prompt + output[:pos]
