@@ -217,7 +217,7 @@ def run_bench(args, workloads, configs, points, chosen, t_start) -> int:
     meta = {"machine": machine, "versions": versions, "model": args.model, "max_new_tokens": MAX_NEW_TOKENS,
             "configs": configs, "repeats": args.repeats, "loads": list(args.load or LOADS),
             "requests": [*REQUESTS, *(args.requests or [])], "budget_s": args.budget_s,
-            "points_planned": len(points), "points_done": 0, "stopped": "", "engines": described}
+            "points_planned": len(points), "points_done": 0, "stopped": "", "failed": {}, "engines": described}
 
     def save() -> None:
         import pyarrow as pa
@@ -267,10 +267,21 @@ def run_bench(args, workloads, configs, points, chosen, t_start) -> int:
                 meta["stopped"] = f"budget: point {i} of {len(points)} would end past {args.budget_s:.0f} s"
                 log(meta["stopped"])
                 break
+            if config in meta["failed"]:
+                continue
             engine = by_label[config]
             t = time.time()
-            got = run_point(engine, reqs, [prompt_ids[(workload, r.order)] for r in reqs], load, decode,
-                            records_from_workers)
+            try:
+                got = run_point(engine, reqs, [prompt_ids[(workload, r.order)] for r in reqs], load, decode,
+                                records_from_workers)
+            except Exception as e:  # noqa: BLE001 - one config failing must not lose the others' points
+                import traceback
+
+                traceback.print_exc()
+                meta["failed"][config] = f"point {i}: {type(e).__name__}: {e}"
+                log(f"{config} FAILED at point {i} ({type(e).__name__}: {e}); its later points are skipped")
+                save()
+                continue
             took[(config, workload, load)] = time.time() - t
             for row in got:
                 row.update(config=config, workload_file=workload, load=load, repeat=repeat, point=i)
@@ -286,7 +297,7 @@ def run_bench(args, workloads, configs, points, chosen, t_start) -> int:
         for engine in engines:
             engine.close()
         save()
-    return 0
+    return 1 if meta["failed"] else 0
 
 
 def run_point(engine, reqs, prompts, load, decode, records_from_workers) -> list[dict[str, Any]]:
