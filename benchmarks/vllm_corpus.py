@@ -88,23 +88,20 @@ class Request:
 
 
 def read_workload(path: Path) -> list[Request]:
-    """Requests in file order: corpus workload lines {"workload", "session", "turn", "messages"}, or prompt lines
-    {"id", "prompt"} (data/workloads/prose.jsonl) as one user message each."""
-    out = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        if "messages" in row:
-            msgs = tuple((str(m["role"]), str(m["content"])) for m in row["messages"])
-            out.append(Request(str(row.get("workload", path.stem)), i, str(row.get("session", i)),
-                               int(row.get("turn", 0)), msgs))
-        elif "prompt" in row:
-            out.append(Request(path.stem, i, str(row.get("id", i)), 0, (("user", str(row["prompt"])),)))
-        else:
-            raise SystemExit(f"{path}:{i + 1}: a line needs 'messages' or 'prompt' (multi-turn 'turns' lines are "
-                             f"not run here: give each turn's messages)")
-    return out
+    """Requests in file order, read by hqlab's readers: a request log ({"workload", "session", "turn", "messages"}
+    lines: `hqlab.workloads.read_requests`) or a prompt file ({"id", "prompt"} or {"turns"} lines, as
+    data/workloads/prose.jsonl: `read_jsonl`, each prompt a session of one turn)."""
+    from hqlab.workloads import WorkloadError, read_jsonl, read_requests
+
+    first = next((line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()), "{}")
+    try:
+        if "messages" in json.loads(first):
+            return [Request(r.workload, i, r.session, r.turn, tuple((m["role"], m["content"]) for m in r.messages))
+                    for i, r in enumerate(read_requests(path))]
+        return [Request(path.stem, i, p.id, 0, tuple((m["role"], m["content"]) for m in p.messages))
+                for i, p in enumerate(read_jsonl(path))]
+    except WorkloadError as e:
+        raise SystemExit(str(e)) from None
 
 
 def plan_points(workloads: list[str], configs: list[str], repeats: int, loads: tuple[int, ...]) -> list[tuple]:
