@@ -32,6 +32,7 @@ spec.loader.exec_module(bench)
 
 BASE = bench.BASE
 CORPUS = f"{BASE},corpus=2048,corpus_policy=longest"
+CORPUS_OF = {1: CORPUS, 3: f"{CORPUS},corpus_prompts=1"}  # one at a time: outputs; 3 in flight: prompts too
 WIDTH, SLOTS = 1024, 4
 
 
@@ -124,14 +125,14 @@ def bench_accept(draft, rest):
 @pytest.fixture(scope="module")
 def recorded():
     reqs = requests()
-    return {load: [row for config in ("none", BASE, CORPUS) for row in simulate(config, reqs, load)]
+    return {load: [row for config in ("none", BASE, CORPUS_OF[load]) for row in simulate(config, reqs, load)]
             for load in (1, 3)}
 
 
 @pytest.mark.parametrize("load", [1, 3])
 def test_the_replay_predicts_every_recorded_step(recorded, load):
     points = {r["config"]: r for r in bench.point_rows(recorded[load], "t")}
-    corpus = points[CORPUS]
+    corpus = points[CORPUS_OF[load]]
     assert corpus["replay_exact"] and corpus["replay_problems"] == "", corpus["replay_first_mismatch"]
     assert corpus["replay_exact_steps"] == corpus["replay_steps"] > 0
     assert corpus["replay_draft_equal"] == corpus["replay_draft_steps"] == corpus["replay_steps"]
@@ -167,8 +168,9 @@ def test_finish_writes_points_and_requests(recorded, tmp_path, capsys):
     assert bench.main(["finish", str(raw), "--run", "t", "--out", str(out), "--commit", "abc"]) == 0
     points, reqs = pl.read_parquet(out), pl.read_parquet(tmp_path / "vllm_corpus_h200.requests.parquet")
     assert points.height == 3 and reqs.height == 3 * 6
-    assert set(points["config"]) == {"none", BASE, CORPUS} and (points["git_commit"] == "abc").all()
-    row = reqs.filter(pl.col("config") == CORPUS).sort("order").row(0, named=True)
+    assert set(points["config"]) == {"none", BASE, CORPUS_OF[3]} and (points["git_commit"] == "abc").all()
+    row = reqs.filter(pl.col("config") == CORPUS_OF[3]).sort("order").row(0, named=True)
+    assert row["corpus_doc_len"] == len(row["prompt_ids"]) + len(row["output_ids"])  # prompt and output
     assert row["step_emitted"] and sum(row["step_emitted"]) == len(row["output_ids"]) - 1
     assert [e - 1 for e in row["step_emitted"]] == row["step_accepted"]
     assert "corpus" in capsys.readouterr().out
