@@ -209,3 +209,39 @@ def test_finished_requests_travel_from_the_scheduler_to_the_speculator():
     out = SchedulerOutput.make_empty()
     plugin._attach_freed(plain, out)
     assert not hasattr(out, plugin.CORPUS_DOCS) and "_hqlab_freed" not in plain.__dict__
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_captured_corpus_drafting_sees_documents_added_after_capture():
+    """The drafting step with the corpus, captured in CUDA graphs before any document arrived, drafts exactly what
+    the rule drafts once documents have entered (the ring's tensors and its [head, live] state are the graph's),
+    also after a reset."""
+    config = gpu_lookup.lookup_config("gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,corpus=4096,"
+                                      "corpus_policy=longest")
+    text = words()
+    rows = torch.zeros(SLOTS, WIDTH, dtype=torch.int32, device="cuda")
+    lengths = torch.zeros(SLOTS, dtype=torch.int32, device="cuda")
+    s = GpuLookupSpeculator.standalone(config, max_num_reqs=SLOTS, max_model_len=WIDTH, pad=VOCAB - 1, device="cuda",
+                                       record=True)
+    s.bind(rows, lengths)
+    s.use_graphs = True
+    s.capture()
+    assert len(s.graphs) == SLOTS
+    for round_ in range(2):
+        s.reset_corpus()
+        docs = [text[300 * i + 40 * round_: 300 * i + 40 * round_ + 250].tolist() for i in range(6)]
+        s.corpus_step([], [f"d{i}" for i in range(6)])
+        s.corpus_step([(f"d{i}", [], d) for i, d in enumerate(docs)], [])
+        reference = Corpus(config.corpus_config)
+        for d in docs:
+            reference.add(d)
+        histories = [np.concatenate([text[2000 + 90 * j: 2000 + 90 * j + 60], docs[j][: 30 + 17 * j]])
+                     for j in range(SLOTS)]
+        for j, h in enumerate(histories):
+            rows[j, : len(h)] = torch.from_numpy(h.astype(np.int32)).cuda()
+            lengths[j] = len(h)
+        drafts = s.lookup(torch.arange(SLOTS, dtype=torch.int32, device="cuda"), SLOTS).cpu()
+        for j, h in enumerate(histories):
+            _, want = propose(h, reference, nmin=1, nmax=32, k=15, policy="earliest")
+            assert drafts[j, : want.valid].tolist() == want.tokens.tolist(), (round_, j)
+            assert (drafts[j, want.valid:] == VOCAB - 1).all()
