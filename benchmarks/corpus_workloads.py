@@ -7,6 +7,7 @@ order, which is the order a client running every session at once sends them:
 
     python benchmarks/corpus_workloads.py                 # all three, then data/results/traces_0.5b_corpus_128.parquet
     python benchmarks/corpus_workloads.py --dry-run       # the first wave's prompts and their token counts only
+    python benchmarks/corpus_workloads.py --workloads prose   # traces of the control set (prose.jsonl) only
 
 Outputs: data/workloads/corpus_{multiturn,template,agent}.jsonl, data/workloads/corpus_workloads.meta.json
 (sha256 of each file, model, dtype, device, versions, settings) and the trace set of every request (the prompt's
@@ -33,6 +34,7 @@ OUT_DIR = REPO / "data" / "workloads"
 TRACES = REPO / "data" / "results" / "traces_0.5b_corpus_128.parquet"
 META = OUT_DIR / "corpus_workloads.meta.json"
 WORKLOADS = ("multiturn", "template", "agent")
+CONTROLS = ("prose",)  # traces only: its request file is data/workloads/prose.jsonl
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -260,11 +262,19 @@ def agent_sessions(sections: dict[str, str]) -> list[Session]:
     return out
 
 
+def prose_sessions() -> list[Session]:
+    """The control: data/workloads/prose.jsonl (single prompts where nothing should be reused), for traces only."""
+    from hqlab.workloads import read_jsonl
+
+    return [Session("prose", p.id, 1, lambda s, m=list(p.messages): list(m))
+            for p in read_jsonl(OUT_DIR / "prose.jsonl")]
+
+
 def build_sessions(which: list[str]) -> dict[str, list[Session]]:
     text = DOCUMENT.read_text(encoding="utf-8")
     sections = handbook_sections(text)
     makers = {"multiturn": lambda: multiturn_sessions(sections), "template": lambda: template_sessions(text),
-              "agent": lambda: agent_sessions(sections)}
+              "agent": lambda: agent_sessions(sections), "prose": prose_sessions}
     return {w: makers[w]() for w in which}
 
 
@@ -283,9 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="print the first wave's token counts, decode nothing")
     args = ap.parse_args(argv)
     which = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    bad = [w for w in which if w not in WORKLOADS]
+    bad = [w for w in which if w not in WORKLOADS + CONTROLS]
     if bad or not which:
-        ap.error(f"unknown workload(s) {bad}; choose from {', '.join(WORKLOADS)}")
+        ap.error(f"unknown workload(s) {bad}; choose from {', '.join(WORKLOADS + CONTROLS)}")
     if args.batch < 1 or args.max_new_tokens < 1 or args.threads < 1:
         ap.error("--batch, --max-new-tokens and --threads must be >= 1")
 
@@ -333,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                 s.messages = s.messages + [{"role": "assistant", "content": answer}]
                 rows.append({"workload": w, "session": s.name, "turn": turn, "messages": m})
                 traces.append(Trace(name, w, pid, list(g.output_ids), args.max_new_tokens, prov))
+        if w in CONTROLS:
+            continue
         path = OUT_DIR / f"corpus_{w}.jsonl"
         write_atomic(path, lambda tmp, rows=rows: tmp.write_text(
             "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8"))
@@ -340,8 +352,11 @@ def main(argv: list[str] | None = None) -> int:
     bar.close()
     if TRACES.exists():  # keep the traces of the workloads not made this time
         traces = [t for t in load_traces(TRACES) if t.category not in which] + traces
-    traces.sort(key=lambda t: WORKLOADS.index(t.category))
+    traces.sort(key=lambda t: (WORKLOADS + CONTROLS).index(t.category))
     save_traces(traces, TRACES, model=shipped_model(origin))
+    if not set(which) & set(WORKLOADS):  # a control's traces only: the workloads' record stays as it was
+        print(f"wrote {TRACES.relative_to(REPO)} ({len(traces)} traces)")
+        return 0
     meta = {"generator": "benchmarks/corpus_workloads.py", "git_commit": provenance.git_commit(),
             "model": origin.model, "sha256": origin.sha256, "dtype": origin.dtype, "device": origin.device,
             "max_new_tokens": args.max_new_tokens, "batch": args.batch, "threads": args.threads,

@@ -37,7 +37,7 @@ def requests():
 def traces():
     from hqlab.replay.traces import load_traces
 
-    return {t.prompt_id: t for t in load_traces(REPO / META["traces"])}
+    return {t.prompt_id: t for t in load_traces(REPO / META["traces"]) if t.category in NAMES}
 
 
 def test_files_match_their_recorded_hashes_and_source():
