@@ -24,6 +24,7 @@ import numpy as np
 
 from hqlab.rules.corpus import Corpus, CorpusConfig, propose
 from hqlab.rules.lookup import suffix_match
+from hqlab.rules.verify import greedy_verify
 
 
 @dataclass(frozen=True)
@@ -81,14 +82,12 @@ class PointCheck:
                 "replay_problems": "; ".join(self.problems)}
 
 
-def accepted_prefix(draft: Sequence[int], continuation: Sequence[int]) -> int:
-    """How many leading draft tokens the continuation repeats (greedy verification's accepted count)."""
-    n = 0
-    for a, b in zip(draft, continuation):
-        if a != b:
-            break
-        n += 1
-    return n
+def emitted_tokens(draft: Sequence[int], rest: Sequence[int]) -> int:
+    """Tokens a greedy verify step emits when `rest` (non-empty) is what the target outputs from here on: the
+    draft's accepted prefix (`hqlab.rules.verify.greedy_verify`, drafts clipped where the output ends) plus the
+    target's own token."""
+    m = min(len(draft), len(rest) - 1)
+    return greedy_verify(np.asarray(draft[:m], dtype=np.int64), np.asarray(rest[: m + 1], dtype=np.int64)).accepted + 1
 
 
 def corpus_document(run: RequestRun, prompts: bool) -> list[int]:
@@ -139,11 +138,10 @@ def check_point(requests: Sequence[RequestRun], *, nmin: int, nmax: int, k: int,
             else:
                 source, m = propose(history, found, nmin=nmin, nmax=nmax, k=k, policy=policy, search=search)
             draft = [int(t) for t in m.tokens]
-            rest = r.output_ids[pos:]
-            predicted = min(accepted_prefix(draft, rest) + 1, len(rest))
+            predicted = emitted_tokens(draft, r.output_ids[pos:])
             equal = None if s.drafted is None else list(s.drafted) == draft
             out.steps.append(StepCheck(r.name, s.context_len, s.emitted, predicted, equal, source))
     return out
 
 
-__all__ = ["Step", "RequestRun", "StepCheck", "PointCheck", "check_point", "accepted_prefix", "corpus_document"]
+__all__ = ["Step", "RequestRun", "StepCheck", "PointCheck", "check_point", "emitted_tokens", "corpus_document"]

@@ -22,6 +22,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first @triton.jit definition
 
+from hqlab.bench.corpus_check import emitted_tokens  # noqa: E402
 from hqlab.engines.vllm.gpu_lookup import GpuLookupSpeculator, lookup_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,7 +89,7 @@ def simulate(config: str, reqs, in_flight: int) -> list[dict]:
             name, prompt, output = reqs[i]
             rec = made[name] if speculator else {"tokens": [], "corpus_docs": -1, "source": ""}
             rest = output[pos:]
-            emitted = min(bench_accept(rec["tokens"], rest) + 1, len(rest))
+            emitted = emitted_tokens(rec["tokens"], rest)  # greedy verification against the recorded text
             steps[i].append({"context_len": len(prompt) + pos, "emitted": emitted, "accepted": emitted - 1,
                              "corpus_docs": rec.get("corpus_docs", -1),
                              "drafted": rec["tokens"] if speculator else None,
@@ -114,12 +115,6 @@ def simulate(config: str, reqs, in_flight: int) -> list[dict]:
                      "steps": json.dumps(steps[i]), "config": config, "workload_file": "w.jsonl",
                      "load": in_flight, "repeat": 0, "point": 0})
     return rows
-
-
-def bench_accept(draft, rest):
-    from hqlab.bench.corpus_check import accepted_prefix
-
-    return accepted_prefix(draft, rest)
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from hqlab.engines.vllm import gpu_lookup, plugin  # noqa: E402
 from hqlab.engines.vllm.engine import setting_for  # noqa: E402
 from hqlab.engines.vllm.gpu_lookup import GpuLookupSpeculator  # noqa: E402
 from hqlab.rules.corpus import Corpus, propose  # noqa: E402
+from hqlab.trace import Source  # noqa: E402
 
 SLOTS, WIDTH, VOCAB = 4, 512, 151936
 
@@ -115,6 +116,8 @@ def test_drafts_equal_the_rule_over_the_logged_corpus(spec):
                 assert got[: want.valid] == want.tokens.tolist(), (spec, wave, step, rid)
                 assert got[want.valid:] == [speculator.pad] * (config.k - want.valid)
                 assert (records[rid]["source"], records[rid]["match_len"]) == (source, want.match_len)
+                tag = Source.CORPUS if source == "corpus" else Source.LOOKUP
+                assert records[rid]["sources"] == [int(tag)] * want.valid
                 sources.add(source)
         finished = [(rid, *outputs[rid]) for rid in ids]
     assert {"own", "corpus"} <= sources  # both sources won somewhere
