@@ -1,7 +1,8 @@
 """Replay with a corpus of earlier requests (#42): recorded traces in request order, each finished output (and with
 `prompts` its prompt) entering the corpus of `hqlab.rules.corpus`, every step drafted by the own-history lookup or
-the corpus as the choice policy says, then priced by the cost model. Arctic's suffix decoding is reimplemented
-beside it (`ArcticRule`), so both run over the same traces and the same earlier outputs.
+the corpus as the choice policy says, then priced by the cost model. Arctic's suffix decoding
+(`hqlab.rules.suffix_decoding`, its rule reimplemented) runs beside it over the same traces and the same earlier
+outputs, its global tree bounded and filled like the corpus.
 
 Under greedy decoding the output does not depend on the proposer, so what a corpus would have accepted at every
 step follows from the recorded outputs alone, as in `hqlab.replay.step`; what the corpus holds follows from the
@@ -34,6 +35,7 @@ from hqlab.config import ConfigError, build_config, parse_spec, require
 from hqlab.replay.costmodel import CostModel
 from hqlab.replay.traces import Trace
 from hqlab.rules.corpus import CHOICE_POLICIES, CORPUS, NONE, OWN, TIE_POLICIES, Corpus, CorpusConfig, CorpusMatch, choose
+from hqlab.rules import suffix_decoding
 from hqlab.rules.lookup import suffix_match
 from hqlab.rules.verify import greedy_verify
 from hqlab.trace import Source, StepRecord, budget, step_record
@@ -113,6 +115,10 @@ class ArcticConfig:
         require(self.cached >= -1 and self.cached != 0,
                 f"cached must be -1 (no limit) or >= 1 (got {self.cached}); tokens=0 turns the global tree off")
         require(self.inflight >= 1, f"inflight must be >= 1 (got {self.inflight})")
+
+    def rule(self) -> suffix_decoding.SuffixDecodingConfig:
+        return suffix_decoding.SuffixDecodingConfig(k=self.k, depth=self.depth, factor=self.factor,
+                                                    offset=self.offset, min_prob=self.min_prob)
 
     def spec(self) -> str:
         return (f"arctic:k={self.k},depth={self.depth},factor={self.factor:g},offset={self.offset:g},"
@@ -210,94 +216,6 @@ def document(trace: Trace, prompts: bool) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Arctic's rule
-
-
-class ArcticRule:
-    """Arctic Inference's suffix decoding (arctic-inference 0.3.0, `SuffixDecodingCache.speculate` and
-    `SuffixTree::speculate` / `_speculate_path`, Apache-2.0), reimplemented over occurrence counts instead of a
-    suffix tree, for one request:
-
-    - two trees: the request's own (its prompt and its output so far) and a global one (the outputs of earlier
-      requests, plus, as Arctic's `add_active_response` does, the request's own output so far);
-    - a tree's count of a string u = the occurrences of u in its sequences (|u| <= depth: every suffix is cut at
-      depth tokens); so the context's own occurrence at the end of the history counts in the own tree;
-    - for every match length m = 1 .. len(context) - 1, context = the history's last `depth` tokens, while the
-      last m tokens occur in the tree: follow the most frequent next token, the estimated probability multiplied by
-      count(w x) / count(w) at each token, stopping before a token whose probability falls below `min_prob`, at
-      min(k, int(m × factor + offset)) tokens, or where the tree ends (depth); score = sum of the probabilities;
-      the best score wins, ties to the longer match;
-    - the own tree's draft wins ties with the global tree's (`draft1.score >= draft2.score`).
-
-    Not reproduced: which of several equally frequent next tokens Arctic takes. Its tree keeps siblings in
-    decreasing count, and among equal counts in an order that depends on the order the counts grew; here the token
-    that occurred first wins. The probabilities, scores, lengths and the choice of tree are Arctic's.
-    """
-
-    def __init__(self, config: ArcticConfig, earlier: Sequence[np.ndarray] = ()) -> None:
-        self.config = config
-        self.earlier = [np.asarray(d, dtype=np.int64) for d in earlier]
-
-    def speculate(self, history: np.ndarray, output_start: int, budget_tokens: int) -> tuple[np.ndarray, int, bool]:
-        """(draft tokens, match length, whether the global tree supplied it) for a request whose `history` is its
-        prompt (the first `output_start` tokens) and its output so far."""
-        c = self.config
-        h = np.asarray(history, dtype=np.int64)
-        n = min(c.k, int(budget_tokens))
-        if n <= 0 or h.size < 2:
-            return np.empty(0, dtype=np.int64), 0, False
-        context = h[-c.depth:]
-        own = self._best([h], context, n)
-        glob = self._best([*self.earlier, h[output_start:]], context, n) if c.tokens else (0.0, np.empty(0, np.int64), 0)
-        if own[0] >= glob[0]:
-            return own[1], own[2], False
-        return glob[1], glob[2], True
-
-    def _best(self, seqs: Sequence[np.ndarray], context: np.ndarray, n: int) -> tuple[float, np.ndarray, int]:
-        c = self.config
-        joined = np.concatenate([x for s in seqs for x in (s, np.array([-1], dtype=np.int64))])
-        best: tuple[float, np.ndarray, int] = (0.0, np.empty(0, dtype=np.int64), 0)
-        ends = np.flatnonzero(joined == context[-1])  # occurrences of the last m context tokens, by end
-        for m in range(1, context.size):
-            if m > 1:
-                ends = ends[ends - (m - 1) >= 0]
-                ends = ends[joined[ends - (m - 1)] == context[-m]]
-            if ends.size == 0:
-                break
-            max_tokens = max(min(n, int(m * c.factor + c.offset + 1e-6)), 0)
-            tokens, score = self._path(joined, ends, m, max_tokens)
-            if score >= best[0]:
-                best = (score, tokens, m)
-        return best
-
-    def _path(self, joined: np.ndarray, ends: np.ndarray, m: int, max_tokens: int) -> tuple[np.ndarray, float]:
-        """Arctic's `_speculate_path` from the occurrences ending at `ends` (a string of length m): the most
-        frequent next token while the probability (float32, as Arctic computes it) stays >= min_prob."""
-        c = self.config
-        prob, score = np.float32(1.0), np.float32(0.0)
-        out: list[int] = []
-        cur, length = ends, m
-        while len(out) < max_tokens and prob >= c.min_prob and length < c.depth:
-            nxt = joined[cur + 1]
-            keep = nxt >= 0  # occurrences at a sequence's end count in count(w) but have no next token
-            if not keep.any():
-                break
-            tokens, first, counts = np.unique(nxt[keep], return_index=True, return_counts=True)
-            top = counts.max()
-            cands = np.flatnonzero(counts == top)
-            pick = cands[np.argmin(first[cands])] if cands.size > 1 else cands[0]  # ties: first occurrence
-            prob = np.float32(prob * (np.float32(top) / np.float32(cur.size)))
-            if prob < c.min_prob:
-                break
-            x = int(tokens[pick])
-            out.append(x)
-            score = np.float32(score + prob)
-            cur = cur[keep][nxt[keep] == x] + 1
-            length += 1
-        return np.asarray(out, dtype=np.int64), float(score)
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # replay
 
 
@@ -353,12 +271,12 @@ def _replay(traces: Sequence[Trace], config: CorpusReplayConfig | ArcticConfig |
                 added += 1
         live = corpus.live_tokens if corpus is not None else 0
         if arctic:
-            rule = ArcticRule(config, [d for _, d in corpus.documents] if corpus is not None else ())
-            start = len(trace.prompt_ids)
+            earlier = [d for _, d in corpus.documents] if corpus is not None else None
+            rule = config.rule()
 
-            def propose(h, allowed, rule=rule, start=start):
-                tokens, mlen, glob = rule.speculate(h, start, allowed)
-                return tokens, int(Source.CORPUS if glob else Source.LOOKUP), mlen
+            def propose(h, allowed, earlier=earlier, rule=rule, start=len(trace.prompt_ids)):
+                draft = suffix_decoding.speculate(h, start, earlier, allowed, rule)
+                return draft.tokens, int(Source.CORPUS if draft.from_global else Source.LOOKUP), draft.match_len
         else:
             view = CorpusView(corpus) if corpus is not None else None
             c = config
@@ -444,5 +362,5 @@ def summarize(frame: pl.DataFrame, *, by: Sequence[str] = ("workload", "spec")) 
                    for x in labels]))
 
 
-__all__ = ["CorpusReplayConfig", "ArcticConfig", "ArcticRule", "CorpusView", "parse", "grid", "document",
+__all__ = ["CorpusReplayConfig", "ArcticConfig", "CorpusView", "parse", "grid", "document",
            "replay_corpus", "rows", "step_models", "summarize", "OWN", "CORPUS", "NONE"]
