@@ -19,9 +19,12 @@ What Arctic does, and what `speculate` computes:
   ties to the longer match (`>=`).
 - The own tree's draft wins ties with the global tree's (`draft1.score >= draft2.score`).
 
-Not reproduced: which of several equally frequent next tokens Arctic takes. Its tree keeps each node's children in
-decreasing count and, among equal counts, in an order that depends on the order the counts grew; here the token
-that occurred first wins. Everything else above is Arctic's. Path (not tree) speculation only, as vLLM uses it.
+Approximated: which of several equally frequent next tokens Arctic takes. Its tree keeps each node's children in
+decreasing count and, among equal counts, in an order that depends on the order the counts grew; here among tokens
+seen once the first seen wins, among more frequent ones the one seen last (`_tie`). Everything else above is
+Arctic's. Path (not tree) speculation only, as vLLM uses it. Checked against Arctic's compiled cache on the
+committed corpus and labd/chat traces (tests/replay/test_zoo.py, where Arctic is installed): 99 % of proposals
+are identical at every output position; the others are ties.
 """
 
 from __future__ import annotations
@@ -68,6 +71,17 @@ def _joined(seqs: Sequence[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.full(1, -1, dtype=np.int64)
 
 
+def _tie(tied: np.ndarray, tokens: np.ndarray, first: np.ndarray, top: int, nxt: np.ndarray,
+         at: np.ndarray) -> int:
+    """Which of several equally frequent next tokens: Arctic appends a new child at the end of its siblings (so among
+    children seen once, the first one seen leads), and moves a child whose count grows ahead of the siblings it now
+    ties with (so among more frequent ones, the one that reached the count last, i.e. occurred last, leads)."""
+    if top == 1:
+        return int(tied[np.argmin(first[tied])])
+    last = np.array([at[nxt == tokens[i]].max() for i in tied])
+    return int(tied[np.argmax(last)])
+
+
 def _path(joined: np.ndarray, ends: np.ndarray, m: int, max_tokens: int,
           config: SuffixDecodingConfig) -> tuple[np.ndarray, float]:
     """`_speculate_path` from the occurrences ending at `ends` of a string of length m."""
@@ -82,7 +96,7 @@ def _path(joined: np.ndarray, ends: np.ndarray, m: int, max_tokens: int,
         tokens, first, counts = np.unique(nxt[keep], return_index=True, return_counts=True)
         top = counts.max()
         tied = np.flatnonzero(counts == top)
-        pick = tied[np.argmin(first[tied])] if tied.size > 1 else tied[0]  # ties: the first occurrence
+        pick = tied[0] if tied.size == 1 else _tie(tied, tokens, first, top, nxt[keep], cur[keep] + 1)
         prob = np.float32(prob * (np.float32(top) / np.float32(cur.size)))
         if prob < config.min_prob:
             break
