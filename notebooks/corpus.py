@@ -83,13 +83,15 @@ specs = [f"corpus:nmin={n},nmax={nmax},k={k},tokens={size},choice={p},inflight={
 specs += [f"corpus:nmin={n},nmax={nmax},k={k},tokens={max(corpus_sizes)},choice={p},inflight={b},prompts=true"
           for n in nmins for p in policies for b in inflight if True in prompts and max(corpus_sizes)]
 if arctic:
-    specs += [f"arctic:k={k},depth={arctic_depth},tokens={size},inflight={b}" for size in corpus_sizes for b in inflight]
+    specs += [f"arctic:k={k},depth={arctic_depth},tokens={size},inflight={b}"
+              for size in corpus_sizes for b in inflight]
 frame = pl.concat([rc.rows(traces[w], specs, costs=costs, search_ms_per_1k=search_ms_per_1k) for w in workloads])
 frame.write_parquet(results / "corpus_replay.parquet")
 summary = rc.summarize(frame).with_columns(
     pl.when(pl.col("inflight") == 1).then(pl.col("speedup_b1")).otherwise(pl.col("speedup_b8")).alias("speedup"))
 plain = summary.filter((pl.col("rule") == "corpus") & (pl.col("tokens") == 0)).select(
-    "workload", "nmin", "inflight", pl.col("tokens_per_step").alias("plain_tps"), pl.col("speedup").alias("plain_speedup"))
+    "workload", "nmin", "inflight", pl.col("tokens_per_step").alias("plain_tps"),
+    pl.col("speedup").alias("plain_speedup"))
 summary = summary.join(plain, on=["workload", "nmin", "inflight"], how="left").with_columns(
     (pl.col("speedup") / pl.col("plain_speedup")).alias("vs_plain"))
 summary.select("workload", "rule", "nmin", "tokens", "choice", "prompts", "inflight", "tokens_per_step",
@@ -106,11 +108,14 @@ summary.select("workload", "rule", "nmin", "tokens", "choice", "prompts", "infli
 # %%
 def lines_of(nmin: int) -> pl.DataFrame:
     corpus_rows = summary.filter((pl.col("rule") == "corpus") & (pl.col("nmin") == nmin) & ~pl.col("prompts"))
-    series = [corpus_rows.filter(pl.col("tokens") > 0).with_columns(pl.format("corpus, {}", "choice").alias("rule_label"))]
+    label = pl.format("corpus, {}", "choice").alias("rule_label")
+    series = [corpus_rows.filter(pl.col("tokens") > 0).with_columns(label)]
     for p in policies:  # the plain lookup starts every policy's line
-        series.append(corpus_rows.filter(pl.col("tokens") == 0).with_columns(pl.lit(f"corpus, {p}").alias("rule_label")))
+        plain_rows = corpus_rows.filter(pl.col("tokens") == 0)
+        series.append(plain_rows.with_columns(pl.lit(f"corpus, {p}").alias("rule_label")))
     if arctic:
-        series.append(summary.filter(pl.col("rule") == "arctic").with_columns(pl.lit("Arctic suffix").alias("rule_label")))
+        arctic_rows = summary.filter(pl.col("rule") == "arctic")
+        series.append(arctic_rows.with_columns(pl.lit("Arctic suffix").alias("rule_label")))
     out = pl.concat(series, how="diagonal_relaxed").with_columns(
         pl.format("{} · {} in flight", "workload", "inflight").alias("panel"),
         (pl.col("tokens").cast(pl.Float64).clip(64)).alias("corpus_tokens"))  # 0 drawn at 64 on the log axis

@@ -34,7 +34,8 @@ from tqdm.auto import tqdm
 from hqlab.config import ConfigError, build_config, parse_spec, require
 from hqlab.replay.costmodel import CostModel
 from hqlab.replay.traces import Trace
-from hqlab.rules.corpus import CHOICE_POLICIES, CORPUS, NONE, OWN, TIE_POLICIES, Corpus, CorpusConfig, CorpusMatch, choose
+from hqlab.rules.corpus import (CHOICE_POLICIES, CORPUS, NONE, OWN, TIE_POLICIES, Corpus, CorpusConfig, CorpusMatch,
+                                choose)
 from hqlab.rules import suffix_decoding
 from hqlab.rules.lookup import suffix_match
 from hqlab.rules.verify import greedy_verify
