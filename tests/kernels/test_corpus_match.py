@@ -154,12 +154,29 @@ def test_boundaries_clipping_and_ties_by_hand():
         ring.add(d), corpus.add(d)
     same_documents(ring, corpus, "wrapped")
     assert ring.head == 5 and ring.write == 1  # the third document runs over the ring's end
-    matcher = cm.CorpusMatcher(4, 4, nmin=1, nmax=8, capacity=12, device=DEVICE, block=16, splits=2)
     histories = [[5, 1, 2, 3], [1, 2, 3, 4], [2, 3, 7], [4], [], [8, 8]]
     matcher = cm.CorpusMatcher(len(histories), 4, nmin=1, nmax=8, capacity=12, device=DEVICE, block=16, splits=2)
     for policy in ("recent", "earliest"):
         matcher.policy = policy
         same_matches(matcher, ring, corpus, histories, dict(nmin=1, nmax=8, k=4, policy=policy), policy)
+
+
+def test_clear_starts_over_on_the_same_tensors():
+    """What the speculator's reset does between benchmark points: a cleared ring behaves as a new one, and a graph
+    captured before the clear (it holds the tensors) sees the new documents."""
+    ring = cm.CorpusRing(10, 4, DEVICE)
+    for d in ([1, 2, 3, 4], [5, 6, 7, 8, 9], [1, 2, 7]):
+        ring.add(d)
+    tensors = (ring.tokens, ring.doc_off, ring.doc_rem, ring.state)
+    ring.clear()
+    assert ring.live == 0 and ring.inserted == 0 and ring.state.tolist() == [0, 0] and ring.documents() == []
+    corpus = Corpus(CorpusConfig(tokens=10, docs=4))
+    for d in ([1, 2, 9, 9], [3, 1, 2, 5, 5, 5]):
+        assert ring.add(d) == corpus.add(d)
+    assert all(a is b for a, b in zip((ring.tokens, ring.doc_off, ring.doc_rem, ring.state), tensors))
+    same_documents(ring, corpus, "after clear")
+    matcher = cm.CorpusMatcher(2, 3, nmin=1, nmax=4, capacity=10, device=DEVICE, block=16)
+    same_matches(matcher, ring, corpus, [[0, 1, 2], [7, 3]], dict(nmin=1, nmax=4, k=3, policy="recent"), "clear")
 
 
 def test_empty_corpus_and_empty_batch():

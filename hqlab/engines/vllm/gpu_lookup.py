@@ -194,6 +194,8 @@ class CorpusStepRecorder(StepRecorder):
                 out[at].update({"own_match_len": own_len, "corpus_match_len": corpus_len,
                                 "source": "corpus" if from_corpus else ("own" if own_len else "none"),
                                 "corpus_docs": seen})
+                if from_corpus:  # the step's tokens came from an earlier request's document
+                    out[at]["sources"] = [int(Source.CORPUS)] * len(out[at]["tokens"])
                 at += 1
         return out
 

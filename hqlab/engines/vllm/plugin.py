@@ -181,31 +181,52 @@ def _corpus_prompts(vllm_config: Any) -> bool | None:
     return config.corpus_prompts if config.corpus else None
 
 
+def _wants_corpus(scheduler: Any) -> bool:
+    """Whether this scheduler's config is a gpu-lookup with a corpus (read once per scheduler)."""
+    found = scheduler.__dict__.get("_hqlab_corpus")
+    if found is None:
+        found = scheduler.__dict__["_hqlab_corpus"] = _corpus_prompts(scheduler.vllm_config) is not None
+    return found
+
+
+def _note_freed(scheduler: Any, request: Any) -> None:
+    """The scheduler frees a finished (or aborted) request: keep its prompt and output ids for the worker. Copies:
+    the request's lists are vLLM's."""
+    if _wants_corpus(scheduler):
+        scheduler.__dict__.setdefault("_hqlab_freed", []).append(
+            (request.request_id, list(request.prompt_token_ids or ()), list(request.output_token_ids)))
+
+
+def _attach_freed(scheduler: Any, scheduler_output: Any) -> None:
+    """The requests freed since the last schedule travel to the worker with this step's scheduler output."""
+    if _wants_corpus(scheduler):
+        setattr(scheduler_output, CORPUS_DOCS, scheduler.__dict__.pop("_hqlab_freed", []))
+
+
+def _deliver(runner: Any, scheduler_output: Any) -> None:
+    """In the worker, after vLLM's `finish_requests` and before the step drafts: the finished requests' ids and the
+    step's new requests to the speculator (`GpuLookupSpeculator.corpus_step`)."""
+    speculator = getattr(runner, "speculator", None)
+    if getattr(speculator, "corpus", None) is not None:
+        speculator.corpus_step(getattr(scheduler_output, CORPUS_DOCS, ()),
+                               [r.req_id for r in scheduler_output.scheduled_new_reqs])
+
+
 def _patch_corpus_delivery() -> None:
-    """Scheduler: remember each freed request's ids, attach them to the next scheduler output (in every process
+    """Scheduler: `_note_freed` when it frees a request, `_attach_freed` to each scheduler output (in every process
     that may schedule; the runner's half is `_patch_corpus_runner`, patched in the worker with the binding)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    def wants(scheduler: Any) -> bool:
-        found = scheduler.__dict__.get("_hqlab_corpus")
-        if found is None:
-            found = scheduler.__dict__["_hqlab_corpus"] = _corpus_prompts(scheduler.vllm_config) is not None
-        return found
-
     def free(original: Callable) -> Callable:
         def _free_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-            if wants(self):
-                # Copies: the request object is reused no more, but its lists are vLLM's to mutate.
-                self.__dict__.setdefault("_hqlab_freed", []).append(
-                    (request.request_id, list(request.prompt_token_ids or ()), list(request.output_token_ids)))
+            _note_freed(self, request)
             return original(self, request, *args, **kwargs)
         return _free_request
 
     def schedule(original: Callable) -> Callable:
         def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
             out = original(self, *args, **kwargs)
-            if wants(self):
-                setattr(out, CORPUS_DOCS, self.__dict__.pop("_hqlab_freed", []))
+            _attach_freed(self, out)
             return out
         return schedule
 
@@ -214,17 +235,13 @@ def _patch_corpus_delivery() -> None:
 
 
 def _patch_corpus_runner() -> None:
-    """Runner: after `finish_requests`, give the finished requests' ids and the step's new requests to the
-    speculator (`GpuLookupSpeculator.corpus_step`), before the step drafts."""
+    """Runner: `_deliver` after `finish_requests` (model runner V2's first act of a step)."""
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     def finish(original: Callable) -> Callable:
         def finish_requests(self: Any, scheduler_output: Any) -> Any:
             result = original(self, scheduler_output)
-            speculator = getattr(self, "speculator", None)
-            if getattr(speculator, "corpus", None) is not None:
-                speculator.corpus_step(getattr(scheduler_output, CORPUS_DOCS, ()),
-                                       [r.req_id for r in scheduler_output.scheduled_new_reqs])
+            _deliver(self, scheduler_output)
             return result
         return finish_requests
 

@@ -28,6 +28,7 @@ from hqlab.engines.vllm import gpu_lookup, plugin  # noqa: E402
 from hqlab.engines.vllm.engine import setting_for  # noqa: E402
 from hqlab.engines.vllm.gpu_lookup import GpuLookupSpeculator  # noqa: E402
 from hqlab.rules.corpus import Corpus, propose  # noqa: E402
+from hqlab.trace import Source  # noqa: E402
 
 SLOTS, WIDTH, VOCAB = 4, 512, 151936
 
@@ -115,6 +116,8 @@ def test_drafts_equal_the_rule_over_the_logged_corpus(spec):
                 assert got[: want.valid] == want.tokens.tolist(), (spec, wave, step, rid)
                 assert got[want.valid:] == [speculator.pad] * (config.k - want.valid)
                 assert (records[rid]["source"], records[rid]["match_len"]) == (source, want.match_len)
+                tag = Source.CORPUS if source == "corpus" else Source.LOOKUP
+                assert records[rid]["sources"] == [int(tag)] * want.valid
                 sources.add(source)
         finished = [(rid, *outputs[rid]) for rid in ids]
     assert {"own", "corpus"} <= sources  # both sources won somewhere
@@ -169,3 +172,79 @@ def test_plugin_installs_the_corpus_delivery_for_corpus_configs_only():
     assert plugin._corpus_prompts(vllm_config(SPECS[2], 7)) is True
     assert plugin._corpus_prompts(vllm_config(SPECS[0], 15)) is False
     assert plugin._corpus_prompts(vllm_config("gpu-lookup:k=15", 15)) is None  # no corpus: nothing delivered
+
+
+def test_finished_requests_travel_from_the_scheduler_to_the_speculator():
+    """The plugin's three steps on vLLM's own Request and SchedulerOutput objects: the scheduler frees a finished
+    request (its exact ids are kept), the next scheduler output carries them, the runner hands them to the
+    speculator with the step's new requests. A scheduler of a config without a corpus keeps nothing."""
+    from vllm import SamplingParams
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+    from vllm.v1.request import Request
+
+    def request(rid, prompt, output):
+        r = Request(rid, prompt, SamplingParams(max_tokens=8), None)
+        r.append_output_token_ids(output)
+        return r
+
+    config = vllm_config(SPECS[0], 15)
+    scheduler = SimpleNamespace(vllm_config=config)
+    runner = SimpleNamespace(speculator=GpuLookupSpeculator(config, device="cpu"))
+    a, b = request("a-1", [1, 2, 3], [4, 5, 6, 7]), request("b-2", [9], [8])
+    first = SchedulerOutput.make_empty()
+    first.scheduled_new_reqs = [NewRequestData.from_request(r, ([],)) for r in (a, b)]
+    plugin._attach_freed(scheduler, first)
+    plugin._deliver(runner, first)  # admits a and b
+    plugin._note_freed(scheduler, b)
+    plugin._note_freed(scheduler, a)
+    a.append_output_token_ids([99])  # vLLM's lists are not ours: the copy keeps what was freed
+    second = SchedulerOutput.make_empty()
+    plugin._attach_freed(scheduler, second)
+    assert getattr(second, plugin.CORPUS_DOCS) == [("b-2", [9], [8]), ("a-1", [1, 2, 3], [4, 5, 6, 7])]
+    plugin._deliver(runner, second)
+    assert [(d["seq"], d["request"], d["length"]) for d in runner.speculator.take_corpus_log()] == \
+        [(0, "b-2", 1), (1, "a-1", 4)]
+    third = SchedulerOutput.make_empty()
+    plugin._attach_freed(scheduler, third)
+    assert getattr(third, plugin.CORPUS_DOCS) == []  # each freed request travels once
+    plain = SimpleNamespace(vllm_config=vllm_config("gpu-lookup:k=15", 15))
+    plugin._note_freed(plain, a)
+    out = SchedulerOutput.make_empty()
+    plugin._attach_freed(plain, out)
+    assert not hasattr(out, plugin.CORPUS_DOCS) and "_hqlab_freed" not in plain.__dict__
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_captured_corpus_drafting_sees_documents_added_after_capture():
+    """The drafting step with the corpus, captured in CUDA graphs before any document arrived, drafts exactly what
+    the rule drafts once documents have entered (the ring's tensors and its [head, live] state are the graph's),
+    also after a reset."""
+    config = gpu_lookup.lookup_config("gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,corpus=4096,"
+                                      "corpus_policy=longest")
+    text = words()
+    rows = torch.zeros(SLOTS, WIDTH, dtype=torch.int32, device="cuda")
+    lengths = torch.zeros(SLOTS, dtype=torch.int32, device="cuda")
+    s = GpuLookupSpeculator.standalone(config, max_num_reqs=SLOTS, max_model_len=WIDTH, pad=VOCAB - 1, device="cuda",
+                                       record=True)
+    s.bind(rows, lengths)
+    s.use_graphs = True
+    s.capture()
+    assert len(s.graphs) == SLOTS
+    for round_ in range(2):
+        s.reset_corpus()
+        docs = [text[300 * i + 40 * round_: 300 * i + 40 * round_ + 250].tolist() for i in range(6)]
+        s.corpus_step([], [f"d{i}" for i in range(6)])
+        s.corpus_step([(f"d{i}", [], d) for i, d in enumerate(docs)], [])
+        reference = Corpus(config.corpus_config)
+        for d in docs:
+            reference.add(d)
+        histories = [np.concatenate([text[2000 + 90 * j: 2000 + 90 * j + 60], docs[j][: 30 + 17 * j]])
+                     for j in range(SLOTS)]
+        for j, h in enumerate(histories):
+            rows[j, : len(h)] = torch.from_numpy(h.astype(np.int32)).cuda()
+            lengths[j] = len(h)
+        drafts = s.lookup(torch.arange(SLOTS, dtype=torch.int32, device="cuda"), SLOTS).cpu()
+        for j, h in enumerate(histories):
+            _, want = propose(h, reference, nmin=1, nmax=32, k=15, policy="earliest")
+            assert drafts[j, : want.valid].tolist() == want.tokens.tolist(), (round_, j)
+            assert (drafts[j, want.valid:] == VOCAB - 1).all()
