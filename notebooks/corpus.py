@@ -34,7 +34,8 @@ nmins = [1, 3]
 nmax = 32
 k = 15
 policies = ["own", "longest"]
-inflight = [1, 8]  # requests in flight: request i sees the outputs of requests 0 .. i - inflight
+inflight = [1, 8]  # requests in flight
+schedules = ["admit", "lockstep"]  # with several in flight: corpus frozen at admission, or updated as requests finish
 prompts = [False, True]  # corpus documents: outputs only, or prompt + output (at the largest size only)
 arctic = True  # Arctic's rule beside (its global tree bounded by the same sizes)
 arctic_depth = 24
@@ -74,36 +75,39 @@ print({w: len(ts) for w, ts in traces.items()}, "requests")
 # ## The grid, replayed per workload
 #
 # Each workload is its own stream of requests (a client's sessions against one server), so each gets its own
-# corpus. With 8 requests in flight a request sees the outputs of the requests up to 8 before it: the earlier
-# waves of the sessions.
+# corpus. With 8 requests in flight, `admit` freezes a request's corpus when it is admitted (the outputs of the
+# requests up to 8 before it: the earlier waves of the sessions), a lower bound; `lockstep` steps the 8 together
+# and adds each output as it finishes, for the requests still decoding (an idealised server).
 
 # %%
-specs = [f"corpus:nmin={n},nmax={nmax},k={k},tokens={size},choice={p},inflight={b}"
-         for n in nmins for size in corpus_sizes for p in (policies if size else policies[:1]) for b in inflight]
-specs += [f"corpus:nmin={n},nmax={nmax},k={k},tokens={max(corpus_sizes)},choice={p},inflight={b},prompts=true"
-          for n in nmins for p in policies for b in inflight if True in prompts and max(corpus_sizes)]
+loads = [f"inflight={b},schedule={s}" for b in inflight for s in (schedules if b > 1 else schedules[:1])]
+specs = [f"corpus:nmin={n},nmax={nmax},k={k},tokens={size},choice={p},{load}"
+         for n in nmins for size in corpus_sizes for p in (policies if size else policies[:1]) for load in loads]
+specs += [f"corpus:nmin={n},nmax={nmax},k={k},tokens={max(corpus_sizes)},choice={p},{load},prompts=true"
+          for n in nmins for p in policies for load in loads if True in prompts and max(corpus_sizes)]
 if arctic:
-    specs += [f"arctic:k={k},depth={arctic_depth},tokens={size},inflight={b}"
-              for size in corpus_sizes for b in inflight]
+    specs += [f"arctic:k={k},depth={arctic_depth},tokens={size},{load}" for size in corpus_sizes for load in loads]
 frame = pl.concat([rc.rows(traces[w], specs, costs=costs, search_ms_per_1k=search_ms_per_1k) for w in workloads])
 frame.write_parquet(results / "corpus_replay.parquet")
 summary = rc.summarize(frame).with_columns(
-    pl.when(pl.col("inflight") == 1).then(pl.col("speedup_b1")).otherwise(pl.col("speedup_b8")).alias("speedup"))
+    pl.when(pl.col("inflight") == 1).then(pl.col("speedup_b1")).otherwise(pl.col("speedup_b8")).alias("speedup"),
+    pl.when(pl.col("inflight") == 1).then(pl.lit("1 in flight"))
+    .otherwise(pl.format("{} in flight, {}", "inflight", "schedule")).alias("load"))
 plain = summary.filter((pl.col("rule") == "corpus") & (pl.col("tokens") == 0)).select(
-    "workload", "nmin", "inflight", pl.col("tokens_per_step").alias("plain_tps"),
+    "workload", "nmin", "load", pl.col("tokens_per_step").alias("plain_tps"),
     pl.col("speedup").alias("plain_speedup"))
-summary = summary.join(plain, on=["workload", "nmin", "inflight"], how="left").with_columns(
+summary = summary.join(plain, on=["workload", "nmin", "load"], how="left").with_columns(
     (pl.col("speedup") / pl.col("plain_speedup")).alias("vs_plain"))
-summary.select("workload", "rule", "nmin", "tokens", "choice", "prompts", "inflight", "tokens_per_step",
-               "corpus_accepted_share", "speedup", "vs_plain").sort("workload", "rule", "nmin", "inflight", "tokens")
+summary.select("workload", "rule", "nmin", "tokens", "choice", "prompts", "load", "tokens_per_step",
+               "corpus_accepted_share", "speedup", "vs_plain").sort("workload", "rule", "nmin", "load", "tokens")
 
 # %% [markdown]
 # ## Tokens per step and projected speedup against corpus size
 #
 # Lines: the corpus rule per choice policy (outputs only), at nmin 1; the size-0 point of every line is the plain
-# lookup. Arctic's rule, its global tree bounded by the same number of tokens, is the grey line. Speedup is
-# projected with the H200's step costs at the 0.5B's shape: batch 1 for one request at a time, batch 8 for 8 in
-# flight, against no speculation.
+# lookup. Arctic's rule, its global tree bounded by the same number of tokens, is the blue line. One row per
+# workload: one request at a time, then 8 in flight under each schedule. Speedup is projected with the H200's step
+# costs at the 0.5B's shape: batch 1 for one request at a time, batch 8 for 8 in flight, against no speculation.
 
 # %%
 def lines_of(nmin: int) -> pl.DataFrame:
@@ -117,7 +121,7 @@ def lines_of(nmin: int) -> pl.DataFrame:
         arctic_rows = summary.filter(pl.col("rule") == "arctic")
         series.append(arctic_rows.with_columns(pl.lit("Arctic suffix").alias("rule_label")))
     out = pl.concat(series, how="diagonal_relaxed").with_columns(
-        pl.format("{} · {} in flight", "workload", "inflight").alias("panel"),
+        pl.format("{} · {}", "workload", "load").alias("panel"),
         (pl.col("tokens").cast(pl.Float64).clip(64)).alias("corpus_tokens"))  # 0 drawn at 64 on the log axis
     return out.sort("panel", "rule_label", "corpus_tokens")
 
@@ -150,7 +154,7 @@ chart
 # %% [markdown]
 # ## Side by side: the plain lookup, the corpus and Arctic's rule
 #
-# At the largest corpus size: tokens per step and projected speedup per workload and load.
+# At the largest corpus size: tokens per step and projected speedup per workload and load (8 in flight: lockstep).
 
 # %%
 big = max(corpus_sizes)
@@ -163,7 +167,8 @@ pick = pl.concat([
     *([summary.filter((pl.col("rule") == "arctic") & (pl.col("tokens") == t)).with_columns(
         pl.lit("Arctic, own tree" if t == 0 else "Arctic, + global tree").alias("config")) for t in (0, big)]
       if arctic else []),
-], how="diagonal_relaxed").with_columns(pl.format("{} · {} in flight", "workload", "inflight").alias("panel"))
+], how="diagonal_relaxed").filter((pl.col("inflight") == 1) | (pl.col("schedule") == schedules[-1])).with_columns(
+    pl.format("{} · {} in flight", "workload", "inflight").alias("panel"))
 chart = plots.bar_panels(pick, "panel", "config", {"tokens_per_step": "tokens per step",
                                                    "speedup": "projected speedup"})
 plots.save(chart, figures / "corpus_arctic.svg")

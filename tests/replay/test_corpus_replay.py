@@ -160,6 +160,7 @@ def test_arctic_rule_scores_by_frequency():
     ("corpus:size=3", "unknown key(s) size"),
     ("arctic:min_prob=2", "min_prob must be in [0, 1]"),
     ("arctic:cached=0", "cached must be -1"),
+    ("corpus:schedule=fifo", "schedule must be one of"),
     ("suffix:k=3", "unknown corpus replay 'suffix'"),
 ])
 def test_bad_specs_are_clear_errors(spec, message):
@@ -185,3 +186,33 @@ def test_arctic_rule_proposer_is_the_replayed_rule(traces):
     steps = zoo.run_zoo(reqs, {"cached": "arctic-rule:k=15,cached=-1"}, repeats=1, progress=False)
     alone = zoo.run_zoo(reqs, {"alone": "arctic-rule:k=15"}, repeats=1, progress=False)
     assert steps["accepted"].sum() > alone["accepted"].sum()  # the template's answers share their structure
+
+
+@pytest.mark.parametrize("spec", ["corpus:tokens=4096,choice=longest,prompts=true", "arctic:tokens=4096"])
+def test_lockstep_with_one_request_in_flight_is_the_admit_schedule(traces, spec):
+    reqs = traces["multiturn"]
+    admit = rc.replay_corpus(reqs, f"{spec},inflight=1,schedule=admit")
+    lockstep = rc.replay_corpus(reqs, f"{spec},inflight=1,schedule=lockstep")
+    assert [[(list(r.proposed), r.accepted) for r in a] for a in admit] == \
+        [[(list(r.proposed), r.accepted) for r in b] for b in lockstep]
+
+
+def test_lockstep_sends_a_sessions_next_turn_after_its_answer(traces):
+    """8 slots over the 24 multi-turn requests: a session's turn t + 1 starts after its turn t finished, at most 8
+    requests decode at once, and documents that finish mid-request reach those still decoding: the corpus is
+    seen at least as much as under the admit schedule, where it is frozen at admission."""
+    reqs = traces["multiturn"]
+    spec = "corpus:tokens=16384,choice=longest,inflight=8"
+    runs = rc._replay(reqs, f"{spec},schedule=lockstep")
+    by_session: dict[str, list] = {}
+    for run in runs:
+        by_session.setdefault(rc.session_of(run.trace), []).append(run)
+    assert len(by_session) == 8 and all(len(v) == 3 for v in by_session.values())
+    for turns in by_session.values():
+        for before, after in zip(turns, turns[1:]):
+            assert after.admitted > before.left
+    last = max(r.left for r in runs)
+    assert max(sum(r.admitted <= it <= r.left for r in runs) for it in range(last + 1)) == 8
+    admit = rc.summarize(rc.rows(reqs, [f"{spec},schedule=admit", f"{spec},schedule=lockstep"], progress=False),
+                         by=("spec",))
+    assert admit["corpus_accepted_share"][1] > admit["corpus_accepted_share"][0]
