@@ -40,7 +40,7 @@ import numpy as np
 import polars as pl
 from tqdm.auto import tqdm
 
-from hqlab.config import ConfigError, build_config, parse_spec, require
+from hqlab.config import ConfigError, require, resolve_spec
 from hqlab.replay.costmodel import CostModel
 from hqlab.replay.traces import Trace
 from hqlab.rules.corpus import (CHOICE_POLICIES, CORPUS, NONE, OWN, TIE_POLICIES, Corpus, CorpusConfig, CorpusMatch,
@@ -149,10 +149,8 @@ CONFIGS = {"corpus": CorpusReplayConfig, "arctic": ArcticConfig}
 
 def parse(spec: str) -> CorpusReplayConfig | ArcticConfig:
     """A validated config from a spec string (module docstring); every error a ConfigError naming the spec."""
-    name, values = parse_spec(spec)
-    if name not in CONFIGS:
-        raise ConfigError(f"unknown corpus replay {name!r} in {spec!r}; known: {', '.join(CONFIGS)}")
-    return build_config(CONFIGS[name], values, context=f"{name} replay {spec!r}")
+    return resolve_spec(spec, CONFIGS, unknown="unknown corpus replay {name!r} in {spec!r}; known: {known}",
+                        context=f"corpus replay {spec!r}")[1]
 
 
 def grid(base: str, **axes: Sequence[Any]) -> list[str]:
