@@ -38,7 +38,8 @@ shapes = ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-
 widths = [1, 2, 4, 8, 16, 32]  # the step-cost figure's widths
 contexts = [1024, 8192, 32768]  # the step-cost figure's contexts
 batches = [1, 8]
-quant = "bf16"
+quant = "bf16"  # the figures' weights; the tables also project every shape measured in `extra_quants`
+extra_quants = ["fp8"]
 drafter_ratio = 0.05  # the scaled drafter: the measured shape nearest to this fraction of the target
 tolerance = 0.10  # the validation's band
 speedup_configs = ["gpu-lookup k=31 (w2)", "gpu-lookup k=31 (fn2)", "gpu-fused k=15 (fn2, measured drafter)",
@@ -65,19 +66,19 @@ pl.Config.set_fmt_str_lengths(60)
 costs = pl.read_parquet(step_costs_file)
 if step_costs_runs:
     costs = costs.filter(pl.col("run").is_in(step_costs_runs))
-costs = scale.check_step_costs(costs.filter(pl.col("quant") == quant))
+costs = scale.check_step_costs(costs)
 print(" | ".join(sorted(costs["machine"].unique())), "| vLLM", ", ".join(sorted(costs["vllm_version"].unique())),
       "| runs", ", ".join(sorted(costs["run"].unique())), "| commit", ", ".join(sorted(costs["git_commit"].unique())))
-costs.group_by("shape", "config").agg(
+costs.group_by("shape", "quant", "config").agg(
     pl.col("target_params_b").first(), pl.col("width").unique().sort(), pl.col("context").unique().sort(),
     pl.col("batch").unique().sort(), pl.len().alias("points"), pl.col("engine_start_s").first()).sort(
-    "target_params_b", "config")
+    "target_params_b", "quant", "config")
 
 # %% [markdown]
 # ## 1. The step's cost: ms per verify step against the width, per shape (gpu-lookup)
 
 # %%
-curve = (costs.filter((pl.col("config") == "gpu-lookup") & pl.col("shape").is_in(shapes)
+curve = (costs.filter((pl.col("config") == "gpu-lookup") & (pl.col("quant") == quant) & pl.col("shape").is_in(shapes)
                       & pl.col("width").is_in(widths) & pl.col("context").is_in(contexts)
                       & pl.col("batch").is_in(batches))
          .sort("target_params_b", "batch", "context", "width")
@@ -95,9 +96,10 @@ curve.pivot(on="width", index=["shape", "batch", "context"], values="step_ms").s
 # The drafter's pass measured on the 1.5B (its gpu-fused step minus its gpu-lookup step at the same point):
 
 # %%
-fused_points = costs.filter((pl.col("shape") == fused_shape) & (pl.col("config") == "gpu-fused"))
+fused_points = costs.filter((pl.col("shape") == fused_shape) & (pl.col("config") == "gpu-fused")
+                            & (pl.col("quant") == quant))
 passes = fused_points.select("width", "context", "batch").with_columns(
-    pl.Series("pass_ms", [float(scale.pass_ms(costs, [w], [c], b, fused_shape=fused_shape)[0])
+    pl.Series("pass_ms", [float(scale.pass_ms(costs, [w], [c], b, fused_shape=fused_shape, quant=quant)[0])
                           for w, c, b in fused_points.select("width", "context", "batch").iter_rows()]))
 passes.pivot(on="width", index=["batch", "context"], values="pass_ms").sort("batch", "context")
 
@@ -153,14 +155,17 @@ def sources_of(steps: pl.DataFrame, results: pl.DataFrame, run: str, kinds: tupl
 
 sources = (sources_of(lookup_steps, lookup_results, lookup_run, ("gpu-lookup",))
            + sources_of(fused_steps, fused_results, fused_run, ("gpu-lookup", "gpu-fused")))
-projection = scale.project(costs, sources, shapes, batches, quant=quant, fused_shape=fused_shape,
-                           measured_drafter_shape=drafter_shape, drafters=("measured", "scaled"),
-                           drafter_ratio=drafter_ratio)
+measured_in = {q: set(costs.filter(pl.col("quant") == q)["shape"].to_list()) for q in [quant, *extra_quants]}
+projection = pl.concat([
+    scale.project(costs, sources, [s for s in shapes if s in measured_in[q]], batches, quant=q, pass_quant=quant,
+                  fused_shape=fused_shape, measured_drafter_shape=drafter_shape, drafters=("measured", "scaled"),
+                  drafter_ratio=drafter_ratio)
+    for q in measured_in if measured_in[q] & set(shapes)])
 path = scale.write_projection(projection, Path(results_dir) / "seed_scale_projection.parquet")
 print(f"{projection.height} rows -> {path}")
-projection.select("shape", "label", "traces_run", "drafter", "drafter_shape", "category", "batch", "tokens_per_step",
-                  "step_ms", "tok_s", "none_tok_s", "speedup").sort("batch", "label", "traces_run", "drafter",
-                                                                    "category", "shape")
+projection.select("shape", "target_params_b", "quant", "label", "traces_run", "drafter", "drafter_shape", "category",
+                  "batch", "tokens_per_step", "step_ms", "tok_s", "none_tok_s", "speedup").sort(
+    "batch", "label", "traces_run", "drafter", "category", "target_params_b", "quant")
 
 # %% [markdown]
 # Speedup ÷ `none` per class against the target's size (diamond: the seeds' headline, 2.4× at ~27B).
@@ -169,10 +174,11 @@ projection.select("shape", "label", "traces_run", "drafter", "drafter_shape", "c
 named = projection.with_columns(
     pl.when(pl.col("drafter") == "-").then(pl.format("{} ({})", "label", "traces_run"))
     .otherwise(pl.format("{} ({}, {} drafter)", "label", "traces_run", "drafter")).alias("config"),
-    pl.format("batch {}", "batch").alias("batch_panel"))
+    pl.format("batch {}", "batch").alias("batch_panel"), pl.format("{} {}", "shape", "quant").alias("target"))
 missing = sorted(set(speedup_configs) - set(named["config"].to_list()))
 assert not missing, f"speedup_configs not in the projection: {missing}"
-chart = plots.lines_with_mark(named.filter(pl.col("config").is_in(speedup_configs)), "target_params_b", "speedup",
+shown = named.filter(pl.col("config").is_in(speedup_configs) & (pl.col("quant") == quant))
+chart = plots.lines_with_mark(shown, "target_params_b", "speedup",
                               "category", row="batch_panel", column="config",
                               mark=(seeds_params_b, seeds_speedup, f"seeds: {seeds_speedup}×"),
                               x_title="target parameters (B)", y_title="projected speedup ÷ none")
@@ -181,9 +187,9 @@ chart
 
 # %%
 large = named.filter(pl.col("target_params_b") >= 5).sort("target_params_b")
-large.pivot(on="category", index=["batch", "config", "shape"], values="speedup", maintain_order=True).sort(
+large.pivot(on="category", index=["batch", "config", "target"], values="speedup", maintain_order=True).sort(
     "batch", "config", maintain_order=True)
 
 # %%
-large.pivot(on="category", index=["batch", "config", "shape"], values="tok_s", maintain_order=True).sort(
+large.pivot(on="category", index=["batch", "config", "target"], values="tok_s", maintain_order=True).sort(
     "batch", "config", maintain_order=True)

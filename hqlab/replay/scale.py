@@ -256,12 +256,14 @@ def _contexts(contexts: np.ndarray, floor: int, short_context: str, where: str) 
 
 def price_requests(tr: Traces, costs: pl.DataFrame, shape: str, batch: int, *, quant: str = "bf16",
                    fused_shape: str | None = None, drafter_shape: str | None = None,
-                   measured_drafter_shape: str | None = None, short_context: str = "error") -> pl.DataFrame:
+                   measured_drafter_shape: str | None = None, pass_quant: str = "bf16",
+                   short_context: str = "error") -> pl.DataFrame:
     """Per request of `tr`: tokens, steps, the projected decode time (ms) of its steps on `shape` at `batch`, the
     time of the same tokens without speculation (`none_ms`: one width-1 gpu-lookup step a token, from the request's
     first context on) and `clamped` (steps whose context was below the grid and priced at its smallest, with
     `short_context="clamp"`). A gpu-fused step = the target's gpu-lookup step + the drafter's pass where the step ran
-    one (`pass_ms`; `fused_shape` is the shape the fused step was measured on)."""
+    one (`pass_ms`; `fused_shape` is the shape the fused step was measured on, in `pass_quant`: a target in fp8 gets
+    the drafter's pass as measured in bf16)."""
     check_step_costs(costs)
     grid = costs.filter((pl.col("shape") == shape) & (pl.col("quant") == quant) & (pl.col("config") == "gpu-lookup")
                         & (pl.col("batch") == batch))
@@ -284,7 +286,7 @@ def price_requests(tr: Traces, costs: pl.DataFrame, shape: str, batch: int, *, q
         if ran.any():
             extra[ran] = pass_ms(costs, width[ran], ctx[ran], batch, fused_shape=fused_shape,
                                  drafter_shape=drafter_shape, measured_drafter_shape=measured_drafter_shape,
-                                 quant=quant)
+                                 quant=pass_quant)
         ms = ms + extra
     priced = s.select("request", "category", "context_len", "emitted").with_columns(
         pl.Series("ms", ms), pl.Series("clamped", raw < floor))
@@ -356,7 +358,8 @@ def validation_fraction(table: pl.DataFrame) -> float:
 
 
 def project(costs: pl.DataFrame, sources: Sequence[Traces], shapes: Sequence[str], batches: Sequence[int], *,
-            quant: str = "bf16", fused_shape: str | None = None, measured_drafter_shape: str | None = None,
+            quant: str = "bf16", pass_quant: str = "bf16", fused_shape: str | None = None,
+            measured_drafter_shape: str | None = None,
             drafters: Sequence[str] = ("measured",), drafter_ratio: float = 1 / 20,
             short_context: str = "clamp") -> pl.DataFrame:
     """The projection table: per (shape, config of each source, class, batch, drafter rule) the tokens the source's
@@ -384,11 +387,12 @@ def project(costs: pl.DataFrame, sources: Sequence[Traces], shapes: Sequence[str
             for tr in sources:
                 rules = list(drafters) if tr.kind == "gpu-fused" else ["-"]
                 for rule in rules:
-                    dshape = (scaled_drafter_shape(costs, params[shape], ratio=drafter_ratio, quant=quant)
+                    dshape = (scaled_drafter_shape(costs, params[shape], ratio=drafter_ratio, quant=pass_quant)
                               if rule == "scaled" else measured_drafter_shape)
                     per = price_requests(tr, costs, shape, batch, quant=quant, fused_shape=fused_shape,
                                          drafter_shape=dshape if tr.kind == "gpu-fused" else None,
-                                         measured_drafter_shape=measured_drafter_shape, short_context=short_context)
+                                         measured_drafter_shape=measured_drafter_shape, pass_quant=pass_quant,
+                                         short_context=short_context)
                     cls = per.group_by("category", maintain_order=True).agg(
                         pl.len().alias("requests"), pl.col("tokens").sum(), pl.col("steps").sum(),
                         pl.col("ms").sum(), pl.col("none_ms").sum(), pl.col("clamped").sum())

@@ -177,6 +177,37 @@ def test_project_table_speedups_and_provenance():
     assert table["traces_commit"].unique().to_list() == ["c0"] and table["step_costs_run"][0] == "fixture"
 
 
+def test_an_fp8_target_takes_the_drafter_pass_measured_in_bf16():
+    fp8 = flat_fixture({("t", "gpu-lookup", 1): 1.5, ("t", "gpu-lookup", 4): 2.0}, params=PARAMS).with_columns(
+        pl.lit("fp8").alias("quant"))
+    costs = pl.concat([flat_fixture(FLAT, params=PARAMS), fp8])
+    tr = _traces("gpu-fused:k=3,draft_block=1", passes=(1, 1))
+    per = scale.price_requests(tr, costs, "t", 1, quant="fp8", fused_shape="f")
+    assert per["ms"][0] == pytest.approx(2 * (2.0 + 1.0)) and per["none_ms"][0] == pytest.approx(6 * 1.5)
+    with pytest.raises(scale.ScaleError, match="nothing measured for f fp8 gpu-fused"):
+        scale.price_requests(tr, costs, "t", 1, quant="fp8", fused_shape="f", pass_quant="fp8")
+
+
+def test_validate_compares_class_medians_of_prompts():
+    costs = flat_fixture(FLAT, params=PARAMS)
+    config = "gpu-lookup:k=3"
+    # two copy prompts: r1 emits 6 tokens in two 3 ms steps (1000 tok/s), r2 4 tokens in two (667 tok/s)
+    steps = pl.DataFrame({"request": ["r1", "r1", "r2", "r2"], "category": ["copy"] * 4, "config": [config] * 4,
+                          "context_len": [1024, 1028, 1024, 1026], "verify_len": [4] * 4, "emitted": [4, 2, 2, 2],
+                          "drafter_passes": [-1] * 4, "load": ["alone"] * 4, "run": ["x"] * 4})
+    results = pl.DataFrame({"run": ["x", "x"], "config": [config] * 2, "category": ["copy"] * 2,
+                            "prompt_id": ["r1", "r2"], "concurrency": [1, 1], "decode_tok_s": [900.0, 700.0],
+                            "model": ["m", "m"], "git_commit": ["c0", "c0"]})
+    table = scale.validate(costs, steps, results, "x", "t")
+    row = table.row(0, named=True)
+    assert row["predicted_tok_s"] == pytest.approx((1000 + 4000 / 6) / 2)  # the median of two is their mean
+    assert row["measured_tok_s"] == pytest.approx(800.0)
+    assert row["ratio"] == pytest.approx(row["predicted_tok_s"] / 800.0) and row["within"] is (row["ratio"] <= 1.1)
+    assert scale.validation_fraction(table) == float(row["within"])
+    with pytest.raises(scale.ScaleError, match="no batch-1 result rows"):
+        scale.validate(costs, steps, results, "y", "t")
+
+
 def test_short_contexts_are_refused_unless_clamped_and_then_counted():
     costs = flat_fixture(FLAT, params=PARAMS)
     tr = _traces("gpu-lookup:k=3", contexts=(500, 504))
