@@ -124,7 +124,7 @@ for run, results, steps in ((lookup_run, lookup_results, lookup_steps), (fused_r
 print(f"within ±{tolerance:.0%}: {int(validation['within'].sum())} of {validation.height} (config, class) pairs, "
       f"{scale.validation_fraction(validation):.0%}")
 validation.select("run", "label", "category", "prompts", "measured_tok_s", "predicted_tok_s", "ratio", "within",
-                  "clamped_share")
+                  "predicted_step_ms", "recorded_step_ms", "clamped_share")
 
 # %%
 validation.group_by("run", "label", maintain_order=True).agg(

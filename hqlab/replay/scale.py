@@ -39,8 +39,8 @@ KINDS = ("none", "gpu-lookup", "gpu-fused")  # the configs of a vLLM run this mo
 SHORT_CONTEXT = ("error", "clamp")
 DRAFTERS = ("measured", "scaled")
 KEY = ("shape", "quant", "config", "width", "context", "batch")
-TRACE_COLUMNS = ("request", "category", "config", "context_len", "verify_len", "emitted", "drafter_passes", "load",
-                 "run")
+TRACE_COLUMNS = ("request", "category", "config", "context_len", "verify_len", "emitted", "drafter_passes", "step_s",
+                 "load", "run")
 PROJECTION_COLUMNS = (
     "shape", "target_params_b", "quant", "config", "label", "category", "batch", "requests", "tokens", "steps",
     "tokens_per_step", "step_ms", "tok_s", "batch_tok_s", "none_tok_s", "speedup", "drafter", "drafter_shape",
@@ -258,7 +258,8 @@ def price_requests(tr: Traces, costs: pl.DataFrame, shape: str, batch: int, *, q
                    fused_shape: str | None = None, drafter_shape: str | None = None,
                    measured_drafter_shape: str | None = None, pass_quant: str = "bf16",
                    short_context: str = "error") -> pl.DataFrame:
-    """Per request of `tr`: tokens, steps, the projected decode time (ms) of its steps on `shape` at `batch`, the
+    """Per request of `tr`: tokens, steps, the projected decode time (ms) of its steps on `shape` at `batch` (and
+    `recorded_ms`, what the steps took where they were recorded), the
     time of the same tokens without speculation (`none_ms`: one width-1 gpu-lookup step a token, from the request's
     first context on) and `clamped` (steps whose context was below the grid and priced at its smallest, with
     `short_context="clamp"`). A gpu-fused step = the target's gpu-lookup step + the drafter's pass where the step ran
@@ -288,10 +289,11 @@ def price_requests(tr: Traces, costs: pl.DataFrame, shape: str, batch: int, *, q
                                  drafter_shape=drafter_shape, measured_drafter_shape=measured_drafter_shape,
                                  quant=pass_quant)
         ms = ms + extra
-    priced = s.select("request", "category", "context_len", "emitted").with_columns(
+    priced = s.select("request", "category", "context_len", "emitted", "step_s").with_columns(
         pl.Series("ms", ms), pl.Series("clamped", raw < floor))
     per = (priced.group_by("request", "category", maintain_order=True)
            .agg(pl.col("emitted").sum().alias("tokens"), pl.len().alias("steps"), pl.col("ms").sum(),
+                (1e3 * pl.col("step_s").sum()).alias("recorded_ms"),
                 pl.col("context_len").min().alias("first_context"), pl.col("clamped").sum()))
     # none: the same tokens one at a time, the step at each context from the request's first on
     none_ms = []
@@ -312,7 +314,8 @@ def validate(costs: pl.DataFrame, steps: pl.DataFrame, results: pl.DataFrame, ru
     class median over its prompts, as the run's `decode_tok_s` is (the median over prompts of each prompt's median
     over repeats). `configs` default: every none, gpu-lookup and single-pass gpu-fused config of the run. Columns:
     run, shape, config, label, category, prompts, measured_tok_s, predicted_tok_s, ratio (predicted ÷ measured),
-    within (|ratio - 1| ≤ tolerance), clamped_share."""
+    within (|ratio - 1| ≤ tolerance), predicted_step_ms and recorded_step_ms (the class's mean step, predicted and as
+    the step records of the run took it, one repeat: where a miss comes from), clamped_share."""
     if not 0 < tolerance < 1:
         raise ScaleError(f"tolerance must be in (0, 1) (got {tolerance})")
     measured = results.filter((pl.col("run") == run) & (pl.col("concurrency") == 1))
@@ -324,8 +327,11 @@ def validate(costs: pl.DataFrame, steps: pl.DataFrame, results: pl.DataFrame, ru
     for config in configs:
         tr = traces(steps, results, run, config)
         per = price_requests(tr, costs, shape, 1, quant=quant, fused_shape=fused_shape, short_context=short_context)
+        steps_sum = pl.col("steps").sum()
         pred = per.group_by("category").agg(pl.col("tok_s").median().alias("predicted_tok_s"),
-                                           (pl.col("clamped").sum() / pl.col("steps").sum()).alias("clamped_share"))
+                                           (pl.col("ms").sum() / steps_sum).alias("predicted_step_ms"),
+                                           (pl.col("recorded_ms").sum() / steps_sum).alias("recorded_step_ms"),
+                                           (pl.col("clamped").sum() / steps_sum).alias("clamped_share"))
         meas = (measured.filter(pl.col("config") == config).group_by("category")
                 .agg(pl.col("decode_tok_s").median().alias("measured_tok_s"), pl.len().alias("prompts")))
         rows.append(meas.join(pred, on="category", how="inner").with_columns(
@@ -334,7 +340,8 @@ def validate(costs: pl.DataFrame, steps: pl.DataFrame, results: pl.DataFrame, ru
     out = pl.concat(rows).with_columns((pl.col("predicted_tok_s") / pl.col("measured_tok_s")).alias("ratio"))
     return (out.with_columns(((pl.col("ratio") - 1).abs() <= tolerance).alias("within"))
             .select("run", "shape", "config", "label", "category", "prompts", "measured_tok_s", "predicted_tok_s",
-                    "ratio", "within", "clamped_share").sort("run", "config", "category"))
+                    "ratio", "within", "predicted_step_ms", "recorded_step_ms", "clamped_share")
+            .sort("run", "config", "category"))
 
 
 def priceable(steps: pl.DataFrame, run: str, config: str) -> bool:

@@ -133,7 +133,8 @@ FLAT = {("t", "gpu-lookup", 1): 2.0, ("t", "gpu-lookup", 4): 3.0,
 def _traces(config: str, passes=(1, 1), contexts=(1024, 1028), emitted=(4, 2)) -> scale.Traces:
     steps = pl.DataFrame({"request": ["r1", "r1"], "category": ["copy", "copy"], "config": [config] * 2,
                           "context_len": list(contexts), "verify_len": [4, 4], "emitted": list(emitted),
-                          "drafter_passes": list(passes), "load": ["alone"] * 2, "run": ["x"] * 2},
+                          "drafter_passes": list(passes), "step_s": [0.004, 0.002], "load": ["alone"] * 2,
+                          "run": ["x"] * 2},
                          schema_overrides={"context_len": pl.Int32, "verify_len": pl.Int32, "emitted": pl.Int32,
                                            "drafter_passes": pl.Int32})
     return scale.Traces(steps, "x", config, "m", "c0")
@@ -147,6 +148,7 @@ def test_lookup_projection_is_tokens_over_summed_step_costs():
     assert row["ms"] == pytest.approx(6.0)  # two width-4 steps at 3 ms
     assert row["none_ms"] == pytest.approx(12.0)  # six tokens, one 2 ms step each
     assert row["tok_s"] == pytest.approx(1000.0) and row["none_tok_s"] == pytest.approx(500.0)
+    assert row["recorded_ms"] == pytest.approx(6.0)
 
 
 def test_fused_projection_adds_the_measured_pass_where_a_step_ran_it():
@@ -194,7 +196,7 @@ def test_validate_compares_class_medians_of_prompts():
     # two copy prompts: r1 emits 6 tokens in two 3 ms steps (1000 tok/s), r2 4 tokens in two (667 tok/s)
     steps = pl.DataFrame({"request": ["r1", "r1", "r2", "r2"], "category": ["copy"] * 4, "config": [config] * 4,
                           "context_len": [1024, 1028, 1024, 1026], "verify_len": [4] * 4, "emitted": [4, 2, 2, 2],
-                          "drafter_passes": [-1] * 4, "load": ["alone"] * 4, "run": ["x"] * 4})
+                          "drafter_passes": [-1] * 4, "step_s": [0.003] * 4, "load": ["alone"] * 4, "run": ["x"] * 4})
     results = pl.DataFrame({"run": ["x", "x"], "config": [config] * 2, "category": ["copy"] * 2,
                             "prompt_id": ["r1", "r2"], "concurrency": [1, 1], "decode_tok_s": [900.0, 700.0],
                             "model": ["m", "m"], "git_commit": ["c0", "c0"]})
@@ -204,6 +206,7 @@ def test_validate_compares_class_medians_of_prompts():
     assert row["measured_tok_s"] == pytest.approx(800.0)
     assert row["ratio"] == pytest.approx(row["predicted_tok_s"] / 800.0) and row["within"] is (row["ratio"] <= 1.1)
     assert scale.validation_fraction(table) == float(row["within"])
+    assert row["predicted_step_ms"] == pytest.approx(3.0) and row["recorded_step_ms"] == pytest.approx(3.0)
     with pytest.raises(scale.ScaleError, match="no batch-1 result rows"):
         scale.validate(costs, steps, results, "y", "t")
 
