@@ -241,9 +241,8 @@ def together(args: argparse.Namespace) -> int:
                 log(f"{spec}: FAILED to start: {type(e).__name__}: {str(e)[-2000:]}")
 
         def save() -> None:
-            for f in [rows_path, greedy_path, samples_path] + [srv.log_path for _, srv in servers]:
-                if f.exists():
-                    shutil.copy(f, out / f.name)
+            save_together(out, [rows_path, greedy_path, samples_path], [srv.log_path for _, srv in servers],
+                          args.tag)
 
         for spec, server in live:
             greedy = serve.greedy_tokens(server.base_url, "target", chat, max_tokens=args.greedy_tokens)
@@ -290,10 +289,37 @@ def together(args: argparse.Namespace) -> int:
     finally:
         for _, server in servers:
             server.stop()
-        for f in [rows_path, greedy_path, samples_path] + [srv.log_path for _, srv in servers]:
-            if f.exists():
-                shutil.copy(f, out / f.name)
+        save_together(out, [rows_path, greedy_path, samples_path], [srv.log_path for _, srv in servers], args.tag)
     return 0
+
+
+def save_together(out: Path, results: list[Path], server_logs: list[Path], tag: str) -> None:
+    """The results as they are, the server logs in one archive: a GPU host call returns at most eight files."""
+    import tarfile
+
+    for f in results:
+        if f.exists():
+            shutil.copy(f, out / f.name)
+    logs = [f for f in server_logs if f.exists()]
+    if logs:
+        tmp = out / f".serve_{tag}_logs.tar.gz"
+        with tarfile.open(tmp, "w:gz") as tar:
+            for f in logs:
+                tar.add(f, arcname=f.name)
+        tmp.replace(out / f"serve_{tag}_logs.tar.gz")
+
+
+def server_logs(src: Path) -> list[tuple[str, str]]:
+    """(name, text) of every server log returned: loose files and the members of serve_*_logs.tar.gz archives."""
+    import tarfile
+
+    logs = [(f.name, f.read_text(errors="replace")) for f in sorted(src.glob("serve_*_[0-9]*.log"))]
+    for archive in sorted(src.glob("serve_*_logs.tar.gz")):
+        with tarfile.open(archive) as tar:
+            for member in tar.getmembers():
+                if member.isfile() and member.name.endswith(".log"):
+                    logs.append((member.name, tar.extractfile(member).read().decode(errors="replace")))
+    return logs
 
 
 def short(spec: str) -> str:
@@ -318,8 +344,8 @@ def finish(args: argparse.Namespace) -> int:
     frame = frame.select(SERVE_COLUMNS + (["repeat"] if "repeat" in frame.columns else []))
     # the model runner each server used, as its own log says (a served config's log names its spec)
     runners = {}
-    for log_file in sorted(src.glob("serve_*_[0-9]*.log")):
-        facts = server_log_facts(log_file.read_text(errors="replace"))
+    for _, text in server_logs(src):
+        facts = server_log_facts(text)
         if not facts["planted"]:
             runners[facts["config"]] = facts["vllm_runner"]
     frame = frame.with_columns(pl.col("config").replace_strict(runners, default=None, return_dtype=pl.String)

@@ -335,16 +335,30 @@ def same_distribution(per_position: Sequence[dict[str, Any]], alpha: float = 0.0
 
 def speedup_table(rows: Any, reference: str = "none") -> Any:
     """Output throughput of each config ÷ the reference config's, per (dataset, temperature, max_concurrency) of
-    the same run (a polars frame of `SERVE_COLUMNS` rows -> one row per group and config with `ratio`)."""
+    the same run (a polars frame of `SERVE_COLUMNS` rows -> one row per group and config with `ratio`).
+
+    A run with repeats (column `repeat`) divides each repeat by the reference's same repeat (measured minutes
+    apart, so a drift of the host's speed touches both alike) and reports the median ratio, its range
+    (`ratio_min`, `ratio_max`) and `repeats`; every other number is the median over repeats."""
     import polars as pl
 
     keys = ["run", "dataset", "temperature", "max_concurrency"]
-    ref = rows.filter(pl.col("config") == reference).select(keys + [pl.col("output_throughput").alias("ref")])
+    repeat = pl.col("repeat").fill_null(0) if "repeat" in rows.columns else pl.lit(0)
+    rows = rows.with_columns(repeat.cast(pl.Int64).alias("repeat"))
+    ref = rows.filter(pl.col("config") == reference).select(
+        keys + ["repeat", pl.col("output_throughput").alias("ref")])
     if ref.is_empty():
         raise ValueError(f"no {reference!r} rows to divide by")
-    return (rows.join(ref, on=keys, how="inner")
-            .with_columns((pl.col("output_throughput") / pl.col("ref")).alias("ratio"))
-            .sort(keys + ["config"]))
+    per = (rows.join(ref, on=keys + ["repeat"], how="inner")
+           .with_columns((pl.col("output_throughput") / pl.col("ref")).alias("ratio")))
+    group = keys + ["config"]
+    numeric = [c for c, t in per.schema.items() if t.is_numeric() and c not in group + ["repeat"]]
+    other = [c for c in per.columns if c not in numeric and c not in group + ["repeat"]]
+    return (per.group_by(group)
+            .agg([pl.col(c).median() for c in numeric] + [pl.col(c).first() for c in other]
+                 + [pl.col("ratio").min().alias("ratio_min"), pl.col("ratio").max().alias("ratio_max"),
+                    pl.len().alias("repeats")])
+            .sort(group))
 
 
 def best_ratio(table: Any, reference: str = "none") -> Any:
@@ -363,7 +377,9 @@ def short_config(config: str) -> str:
     if config == "none":
         return "none"
     name, values = parse_spec(config.split(" [")[0])
-    return f"{name} {values['batch_k']}" if "batch_k" in values else f"{name} k={values.get('k', '?')}"
+    block = f" block={values['draft_block']}" if values.get("draft_block", "1") != "1" else ""
+    return (f"{name}{block} {values['batch_k']}" if "batch_k" in values
+            else f"{name}{block} k={values.get('k', '?')}")
 
 
 def load_curves(rows: Any) -> Any:

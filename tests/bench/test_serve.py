@@ -131,3 +131,21 @@ def test_first_divergence_names_where_two_greedy_outputs_part():
     assert first_divergence([5, 6, 7], [5, 6, 7]) is None
     assert first_divergence([5, 6, 7], [5, 9, 7]) == 1
     assert first_divergence([5, 6, 7], [5, 6]) == 2  # a shorter output parts where it ends
+
+
+def test_speedup_table_divides_each_repeat_by_nones_same_repeat():
+    """Repeat r of a config is divided by `none`'s repeat r, and the table reports the median ratio and its range;
+    a repeat `none` lacks (cut by the budget) is left out."""
+    key = {"run": "x", "dataset": "prose", "temperature": 0.7, "max_concurrency": 1}
+    rows = pl.DataFrame([
+        {**key, "config": "none", "repeat": 0, "output_throughput": 100.0},
+        {**key, "config": "none", "repeat": 1, "output_throughput": 200.0},
+        {**key, "config": "none", "repeat": 2, "output_throughput": 100.0},
+        {**key, "config": "a", "repeat": 0, "output_throughput": 150.0},   # 1.5
+        {**key, "config": "a", "repeat": 1, "output_throughput": 200.0},   # 1.0
+        {**key, "config": "a", "repeat": 2, "output_throughput": 120.0},   # 1.2
+        {**key, "config": "a", "repeat": 3, "output_throughput": 900.0},   # no `none` repeat 3
+    ])
+    a = serve.speedup_table(rows).filter(pl.col("config") == "a").row(0, named=True)
+    assert (a["ratio"], a["ratio_min"], a["ratio_max"], a["repeats"]) == (pytest.approx(1.2), 1.0, 1.5, 3)
+    assert a["output_throughput"] == 150.0  # the median of the three repeats that have a reference
