@@ -18,7 +18,7 @@ holds it once, and each request's attention still reads all of it, as distinct p
   skips the (shape, config) pairs already done):
       python3 benchmarks/vllm_step_cost.py run --tag s1 --commit $(git rev-parse --short HEAD) --budget-s 560
   CPU (here):
-      python benchmarks/vllm_step_cost.py finish RETURNED_DIR   -> data/results/seed_scale_h200.parquet
+      python benchmarks/vllm_step_cost.py finish RETURNED_DIR   -> data/results/seed_scale_<card>.parquet
 """
 
 from __future__ import annotations
@@ -166,9 +166,10 @@ def one(args: argparse.Namespace) -> int:
     plugin.check_vllm_version()
     plugin.register()
     t0 = time.perf_counter()
+    # gpu-fused's drafter allocates its own cache after vLLM has taken its share: on an 80 GB card 0.88 left it none
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=folder, load_format="dummy", dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=max(BATCHES),
-        gpu_memory_utilization=0.88, enable_prefix_caching=True, seed=0, speculative_config=speculative,
+        gpu_memory_utilization=0.88 if config == "gpu-lookup" else 0.75, enable_prefix_caching=True, seed=0, speculative_config=speculative,
         additional_config=extra, compilation_config={"cudagraph_capture_sizes": capture},
         max_num_batched_tokens=8192, **({"quantization": "fp8"} if args.quant == "fp8" else {})))
     start_s = time.perf_counter() - t0
@@ -274,6 +275,16 @@ def run_all(args: argparse.Namespace) -> int:
     return 0
 
 
+def card_of(machine: str) -> str:
+    """The card a row was measured on, from its machine description ("NVIDIA H100 80GB HBM3, ..." -> "H100")."""
+    import re
+
+    found = re.search(r"\b([A-Z]\d{2,4}[A-Za-z]*)\b", machine)
+    if not found:
+        raise SystemExit(f"no card named in the machine description {machine!r}")
+    return found.group(1)
+
+
 def finish(args: argparse.Namespace) -> int:
     import polars as pl
 
@@ -285,7 +296,13 @@ def finish(args: argparse.Namespace) -> int:
     if not rows:
         raise SystemExit(f"no seed_scale_*.jsonl rows under {src}")
     frame = pl.DataFrame(rows)
-    out = Path(args.out)
+    cards = {card_of(m) for m in frame["machine"]}
+    if len(cards) != 1:
+        raise SystemExit(f"the rows under {src} come from {len(cards)} kinds of card ({sorted(cards)}): step costs "
+                         "of different cards never share a file, finish each card's rows on its own")
+    out = Path(args.out or ROOT / "data" / "results" / f"seed_scale_{cards.pop().lower()}.parquet")
+    if out.exists() and set(map(card_of, pl.read_parquet(out)["machine"])) != {card_of(frame["machine"][0])}:
+        raise SystemExit(f"{out} holds another card's step costs: name another --out")
     if out.exists():
         old = pl.read_parquet(out)
         frame = pl.concat([old.filter(~pl.col("run").is_in(frame["run"].unique().to_list())), frame], how="diagonal")
@@ -313,9 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--commit", default="unknown")
     o.add_argument("--work", required=True)
     o.add_argument("--rows", required=True)
-    f = sub.add_parser("finish", help="CPU: the returned rows -> data/results/seed_scale_h200.parquet")
+    f = sub.add_parser("finish", help="CPU: the returned rows -> data/results/seed_scale_<card>.parquet")
     f.add_argument("returned")
-    f.add_argument("--out", default=str(ROOT / "data" / "results" / "seed_scale_h200.parquet"))
+    f.add_argument("--out", default=None, help="default: data/results/seed_scale_<card>.parquet, the card the rows "
+                   "name (h100, h200)")
     args = p.parse_args(argv)
     return {"run": run_all, "one": one, "finish": finish}[args.cmd](args)
 

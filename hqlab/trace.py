@@ -27,6 +27,7 @@ class Source(IntEnum):
     TARGET = 0
     LOOKUP = 1
     DRAFT = 2
+    CORPUS = 3  # a lookup match in a corpus of earlier requests (hqlab.rules.corpus), not the request's own history
 
 
 def budget(max_new_tokens: Any, emitted: Any) -> Any:

@@ -154,3 +154,59 @@ def read_jsonl(path: Path) -> list[Prompt]:
         raise WorkloadError(f"{path}: no prompts (empty file)")
     return prompts
 
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# request logs: requests in the order a client sends them (the corpus workloads, data/workloads/corpus_*.jsonl)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of a request log: its workload, session, turn within the session and the messages it sends
+    (a later turn re-sends the earlier turns' text, as a client does)."""
+
+    workload: str
+    session: str
+    turn: int
+    messages: tuple[dict[str, str], ...]
+
+    @property
+    def id(self) -> str:
+        return f"{self.session}/{self.turn}"
+
+    def prompt(self) -> Prompt:
+        return Prompt(self.id, self.workload, self.messages)
+
+
+def read_requests(path: str | Path) -> list[Request]:
+    """A request log, one JSON object per line in sending order: {"workload": str, "session": str, "turn": int,
+    "messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]} ending with the user's message.
+
+    Within a session the turns are 0, 1, 2, ... in order. Errors name the file and line; nothing is returned
+    unless every line is valid."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise WorkloadError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    keys = {"workload", "session", "turn", "messages"}
+    out: list[Request] = []
+    turns: dict[str, int] = {}
+    for _, where, obj in json_lines(text, path, WorkloadError):
+        if not isinstance(obj, dict) or set(obj) != keys:
+            raise WorkloadError(f"{where}: expected an object with exactly the keys {sorted(keys)}")
+        if not isinstance(obj["workload"], str) or not isinstance(obj["session"], str) or \
+                not obj["workload"] or not obj["session"]:
+            raise WorkloadError(f"{where}: 'workload' and 'session' must be non-empty strings")
+        turn = obj["turn"]
+        expected = turns.get(obj["session"], -1) + 1
+        if not isinstance(turn, int) or isinstance(turn, bool) or turn != expected:
+            raise WorkloadError(f"{where}: session {obj['session']!r} expects turn {expected}, got {turn!r}")
+        turns[obj["session"]] = turn
+        if not isinstance(obj["messages"], list) or not obj["messages"] or \
+                not all(isinstance(m, dict) for m in obj["messages"]):
+            raise WorkloadError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        out.append(Request(obj["workload"], obj["session"], turn, _turns_to_messages(obj["messages"], where)))
+    if not out:
+        raise WorkloadError(f"{path}: no requests (empty file)")
+    return out

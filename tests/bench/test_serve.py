@@ -149,3 +149,48 @@ def test_speedup_table_divides_each_repeat_by_nones_same_repeat():
     a = serve.speedup_table(rows).filter(pl.col("config") == "a").row(0, named=True)
     assert (a["ratio"], a["ratio_min"], a["ratio_max"], a["repeats"]) == (pytest.approx(1.2), 1.0, 1.5, 3)
     assert a["output_throughput"] == 150.0  # the median of the three repeats that have a reference
+
+
+def test_run_s3_longer_drafter_heads_keep_nones_distribution():
+    """Run s3 sampled only the longer drafter heads; `none`'s reference is run s1's (same model and vLLM)."""
+    frame = pl.read_parquet(SAMPLES)
+    ref = frame.filter((pl.col("run") == "s1") & (pl.col("config") == "none"))["token_ids"][0].to_list()
+    s3 = frame.filter(pl.col("run") == "s3")
+    assert sorted(c.split("draft_block=")[1][0] for c in s3["config"]) == ["2", "3"]
+    for config, samples in zip(s3["config"], s3["token_ids"].to_list()):
+        assert len(samples) == 600
+        assert serve.same_distribution(serve.distribution_test(ref, samples, positions=24)), config
+
+
+def test_run_s3_greedy_texts_part_from_nones_only_at_near_ties():
+    """Every speculating server of run s3 returns `none`'s greedy tokens up to a position where `none`'s own top two
+    logits were within a quarter of a logit (a bf16 near-tie a verify step's shape can flip)."""
+    greedy = pl.read_parquet(GREEDY).filter(pl.col("run") == "s3")
+    ref = greedy.filter(pl.col("config") == "none").row(0, named=True)
+    others = greedy.filter(pl.col("config") != "none")
+    assert others.height == 5
+    parted = 0
+    for row in others.iter_rows(named=True):
+        for ref_ids, ref_margins, ids in zip(ref["token_ids"], ref["margins"], row["token_ids"]):
+            at = serve.first_divergence(ref_ids, ids)
+            if at is not None:
+                parted += 1
+                assert ref_margins[at] < 0.25, (row["config"], at, ref_margins[at])
+    assert parted > 0  # the run has near-ties; a test of none would prove nothing
+
+
+def test_run_s3_sampled_prose_at_one_request(loads):
+    """docs/serving.md's run s3 table: the longer drafter heads raise the acceptance length and not the speed, and
+    the lookup alone stays below 0.95x `none` on sampled prose at one request (the issue's target, not met)."""
+    table = serve.speedup_table(loads.filter(pl.col("run") == "s3"))
+    assert set(table["dataset"]) == {"prose"} and set(table["max_concurrency"]) == {1}
+    assert table["machine"].str.contains("H100").all()
+    fused = (table.filter(pl.col("config").str.starts_with("gpu-fused"))
+             .with_columns(pl.col("config").str.extract(r"draft_block=(\d)").cast(pl.Int64).alias("block"))
+             .sort("block"))
+    assert fused["block"].to_list() == [1, 2, 3]
+    assert fused["acceptance_length"].is_sorted() and fused["acceptance_length"][-1] > 1.3 * fused[
+        "acceptance_length"][0]
+    assert fused["ratio"].max() - fused["ratio"].min() < 0.05 and 1.0 < fused["ratio"].max() < 1.3
+    lookup = table.filter(pl.col("config").str.starts_with("gpu-lookup"))
+    assert lookup.height == 2 and (lookup["ratio"] < 0.95).all()

@@ -12,6 +12,15 @@ where vLLM's own EAGLE/MTP speculators run instead: after sampling, inside the w
   here reads a device value on the host, so the step adds no synchronisation.
 - The drafting step (gathers, the kernel, the pad fill, the record ring) is captured in one CUDA graph per batch
   size when vLLM captures its own (`capture`), so a step costs the host one copy and one graph launch.
+- With `corpus=N` the step also searches a corpus of earlier requests' outputs (N tokens at most, FIFO of whole
+  documents: `hqlab.rules.corpus`) kept on the GPU (`hqlab_kernels.corpus_match.CorpusRing`), in one more launch
+  for the batch, and `corpus_policy` picks between the request's own match and the corpus's (`choose`). Finished
+  requests reach the corpus through the plugin (`plugin._patch_corpus_delivery`): vLLM's scheduler knows each
+  finished request's exact output, the worker does not (its token rows may run past a stop by the tokens of the
+  step that found it), so the scheduler hands the finished (prompt, output) ids to the worker with the next step's
+  scheduler output and the worker adds them before that step drafts. Each step's record says how many documents
+  had entered the corpus when it drafted, and `take_corpus_log` the order they entered in, so a replay rebuilds the
+  corpus each step saw exactly.
 
 vLLM 0.26's V2 runner verifies the same number of draft positions (`num_speculative_tokens`) for every request on
 every step: its scheduler reserves them before the drafts exist (asynchronous scheduling). Positions the lookup
@@ -34,8 +43,9 @@ from typing import Any
 
 import torch
 
-from hqlab.config import LookupConfig, resolve_spec
+from hqlab.config import ConfigError, LookupConfig, require, resolve_spec
 from hqlab.engines.vllm import batch_k
+from hqlab.rules.corpus import CHOICE_POLICIES, CorpusConfig
 from hqlab.engines.vllm.speculator import (PAD_KEY, RECORD_KEY, SPEC_KEY, RecordRing, RequestState, V2Speculator,
                                            bind_histories, custom_class_config, gpu_spec, is_custom_class, pad_token,
                                            recording, refuse_retired)
@@ -56,11 +66,36 @@ class GpuLookupConfig(LookupConfig):
 
     graphs: bool = True
     batch_k: str = ""
+    # The corpus of earlier requests (`hqlab.rules.corpus`): corpus = most tokens kept (0: no corpus), corpus_docs =
+    # most documents, corpus_policy = own | longest (which match wins), corpus_prompts = also keep prompts.
+    corpus: int = 0
+    corpus_docs: int = 1024
+    corpus_policy: str = "own"
+    corpus_prompts: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.batch_k:
             batch_k.parse(self.batch_k, self.k)
+        require(self.corpus >= 0, f"corpus is the most tokens the corpus keeps, 0 for none (got {self.corpus})")
+        require(self.corpus_policy in CHOICE_POLICIES,
+                f"corpus_policy must be one of {CHOICE_POLICIES} (got {self.corpus_policy!r})")
+        if self.corpus:
+            self.corpus_config  # validates the corpus's own bounds
+            require(not self.full, "full=true is not implemented for the corpus (the corpus rule proposes what "
+                                   "follows a match up to the document's end): drop full or corpus")
+        elif (self.corpus_docs, self.corpus_policy, self.corpus_prompts) != (1024, "own", False):
+            raise ConfigError("corpus_docs, corpus_policy and corpus_prompts set a corpus: add corpus=N (its size in "
+                              "tokens) or drop them")
+
+    @property
+    def corpus_config(self) -> CorpusConfig | None:
+        """The corpus rule's settings, None without a corpus. The own-history window `search` does not apply to
+        the corpus (its documents are whole earlier requests)."""
+        if not self.corpus:
+            return None
+        return CorpusConfig(tokens=self.corpus, docs=self.corpus_docs, policy=self.corpus_policy,
+                            prompts=self.corpus_prompts)
 
 # Keys measured as no gain and removed, with the vLLM scheduler patches they needed; a spec naming one fails with
 # where to read why.
@@ -120,6 +155,51 @@ class StepRecorder(RecordRing):
         return out
 
 
+class CorpusStepRecorder(StepRecorder):
+    """The lookup's records plus the corpus's part: own and corpus match lengths, whether the corpus won, and how
+    many documents had entered the corpus when the step drafted (a host count, noted with the step)."""
+
+    def __init__(self, capacity: int, max_reqs: int, k: int, device: torch.device | str) -> None:
+        super().__init__(capacity, max_reqs, k, device)
+        self.corpus_meta = torch.zeros(self.capacity, max_reqs, 3, dtype=torch.int32, device=device)
+        self.docs_seen: list[int] = []  # per noted step, parallel to `steps`
+
+    def write_corpus(self, lengths: torch.Tensor, match_len: torch.Tensor, valid: torch.Tensor,
+                     proposals: torch.Tensor, own_len: torch.Tensor, corpus_len: torch.Tensor,
+                     from_corpus: torch.Tensor) -> None:
+        m = lengths.shape[0]
+        slot = self.counter.remainder(self.capacity)  # the slot `write` is about to take
+        self.corpus_meta[slot, :m] = torch.stack((own_len, corpus_len, from_corpus.to(torch.int32)), 1)[None]
+        self.write(lengths, match_len, valid, proposals)
+
+    def note_corpus(self, req_ids: list[str], host_s: float, docs: int) -> None:
+        self.note(req_ids, host_s)
+        self.docs_seen.append(docs)
+
+    def restart(self) -> None:
+        super().restart()
+        self.docs_seen = []
+
+    def take(self) -> list[dict[str, Any]]:
+        docs, self.docs_seen = self.docs_seen, []
+        steps = list(self.steps)
+        out = super().take()
+        if not out:
+            return out
+        extra = self.corpus_meta.cpu().numpy()
+        at = 0
+        for (slot, req_ids, _), seen in zip(steps, docs):
+            for i in range(len(req_ids)):
+                own_len, corpus_len, from_corpus = (int(x) for x in extra[slot, i])
+                out[at].update({"own_match_len": own_len, "corpus_match_len": corpus_len,
+                                "source": "corpus" if from_corpus else ("own" if own_len else "none"),
+                                "corpus_docs": seen})
+                if from_corpus:  # the step's tokens came from an earlier request's document
+                    out[at]["sources"] = [int(Source.CORPUS)] * len(out[at]["tokens"])
+                at += 1
+        return out
+
+
 class GpuLookupSpeculator(V2Speculator):
     """vLLM V2 speculator: the suffix-match lookup over vLLM's GPU histories, k drafts per request per step.
 
@@ -163,7 +243,9 @@ class GpuLookupSpeculator(V2Speculator):
         self.rows = torch.full((self.max_num_reqs,), -1, dtype=torch.int32, device=self.device)  # slots to draft for
         self.row_offsets: torch.Tensor | None = None
         self.state: RequestState | None = None
-        self.recorder = StepRecorder(RECORD_CAPACITY, self.max_num_reqs, self.k, self.device) if record else None
+        self._setup_corpus()
+        recorder = CorpusStepRecorder if self.corpus is not None else StepRecorder
+        self.recorder = recorder(RECORD_CAPACITY, self.max_num_reqs, self.k, self.device) if record else None
         self.skipped_steps = 0  # steps whose drafting `batch_k` skipped (a plain counter)
         self.use_graphs = False  # vLLM's cudagraph mode, from init_cudagraph_manager
         self.graphs: dict[int, Any] = {}  # batch size -> captured drafting step (`capture`)
@@ -171,6 +253,54 @@ class GpuLookupSpeculator(V2Speculator):
         self.draft_logits = None
         self.supports_mm_inputs = False
         self.model = torch.nn.Module()  # no weights; vLLM prepares communication buffers for `speculator.model`
+
+    def _setup_corpus(self) -> None:
+        self.corpus_config = getattr(self.config, "corpus_config", None)
+        self.corpus = self.corpus_matcher = None
+        self.corpus_log: list[dict[str, Any]] = []  # documents in the order they entered, since take_corpus_log
+        self.corpus_seen: set[str] = set()  # requests admitted since the corpus was last reset
+        if self.corpus_config is None:
+            return
+        from hqlab_kernels.corpus_match import CorpusMatcher, CorpusRing
+
+        c = self.config
+        self.corpus = CorpusRing(self.corpus_config.tokens, self.corpus_config.docs, self.device)
+        self.corpus_matcher = CorpusMatcher(self.max_num_reqs, self.k, nmin=c.nmin, nmax=c.nmax, policy=c.policy,
+                                            capacity=self.corpus_config.tokens, device=self.device)
+
+    # The corpus ---------------------------------------------------------------------------------------------------
+
+    def corpus_step(self, finished: Any, admitted: Any) -> None:
+        """Between steps (before the step drafts): add the documents of requests that finished, `finished` =
+        [(request id, prompt ids, output ids)] in the order vLLM's scheduler freed them, then note the requests
+        admitted this step. Only requests admitted since the last `reset_corpus` enter the corpus, so a reset is
+        exact even when a finished request's ids were still on their way from the scheduler."""
+        if self.corpus is None:
+            return
+        for rid, prompt, output in finished:
+            if rid not in self.corpus_seen:
+                continue
+            self.corpus_seen.discard(rid)
+            doc = list(prompt) + list(output) if self.corpus_config.prompts else list(output)
+            seq = self.corpus.add(doc)
+            if seq >= 0:
+                self.corpus_log.append({"seq": seq, "request": rid, "prompt_len": len(prompt),
+                                        "output_len": len(output), "length": len(doc)})
+        self.corpus_seen.update(admitted)
+
+    def reset_corpus(self) -> None:
+        """Empty the corpus (a benchmark point starts from nothing) and forget admitted requests and the log."""
+        if self.corpus is None:
+            return
+        self.corpus.clear()
+        self.corpus_seen = set()
+        self.corpus_log = []
+
+    def take_corpus_log(self) -> list[dict[str, Any]]:
+        """The documents that entered the corpus since the last call, in order: insertion number, request id, prompt
+        and output lengths, document length."""
+        log, self.corpus_log = self.corpus_log, []
+        return log
 
     def bind(self, all_token_ids: torch.Tensor, total_len: torch.Tensor) -> None:
         """Attach vLLM's histories ([slots, max_model_len] int32, contiguous) and their lengths ([slots] int32)."""
@@ -217,7 +347,10 @@ class GpuLookupSpeculator(V2Speculator):
         start = time.perf_counter()
         drafts = self.lookup(input_batch.idx_mapping, n)
         if self.recorder is not None:
-            self.recorder.note(input_batch.req_ids, time.perf_counter() - start)
+            if self.corpus is not None:
+                self.recorder.note_corpus(input_batch.req_ids, time.perf_counter() - start, self.corpus.inserted)
+            else:
+                self.recorder.note(input_batch.req_ids, time.perf_counter() - start)
         return drafts
 
     # The drafting step itself --------------------------------------------------------------------------------
@@ -244,19 +377,36 @@ class GpuLookupSpeculator(V2Speculator):
         slot = rows.clamp(min=0)
         lengths = torch.where(rows >= 0, self.state.total_len[slot], 0)
         offsets = self.row_offsets[slot]
-        proposals, match_len, valid = self.matcher(self.state.all_token_ids.view(-1), offsets, lengths)
+        tokens = self.state.all_token_ids.view(-1)
+        proposals, match_len, valid = self.matcher(tokens, offsets, lengths)
+        if self.corpus is not None:
+            own_len = match_len
+            c_props, c_len, c_valid, _ = self.corpus_matcher(tokens, offsets, lengths, self.corpus)
+            # `hqlab.rules.corpus.choose`: "own" takes the corpus only without an own match, "longest" the longer
+            # capped match (ties to own history).
+            if self.corpus_config.policy == "own":
+                from_corpus = (own_len == 0) & (c_len > 0)
+            else:
+                from_corpus = c_len > own_len
+            proposals = torch.where(from_corpus[:, None], c_props, proposals)
+            match_len = torch.where(from_corpus, c_len, own_len)
+            valid = torch.where(from_corpus, c_valid, valid)
         drafts = self.draft_tokens[:m]
         drafts.copy_(proposals)
         drafts.masked_fill_(proposals < 0, self.pad)
         if self.recorder is not None:
-            self.recorder.write(lengths, match_len, valid, proposals)
+            if self.corpus is not None:
+                self.recorder.write_corpus(lengths, match_len, valid, proposals, own_len, c_len, from_corpus)
+            else:
+                self.recorder.write(lengths, match_len, valid, proposals)
 
     def take_records(self) -> list[dict[str, Any]]:
         """The per-step drafts since the last call (empty when recording is off)."""
         return self.recorder.take() if self.recorder is not None else []
 
 
-__all__ = ["GpuLookupSpeculator", "GpuLookupConfig", "StepRecorder", "RecordRing", "lookup_config", "RETIRED",
+__all__ = ["GpuLookupSpeculator", "GpuLookupConfig", "StepRecorder", "CorpusStepRecorder", "RecordRing",
+           "lookup_config", "RETIRED",
            "speculative_config", "is_gpu_lookup", "is_custom_class", "pad_token", "bind_histories", "NAME",
            "CLASS_PATH", "SPEC_KEY", "RECORD_KEY", "PAD_KEY"]
 

@@ -13,6 +13,12 @@ that ask for an hqlab GPU speculator (`gpu_lookup.is_gpu_lookup`, `gpu_fused.is_
 3. `init_speculator` builds `GpuLookupSpeculator` (or `gpu_fused.GpuFusedSpeculator`), which is bound to the
    runner's request state when vLLM loads the model (the fused one also loads its draft model then).
 
+For a `gpu-lookup` with a corpus (`corpus=N`) it also carries finished requests to the speculator
+(`_patch_corpus_delivery`): vLLM's scheduler notes each freed request's prompt and output ids and attaches them to
+its next scheduler output, and the runner's `finish_requests` hands them (with the requests admitted that step) to
+the speculator. Only the scheduler knows a finished request's exact output; the worker's token rows may hold tokens
+past the stop. Configs without a corpus are untouched (the wrappers return at once).
+
 Nothing of vLLM is forked or copied. On any other vLLM version `register` patches nothing and says so, and a
 config that asks for the speculator fails with a clear error (`check_vllm_version`).
 """
@@ -53,6 +59,7 @@ def register() -> None:
         return
     _patch_config()
     _patch_init_speculator()
+    _patch_corpus_delivery()
 
 
 def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
@@ -117,6 +124,7 @@ def _patch_init_speculator() -> None:
             from hqlab.engines.vllm.gpu_lookup import GpuLookupSpeculator
 
             _patch_runner_binding()
+            _patch_corpus_runner()
             if is_gpu_fused(vllm_config.speculative_config):
                 speculator = GpuFusedSpeculator(vllm_config, device)
             else:
@@ -157,6 +165,87 @@ def _patch_runner_binding() -> None:
         return load_model
 
     _wrap(GPUModelRunner, "load_model", make)
+
+
+CORPUS_DOCS = "hqlab_corpus_docs"  # the scheduler output's attribute carrying finished requests to the worker
+
+
+def _corpus_prompts(vllm_config: Any) -> bool | None:
+    """None unless the config is a gpu-lookup with a corpus; else whether the corpus keeps prompts."""
+    from hqlab.engines.vllm.gpu_lookup import is_gpu_lookup, lookup_config
+    from hqlab.engines.vllm.speculator import proposer_spec
+
+    if not is_gpu_lookup(getattr(vllm_config, "speculative_config", None)):
+        return None
+    config = lookup_config(proposer_spec(vllm_config))
+    return config.corpus_prompts if config.corpus else None
+
+
+def _wants_corpus(scheduler: Any) -> bool:
+    """Whether this scheduler's config is a gpu-lookup with a corpus (read once per scheduler)."""
+    found = scheduler.__dict__.get("_hqlab_corpus")
+    if found is None:
+        found = scheduler.__dict__["_hqlab_corpus"] = _corpus_prompts(scheduler.vllm_config) is not None
+    return found
+
+
+def _note_freed(scheduler: Any, request: Any) -> None:
+    """The scheduler frees a finished (or aborted) request: keep its prompt and output ids for the worker. Copies:
+    the request's lists are vLLM's."""
+    if _wants_corpus(scheduler):
+        scheduler.__dict__.setdefault("_hqlab_freed", []).append(
+            (request.request_id, list(request.prompt_token_ids or ()), list(request.output_token_ids)))
+
+
+def _attach_freed(scheduler: Any, scheduler_output: Any) -> None:
+    """The requests freed since the last schedule travel to the worker with this step's scheduler output."""
+    if _wants_corpus(scheduler):
+        setattr(scheduler_output, CORPUS_DOCS, scheduler.__dict__.pop("_hqlab_freed", []))
+
+
+def _deliver(runner: Any, scheduler_output: Any) -> None:
+    """In the worker, after vLLM's `finish_requests` and before the step drafts: the finished requests' ids and the
+    step's new requests to the speculator (`GpuLookupSpeculator.corpus_step`)."""
+    speculator = getattr(runner, "speculator", None)
+    if getattr(speculator, "corpus", None) is not None:
+        speculator.corpus_step(getattr(scheduler_output, CORPUS_DOCS, ()),
+                               [r.req_id for r in scheduler_output.scheduled_new_reqs])
+
+
+def _patch_corpus_delivery() -> None:
+    """Scheduler: `_note_freed` when it frees a request, `_attach_freed` to each scheduler output (in every process
+    that may schedule; the runner's half is `_patch_corpus_runner`, patched in the worker with the binding)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    def free(original: Callable) -> Callable:
+        def _free_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+            _note_freed(self, request)
+            return original(self, request, *args, **kwargs)
+        return _free_request
+
+    def schedule(original: Callable) -> Callable:
+        def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original(self, *args, **kwargs)
+            _attach_freed(self, out)
+            return out
+        return schedule
+
+    _wrap(Scheduler, "_free_request", free)
+    _wrap(Scheduler, "schedule", schedule)
+
+
+def _patch_corpus_runner() -> None:
+    """Runner: `_deliver` after `finish_requests` (model runner V2's first act of a step)."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    def finish(original: Callable) -> Callable:
+        def finish_requests(self: Any, scheduler_output: Any) -> Any:
+            result = original(self, scheduler_output)
+            _deliver(self, scheduler_output)
+            return result
+        return finish_requests
+
+    _wrap(GPUModelRunner, "finish_requests", finish)
 
 
 __all__ = ["register", "check_vllm_version", "VLLM_VERSION"]

@@ -1,7 +1,8 @@
 """What hqlab adds to vLLM's worker: `HqlabWorkerExtension`, mixed into the worker through vLLM's
 `worker_extension_cls` (pass `EXTENSION_PATH`), through which the engine collects the step records hqlab's code kept
 inside vLLM (`llm.collective_rpc("hqlab_take_records")`) and times the model runner's phases (`StepTimer`,
-`hqlab_profile_start` / `hqlab_profile_stop`).
+`hqlab_profile_start` / `hqlab_profile_stop`), and empties or reads the gpu-lookup corpus (`hqlab_corpus_reset`,
+`hqlab_take_corpus_log`).
 """
 
 from __future__ import annotations
@@ -75,6 +76,23 @@ class HqlabWorkerExtension:
             if isinstance(found, (HqlabProposer, GpuLookupSpeculator, GpuFusedSpeculator)):
                 return found.take_records()
         return []
+
+    def _hqlab_corpus_speculator(self) -> Any:
+        speculator = getattr(getattr(self, "model_runner", None), "speculator", None)
+        return speculator if getattr(speculator, "corpus", None) is not None else None
+
+    def hqlab_corpus_reset(self) -> bool:
+        """Empty the gpu-lookup corpus (a benchmark point starts from nothing); False where there is none."""
+        speculator = self._hqlab_corpus_speculator()
+        if speculator is None:
+            return False
+        speculator.reset_corpus()
+        return True
+
+    def hqlab_take_corpus_log(self) -> list[dict[str, Any]]:
+        """The documents that entered the gpu-lookup corpus since the last call, in order (empty without one)."""
+        speculator = self._hqlab_corpus_speculator()
+        return speculator.take_corpus_log() if speculator is not None else []
 
     def hqlab_profile_start(self) -> bool:
         """Start timing the model runner's phases (see StepTimer); False if this worker has no model runner."""
