@@ -207,11 +207,12 @@ def predicted_vs_measured(data: pl.DataFrame, x: str, y: str, color: str, *, tol
     return alt.layer(rules, dots).properties(width=WIDTH * 2.4, height=WIDTH * 2.4)
 
 
-def lines_with_mark(data: pl.DataFrame, x: str, y: str, color: str, *, row: str, column: str,
+def lines_with_mark(data: pl.DataFrame, x: str, y: str, color: str, *, panel: str, columns: int = 3,
                     mark: tuple[float, float, str] | None = None, x_title: str | None = None,
                     y_title: str | None = None, log_x: bool = True, log_y: bool = True) -> alt.TopLevelMixin:
-    """Lines of `y` against `x` per `color`, one panel per (`row`, `column`), and in every panel one reference
-    point `mark` = (x, y, label) (e.g. a published claim to compare against) with a dashed rule at its y."""
+    """Lines of `y` against `x` per `color`, one panel per `panel` value that has rows (in order of appearance),
+    and in every panel one reference point `mark` = (x, y, label) (e.g. a published claim to compare against) with
+    a dashed rule at its y."""
     def domain(column: str, values: list[float], log: bool) -> alt.Scale:
         lo, hi = min(values), max(values)  # the data's range (and the mark's), not a padded one
         pad = (hi / lo) ** 0.05 if log and lo > 0 else 1.0
@@ -232,9 +233,9 @@ def lines_with_mark(data: pl.DataFrame, x: str, y: str, color: str, *, row: str,
                    alt.Chart().mark_text(align="left", dx=6, dy=-8, fontSize=9).encode(
                        x=alt.datum(mx), y=alt.datum(my), text=alt.datum(label))]
     chart = alt.layer(*layers).properties(width=WIDTH * 1.3, height=150)
-    return chart.facet(row=alt.Row(f"{row}:N", title=None), column=alt.Column(f"{column}:N", title=None,
-                                                                             header=alt.Header(labelLimit=300)),
-                       data=data)
+    order = list(dict.fromkeys(data[panel].to_list()))
+    return chart.facet(alt.Facet(f"{panel}:N", title=None, sort=order, header=alt.Header(labelLimit=400)),
+                       columns=columns, data=data)
 
 
 def panel_lines(data: pl.DataFrame, x: str, y: str, color: str, *, panel: str, order: list[str] | None = None,

@@ -23,7 +23,7 @@
 # themselves), then projected onto the large shapes (`hqlab.replay.scale`). docs/seed-scale.md reads these.
 
 # %% tags=["parameters"]
-step_costs_file = "data/results/seed_scale_h200.parquet"
+step_costs_file = "data/results/seed_scale_h100.parquet"  # the H200 was not lent: measured on an H100
 step_costs_runs = []  # runs of the step-cost file to use (empty: all; each point must appear once)
 lookup_steps_file = "data/results/vllm_gpu_h200.steps.parquet"
 lookup_results_file = "data/results/vllm_gpu_h200.parquet"
@@ -34,6 +34,8 @@ fused_results_file = "data/results/vllm_fused_h200.parquet"
 fused_run = "fn2"
 fused_shape = "qwen2.5-1.5b"  # the run's target, and the shape the fused step was measured on
 drafter_shape = "qwen2.5-0.5b"  # the shape of the drafter in the fused measurement
+phases_file = "data/results/vllm_fused_h200.phases.parquet"  # where the grid has no fused step: the profiled pass
+pass_profile_run = "fn1"  # a profiled run of fn2's fused configs
 shapes = ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-27b", "qwen2.5-32b"]
 widths = [1, 2, 4, 8, 16, 32]  # the step-cost figure's widths
 contexts = [1024, 8192, 32768]  # the step-cost figure's contexts
@@ -93,15 +95,26 @@ chart
 curve.pivot(on="width", index=["shape", "batch", "context"], values="step_ms").sort("batch", "context")
 
 # %% [markdown]
-# The drafter's pass measured on the 1.5B (its gpu-fused step minus its gpu-lookup step at the same point):
+# The drafter's pass: where the grid measured the 1.5B's gpu-fused step, that step minus its gpu-lookup step at the
+# same point; where it did not, the pass's GPU time in the profiled run `pass_profile_run` (the same fused configs
+# as `fn2`, on the H200, batch 1), and then gpu-fused is projected at batch 1 only.
 
 # %%
-fused_points = costs.filter((pl.col("shape") == fused_shape) & (pl.col("config") == "gpu-fused")
-                            & (pl.col("quant") == quant))
-passes = fused_points.select("width", "context", "batch").with_columns(
-    pl.Series("pass_ms", [float(scale.pass_ms(costs, [w], [c], b, fused_shape=fused_shape, quant=quant)[0])
-                          for w, c, b in fused_points.select("width", "context", "batch").iter_rows()]))
-passes.pivot(on="width", index=["batch", "context"], values="pass_ms").sort("batch", "context")
+missing_shapes = [s for s in shapes if costs.filter(pl.col("shape") == s).is_empty()]
+print(f"shapes not in the step-cost file (left out): {missing_shapes}")
+shapes = [s for s in shapes if s not in missing_shapes]
+profiled = None
+if scale.has_fused(costs, fused_shape, quant=quant):
+    fused_points = costs.filter((pl.col("shape") == fused_shape) & (pl.col("config") == "gpu-fused")
+                                & (pl.col("quant") == quant))
+    passes = fused_points.select("width", "context", "batch").with_columns(
+        pl.Series("pass_ms", [float(scale.pass_ms(costs, [w], [c], b, fused_shape=fused_shape, quant=quant)[0])
+                              for w, c, b in fused_points.select("width", "context", "batch").iter_rows()]))
+    display(passes.pivot(on="width", index=["batch", "context"], values="pass_ms").sort("batch", "context"))
+else:
+    profiled = scale.profiled_pass_ms(pl.read_parquet(phases_file), pass_profile_run)
+    print(f"no gpu-fused step of {fused_shape} in the grid; the drafter's pass from run {pass_profile_run}'s profile "
+          f"(GPU ms by verify width): {profiled}")
 
 # %% [markdown]
 # ## 2. Validation where the truth is known
@@ -116,7 +129,7 @@ fused_steps, fused_results = pl.read_parquet(fused_steps_file), pl.read_parquet(
 validation = pl.concat([
     scale.validate(costs, lookup_steps, lookup_results, lookup_run, lookup_shape, quant=quant, tolerance=tolerance),
     scale.validate(costs, fused_steps, fused_results, fused_run, fused_shape, fused_shape=fused_shape, quant=quant,
-                   tolerance=tolerance)])
+                   profiled_pass=profiled, tolerance=tolerance)])
 for run, results, steps in ((lookup_run, lookup_results, lookup_steps), (fused_run, fused_results, fused_steps)):
     left = sorted({c for c in results.filter(pl.col("run") == run)["config"].to_list()
                    if not scale.priceable(steps, run, c)})
@@ -153,14 +166,17 @@ def sources_of(steps: pl.DataFrame, results: pl.DataFrame, run: str, kinds: tupl
     return [scale.traces(steps, results, run, c) for c in configs]
 
 
-sources = (sources_of(lookup_steps, lookup_results, lookup_run, ("gpu-lookup",))
-           + sources_of(fused_steps, fused_results, fused_run, ("gpu-lookup", "gpu-fused")))
-measured_in = {q: set(costs.filter(pl.col("quant") == q)["shape"].to_list()) for q in [quant, *extra_quants]}
+lookups = (sources_of(lookup_steps, lookup_results, lookup_run, ("gpu-lookup",))
+           + sources_of(fused_steps, fused_results, fused_run, ("gpu-lookup",)))
+fused = sources_of(fused_steps, fused_results, fused_run, ("gpu-fused",))
+fused_batches = batches if profiled is None else [b for b in batches if b == 1]  # a profiled pass is batch 1's
+measured_in = {q: [s for s in shapes if not costs.filter((pl.col("quant") == q) & (pl.col("shape") == s)).is_empty()]
+               for q in [quant, *extra_quants]}
+options = dict(pass_quant=quant, fused_shape=fused_shape, measured_drafter_shape=drafter_shape,
+               drafters=("measured", "scaled"), drafter_ratio=drafter_ratio, profiled_pass=profiled)
 projection = pl.concat([
-    scale.project(costs, sources, [s for s in shapes if s in measured_in[q]], batches, quant=q, pass_quant=quant,
-                  fused_shape=fused_shape, measured_drafter_shape=drafter_shape, drafters=("measured", "scaled"),
-                  drafter_ratio=drafter_ratio)
-    for q in measured_in if measured_in[q] & set(shapes)])
+    scale.project(costs, group, measured_in[q], these, quant=q, **options)
+    for q in measured_in if measured_in[q] for group, these in ((lookups, batches), (fused, fused_batches))])
 path = scale.write_projection(projection, Path(results_dir) / "seed_scale_projection.parquet")
 print(f"{projection.height} rows -> {path}")
 projection.select("shape", "target_params_b", "quant", "label", "traces_run", "drafter", "drafter_shape", "category",
@@ -174,12 +190,14 @@ projection.select("shape", "target_params_b", "quant", "label", "traces_run", "d
 named = projection.with_columns(
     pl.when(pl.col("drafter") == "-").then(pl.format("{} ({})", "label", "traces_run"))
     .otherwise(pl.format("{} ({}, {} drafter)", "label", "traces_run", "drafter")).alias("config"),
-    pl.format("batch {}", "batch").alias("batch_panel"), pl.format("{} {}", "shape", "quant").alias("target"))
+    pl.format("{} {}", "shape", "quant").alias("target"))
 missing = sorted(set(speedup_configs) - set(named["config"].to_list()))
 assert not missing, f"speedup_configs not in the projection: {missing}"
-shown = named.filter(pl.col("config").is_in(speedup_configs) & (pl.col("quant") == quant))
-chart = plots.lines_with_mark(shown, "target_params_b", "speedup",
-                              "category", row="batch_panel", column="config",
+shown = (named.filter(pl.col("config").is_in(speedup_configs) & (pl.col("quant") == quant))
+         .with_columns(pl.format("{}, batch {}", "config", "batch").alias("panel"),
+                       pl.col("config").replace_strict({c: i for i, c in enumerate(speedup_configs)}).alias("order"))
+         .sort("batch", "order", "target_params_b"))
+chart = plots.lines_with_mark(shown, "target_params_b", "speedup", "category", panel="panel", columns=3,
                               mark=(seeds_params_b, seeds_speedup, f"seeds: {seeds_speedup}×"),
                               x_title="target parameters (B)", y_title="projected speedup ÷ none")
 plots.save(chart, Path(figures_dir) / "seed_scale_speedup.svg")

@@ -65,9 +65,9 @@ def test_predicted_vs_measured_draws_the_tolerance_band():
 
 def test_lines_with_mark_put_the_reference_point_in_every_panel():
     frame = pl.DataFrame({"size": [7.0, 32.0] * 2, "speedup": [1.5, 2.0, 3.0, 4.0], "class": ["chat"] * 2 + ["qa"] * 2,
-                          "batch": ["batch 1"] * 4, "config": ["x"] * 4})
-    spec = plots.lines_with_mark(frame, "size", "speedup", "class", row="batch", column="config",
-                                 mark=(27.0, 2.4, "seeds")).to_dict()
+                          "panel": ["x, batch 8"] * 2 + ["x, batch 1"] * 2})
+    spec = plots.lines_with_mark(frame, "size", "speedup", "class", panel="panel", mark=(27.0, 2.4, "seeds")).to_dict()
+    assert spec["facet"]["sort"] == ["x, batch 8", "x, batch 1"]  # panels that have rows, in their order
     layers = spec["spec"]["layer"]
     assert len(layers) == 4  # the lines, the rule, the point, its label
     assert layers[2]["encoding"]["x"] == {"datum": 27.0} and layers[2]["encoding"]["y"] == {"datum": 2.4}

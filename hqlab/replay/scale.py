@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import polars as pl
@@ -36,7 +36,7 @@ STEP_COST_SCHEMA: dict[str, type[pl.DataType]] = {
     "git_commit": pl.String}
 STEP_CONFIGS = ("gpu-lookup", "gpu-fused")  # the configs the step-cost grid measures
 KINDS = ("none", "gpu-lookup", "gpu-fused")  # the configs of a vLLM run this module can price
-SHORT_CONTEXT = ("error", "clamp")
+OUTSIDE_CONTEXT = ("error", "clamp")
 DRAFTERS = ("measured", "scaled")
 KEY = ("shape", "quant", "config", "width", "context", "batch")
 TRACE_COLUMNS = ("request", "category", "config", "context_len", "verify_len", "emitted", "drafter_passes", "step_s",
@@ -173,6 +173,12 @@ def scaled_drafter_shape(costs: pl.DataFrame, target_params_b: float, *, ratio: 
     return shapes["shape"][int(np.argmin(gaps))]
 
 
+def has_fused(costs: pl.DataFrame, shape: str, *, quant: str = "bf16") -> bool:
+    """Whether the grid measured `shape`'s gpu-fused step (else a fused projection needs `profiled_pass_ms`)."""
+    return not costs.filter((pl.col("shape") == shape) & (pl.col("quant") == quant)
+                            & (pl.col("config") == "gpu-fused")).is_empty()
+
+
 def config_kind(config: str) -> str:
     """`none`, `gpu-lookup` or `gpu-fused` for a run's config spec; any other raises `ScaleError`."""
     name = config if config == "none" else parse_spec(config)[0]
@@ -243,35 +249,59 @@ def traces(steps: pl.DataFrame, results: pl.DataFrame, run: str, config: str) ->
     return Traces(mine.select(TRACE_COLUMNS), run, config, str(rows["model"][0]), str(rows["git_commit"][0]))
 
 
-def _contexts(contexts: np.ndarray, floor: int, short_context: str, where: str) -> np.ndarray:
-    if short_context not in SHORT_CONTEXT:
-        raise ScaleError(f"short_context must be one of {', '.join(SHORT_CONTEXT)} (got {short_context!r})")
-    if short_context == "clamp":
-        return np.maximum(contexts, floor)
-    if (contexts < floor).any():
-        raise ScaleError(f"{where}: a step reads {contexts.min()} tokens of context, below the grid's smallest "
-                         f"({floor}); short_context='clamp' prices such steps at {floor}")
+def _contexts(contexts: np.ndarray, floor: int, ceiling: int, outside_context: str, where: str) -> np.ndarray:
+    if outside_context not in OUTSIDE_CONTEXT:
+        raise ScaleError(f"outside_context must be one of {', '.join(OUTSIDE_CONTEXT)} (got {outside_context!r})")
+    if outside_context == "clamp":
+        return np.clip(contexts, floor, ceiling)
+    if (contexts < floor).any() or (contexts > ceiling).any():
+        raise ScaleError(f"{where}: steps read {contexts.min()}-{contexts.max()} tokens of context, outside the "
+                         f"grid's {floor}-{ceiling}; outside_context='clamp' prices them at the nearest measured")
     return contexts
+
+
+def profiled_pass_ms(phases: pl.DataFrame, run: str, *, skipped_below_ms: float = 0.25) -> dict[int, float]:
+    """The drafter's pass (GPU ms) per verify width from a profiled gpu-fused run (`bench --profile`: the phases
+    parquet's `propose (speculator)` spans): per single-pass gpu-fused config, the median over the steps that ran
+    the pass, width = k + 1. A step whose drafting took under `skipped_below_ms` skipped the pass (device skip: the
+    lookup alone takes ~0.03 ms) and is left out. Two configs of one width give their mean."""
+    rows = phases.filter((pl.col("run") == run) & pl.col("config").str.starts_with("gpu-fused")
+                         & (pl.col("phase") == "propose (speculator)") & (pl.col("gpu_ms") >= skipped_below_ms))
+    if rows.is_empty():
+        raise ScaleError(f"run {run!r}: no profiled drafter passes (runs: {sorted(phases['run'].unique().to_list())})")
+    by_width: dict[int, list[float]] = {}
+    for config, ms in rows.group_by("config").agg(pl.col("gpu_ms").median()).iter_rows():
+        values = parse_spec(config)[1]
+        if values.get("draft_block", "1") != "1":
+            continue
+        by_width.setdefault(int(values["k"]) + 1, []).append(float(ms))
+    if not by_width:
+        raise ScaleError(f"run {run!r}: no single-pass gpu-fused config was profiled")
+    return {w: float(np.mean(v)) for w, v in sorted(by_width.items())}
 
 
 def price_requests(tr: Traces, costs: pl.DataFrame, shape: str, batch: int, *, quant: str = "bf16",
                    fused_shape: str | None = None, drafter_shape: str | None = None,
                    measured_drafter_shape: str | None = None, pass_quant: str = "bf16",
-                   short_context: str = "error") -> pl.DataFrame:
+                   profiled_pass: Mapping[int, float] | None = None,
+                   outside_context: str = "error") -> pl.DataFrame:
     """Per request of `tr`: tokens, steps, the projected decode time (ms) of its steps on `shape` at `batch` (and
     `recorded_ms`, what the steps took where they were recorded), the
     time of the same tokens without speculation (`none_ms`: one width-1 gpu-lookup step a token, from the request's
     first context on) and `clamped` (steps whose context was below the grid and priced at its smallest, with
-    `short_context="clamp"`). A gpu-fused step = the target's gpu-lookup step + the drafter's pass where the step ran
-    one (`pass_ms`; `fused_shape` is the shape the fused step was measured on, in `pass_quant`: a target in fp8 gets
-    the drafter's pass as measured in bf16)."""
+    `outside_context="clamp"`). A gpu-fused step = the target's gpu-lookup step + the drafter's pass where the step
+    ran one: from the grid (`pass_ms`; `fused_shape` is the shape the fused step was measured on, in `pass_quant`: a
+    target in fp8 gets the drafter's pass as measured in bf16), or, where the grid has no fused step,
+    `profiled_pass` (width -> GPU ms of the pass at batch 1, `profiled_pass_ms`), batch 1 only; a scaled drafter
+    adds the difference of the two shapes' lookup steps from the grid either way."""
     check_step_costs(costs)
     grid = costs.filter((pl.col("shape") == shape) & (pl.col("quant") == quant) & (pl.col("config") == "gpu-lookup")
                         & (pl.col("batch") == batch))
     floor = int(grid["context"].min()) if not grid.is_empty() else 1
+    ceiling = int(grid["context"].max()) if not grid.is_empty() else 1 << 30
     s = tr.steps.sort("request", "context_len")
     raw = s["context_len"].to_numpy()
-    ctx = _contexts(raw, floor, short_context, f"run {tr.run}, {tr.config}")
+    ctx = _contexts(raw, floor, ceiling, outside_context, f"run {tr.run}, {tr.config} on {shape} at batch {batch}")
     width = s["verify_len"].to_numpy()
     lookup_config = "gpu-lookup"
     if tr.kind == "none":
@@ -279,18 +309,34 @@ def price_requests(tr: Traces, costs: pl.DataFrame, shape: str, batch: int, *, q
     else:
         ms = step_ms(costs, shape, lookup_config, width, ctx, batch, quant=quant)
     if tr.kind == "gpu-fused":
-        if fused_shape is None:
-            raise ScaleError("pricing gpu-fused needs fused_shape, the shape its fused step was measured on")
         passes = s["drafter_passes"].to_numpy()
         ran = passes > 0
         extra = np.zeros(ms.shape)
-        if ran.any():
+        if ran.any() and profiled_pass is not None:
+            if batch != 1:
+                raise ScaleError(f"a profiled pass is the pass at batch 1; {tr.config} at batch {batch} needs the "
+                                 f"grid's fused step")
+            missing = sorted(set(width[ran].tolist()) - set(profiled_pass))
+            if missing:
+                raise ScaleError(f"no profiled pass at width(s) {missing} (profiled: {sorted(profiled_pass)})")
+            extra[ran] = [profiled_pass[int(w)] for w in width[ran]]
+            if drafter_shape is not None and drafter_shape != measured_drafter_shape:
+                if measured_drafter_shape is None:
+                    raise ScaleError("a scaled drafter needs the shape of the drafter that was measured")
+                extra[ran] += (step_ms(costs, drafter_shape, "gpu-lookup", width[ran], ctx[ran], batch,
+                                       quant=pass_quant)
+                               - step_ms(costs, measured_drafter_shape, "gpu-lookup", width[ran], ctx[ran], batch,
+                                         quant=pass_quant))
+        elif ran.any():
+            if fused_shape is None:
+                raise ScaleError("pricing gpu-fused needs fused_shape (the shape its fused step was measured on) or "
+                                 "profiled_pass")
             extra[ran] = pass_ms(costs, width[ran], ctx[ran], batch, fused_shape=fused_shape,
                                  drafter_shape=drafter_shape, measured_drafter_shape=measured_drafter_shape,
                                  quant=pass_quant)
         ms = ms + extra
     priced = s.select("request", "category", "context_len", "emitted", "step_s").with_columns(
-        pl.Series("ms", ms), pl.Series("clamped", raw < floor))
+        pl.Series("ms", ms), pl.Series("clamped", (raw < floor) | (raw > ceiling)))
     per = (priced.group_by("request", "category", maintain_order=True)
            .agg(pl.col("emitted").sum().alias("tokens"), pl.len().alias("steps"), pl.col("ms").sum(),
                 (1e3 * pl.col("step_s").sum()).alias("recorded_ms"),
@@ -299,7 +345,7 @@ def price_requests(tr: Traces, costs: pl.DataFrame, shape: str, batch: int, *, q
     none_ms = []
     for first, tokens in per.select("first_context", "tokens").iter_rows():
         positions = first + np.arange(tokens)
-        ctx_none = _contexts(positions, floor, short_context, f"run {tr.run}, none")
+        ctx_none = _contexts(positions, floor, ceiling, outside_context, f"run {tr.run}, none on {shape}")
         none_ms.append(float(step_ms(costs, shape, lookup_config, 1, ctx_none, batch, quant=quant).sum()))
     return per.with_columns(pl.Series("none_ms", none_ms)).with_columns(
         (1e3 * pl.col("tokens") / pl.col("ms")).alias("tok_s"),
@@ -308,7 +354,8 @@ def price_requests(tr: Traces, costs: pl.DataFrame, shape: str, batch: int, *, q
 
 def validate(costs: pl.DataFrame, steps: pl.DataFrame, results: pl.DataFrame, run: str, shape: str, *,
              configs: Sequence[str] | None = None, fused_shape: str | None = None, quant: str = "bf16",
-             short_context: str = "clamp", tolerance: float = 0.10) -> pl.DataFrame:
+             profiled_pass: Mapping[int, float] | None = None, outside_context: str = "clamp",
+             tolerance: float = 0.10) -> pl.DataFrame:
     """Predicted against measured decode tok/s per (config, class) of a committed run at batch 1, the step costs
     taken from the grid of the run's own model's shape: per request tokens ÷ the summed predicted step costs, the
     class median over its prompts, as the run's `decode_tok_s` is (the median over prompts of each prompt's median
@@ -326,7 +373,8 @@ def validate(costs: pl.DataFrame, steps: pl.DataFrame, results: pl.DataFrame, ru
     rows = []
     for config in configs:
         tr = traces(steps, results, run, config)
-        per = price_requests(tr, costs, shape, 1, quant=quant, fused_shape=fused_shape, short_context=short_context)
+        per = price_requests(tr, costs, shape, 1, quant=quant, fused_shape=fused_shape, profiled_pass=profiled_pass,
+                             outside_context=outside_context)
         steps_sum = pl.col("steps").sum()
         pred = per.group_by("category").agg(pl.col("tok_s").median().alias("predicted_tok_s"),
                                            (pl.col("ms").sum() / steps_sum).alias("predicted_step_ms"),
@@ -368,7 +416,7 @@ def project(costs: pl.DataFrame, sources: Sequence[Traces], shapes: Sequence[str
             quant: str = "bf16", pass_quant: str = "bf16", fused_shape: str | None = None,
             measured_drafter_shape: str | None = None,
             drafters: Sequence[str] = ("measured",), drafter_ratio: float = 1 / 20,
-            short_context: str = "clamp") -> pl.DataFrame:
+            profiled_pass: Mapping[int, float] | None = None, outside_context: str = "clamp") -> pl.DataFrame:
     """The projection table: per (shape, config of each source, class, batch, drafter rule) the tokens the source's
     requests emitted, their steps, projected decode tok/s = tokens ÷ summed step costs (pooled over the class's
     requests; per request at that batch, `batch_tok_s` = × batch) and speedup ÷ `none` on the same shape and batch,
@@ -399,7 +447,7 @@ def project(costs: pl.DataFrame, sources: Sequence[Traces], shapes: Sequence[str
                     per = price_requests(tr, costs, shape, batch, quant=quant, fused_shape=fused_shape,
                                          drafter_shape=dshape if tr.kind == "gpu-fused" else None,
                                          measured_drafter_shape=measured_drafter_shape, pass_quant=pass_quant,
-                                         short_context=short_context)
+                                         profiled_pass=profiled_pass, outside_context=outside_context)
                     cls = per.group_by("category", maintain_order=True).agg(
                         pl.len().alias("requests"), pl.col("tokens").sum(), pl.col("steps").sum(),
                         pl.col("ms").sum(), pl.col("none_ms").sum(), pl.col("clamped").sum())

@@ -15,7 +15,7 @@ from hqlab.replay import scale
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "data" / "results"
-STEP_COSTS = RESULTS / "seed_scale_h200.parquet"
+STEP_COSTS = RESULTS / "seed_scale_h100.parquet"  # the H200 was not lent: the grid was measured on an H100
 
 WIDTHS = (1, 2, 4, 8, 16, 32)
 CONTEXTS = (1024, 8192, 32768)
@@ -211,13 +211,38 @@ def test_validate_compares_class_medians_of_prompts():
         scale.validate(costs, steps, results, "y", "t")
 
 
-def test_short_contexts_are_refused_unless_clamped_and_then_counted():
+def test_contexts_outside_the_grid_are_refused_unless_clamped_and_then_counted():
     costs = flat_fixture(FLAT, params=PARAMS)
-    tr = _traces("gpu-lookup:k=3", contexts=(500, 504))
-    with pytest.raises(scale.ScaleError, match="below the grid's smallest"):
-        scale.price_requests(tr, costs, "t", 1)
-    per = scale.price_requests(tr, costs, "t", 1, short_context="clamp")
-    assert per["clamped"][0] == 2 and per["ms"][0] == pytest.approx(6.0)
+    for contexts in ((500, 504), (1024, 9000)):
+        tr = _traces("gpu-lookup:k=3", contexts=contexts)
+        with pytest.raises(scale.ScaleError, match="outside the grid's 1024-8192"):
+            scale.price_requests(tr, costs, "t", 1)
+        per = scale.price_requests(tr, costs, "t", 1, outside_context="clamp")
+        assert per["clamped"][0] == sum(c < 1024 or c > 8192 for c in contexts)
+        assert per["ms"][0] == pytest.approx(6.0)
+
+
+def test_a_profiled_pass_prices_fused_steps_at_batch_one():
+    costs = flat_fixture(FLAT, params=PARAMS)
+    tr = _traces("gpu-fused:k=3,draft_block=1", passes=(1, 0))
+    per = scale.price_requests(tr, costs, "t", 1, profiled_pass={4: 1.25})
+    assert per["ms"][0] == pytest.approx((3.0 + 1.25) + 3.0)
+    scaled = scale.price_requests(tr, costs, "t", 1, profiled_pass={4: 1.25}, drafter_shape="f",
+                                  measured_drafter_shape="d")
+    assert scaled["ms"][0] == pytest.approx((3.0 + 1.25 + 2.3) + 3.0)
+    with pytest.raises(scale.ScaleError, match="no profiled pass at width"):
+        scale.price_requests(tr, costs, "t", 1, profiled_pass={16: 1.0})
+
+
+def test_profiled_pass_leaves_out_skipped_passes_and_long_blocks():
+    fused = "gpu-fused:k=31,draft_block=1,device_skip=true"
+    phases = pl.DataFrame({
+        "run": ["r"] * 7, "phase": ["propose (speculator)"] * 6 + ["execute_model"],
+        "config": [fused, fused, fused, "gpu-fused:k=15,draft_block=7", "gpu-lookup:k=15", fused, fused],
+        "gpu_ms": [1.2, 1.3, 0.05, 9.0, 0.03, 1.1, 2.5]})
+    assert scale.profiled_pass_ms(phases, "r") == {32: pytest.approx(1.2)}  # median of 1.2, 1.3, 1.1
+    with pytest.raises(scale.ScaleError, match="no profiled drafter passes"):
+        scale.profiled_pass_ms(phases, "other")
 
 
 def test_scaled_drafter_follows_the_ratio():
@@ -273,17 +298,19 @@ def reported_validation() -> tuple[int, int]:
     return int(found.group(1)), int(found.group(2))
 
 
-@pytest.mark.skipif(not STEP_COSTS.exists(), reason="data/results/seed_scale_h200.parquet (the H200 step-cost "
+@pytest.mark.skipif(not STEP_COSTS.exists(), reason="data/results/seed_scale_h100.parquet (the step-cost "
                                                       "measurement of #41) is not committed yet")
 def test_validation_on_the_committed_runs_is_what_the_docs_report(fused_run):
     from hqlab.replay.scale import validate
 
     costs = pl.read_parquet(STEP_COSTS)
+    profiled = (None if scale.has_fused(costs, "qwen2.5-1.5b")
+                else scale.profiled_pass_ms(pl.read_parquet(RESULTS / "vllm_fused_h200.phases.parquet"), "fn1"))
     gpu_steps = pl.read_parquet(RESULTS / "vllm_gpu_h200.steps.parquet").filter(pl.col("run") == "w2")
     gpu_results = pl.read_parquet(RESULTS / "vllm_gpu_h200.parquet").filter(pl.col("run") == "w2")
     table = pl.concat([
         validate(costs, gpu_steps, gpu_results, "w2", "qwen2.5-0.5b"),
-        validate(costs, *fused_run, "fn2", "qwen2.5-1.5b", fused_shape="qwen2.5-1.5b")])
+        validate(costs, *fused_run, "fn2", "qwen2.5-1.5b", fused_shape="qwen2.5-1.5b", profiled_pass=profiled)])
     within, pairs = int(table["within"].sum()), table.height
     assert (within, pairs) == reported_validation()
     assert pairs >= 40  # w2: 3 configs x 7 classes; fn2: 5 x 7
