@@ -144,6 +144,18 @@ validation.group_by("run", "label", maintain_order=True).agg(
     pl.col("within").sum().alias("within"), pl.len().alias("classes"), pl.col("ratio").min().alias("lowest"),
     pl.col("ratio").median().alias("median"), pl.col("ratio").max().alias("highest"))
 
+# %% [markdown]
+# The projection quotes speedups ÷ `none`: the same check on them, each side divided by its own `none`.
+
+# %%
+speedups = scale.speedup_check(validation, tolerance=tolerance)
+print(f"speedup ÷ none within ±{tolerance:.0%}: {int(speedups['speedup_within'].sum())} of {speedups.height} "
+      f"(config, class) pairs")
+speedups.group_by("run", "label", maintain_order=True).agg(
+    pl.col("speedup_within").sum().alias("within"), pl.len().alias("classes"),
+    pl.col("speedup_ratio").min().alias("lowest"), pl.col("speedup_ratio").median().alias("median"),
+    pl.col("speedup_ratio").max().alias("highest"))
+
 # %%
 shown = validation.with_columns(pl.format("{} {}", "run", "label").alias("config"))
 chart = plots.predicted_vs_measured(shown, "measured_tok_s", "predicted_tok_s", "config", tolerance=tolerance,

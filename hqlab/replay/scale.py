@@ -412,6 +412,26 @@ def validation_fraction(table: pl.DataFrame) -> float:
     return float(table["within"].mean())
 
 
+def speedup_check(table: pl.DataFrame, *, tolerance: float = 0.10) -> pl.DataFrame:
+    """From a `validate` table: per (run, config, class) besides `none`, the speedup ÷ `none` measured and predicted
+    (each config's tok/s ÷ `none`'s of the same run and class), their ratio and whether it is within `tolerance`.
+    A projection quotes speedups: this is their check where the truth is known."""
+    if not 0 < tolerance < 1:
+        raise ScaleError(f"tolerance must be in (0, 1) (got {tolerance})")
+    none = table.filter(pl.col("config") == "none").select(
+        "run", "category", pl.col("measured_tok_s").alias("none_measured"),
+        pl.col("predicted_tok_s").alias("none_predicted"))
+    if none.is_empty():
+        raise ScaleError("the validation table has no `none` rows to divide by")
+    out = (table.filter(pl.col("config") != "none").join(none, on=["run", "category"], how="inner")
+           .with_columns((pl.col("measured_tok_s") / pl.col("none_measured")).alias("measured_speedup"),
+                         (pl.col("predicted_tok_s") / pl.col("none_predicted")).alias("predicted_speedup"))
+           .with_columns((pl.col("predicted_speedup") / pl.col("measured_speedup")).alias("speedup_ratio")))
+    return (out.with_columns(((pl.col("speedup_ratio") - 1).abs() <= tolerance).alias("speedup_within"))
+            .select("run", "label", "category", "measured_speedup", "predicted_speedup", "speedup_ratio",
+                    "speedup_within"))
+
+
 def project(costs: pl.DataFrame, sources: Sequence[Traces], shapes: Sequence[str], batches: Sequence[int], *,
             quant: str = "bf16", pass_quant: str = "bf16", fused_shape: str | None = None,
             measured_drafter_shape: str | None = None,

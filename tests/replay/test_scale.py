@@ -211,6 +211,19 @@ def test_validate_compares_class_medians_of_prompts():
         scale.validate(costs, steps, results, "y", "t")
 
 
+def test_speedup_check_divides_each_side_by_its_own_none():
+    table = pl.DataFrame({"run": ["x"] * 4, "config": ["none", "a", "none", "a"], "label": ["none", "a"] * 2,
+                          "category": ["copy", "copy", "chat", "chat"],
+                          "measured_tok_s": [100.0, 1000.0, 100.0, 150.0],
+                          "predicted_tok_s": [50.0, 540.0, 80.0, 100.0]})
+    got = {r["category"]: r for r in scale.speedup_check(table).iter_rows(named=True)}
+    assert got["copy"]["measured_speedup"] == pytest.approx(10.0)
+    assert got["copy"]["predicted_speedup"] == pytest.approx(10.8) and got["copy"]["speedup_within"]
+    assert got["chat"]["speedup_ratio"] == pytest.approx(1.25 / 1.5) and not got["chat"]["speedup_within"]
+    with pytest.raises(scale.ScaleError, match="no `none` rows"):
+        scale.speedup_check(table.filter(pl.col("config") != "none"))
+
+
 def test_contexts_outside_the_grid_are_refused_unless_clamped_and_then_counted():
     costs = flat_fixture(FLAT, params=PARAMS)
     for contexts in ((500, 504), (1024, 9000)):
