@@ -1,17 +1,18 @@
 """Decode speed of large targets projected from two measurements (docs/seed-scale.md, #41):
 
-- the **verify step's cost** of Qwen2.5-shaped targets from 0.5B to 32B inside vLLM 0.26 with CUDA graphs, random
-  weights, at verify widths, context lengths and batches of a grid (`benchmarks/vllm_step_cost.py`:
-  `data/results/seed_scale_h200.parquet`), read here by piecewise-linear interpolation, in the width and in
+- the **verify step's cost** of Qwen2.5-shaped targets inside vLLM 0.26 with CUDA graphs, random weights, at verify
+  widths, context lengths and batches of a grid (`benchmarks/vllm_step_cost.py`:
+  `data/results/seed_scale_<card>.parquet`), read here by piecewise-linear interpolation, in the width and in
   log(context);
 - **tokens per step** measured on real outputs: the step records of committed vLLM runs on the real 0.5B and 1.5B
   (a run's `.steps.parquet`), each step priced at the width it verified and the context it read.
 
 A request's projected decode rate is its tokens ÷ the summed step costs of its steps; `none` is the same tokens at
 one token a step, each step the width-1 step of the same shape. `gpu-fused` on a target of any shape is that
-target's `gpu-lookup` step at the step's width plus the drafter's pass where the step ran one, the pass being
-measured on the 1.5B as its fused step minus its lookup step at the same (width, context, batch). With
-`drafter="scaled"` the pass is that of a drafter sized to the target (`scaled_drafter_shape`, `pass_ms`).
+target's `gpu-lookup` step at the step's width plus the drafter's pass where the step ran one: the 1.5B's fused step
+minus its lookup step at the same (width, context, batch) where the grid has it (`pass_ms`), else the pass's GPU
+time in a profiled run (`profiled_pass_ms`, batch 1). With `drafter="scaled"` the pass is that of a drafter sized
+to the target (`scaled_drafter_shape`). `validate` and `speedup_check` test the method where the truth is known.
 
 Pure functions over polars frames; every bad input raises `ScaleError` saying what and where.
 """
