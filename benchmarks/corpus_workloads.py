@@ -175,7 +175,8 @@ def template_sessions(text: str) -> list[Session]:
     """A batch job: one instruction over 24 handbook entries, one request each (no conversation)."""
     out = []
     for i, entry in enumerate(template_entries(text)):
-        msgs = [{"role": "system", "content": TEMPLATE_SYSTEM}, {"role": "user", "content": TEMPLATE.format(entry=entry)}]
+        msgs = [{"role": "system", "content": TEMPLATE_SYSTEM},
+                {"role": "user", "content": TEMPLATE.format(entry=entry)}]
         out.append(Session("template", f"template-{i:02d}", 1, lambda s, msgs=msgs: list(msgs)))
     return out
 
@@ -233,8 +234,8 @@ def run_tool(call_text: str, sections: dict[str, str]) -> str | None:
         return None
     if call["tool"] == "search_handbook":
         q = _words(str(call.get("query", "")))
-        scored = sorted(((len(q & _words(t + " " + body[:400])), -i, t) for i, (t, body) in enumerate(sections.items())),
-                        reverse=True)
+        scored = sorted(((len(q & _words(t + " " + body[:400])), -i, t)
+                         for i, (t, body) in enumerate(sections.items())), reverse=True)
         hits = [t for score, _, t in scored[:4] if score > 0]
         return "Sections:\n" + "\n".join(f"- {t}" for t in hits) if hits else "No matching sections."
     title = str(call.get("title", ""))

@@ -48,7 +48,7 @@ def test_the_resolver_gives_the_name_and_the_validated_config():
 
     assert resolve_spec("lookup:nmin=3,k=9", REGISTRY) == ("lookup", LookupConfig(nmin=3, k=9))
     assert resolve_spec("hf-pld:k=4", known()) == ("hf-pld", HFPLDConfig(k=4))  # a config class names itself
-    with pytest.raises(ConfigError, match="unknown proposer 'hf-pld' in 'hf-pld:k=4'; known: arctic-suffix"):
+    with pytest.raises(ConfigError, match="unknown proposer 'hf-pld' in 'hf-pld:k=4'; known: arctic-rule, arctic-suffix"):
         resolve_spec("hf-pld:k=4", REGISTRY)
     with pytest.raises(ConfigError, match="^no such thing: 'x' in 'x:k=1'$"):
         resolve_spec("x:k=1", REGISTRY, unknown="no such thing: {name!r} in {spec!r}")

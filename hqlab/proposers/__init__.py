@@ -9,6 +9,7 @@ from hqlab.proposers.draft import DraftProposer
 from hqlab.proposers.fused import FusedProposer
 from hqlab.proposers.lookup import LookupProposer, PLDProposer
 from hqlab.proposers.none import NoProposer
+from hqlab.proposers.suffix_rule import ArcticRuleProposer
 
 REGISTRY: dict[str, type] = {
     "none": NoProposer,
@@ -18,6 +19,7 @@ REGISTRY: dict[str, type] = {
     "fused": FusedProposer,
     "vllm-ngram": VllmNgramProposer,
     "arctic-suffix": ArcticSuffixProposer,
+    "arctic-rule": ArcticRuleProposer,
 }
 
 

@@ -1,23 +1,33 @@
 """Replay with a corpus of earlier requests (#42): recorded traces in request order, each finished output (and with
 `prompts` its prompt) entering the corpus of `hqlab.rules.corpus`, every step drafted by the own-history lookup or
-the corpus as the choice policy says, then priced by the cost model. Arctic's suffix decoding is reimplemented
-beside it (`ArcticRule`), so both run over the same traces and the same earlier outputs.
+the corpus as the choice policy says, then priced by the cost model. Arctic's suffix decoding
+(`hqlab.rules.suffix_decoding`, its rule reimplemented) runs beside it over the same traces and the same earlier
+outputs, its global tree bounded and filled like the corpus.
 
 Under greedy decoding the output does not depend on the proposer, so what a corpus would have accepted at every
 step follows from the recorded outputs alone, as in `hqlab.replay.step`; what the corpus holds follows from the
-order requests finish. Requests in flight: with `inflight` = B, request i is admitted when request i - B finishes,
-so its corpus holds the documents of requests 0 .. i - B (the corpus is frozen for the request's life: a request
-finishing while it decodes is not seen by it; the GPU corpus would see it, so B > 1 is a lower bound there).
-B = 1 is one request at a time. The workloads' requests are written in waves (every session's turn t, then turn
-t + 1), so with B = the wave size every request sees exactly the earlier waves.
+order requests finish. Requests in flight, `inflight` = B, under one of two schedules:
+
+- `admit` (default): request i is admitted when request i - B finishes, so its corpus holds the documents of
+  requests 0 .. i - B, frozen for the request's life. A request finishing while it decodes is not seen by it, so at
+  B > 1 this is a lower bound for a server's corpus. The workloads' requests are written in waves (every session's
+  turn t, then turn t + 1), so with B = the wave size every request sees exactly the earlier waves.
+- `lockstep`: B slots stepped together, as a continuously batched server steps them: every active request takes
+  one verify step per iteration, a finished request's document enters the corpus at once (seen from the next
+  iteration by the requests still decoding), and the next waiting request takes its slot (a session's next turn
+  only once its previous turn has finished: its client sends it then). Prefill takes no iteration, and steps do
+  not differ in duration: an idealised server, where `admit` is a pessimistic one.
+
+B = 1 is one request at a time (both schedules are the same).
 
 Documents are added through the reference rule (`Corpus.add`: FIFO eviction of whole documents bounded by tokens
 and documents); each request's match runs over a snapshot of its live documents (`CorpusView`, one array with
 separators, the reference's decisions: tested against `Corpus.match` at every step of the committed traces).
 
 Spec strings (`parse`): `corpus:nmin=1,nmax=32,k=15,tie=earliest,tokens=16384,docs=1024,choice=own,prompts=false,
-inflight=1` (tokens = 0: no corpus, the plain lookup) and `arctic:k=15,depth=24,factor=1.0,offset=0,min_prob=0.1,
-tokens=16384,cached=-1,inflight=1` (tokens = 0: no global tree, Arctic's per-request tree alone).
+inflight=1,schedule=admit` (tokens = 0: no corpus, the plain lookup) and `arctic:k=15,depth=24,factor=1.0,offset=0,
+min_prob=0.1,tokens=16384,cached=-1,inflight=1,schedule=admit` (tokens = 0: no global tree, Arctic's per-request
+tree alone).
 """
 
 from __future__ import annotations
@@ -30,10 +40,12 @@ import numpy as np
 import polars as pl
 from tqdm.auto import tqdm
 
-from hqlab.config import ConfigError, build_config, parse_spec, require
+from hqlab.config import ConfigError, require, resolve_spec
 from hqlab.replay.costmodel import CostModel
 from hqlab.replay.traces import Trace
-from hqlab.rules.corpus import CHOICE_POLICIES, CORPUS, NONE, OWN, TIE_POLICIES, Corpus, CorpusConfig, CorpusMatch, choose
+from hqlab.rules.corpus import (CHOICE_POLICIES, CORPUS, NONE, OWN, TIE_POLICIES, Corpus, CorpusConfig, CorpusMatch,
+                                choose)
+from hqlab.rules import suffix_decoding
 from hqlab.rules.lookup import suffix_match
 from hqlab.rules.verify import greedy_verify
 from hqlab.trace import Source, StepRecord, budget, step_record
@@ -41,6 +53,8 @@ from hqlab.trace import Source, StepRecord, budget, step_record
 
 # ----------------------------------------------------------------------------------------------------------------
 # configurations
+
+SCHEDULES = ("admit", "lockstep")
 
 
 @dataclass(frozen=True)
@@ -52,7 +66,8 @@ class CorpusReplayConfig:
     tokens:   corpus size in tokens (0: no corpus, the plain lookup); docs: most documents kept.
     choice:   which source wins when both match: "own" or "longest" (`hqlab.rules.corpus.choose`).
     prompts:  each finished request adds its prompt and output as one document (default: the output alone).
-    inflight: requests in flight (module docstring): request i sees the documents of requests 0 .. i - inflight.
+    inflight: requests in flight; schedule: "admit" or "lockstep", when documents become visible (module
+              docstring).
     """
 
     nmin: int = 1
@@ -64,8 +79,10 @@ class CorpusReplayConfig:
     choice: str = "own"
     prompts: bool = False
     inflight: int = 1
+    schedule: str = "admit"
 
     def __post_init__(self) -> None:
+        require(self.schedule in SCHEDULES, f"schedule must be one of {SCHEDULES} (got {self.schedule!r})")
         require(1 <= self.nmin <= self.nmax, f"need 1 <= nmin <= nmax (got nmin={self.nmin}, nmax={self.nmax})")
         require(self.k >= 1, f"k must be >= 1 (got {self.k})")
         require(self.tie in TIE_POLICIES, f"tie must be one of {TIE_POLICIES} (got {self.tie!r})")
@@ -81,7 +98,8 @@ class CorpusReplayConfig:
 
     def spec(self) -> str:
         return (f"corpus:nmin={self.nmin},nmax={self.nmax},k={self.k},tie={self.tie},tokens={self.tokens},"
-                f"docs={self.docs},choice={self.choice},prompts={str(self.prompts).lower()},inflight={self.inflight}")
+                f"docs={self.docs},choice={self.choice},prompts={str(self.prompts).lower()},inflight={self.inflight},"
+                f"schedule={self.schedule}")
 
 
 @dataclass(frozen=True)
@@ -92,7 +110,7 @@ class ArcticConfig:
     factor, offset: at most factor × match length + offset tokens; min_prob: the continuation stops where its
     estimated probability falls below this. tokens: the global tree holds the outputs of earlier requests, oldest
     evicted first, up to this many tokens (0: no global tree); cached: at most this many earlier outputs (Arctic's
-    max_cached_requests; -1: no limit). inflight as in `CorpusReplayConfig`.
+    max_cached_requests; -1: no limit). inflight and schedule as in `CorpusReplayConfig`.
     """
 
     k: int = 15
@@ -103,8 +121,10 @@ class ArcticConfig:
     tokens: int = 0
     cached: int = -1
     inflight: int = 1
+    schedule: str = "admit"
 
     def __post_init__(self) -> None:
+        require(self.schedule in SCHEDULES, f"schedule must be one of {SCHEDULES} (got {self.schedule!r})")
         require(self.k >= 1, f"k must be >= 1 (got {self.k})")
         require(self.depth >= 2, f"depth must be >= 2 (got {self.depth})")
         require(self.factor >= 0 and self.offset >= 0, "factor and offset must be >= 0")
@@ -114,9 +134,14 @@ class ArcticConfig:
                 f"cached must be -1 (no limit) or >= 1 (got {self.cached}); tokens=0 turns the global tree off")
         require(self.inflight >= 1, f"inflight must be >= 1 (got {self.inflight})")
 
+    def rule(self) -> suffix_decoding.SuffixDecodingConfig:
+        return suffix_decoding.SuffixDecodingConfig(k=self.k, depth=self.depth, factor=self.factor,
+                                                    offset=self.offset, min_prob=self.min_prob)
+
     def spec(self) -> str:
         return (f"arctic:k={self.k},depth={self.depth},factor={self.factor:g},offset={self.offset:g},"
-                f"min_prob={self.min_prob:g},tokens={self.tokens},cached={self.cached},inflight={self.inflight}")
+                f"min_prob={self.min_prob:g},tokens={self.tokens},cached={self.cached},inflight={self.inflight},"
+                f"schedule={self.schedule}")
 
 
 CONFIGS = {"corpus": CorpusReplayConfig, "arctic": ArcticConfig}
@@ -124,10 +149,8 @@ CONFIGS = {"corpus": CorpusReplayConfig, "arctic": ArcticConfig}
 
 def parse(spec: str) -> CorpusReplayConfig | ArcticConfig:
     """A validated config from a spec string (module docstring); every error a ConfigError naming the spec."""
-    name, values = parse_spec(spec)
-    if name not in CONFIGS:
-        raise ConfigError(f"unknown corpus replay {name!r} in {spec!r}; known: {', '.join(CONFIGS)}")
-    return build_config(CONFIGS[name], values, context=f"{name} replay {spec!r}")
+    return resolve_spec(spec, CONFIGS, unknown="unknown corpus replay {name!r} in {spec!r}; known: {known}",
+                        context=f"corpus replay {spec!r}")[1]
 
 
 def grid(base: str, **axes: Sequence[Any]) -> list[str]:
@@ -210,171 +233,143 @@ def document(trace: Trace, prompts: bool) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Arctic's rule
-
-
-class ArcticRule:
-    """Arctic Inference's suffix decoding (arctic-inference 0.3.0, `SuffixDecodingCache.speculate` and
-    `SuffixTree::speculate` / `_speculate_path`, Apache-2.0), reimplemented over occurrence counts instead of a
-    suffix tree, for one request:
-
-    - two trees: the request's own (its prompt and its output so far) and a global one (the outputs of earlier
-      requests, plus, as Arctic's `add_active_response` does, the request's own output so far);
-    - a tree's count of a string u = the occurrences of u in its sequences (|u| <= depth: every suffix is cut at
-      depth tokens); so the context's own occurrence at the end of the history counts in the own tree;
-    - for every match length m = 1 .. len(context) - 1, context = the history's last `depth` tokens, while the
-      last m tokens occur in the tree: follow the most frequent next token, the estimated probability multiplied by
-      count(w x) / count(w) at each token, stopping before a token whose probability falls below `min_prob`, at
-      min(k, int(m × factor + offset)) tokens, or where the tree ends (depth); score = sum of the probabilities;
-      the best score wins, ties to the longer match;
-    - the own tree's draft wins ties with the global tree's (`draft1.score >= draft2.score`).
-
-    Not reproduced: which of several equally frequent next tokens Arctic takes. Its tree keeps siblings in
-    decreasing count, and among equal counts in an order that depends on the order the counts grew; here the token
-    that occurred first wins. The probabilities, scores, lengths and the choice of tree are Arctic's.
-    """
-
-    def __init__(self, config: ArcticConfig, earlier: Sequence[np.ndarray] = ()) -> None:
-        self.config = config
-        self.earlier = [np.asarray(d, dtype=np.int64) for d in earlier]
-
-    def speculate(self, history: np.ndarray, output_start: int, budget_tokens: int) -> tuple[np.ndarray, int, bool]:
-        """(draft tokens, match length, whether the global tree supplied it) for a request whose `history` is its
-        prompt (the first `output_start` tokens) and its output so far."""
-        c = self.config
-        h = np.asarray(history, dtype=np.int64)
-        n = min(c.k, int(budget_tokens))
-        if n <= 0 or h.size < 2:
-            return np.empty(0, dtype=np.int64), 0, False
-        context = h[-c.depth:]
-        own = self._best([h], context, n)
-        glob = self._best([*self.earlier, h[output_start:]], context, n) if c.tokens else (0.0, np.empty(0, np.int64), 0)
-        if own[0] >= glob[0]:
-            return own[1], own[2], False
-        return glob[1], glob[2], True
-
-    def _best(self, seqs: Sequence[np.ndarray], context: np.ndarray, n: int) -> tuple[float, np.ndarray, int]:
-        c = self.config
-        joined = np.concatenate([x for s in seqs for x in (s, np.array([-1], dtype=np.int64))])
-        best: tuple[float, np.ndarray, int] = (0.0, np.empty(0, dtype=np.int64), 0)
-        ends = np.flatnonzero(joined == context[-1])  # occurrences of the last m context tokens, by end
-        for m in range(1, context.size):
-            if m > 1:
-                ends = ends[ends - (m - 1) >= 0]
-                ends = ends[joined[ends - (m - 1)] == context[-m]]
-            if ends.size == 0:
-                break
-            max_tokens = max(min(n, int(m * c.factor + c.offset + 1e-6)), 0)
-            tokens, score = self._path(joined, ends, m, max_tokens)
-            if score >= best[0]:
-                best = (score, tokens, m)
-        return best
-
-    def _path(self, joined: np.ndarray, ends: np.ndarray, m: int, max_tokens: int) -> tuple[np.ndarray, float]:
-        """Arctic's `_speculate_path` from the occurrences ending at `ends` (a string of length m): the most
-        frequent next token while the probability (float32, as Arctic computes it) stays >= min_prob."""
-        c = self.config
-        prob, score = np.float32(1.0), np.float32(0.0)
-        out: list[int] = []
-        cur, length = ends, m
-        while len(out) < max_tokens and prob >= c.min_prob and length < c.depth:
-            nxt = joined[cur + 1]
-            keep = nxt >= 0  # occurrences at a sequence's end count in count(w) but have no next token
-            if not keep.any():
-                break
-            tokens, first, counts = np.unique(nxt[keep], return_index=True, return_counts=True)
-            top = counts.max()
-            cands = np.flatnonzero(counts == top)
-            pick = cands[np.argmin(first[cands])] if cands.size > 1 else cands[0]  # ties: first occurrence
-            prob = np.float32(prob * (np.float32(top) / np.float32(cur.size)))
-            if prob < c.min_prob:
-                break
-            x = int(tokens[pick])
-            out.append(x)
-            score = np.float32(score + prob)
-            cur = cur[keep][nxt[keep] == x] + 1
-            length += 1
-        return np.asarray(out, dtype=np.int64), float(score)
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # replay
 
 
-def _request_steps(trace: Trace, propose: Any) -> list[StepRecord]:
-    """The steps of one request (as `hqlab.replay.step.step_replay`), `propose(history, allowed)` giving
-    (tokens, sources, match_len, source label)."""
-    out = np.asarray(trace.output_ids, dtype=np.int64)
-    if out.size == 0:
-        return []
-    history = np.concatenate([np.asarray(trace.prompt_ids, dtype=np.int64), out])
-    prompt_len = len(trace.prompt_ids)
-    done, records = 1, []
-    while done < out.size:
-        allowed = budget(trace.max_new_tokens, done)
+def session_of(trace: Trace) -> str:
+    """The session a request belongs to: its prompt id up to "/<turn>" (the corpus workloads' ids, `Request.id`),
+    else the id itself (a request on its own)."""
+    head, sep, tail = trace.prompt_id.rpartition("/")
+    return head if sep and tail.isdigit() else trace.prompt_id
+
+
+class _Request:
+    """One request replayed step by step (as `hqlab.replay.step.step_replay`), its proposals asked of `propose`."""
+
+    def __init__(self, trace: Trace) -> None:
+        self.trace = trace
+        self.out = np.asarray(trace.output_ids, dtype=np.int64)
+        self.history = np.concatenate([np.asarray(trace.prompt_ids, dtype=np.int64), self.out])
+        self.prompt_len = len(trace.prompt_ids)
+        self.done = 1  # the first token comes from prefill, not from a verify step
+        self.records: list[StepRecord] = []
+        self.searched: list[int] = []  # live corpus tokens at each step
+        self.admitted = self.left = -1  # lockstep: the iteration it took its first step in, and finished after
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.out.size
+
+    def step(self, propose: Any, live_tokens: int) -> None:
+        allowed = budget(self.trace.max_new_tokens, self.done)
         t0 = time.perf_counter()
-        tokens, source, match_len = propose(history[: prompt_len + done], allowed)
+        tokens, source, match_len = propose(self.history[: self.prompt_len + self.done], allowed, self.prompt_len)
         propose_s = time.perf_counter() - t0
         tokens = tokens[:allowed]
-        m = min(tokens.size, out.size - done - 1)
-        accepted = greedy_verify(tokens[:m], out[done : done + m + 1]).accepted
-        records.append(step_record(trace.prompt_id, len(records), context_len=prompt_len + done - 1,
-                                   proposed=tokens, sources=[source] * tokens.size, match_len=match_len,
-                                   accepted=accepted, emitted=accepted + 1, step_s=propose_s, propose_s=propose_s))
-        done += accepted + 1
-    return records
+        m = min(tokens.size, self.out.size - self.done - 1)
+        accepted = greedy_verify(tokens[:m], self.out[self.done : self.done + m + 1]).accepted
+        self.records.append(step_record(
+            self.trace.prompt_id, len(self.records), context_len=self.prompt_len + self.done - 1, proposed=tokens,
+            sources=[source] * tokens.size, match_len=match_len, accepted=accepted, emitted=accepted + 1,
+            step_s=propose_s, propose_s=propose_s))
+        self.searched.append(live_tokens)
+        self.done += accepted + 1
+
+
+class _Drafter:
+    """A configuration's proposals over the corpus as it stands (`refresh` after documents are added)."""
+
+    def __init__(self, config: CorpusReplayConfig | ArcticConfig, corpus: Corpus | None) -> None:
+        self.config, self.corpus = config, corpus
+        self.refresh()
+
+    def refresh(self) -> None:
+        c = self.corpus
+        self.live = c.live_tokens if c is not None else 0
+        if isinstance(self.config, ArcticConfig):
+            self.earlier = [d for _, d in c.documents] if c is not None else None
+            self.rule = self.config.rule()
+        else:
+            self.view = CorpusView(c) if c is not None else None
+
+    def __call__(self, h: np.ndarray, allowed: int, prompt_len: int) -> tuple[np.ndarray, int, int]:
+        c = self.config
+        if isinstance(c, ArcticConfig):
+            draft = suffix_decoding.speculate(h, prompt_len, self.earlier, allowed, self.rule)
+            return draft.tokens, int(Source.CORPUS if draft.from_global else Source.LOOKUP), draft.match_len
+        kk = min(c.k, allowed)
+        if kk <= 0:
+            return np.empty(0, dtype=np.int64), int(Source.LOOKUP), 0
+        own = suffix_match(h, nmin=c.nmin, nmax=c.nmax, k=kk, policy=c.tie)
+        if self.view is None:
+            return own.tokens, int(Source.LOOKUP), own.match_len
+        found = self.view.match(h, nmin=c.nmin, nmax=c.nmax, k=kk, policy=c.tie)
+        source, m = choose(own, found, c.choice)
+        return m.tokens, int(Source.CORPUS if source == CORPUS else Source.LOOKUP), m.match_len
 
 
 def replay_corpus(traces: Sequence[Trace], config: CorpusReplayConfig | ArcticConfig | str, *,
                   progress: bool = False) -> list[list[StepRecord]]:
     """Every request's step records, requests in the order given (the order they are sent). A step drafted from
     the corpus (or Arctic's global tree) tags its tokens `Source.CORPUS`, one from own history `Source.LOOKUP`."""
-    return [recs for recs, _ in _replay(traces, config, progress=progress)]
+    return [r.records for r in _replay(traces, config, progress=progress)]
 
 
 def _replay(traces: Sequence[Trace], config: CorpusReplayConfig | ArcticConfig | str, *,
-            progress: bool = False) -> list[tuple[list[StepRecord], int]]:
-    """(step records, live corpus tokens the request searched) per request."""
+            progress: bool = False) -> list[_Request]:
     config = parse(config) if isinstance(config, str) else config
-    arctic = isinstance(config, ArcticConfig)
-    if arctic:
+    if isinstance(config, ArcticConfig):
         bound = CorpusConfig(tokens=config.tokens, docs=2**30 if config.cached < 0 else config.cached) \
             if config.tokens else None
     else:
         bound = config.corpus_config()
     corpus = Corpus(bound) if bound is not None else None
-    prompts = False if arctic else config.prompts
-    added = 0
-    out = []
-    for i, trace in enumerate(tqdm(traces, desc="corpus replay", disable=not progress)):
-        if corpus is not None:
-            while added <= i - config.inflight:  # requests finished before this one was admitted
-                corpus.add(document(traces[added], prompts))
-                added += 1
-        live = corpus.live_tokens if corpus is not None else 0
-        if arctic:
-            rule = ArcticRule(config, [d for _, d in corpus.documents] if corpus is not None else ())
-            start = len(trace.prompt_ids)
-
-            def propose(h, allowed, rule=rule, start=start):
-                tokens, mlen, glob = rule.speculate(h, start, allowed)
-                return tokens, int(Source.CORPUS if glob else Source.LOOKUP), mlen
-        else:
-            view = CorpusView(corpus) if corpus is not None else None
-            c = config
-
-            def propose(h, allowed, view=view, c=c):
-                kk = min(c.k, allowed)
-                if kk <= 0:
-                    return np.empty(0, dtype=np.int64), int(Source.LOOKUP), 0
-                own = suffix_match(h, nmin=c.nmin, nmax=c.nmax, k=kk, policy=c.tie)
-                if view is None:
-                    return own.tokens, int(Source.LOOKUP), own.match_len
-                found = view.match(h, nmin=c.nmin, nmax=c.nmax, k=kk, policy=c.tie)
-                source, m = choose(own, found, c.choice)
-                return m.tokens, int(Source.CORPUS if source == CORPUS else Source.LOOKUP), m.match_len
-        out.append((_request_steps(trace, propose), live))
-    return out
+    prompts = getattr(config, "prompts", False)
+    drafter = _Drafter(config, corpus)
+    requests = [_Request(t) for t in traces]
+    bar = tqdm(total=len(requests), desc="corpus replay", disable=not progress)
+    if config.schedule == "admit":
+        added = 0
+        for i, r in enumerate(requests):
+            if corpus is not None and added <= i - config.inflight:
+                while added <= i - config.inflight:  # requests finished before this one was admitted
+                    corpus.add(document(traces[added], prompts))
+                    added += 1
+                drafter.refresh()
+            while not r.finished:
+                r.step(drafter, drafter.live)
+            bar.update()
+    else:  # lockstep: `inflight` slots, every active request takes one step per iteration, in arrival order
+        session = [session_of(t) for t in traces]
+        waiting, active = list(range(len(requests))), []
+        iteration = 0
+        while waiting or active:
+            # admit in order, except a session's next turn, which its client sends once the previous one is answered
+            busy = {session[i] for i in active}
+            for i in list(waiting):
+                if len(active) >= config.inflight:
+                    break
+                if session[i] not in busy:
+                    active.append(i)
+                    waiting.remove(i)
+                    requests[i].admitted = iteration
+                busy.add(session[i])  # also blocks this session's later turns behind a waiting one
+            for i in active:
+                if not requests[i].finished:
+                    requests[i].step(drafter, drafter.live)
+            done = [i for i in active if requests[i].finished]
+            for i in done:
+                requests[i].left = iteration
+            iteration += 1
+            if done:
+                active = [i for i in active if i not in done]
+                if corpus is not None:
+                    for i in done:
+                        corpus.add(document(traces[i], prompts))
+                    drafter.refresh()
+                bar.update(len(done))
+    bar.close()
+    return requests
 
 
 def rows(traces: Sequence[Trace], specs: Sequence[str], *, costs: dict[str, CostModel] | None = None,
@@ -392,10 +387,12 @@ def rows(traces: Sequence[Trace], specs: Sequence[str], *, costs: dict[str, Cost
     out = []
     for spec in tqdm(list(specs), desc="corpus sweep", disable=not progress):
         config = parse(spec)
-        for i, (trace, (recs, live)) in enumerate(zip(traces, _replay(traces, config))):
+        for i, (trace, run) in enumerate(zip(traces, _replay(traces, config))):
+            recs = run.records
+            live = int(np.mean(run.searched)) if run.searched else 0
             from_corpus = [r for r in recs if r.sources and r.sources[0] == Source.CORPUS]
             row = {"spec": config.spec(), "rule": "arctic" if isinstance(config, ArcticConfig) else "corpus",
-                   "tokens": config.tokens, "inflight": config.inflight,
+                   "tokens": config.tokens, "inflight": config.inflight, "schedule": config.schedule,
                    "choice": getattr(config, "choice", "score"), "nmin": getattr(config, "nmin", 1),
                    "nmax": getattr(config, "nmax", getattr(config, "depth", 0)),
                    "prompts": getattr(config, "prompts", False),
@@ -404,7 +401,8 @@ def rows(traces: Sequence[Trace], specs: Sequence[str], *, costs: dict[str, Cost
                    "corpus_steps": len(from_corpus), "corpus_accepted": sum(r.accepted for r in from_corpus),
                    "corpus_live_tokens": live}
             for label, model in costs.items():
-                row[f"pred_s_{label}"] = model.decode_seconds(recs, propose_ms=search_ms_per_1k * live / 1e3)
+                row[f"pred_s_{label}"] = model.decode_seconds(recs, propose_ms=0.0) + \
+                    search_ms_per_1k * sum(run.searched) / 1e6
                 row[f"base_s_{label}"] = float(base[label][i])
             out.append(row)
     return pl.DataFrame(out)
@@ -434,7 +432,7 @@ def summarize(frame: pl.DataFrame, *, by: Sequence[str] = ("workload", "spec")) 
     """Pooled per group: tokens per step (accepted + 1 per step, over all steps), the share of steps and of accepted
     tokens the corpus supplied, and per cost model the projected speedup (summed base / summed predicted time)."""
     labels = [c.removeprefix("pred_s_") for c in frame.columns if c.startswith("pred_s_")]
-    first = [c for c in ("rule", "tokens", "inflight", "choice", "nmin", "nmax", "prompts") if c not in by]
+    first = [c for c in ("rule", "tokens", "inflight", "schedule", "choice", "nmin", "nmax", "prompts") if c not in by]
     return (frame.group_by(list(by), maintain_order=True)
             .agg(*[pl.col(c).first() for c in first], pl.len().alias("requests"), pl.col("steps").sum(),
                  ((pl.col("accepted").sum() + pl.col("steps").sum()) / pl.col("steps").sum()).alias("tokens_per_step"),
@@ -444,5 +442,5 @@ def summarize(frame: pl.DataFrame, *, by: Sequence[str] = ("workload", "spec")) 
                    for x in labels]))
 
 
-__all__ = ["CorpusReplayConfig", "ArcticConfig", "ArcticRule", "CorpusView", "parse", "grid", "document",
+__all__ = ["CorpusReplayConfig", "ArcticConfig", "CorpusView", "parse", "grid", "document",
            "replay_corpus", "rows", "step_models", "summarize", "OWN", "CORPUS", "NONE"]

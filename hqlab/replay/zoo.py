@@ -1,5 +1,6 @@
-"""The proposer zoo: hqlab's lookup variants, PLD, vLLM's n-gram proposer and Arctic's suffix tree, replayed on
-the same traces, with acceptance and proposal latency per task class.
+"""The proposer zoo: hqlab's lookup variants, PLD, vLLM's n-gram proposer and Arctic's suffix tree (its compiled
+cache, and its rule reimplemented in hqlab: `arctic-rule`), replayed on the same traces, with acceptance and
+proposal latency per task class.
 
 Every proposer goes through the step-by-step replay (`hqlab.replay`, timed), so each one is timed the same way: one
 `propose` call per verify step, the call the engine would make, on the history the engine would have. Greedy
@@ -29,6 +30,7 @@ ZOO: dict[str, str] = {
     "vLLM ngram (1-32)": "vllm-ngram:nmin=1,nmax=32,k=15",
     "vLLM ngram (5, its default n)": "vllm-ngram:nmin=5,nmax=5,k=15",
     "Arctic suffix tree": "arctic-suffix:k=15",
+    "Arctic's rule, reimplemented": "arctic-rule:k=15",  # hqlab.rules.suffix_decoding: no extension needed
 }
 
 

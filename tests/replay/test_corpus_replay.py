@@ -16,6 +16,7 @@ from hqlab.replay import corpus as rc
 from hqlab.replay.traces import load_traces
 from hqlab.rules.corpus import Corpus, CorpusConfig
 from hqlab.rules.lookup import suffix_match
+from hqlab.rules.suffix_decoding import SuffixDecodingConfig, speculate
 from hqlab.trace import Source
 
 TRACES = Path(__file__).resolve().parents[2] / "data" / "results" / "traces_0.5b_corpus_128.parquet"
@@ -140,12 +141,14 @@ def test_arctic_rule_scores_by_frequency():
     With min_prob 0.3 the draft stops there; "2" alone has the same occurrences and the same score (1.0), and ties go
     to the longer match. With min_prob 0.2 it goes on (ties: the first occurrence, "9") to factor × 2 = 8 tokens."""
     h = np.array([1, 2, 3, 5, 9, 1, 2, 3, 5, 7, 1, 2, 4, 0, 1, 2])
-    rule = rc.ArcticRule(rc.ArcticConfig(k=15, depth=16, factor=4, min_prob=0.3))
-    tokens, match_len, from_global = rule.speculate(h, output_start=h.size, budget_tokens=15)
-    assert (list(tokens), match_len, from_global) == ([3, 5], 2, False)
-    rule = rc.ArcticRule(rc.ArcticConfig(k=15, depth=16, factor=4, min_prob=0.2))
-    tokens, match_len, _ = rule.speculate(h, output_start=h.size, budget_tokens=15)
-    assert (list(tokens), match_len) == ([3, 5, 9, 1, 2, 3, 5, 7], 2)
+    draft = speculate(h, h.size, None, 15, SuffixDecodingConfig(k=15, depth=16, factor=4, min_prob=0.3))
+    assert (list(draft.tokens), draft.match_len, draft.score, draft.from_global) == ([3, 5], 2, 1.0, False)
+    draft = speculate(h, h.size, None, 15, SuffixDecodingConfig(k=15, depth=16, factor=4, min_prob=0.2))
+    assert (list(draft.tokens), draft.match_len, draft.score) == ([3, 5, 9, 1, 2, 3, 5, 7], 2, 2.5)
+    # a global tree whose only output continues "1 2" with "8 8 8" for sure scores higher and wins
+    draft = speculate(h, h.size, [np.array([1, 2, 8, 8, 8])], 15,
+                      SuffixDecodingConfig(k=15, depth=16, factor=4, min_prob=0.3))
+    assert (list(draft.tokens), draft.from_global) == ([8, 8, 8], True)
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -157,9 +160,59 @@ def test_arctic_rule_scores_by_frequency():
     ("corpus:size=3", "unknown key(s) size"),
     ("arctic:min_prob=2", "min_prob must be in [0, 1]"),
     ("arctic:cached=0", "cached must be -1"),
+    ("corpus:schedule=fifo", "schedule must be one of"),
     ("suffix:k=3", "unknown corpus replay 'suffix'"),
 ])
 def test_bad_specs_are_clear_errors(spec, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
                        .replace("]", r"\]")):
         rc.parse(spec)
+
+
+def test_arctic_rule_proposer_is_the_replayed_rule(traces):
+    """The zoo member `arctic-rule` (the rule behind hqlab's Proposer protocol) takes the replay's steps with no
+    global tree, and with `cached` its global tree of finished requests drafts for later ones."""
+    from hqlab.replay import zoo
+
+    assert zoo.ZOO["Arctic's rule, reimplemented"].startswith("arctic-rule:") and \
+        "Arctic's rule, reimplemented" in zoo.available()[0]
+    reqs = traces["template"][:8]
+    proposer = make_proposer("arctic-rule:k=15,depth=24")
+    for trace, records in zip(reqs, rc.replay_corpus(reqs, "arctic:k=15,depth=24,tokens=0"), strict=True):
+        live = replay(trace.prompt_ids, trace.output_ids, proposer, max_new_tokens=trace.max_new_tokens,
+                      request=trace.prompt_id, path="step")
+        assert [(list(r.proposed), r.match_len, r.accepted) for r in live] == \
+            [(list(r.proposed), r.match_len, r.accepted) for r in records]
+    steps = zoo.run_zoo(reqs, {"cached": "arctic-rule:k=15,cached=-1"}, repeats=1, progress=False)
+    alone = zoo.run_zoo(reqs, {"alone": "arctic-rule:k=15"}, repeats=1, progress=False)
+    assert steps["accepted"].sum() > alone["accepted"].sum()  # the template's answers share their structure
+
+
+@pytest.mark.parametrize("spec", ["corpus:tokens=4096,choice=longest,prompts=true", "arctic:tokens=4096"])
+def test_lockstep_with_one_request_in_flight_is_the_admit_schedule(traces, spec):
+    reqs = traces["multiturn"]
+    admit = rc.replay_corpus(reqs, f"{spec},inflight=1,schedule=admit")
+    lockstep = rc.replay_corpus(reqs, f"{spec},inflight=1,schedule=lockstep")
+    assert [[(list(r.proposed), r.accepted) for r in a] for a in admit] == \
+        [[(list(r.proposed), r.accepted) for r in b] for b in lockstep]
+
+
+def test_lockstep_sends_a_sessions_next_turn_after_its_answer(traces):
+    """8 slots over the 24 multi-turn requests: a session's turn t + 1 starts after its turn t finished, at most 8
+    requests decode at once, and documents that finish mid-request reach those still decoding: the corpus is
+    seen at least as much as under the admit schedule, where it is frozen at admission."""
+    reqs = traces["multiturn"]
+    spec = "corpus:tokens=16384,choice=longest,inflight=8"
+    runs = rc._replay(reqs, f"{spec},schedule=lockstep")
+    by_session: dict[str, list] = {}
+    for run in runs:
+        by_session.setdefault(rc.session_of(run.trace), []).append(run)
+    assert len(by_session) == 8 and all(len(v) == 3 for v in by_session.values())
+    for turns in by_session.values():
+        for before, after in zip(turns, turns[1:]):
+            assert after.admitted > before.left
+    last = max(r.left for r in runs)
+    assert max(sum(r.admitted <= it <= r.left for r in runs) for it in range(last + 1)) == 8
+    admit = rc.summarize(rc.rows(reqs, [f"{spec},schedule=admit", f"{spec},schedule=lockstep"], progress=False),
+                         by=("spec",))
+    assert admit["corpus_accepted_share"][1] > admit["corpus_accepted_share"][0]

@@ -131,3 +131,28 @@ def test_missing_extras_are_reported_not_raised(monkeypatch):
     monkeypatch.setattr(baselines, "_extra", no_vllm)
     ok, missing = zoo.available({"vllm": "vllm-ngram", "lookup": "lookup"})
     assert list(ok) == ["lookup"] and "optional extra" in missing["vllm"]
+
+
+@pytest.mark.skipif(not has_arctic, reason="Arctic Inference (optional extra) is not installed")
+@pytest.mark.parametrize("cached, share", [(0, 0.985), (-1, 0.975)])
+def test_arctic_rule_proposes_as_arctics_own_cache(cached, share):
+    """hqlab's reimplementation of Arctic's rule (`arctic-rule`, hqlab.rules.suffix_decoding) against Arctic's
+    compiled cache (`arctic-suffix`), asked at every output position of the committed corpus-workload traces: the
+    same proposal nearly always (they differ where equally frequent continuations tie), the same tokens per step."""
+    traces = load_traces(TRACES.with_name("traces_0.5b_corpus_128.parquet"))
+    compiled = make_proposer(f"arctic-suffix:k=15,cached={cached}")
+    rule = make_proposer(f"arctic-rule:k=15,cached={cached}")
+    same = total = 0
+    for t in traces:
+        h = np.asarray(t.prompt_ids + t.output_ids)
+        for done in range(1, len(t.output_ids)):
+            view, left = h[: len(t.prompt_ids) + done], t.max_new_tokens - done - 1
+            a = compiled.propose([view], [left], keys=[t.prompt_id])[0]
+            b = rule.propose([view], [left], keys=[t.prompt_id])[0]
+            same += list(a.tokens) == list(b.tokens) and a.match_len == b.match_len
+            total += 1
+    assert total > 5000 and same / total >= share
+    steps = zoo.run_zoo(traces, {"compiled": f"arctic-suffix:k=15,cached={cached}",
+                                 "rule": f"arctic-rule:k=15,cached={cached}"}, repeats=1, progress=False)
+    tps = dict(zoo.summarize(steps, group=("proposer",)).select("proposer", "tokens_per_step").iter_rows())
+    assert tps["rule"] == pytest.approx(tps["compiled"], rel=0.005)

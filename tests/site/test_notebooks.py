@@ -26,6 +26,9 @@ SMALL = {
                            nmax_grid=[6, 12], k_grid=[4, 15], cost_contexts=[64, 256], cost_verify_lens=[1, 4, 16],
                            live_configs=["lookup:nmin=2,nmax=6,k=15"], rerun=True),
     "kernels": dict(),
+    # the corpus replay on two workloads, two corpus sizes, one request at a time
+    "corpus": dict(workloads=["template", "prose"], corpus_sizes=[0, 1024], nmins=[2], inflight=[1],
+                   prompts=[False]),
     "vllm_gpu": dict(),  # re-plots the committed vLLM runs
     "serving": dict(),  # re-plots the committed serving run
     "seed_scale": dict(shapes=["qwen2.5-0.5b", "qwen2.5-7b"], batches=[1]),  # the committed step costs

@@ -1,0 +1,175 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python (hqlab)
+#     language: python
+#     name: hqlab
+# ---
+
+# %% [markdown]
+# # Lookup beyond one request: a corpus of earlier outputs (#42)
+#
+# The lookup searches the request's own history. A **corpus** of recent outputs (optionally prompts) extends
+# the search to earlier requests: the same suffix-match rule over a FIFO of documents (`hqlab.rules.corpus`), with
+# a policy for which source wins (`own`: own history first; `longest`: the longer match). Under greedy decoding
+# every step a configuration would take follows from the recorded outputs and the order requests finish, so the
+# whole grid (corpus size × match length × policy × requests in flight × workload) is replayed exactly on the CPU
+# from the committed traces (`hqlab.replay.corpus`) and priced with step costs measured on an H200 at batch 1
+# and 8. Arctic's suffix decoding (a per-request suffix tree plus a global tree of earlier outputs, scored by
+# frequency) runs beside it over the same earlier outputs. Nothing here runs the model: the traces are the 0.5B's
+# greedy outputs on the corpus workloads (`benchmarks/corpus_workloads.py`).
+
+# %% tags=["parameters"]
+traces_file = "data/results/traces_0.5b_corpus_128.parquet"
+workloads = ["multiturn", "template", "agent", "prose"]
+corpus_sizes = [0, 256, 1024, 4096, 16384]  # tokens; 0 = no corpus (the plain lookup)
+nmins = [1, 3]
+nmax = 32
+k = 15
+policies = ["own", "longest"]
+inflight = [1, 8]  # requests in flight
+schedules = ["admit", "lockstep"]  # with several in flight: corpus frozen at admission, or updated as requests finish
+prompts = [False, True]  # corpus documents: outputs only, or prompt + output (at the largest size only)
+arctic = True  # Arctic's rule beside (its global tree bounded by the same sizes)
+arctic_depth = 24
+step_costs = "data/results/step_cost_h200.parquet"  # measured verify steps (benchmarks/step_cost_gpu.py)
+cost_model = "qwen2.5-0.5b"
+search_ms_per_1k = 0.001  # the corpus kernel's price per step per 1k live tokens (see docs/corpus.md)
+figures_dir = "figures"
+results_dir = "data/results"
+
+# %%
+from pathlib import Path
+
+import altair as alt
+import polars as pl
+
+from hqlab import plots
+from hqlab.replay import corpus as rc
+from hqlab.replay.traces import load_traces
+
+alt.renderers.enable("svg")
+pl.Config.set_tbl_width_chars(200)
+pl.Config.set_tbl_rows(60)
+figures, results = Path(figures_dir), Path(results_dir)
+figures.mkdir(parents=True, exist_ok=True)
+results.mkdir(parents=True, exist_ok=True)
+all_traces = load_traces(traces_file)
+traces = {w: [t for t in all_traces if t.category == w] for w in workloads}
+empty = [w for w, ts in traces.items() if not ts]
+if empty:
+    raise ValueError(f"{traces_file} has no traces of workload(s) {empty}")
+costs = rc.step_models(pl.read_parquet(step_costs), model=cost_model)
+for label, model in costs.items():
+    print(label, model.describe())
+print({w: len(ts) for w, ts in traces.items()}, "requests")
+
+# %% [markdown]
+# ## The grid, replayed per workload
+#
+# Each workload is its own stream of requests (a client's sessions against one server), so each gets its own
+# corpus. With 8 requests in flight, `admit` freezes a request's corpus when it is admitted (the outputs of the
+# requests up to 8 before it: the earlier waves of the sessions), a lower bound; `lockstep` steps the 8 together
+# and adds each output as it finishes, for the requests still decoding (an idealised server).
+
+# %%
+loads = [f"inflight={b},schedule={s}" for b in inflight for s in (schedules if b > 1 else schedules[:1])]
+specs = [f"corpus:nmin={n},nmax={nmax},k={k},tokens={size},choice={p},{load}"
+         for n in nmins for size in corpus_sizes for p in (policies if size else policies[:1]) for load in loads]
+specs += [f"corpus:nmin={n},nmax={nmax},k={k},tokens={max(corpus_sizes)},choice={p},{load},prompts=true"
+          for n in nmins for p in policies for load in loads if True in prompts and max(corpus_sizes)]
+if arctic:
+    specs += [f"arctic:k={k},depth={arctic_depth},tokens={size},{load}" for size in corpus_sizes for load in loads]
+frame = pl.concat([rc.rows(traces[w], specs, costs=costs, search_ms_per_1k=search_ms_per_1k) for w in workloads])
+frame.write_parquet(results / "corpus_replay.parquet")
+summary = rc.summarize(frame).with_columns(
+    pl.when(pl.col("inflight") == 1).then(pl.col("speedup_b1")).otherwise(pl.col("speedup_b8")).alias("speedup"),
+    pl.when(pl.col("inflight") == 1).then(pl.lit("1 in flight"))
+    .otherwise(pl.format("{} in flight, {}", "inflight", "schedule")).alias("load"))
+plain = summary.filter((pl.col("rule") == "corpus") & (pl.col("tokens") == 0)).select(
+    "workload", "nmin", "load", pl.col("tokens_per_step").alias("plain_tps"),
+    pl.col("speedup").alias("plain_speedup"))
+summary = summary.join(plain, on=["workload", "nmin", "load"], how="left").with_columns(
+    (pl.col("speedup") / pl.col("plain_speedup")).alias("vs_plain"))
+summary.select("workload", "rule", "nmin", "tokens", "choice", "prompts", "load", "tokens_per_step",
+               "corpus_accepted_share", "speedup", "vs_plain").sort("workload", "rule", "nmin", "load", "tokens")
+
+# %% [markdown]
+# ## Tokens per step and projected speedup against corpus size
+#
+# Lines: the corpus rule per choice policy (outputs only), at nmin 1; the size-0 point of every line is the plain
+# lookup. Arctic's rule, its global tree bounded by the same number of tokens, is the blue line. One row per
+# workload: one request at a time, then 8 in flight under each schedule. Speedup is projected with the H200's step
+# costs at the 0.5B's shape: batch 1 for one request at a time, batch 8 for 8 in flight, against no speculation.
+
+# %%
+def lines_of(nmin: int) -> pl.DataFrame:
+    corpus_rows = summary.filter((pl.col("rule") == "corpus") & (pl.col("nmin") == nmin) & ~pl.col("prompts"))
+    label = pl.format("corpus, {}", "choice").alias("rule_label")
+    series = [corpus_rows.filter(pl.col("tokens") > 0).with_columns(label)]
+    for p in policies:  # the plain lookup starts every policy's line
+        plain_rows = corpus_rows.filter(pl.col("tokens") == 0)
+        series.append(plain_rows.with_columns(pl.lit(f"corpus, {p}").alias("rule_label")))
+    if arctic:
+        arctic_rows = summary.filter(pl.col("rule") == "arctic")
+        series.append(arctic_rows.with_columns(pl.lit("Arctic suffix").alias("rule_label")))
+    out = pl.concat(series, how="diagonal_relaxed").with_columns(
+        pl.format("{} · {}", "workload", "load").alias("panel"),
+        (pl.col("tokens").cast(pl.Float64).clip(64)).alias("corpus_tokens"))  # 0 drawn at 64 on the log axis
+    return out.sort("panel", "rule_label", "corpus_tokens")
+
+
+chart = plots.lines(lines_of(1), "corpus_tokens", "tokens_per_step", "rule_label", facet="panel", log_x=True,
+                    x_title="corpus tokens (64 = none)", y_title="tokens per step")
+plots.save(chart, figures / "corpus_tokens_per_step.svg")
+chart
+
+# %%
+chart = plots.lines(lines_of(1), "corpus_tokens", "speedup", "rule_label", facet="panel", log_x=True,
+                    x_title="corpus tokens (64 = none)", y_title="projected speedup (H200 step costs)")
+plots.save(chart, figures / "corpus_speedup.svg")
+chart
+
+# %% [markdown]
+# ## Corpus size × match length
+#
+# Speedup over the same configuration without a corpus (policy `longest`, one request at a time), per nmin and
+# corpus size.
+
+# %%
+grid = summary.filter((pl.col("rule") == "corpus") & (pl.col("choice") == policies[-1]) & (pl.col("inflight") == 1)
+                      & (pl.col("tokens") > 0) & ~pl.col("prompts"))
+chart = plots.heatmap(grid.with_columns(pl.col("tokens").alias("corpus tokens")), "corpus tokens", "nmin", "vs_plain",
+                      facet="workload", title="× without corpus", fmt=".2f")
+plots.save(chart, figures / "corpus_match_length.svg")
+chart
+
+# %% [markdown]
+# ## Side by side: the plain lookup, the corpus and Arctic's rule
+#
+# At the largest corpus size: tokens per step and projected speedup per workload and load (8 in flight: lockstep).
+
+# %%
+big = max(corpus_sizes)
+pick = pl.concat([
+    summary.filter((pl.col("rule") == "corpus") & (pl.col("tokens") == 0) & (pl.col("nmin") == 1))
+    .with_columns(pl.lit("lookup, no corpus").alias("config")),
+    *[summary.filter((pl.col("rule") == "corpus") & (pl.col("tokens") == big) & (pl.col("nmin") == 1)
+                     & (pl.col("choice") == p) & ~pl.col("prompts")).with_columns(pl.lit(f"corpus {p}").alias("config"))
+      for p in policies],
+    *([summary.filter((pl.col("rule") == "arctic") & (pl.col("tokens") == t)).with_columns(
+        pl.lit("Arctic, own tree" if t == 0 else "Arctic, + global tree").alias("config")) for t in (0, big)]
+      if arctic else []),
+], how="diagonal_relaxed").filter((pl.col("inflight") == 1) | (pl.col("schedule") == schedules[-1])).with_columns(
+    pl.format("{} · {} in flight", "workload", "inflight").alias("panel"))
+chart = plots.bar_panels(pick, "panel", "config", {"tokens_per_step": "tokens per step",
+                                                   "speedup": "projected speedup"})
+plots.save(chart, figures / "corpus_arctic.svg")
+pick.select("panel", "config", "tokens_per_step", "corpus_accepted_share", "speedup")
