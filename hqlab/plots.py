@@ -182,3 +182,76 @@ def step_timeline(steps: pl.DataFrame, *, row: str = "config", title: str | None
     out = chart.facet(row=alt.Row(f"{row}:N", title=None, header=alt.Header(labelAngle=0, labelAlign="left")),
                       data=data)
     return out.properties(title=title) if title else out
+
+
+def predicted_vs_measured(data: pl.DataFrame, x: str, y: str, color: str, *, tolerance: float = 0.1,
+                          x_title: str | None = None, y_title: str | None = None,
+                          tooltip: list[str] | None = None) -> alt.TopLevelMixin:
+    """One dot per row, predicted (`y`) against measured (`x`) on log axes, with the diagonal (exact) and dashed
+    lines at ± `tolerance` around it: the dots between the dashed lines are within the tolerance."""
+    if not 0 < tolerance < 1:
+        raise ValueError(f"tolerance must be in (0, 1) (got {tolerance})")
+    lo, hi = float(min(data[x].min(), data[y].min())) * 0.8, float(max(data[x].max(), data[y].max())) * 1.25
+    line = pl.DataFrame({"m": [lo, hi]}).with_columns(pl.col("m").alias("exact"),
+                                                      (pl.col("m") * (1 + tolerance)).alias("above"),
+                                                      (pl.col("m") * (1 - tolerance)).alias("below"))
+    guides = line.unpivot(index="m", on=["exact", "above", "below"], variable_name="guide", value_name="p")
+    axis_x = alt.X(f"{x}:Q", title=x_title or x, scale=alt.Scale(type="log", domain=[lo, hi]))
+    axis_y = alt.Y(f"{y}:Q", title=y_title or y, scale=alt.Scale(type="log", domain=[lo, hi]))
+    rules = alt.Chart(guides).mark_line(color="#888").encode(
+        x=alt.X("m:Q", scale=alt.Scale(type="log", domain=[lo, hi])), y=alt.Y("p:Q"), detail="guide:N",
+        strokeDash=alt.condition(alt.datum.guide == "exact", alt.value([1, 0]), alt.value([4, 3])))
+    dots = alt.Chart(data).mark_circle(size=45, opacity=0.8).encode(
+        x=axis_x, y=axis_y, color=alt.Color(f"{color}:N", sort=None, legend=alt.Legend(labelLimit=400)),
+        tooltip=tooltip or [color, alt.Tooltip(f"{x}:Q", format=".4g"), alt.Tooltip(f"{y}:Q", format=".4g")])
+    return alt.layer(rules, dots).properties(width=WIDTH * 2.4, height=WIDTH * 2.4)
+
+
+def lines_with_mark(data: pl.DataFrame, x: str, y: str, color: str, *, panel: str, columns: int = 3,
+                    mark: tuple[float, float, str] | None = None, x_title: str | None = None,
+                    y_title: str | None = None, log_x: bool = True, log_y: bool = True) -> alt.TopLevelMixin:
+    """Lines of `y` against `x` per `color`, one panel per `panel` value that has rows (in order of appearance),
+    and in every panel one reference point `mark` = (x, y, label) (e.g. a published claim to compare against) with
+    a dashed rule at its y."""
+    def domain(column: str, values: list[float], log: bool) -> alt.Scale:
+        lo, hi = min(values), max(values)  # the data's range (and the mark's), not a padded one
+        pad = (hi / lo) ** 0.05 if log and lo > 0 else 1.0
+        return alt.Scale(type="log" if log else "linear", domain=[lo / pad, hi * pad], nice=False)
+
+    marked = [mark[0]] if mark else []
+    scale_x = domain(x, data[x].to_list() + marked, log_x)
+    scale_y = domain(y, data[y].to_list() + ([mark[1]] if mark else []), log_y)
+    layers: list[alt.Chart] = [alt.Chart().mark_line(point=True).encode(
+        x=alt.X(f"{x}:Q", title=x_title or x, scale=scale_x), y=alt.Y(f"{y}:Q", title=y_title or y, scale=scale_y),
+        color=alt.Color(f"{color}:N", sort=None),
+        tooltip=[x, color, alt.Tooltip(f"{y}:Q", format=".3g")])]
+    if mark is not None:
+        mx, my, label = mark
+        layers += [alt.Chart().mark_rule(strokeDash=[4, 3], color="#444").encode(y=alt.datum(my)),
+                   alt.Chart().mark_point(shape="diamond", size=90, filled=True, color="black").encode(
+                       x=alt.datum(mx), y=alt.datum(my)),
+                   alt.Chart().mark_text(align="left", dx=6, dy=-8, fontSize=9).encode(
+                       x=alt.datum(mx), y=alt.datum(my), text=alt.datum(label))]
+    chart = alt.layer(*layers).properties(width=WIDTH * 1.3, height=150)
+    order = list(dict.fromkeys(data[panel].to_list()))
+    return chart.facet(alt.Facet(f"{panel}:N", title=None, sort=order, header=alt.Header(labelLimit=400)),
+                       columns=columns, data=data)
+
+
+def panel_lines(data: pl.DataFrame, x: str, y: str, color: str, *, panel: str, order: list[str] | None = None,
+                x_title: str | None = None, y_title: str | None = None, log_x: bool = False,
+                columns: int = 3) -> alt.TopLevelMixin:
+    """Lines of `y` against `x` per `color`, one panel per `panel` value in the given `order` (default: as they
+    first appear), the x axis spanning the data only (e.g. ms per step against the verify width, per batch and
+    context)."""
+    lo, hi = float(data[x].min()), float(data[x].max())
+    chart = alt.Chart().mark_line(point=True).encode(
+        x=alt.X(f"{x}:Q", title=x_title or x,
+                scale=alt.Scale(type="log" if log_x else "linear", domain=[lo, hi], nice=False),
+                axis=alt.Axis(values=sorted(set(data[x].to_list()))) if log_x else alt.Axis()),
+        y=alt.Y(f"{y}:Q", title=y_title or y),
+        color=alt.Color(f"{color}:N", sort=None),
+        tooltip=[x, color, panel, alt.Tooltip(f"{y}:Q", format=".3g")],
+    ).properties(width=WIDTH * 1.4, height=160)
+    sort = order or list(dict.fromkeys(data[panel].to_list()))
+    return chart.facet(alt.Facet(f"{panel}:N", title=None, sort=sort), columns=columns, data=data)

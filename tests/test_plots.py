@@ -42,3 +42,32 @@ def test_bar_panels_stack_one_panel_per_measure_with_log_where_asked():
     assert top["encoding"]["y"]["stack"] is None  # stacked, a log panel's bars would start at 0 and not be drawn
     assert [p["encoding"]["x"]["axis"]["labels"] for p in (top, bottom)] == [False, True]  # labels once, at the bottom
     assert len(spec["datasets"]) == 1  # the panels share one copy of the rows
+
+
+def test_panel_lines_keep_the_panel_order_given_and_the_data_range():
+    frame = pl.DataFrame({"width": [1, 32, 1, 32], "ms": [2.0, 3.0, 20.0, 30.0], "shape": ["a", "a", "b", "b"],
+                          "panel": ["context 32k", "context 32k", "context 8k", "context 8k"]})
+    spec = plots.panel_lines(frame, "width", "ms", "shape", panel="panel", order=["context 8k", "context 32k"],
+                             log_x=True).to_dict()
+    assert spec["facet"]["sort"] == ["context 8k", "context 32k"]  # not alphabetical: 32k would come first
+    assert spec["spec"]["encoding"]["x"]["scale"]["domain"] == [1.0, 32.0]
+
+
+def test_predicted_vs_measured_draws_the_tolerance_band():
+    frame = pl.DataFrame({"measured": [100.0, 1000.0], "predicted": [105.0, 800.0], "config": ["a", "b"]})
+    spec = plots.predicted_vs_measured(frame, "measured", "predicted", "config", tolerance=0.1).to_dict()
+    guides = next(rows for rows in spec["datasets"].values() if "guide" in rows[0])
+    top = max(r["m"] for r in guides)
+    assert {r["guide"]: r["p"] / r["m"] for r in guides if r["m"] == top} == {"exact": 1.0, "above": 1.1,
+                                                                            "below": 0.9}
+    assert min(r["m"] for r in guides) < 100.0 and top > 1000.0  # the band spans every dot
+
+
+def test_lines_with_mark_put_the_reference_point_in_every_panel():
+    frame = pl.DataFrame({"size": [7.0, 32.0] * 2, "speedup": [1.5, 2.0, 3.0, 4.0], "class": ["chat"] * 2 + ["qa"] * 2,
+                          "panel": ["x, batch 8"] * 2 + ["x, batch 1"] * 2})
+    spec = plots.lines_with_mark(frame, "size", "speedup", "class", panel="panel", mark=(27.0, 2.4, "seeds")).to_dict()
+    assert spec["facet"]["sort"] == ["x, batch 8", "x, batch 1"]  # panels that have rows, in their order
+    layers = spec["spec"]["layer"]
+    assert len(layers) == 4  # the lines, the rule, the point, its label
+    assert layers[2]["encoding"]["x"] == {"datum": 27.0} and layers[2]["encoding"]["y"] == {"datum": 2.4}

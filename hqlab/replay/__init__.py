@@ -7,7 +7,8 @@ would have recorded, through the vectorised replay (`fast`) for the lookup and P
 
 Modules: `traces` (the recorded outputs and their cache), `step`, `fast`, `teacher` (a model drafter's greedy
 drafts teacher-forced from one pass over a trace), `costmodel` (measured step cost → predicted speed), `sweep`
-(grids of configurations over traces, priced), `zoo` (other systems' proposers on the same traces).
+(grids of configurations over traces, priced), `zoo` (other systems' proposers on the same traces), `scale`
+(measured step costs of large targets joined with measured tokens per step: docs/seed-scale.md).
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ SMALL = {
                    prompts=[False]),
     "vllm_gpu": dict(),  # re-plots the committed vLLM runs
     "serving": dict(),  # re-plots the committed serving run
+    "seed_scale": dict(shapes=["qwen2.5-0.5b", "qwen2.5-7b"], batches=[1]),  # the committed step costs
     # runs the benchmark itself (not only the re-plot), on two prompts
     "core_benchmark": dict(rerun=True, tags=["ci"], configs=["lookup:nmin=6,k=15", "hf-pld:k=10"],
                            suites={"edit": 32, "chat": 16}, doc_tokens=300, limit=1),
