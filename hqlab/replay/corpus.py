@@ -46,7 +46,7 @@ from hqlab.replay.traces import Trace
 from hqlab.rules.corpus import (CHOICE_POLICIES, CORPUS, NONE, OWN, TIE_POLICIES, Corpus, CorpusConfig, CorpusMatch,
                                 choose)
 from hqlab.rules import suffix_decoding
-from hqlab.rules.lookup import suffix_match
+from hqlab.rules.lookup import extend_matches, suffix_match
 from hqlab.rules.verify import greedy_verify
 from hqlab.trace import Source, StepRecord, budget, step_record
 
@@ -206,16 +206,7 @@ class CorpusView:
                 return CorpusMatch.none(h.dtype)
         if ends.size == 0:
             return CorpusMatch.none(h.dtype)
-        lengths = np.full(ends.shape, nmin, dtype=np.int64)
-        alive = np.ones(ends.shape, dtype=bool)
-        for i in range(nmin, min(nmax, t + 1)):
-            pos = ends - i
-            ok = alive & (pos >= 0)
-            ok[ok] = j[pos[ok]] == h[t - i]  # a separator never equals a token: no match crosses a document start
-            alive = ok
-            if not alive.any():
-                break
-            lengths += alive
+        lengths = extend_matches(j, ends, h, nmin=nmin, nmax=nmax)  # a separator stops a match at a document start
         best = int(lengths.max())
         tied = ends[lengths == best]
         e = int(tied.max() if policy == "recent" else tied.min())

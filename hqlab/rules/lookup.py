@@ -73,20 +73,29 @@ def suffix_match(
     if ends.size == 0:
         return Match.none(h.dtype)
 
-    # Extend the survivors up to nmax; a match cannot run past the start of the history.
-    lengths = np.full(ends.shape, nmin, dtype=np.int64)
-    alive = np.ones(ends.shape, dtype=bool)
-    for i in range(nmin, nmax):
-        pos = ends - i
-        ok = alive & (pos >= 0)
-        ok[ok] = h[pos[ok]] == h[t - i]
-        alive = ok
-        if not alive.any():
-            break
-        lengths += alive
-
+    lengths = extend_matches(h, ends, h, nmin=nmin, nmax=nmax)
     best = int(lengths.max())
     tied = ends[lengths == best]
     end = int(tied.max() if policy == "recent" else tied.min())
     valid = min(k, t - end)
     return Match(end, best, valid, h[end + 1 : end + 1 + valid].copy())
+
+
+def extend_matches(haystack: np.ndarray, ends: np.ndarray, history: np.ndarray, *, nmin: int, nmax: int) -> np.ndarray:
+    """Match lengths, capped at nmax, of candidate ends in `haystack` whose last nmin tokens already equal the
+    history's last nmin: each is extended one position back at a time while haystack[end - i] equals
+    history[t - i]. A match never runs past the start of either sequence (a negative separator in the haystack,
+    which no token equals, stops it too). Shared by the lookup over the request's own history (haystack = history)
+    and the corpus replay's vectorised search over the corpus."""
+    t = history.shape[0] - 1
+    lengths = np.full(ends.shape, nmin, dtype=np.int64)
+    alive = np.ones(ends.shape, dtype=bool)
+    for i in range(nmin, min(nmax, t + 1)):
+        pos = ends - i
+        ok = alive & (pos >= 0)
+        ok[ok] = haystack[pos[ok]] == history[t - i]
+        alive = ok
+        if not alive.any():
+            break
+        lengths += alive
+    return lengths
