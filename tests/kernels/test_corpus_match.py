@@ -10,12 +10,9 @@ docs as token ids: natural repetition, long matches across documents).
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import os
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,24 +24,12 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit definition
 
 from hqlab.rules.corpus import Corpus, CorpusConfig  # noqa: E402
+from kernel_module import kernel_module  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load_kernels():
-    """`hqlab_kernels.corpus_match`, or the file itself where the package is not installed."""
-    try:
-        return importlib.import_module("hqlab_kernels.corpus_match")
-    except ImportError:
-        path = ROOT / "kernels" / "corpus_match.py"
-        spec = importlib.util.spec_from_file_location("hqlab_kernels.corpus_match", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        return module
-
-
-cm = _load_kernels()
+cm = kernel_module("corpus_match")
 DEVICE = "cuda" if CUDA else "cpu"
 N_SEEDS = 120 if CUDA else 24
 SCALE = 20 if CUDA else 1  # ring sizes and document lengths grow with it on the GPU

@@ -8,11 +8,7 @@ concatenated tokens exceed 2^31 bytes, and a CUDA-graph replay.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,22 +19,10 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit definition
 
 from hqlab.rules.lookup import suffix_match  # noqa: E402
+from kernel_module import kernel_module  # noqa: E402
 
 
-def _load_kernels():
-    """`hqlab_kernels.suffix_match`, or the file itself where the package is not installed."""
-    try:
-        return importlib.import_module("hqlab_kernels.suffix_match")
-    except ImportError:
-        path = Path(__file__).resolve().parents[2] / "kernels" / "suffix_match.py"
-        spec = importlib.util.spec_from_file_location("hqlab_kernels.suffix_match", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        return module
-
-
-sm = _load_kernels()
+sm = kernel_module("suffix_match")
 DEVICE = "cuda" if CUDA else "cpu"
 
 # Interpreter: ~0.5 ms per program and ~60 µs per loop iteration, so short histories and few programs.
