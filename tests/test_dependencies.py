@@ -18,7 +18,7 @@ from hqlab.models import gguf
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = ["hqlab", "kernels", "notebooks", "tests", "benchmarks", "experiments"]
-LOCAL = {"hqlab", "hqlab_kernels", "benchmarks", "kernels", "conftest", "rounding"}  # rounding: tests/kernels
+LOCAL = {"hqlab", "hqlab_kernels", "benchmarks", "kernels", "conftest"}
 # import name -> distribution, for packages this environment does not have (vLLM's live in their own environment)
 NOT_HERE = {"vllm": "vllm", "numba": "numba", "arctic_inference": "arctic-inference", "cuda": "cuda-bindings",
             "openai": "openai"}
@@ -47,7 +47,9 @@ def imported_modules() -> dict[str, set[str]]:
                     continue
                 for name in names:
                     top = name.split(".")[0]
-                    if top not in sys.stdlib_module_names and top not in LOCAL:
+                    # a helper module beside the importing file (tests/kernels/kernel_module.py) is the project's own
+                    beside = (path.parent / f"{top}.py").exists() or (path.parent / top / "__init__.py").exists()
+                    if top not in sys.stdlib_module_names and top not in LOCAL and not beside:
                         found.setdefault(top, set()).add(str(path.relative_to(REPO)))
     return found
 
