@@ -82,20 +82,38 @@ def next_k(table: list[int] | None, batch: int, k: int) -> int:
     return table[min(batch, len(table) - 1)]
 
 
-def with_schedule(speculative: dict[str, Any], value: str, k: int) -> dict[str, Any]:
-    """`speculative` plus vLLM's `num_speculative_tokens_per_batch_size` for a `batch_k` value ("" = none)."""
-    if value:
-        speculative["num_speculative_tokens_per_batch_size"] = vllm_schedule(parse(value, k))
+def with_plain_steps(entries: list[tuple[int, int]] | None, k: int) -> list[tuple[int, int]]:
+    """`entries` (None: k at every load) with a width-0 range, so that vLLM captures full CUDA graphs for plain
+    steps too: the speculation gate (`hqlab.rules.gate`) makes some steps verify nothing at any batch size, and the
+    V2 runner captures a uniform-decode graph only for the widths its schedule names. A schedule that already
+    reaches 0 is returned as is; otherwise the open-ended last range stops one short of MAX_BATCH and a range of
+    width 0 takes MAX_BATCH alone, a batch size vLLM never runs (it clips the table to max_num_seqs)."""
+    entries = list(entries) if entries else [(MAX_BATCH, k)]
+    if any(w == 0 for _, w in entries):
+        return entries
+    if entries[-1][0] == MAX_BATCH:
+        entries[-1] = (MAX_BATCH - 1, entries[-1][1])
+    return entries + [(MAX_BATCH, 0)]
+
+
+def with_schedule(speculative: dict[str, Any], value: str, k: int, *, plain_steps: bool = False) -> dict[str, Any]:
+    """`speculative` plus vLLM's `num_speculative_tokens_per_batch_size` for a `batch_k` value ("" = none), with a
+    width-0 range when `plain_steps` (the gate's steps that verify nothing: `with_plain_steps`)."""
+    entries = parse(value, k) if value else None
+    if plain_steps:
+        entries = with_plain_steps(entries, k)
+    if entries:
+        speculative["num_speculative_tokens_per_batch_size"] = vllm_schedule(entries)
     return speculative
 
 
-def table_for(vllm_config: Any, value: str, k: int) -> list[int] | None:
+def table_for(vllm_config: Any, value: str, k: int, *, plain_steps: bool = False) -> list[int] | None:
     """The width per batch size vLLM's scheduler will use (None: always k), checked against the spec's `batch_k`:
     a speculator that skips its drafting where the spec says 0 while vLLM still verifies k would waste every
     such step, so the two must agree (gpu_lookup's and gpu_fused's `speculative_config(spec)` make them agree)."""
     spec_config = vllm_config.speculative_config
     theirs = getattr(spec_config, "num_speculative_tokens_per_batch_size", None)
-    ours = vllm_schedule(parse(value, k)) if value else None
+    ours = with_schedule({}, value, k, plain_steps=plain_steps).get("num_speculative_tokens_per_batch_size")
     if ours is not None and [list(map(int, r)) for r in (theirs or [])] != ours:
         raise ConfigError(f"batch_k={value!r} asks vLLM for num_speculative_tokens_per_batch_size={ours}, but vLLM "
                           f"has {theirs}: build the speculative config with speculative_config(spec)")

@@ -15,7 +15,7 @@ where vLLM's own EAGLE/MTP speculators run instead: after sampling, inside the w
 - With `corpus=N` the step also searches a corpus of earlier requests' outputs (N tokens at most, FIFO of whole
   documents: `hqlab.rules.corpus`) kept on the GPU (`hqlab_kernels.corpus_match.CorpusRing`), in one more launch
   for the batch, and `corpus_policy` picks between the request's own match and the corpus's (`choose`). Finished
-  requests reach the corpus through the plugin (`plugin._patch_corpus_delivery`): vLLM's scheduler knows each
+  requests reach the corpus through the plugin (`plugin._patch_scheduler`): vLLM's scheduler knows each
   finished request's exact output, the worker does not (its token rows may run past a stop by the tokens of the
   step that found it), so the scheduler hands the finished (prompt, output) ids to the worker with the next step's
   scheduler output and the worker adds them before that step drafts. Each step's record says how many documents
@@ -72,11 +72,16 @@ class GpuLookupConfig(LookupConfig):
     corpus_docs: int = 1024
     corpus_policy: str = "own"
     corpus_prompts: bool = False
+    # The speculation gate (`hqlab.rules.gate`): a step verifies drafts only when some request's history, as the
+    # scheduler knows it, ends in `gate` tokens seen earlier in it; 0 = speculate on every step.
+    gate: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.batch_k:
             batch_k.parse(self.batch_k, self.k)
+        require(self.gate >= 0, f"gate is the match length (tokens) a step needs to speculate, 0 for no gate "
+                                f"(got {self.gate})")
         require(self.corpus >= 0, f"corpus is the most tokens the corpus keeps, 0 for none (got {self.corpus})")
         require(self.corpus_policy in CHOICE_POLICIES,
                 f"corpus_policy must be one of {CHOICE_POLICIES} (got {self.corpus_policy!r})")
@@ -116,7 +121,7 @@ def lookup_config(spec: str) -> GpuLookupConfig:
 def speculative_config(spec: str) -> dict[str, Any]:
     """vLLM's `speculative_config` for a `gpu-lookup` spec (`speculator.custom_class_config`)."""
     config = lookup_config(spec)
-    return custom_class_config(CLASS_PATH, config.k, config.batch_k)
+    return custom_class_config(CLASS_PATH, config.k, config.batch_k, plain_steps=config.gate > 0)
 
 
 def is_gpu_lookup(speculative_config: Any) -> bool:
@@ -217,7 +222,7 @@ class GpuLookupSpeculator(V2Speculator):
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.pad = pad_token(vllm_config)
         self._setup(record=recording(vllm_config))
-        self.k_table = batch_k.table_for(vllm_config, self.config.batch_k, self.k)
+        self.k_table = batch_k.table_for(vllm_config, self.config.batch_k, self.k, plain_steps=self.config.gate > 0)
 
     @classmethod
     def standalone(cls, config: LookupConfig, *, max_num_reqs: int, max_model_len: int, pad: int,

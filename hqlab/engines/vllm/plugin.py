@@ -13,11 +13,14 @@ that ask for an hqlab GPU speculator (`gpu_lookup.is_gpu_lookup`, `gpu_fused.is_
 3. `init_speculator` builds `GpuLookupSpeculator` (or `gpu_fused.GpuFusedSpeculator`), which is bound to the
    runner's request state when vLLM loads the model (the fused one also loads its draft model then).
 
+For a `gpu-lookup` with the speculation gate (`gate=G`) the scheduler sets each step's verify width from the
+lookup's match state before it schedules (`hqlab.engines.vllm.gate`, patched in `_patch_scheduler`).
+
 For a `gpu-lookup` with a corpus (`corpus=N`) it also carries finished requests to the speculator
-(`_patch_corpus_delivery`): vLLM's scheduler notes each freed request's prompt and output ids and attaches them to
+(`_patch_scheduler`): vLLM's scheduler notes each freed request's prompt and output ids and attaches them to
 its next scheduler output, and the runner's `finish_requests` hands them (with the requests admitted that step) to
 the speculator. Only the scheduler knows a finished request's exact output; the worker's token rows may hold tokens
-past the stop. Configs without a corpus are untouched (the wrappers return at once).
+past the stop. Configs without a corpus or a gate are untouched (the wrappers return at once).
 
 Nothing of vLLM is forked or copied. On any other vLLM version `register` patches nothing and says so, and a
 config that asks for the speculator fails with a clear error (`check_vllm_version`).
@@ -59,7 +62,7 @@ def register() -> None:
         return
     _patch_config()
     _patch_init_speculator()
-    _patch_corpus_delivery()
+    _patch_scheduler()
 
 
 def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
@@ -203,6 +206,30 @@ def _attach_freed(scheduler: Any, scheduler_output: Any) -> None:
         setattr(scheduler_output, CORPUS_DOCS, scheduler.__dict__.pop("_hqlab_freed", []))
 
 
+def _gate(scheduler: Any) -> Any:
+    """This scheduler's speculation gate (`gate.SchedulerGate`), None unless the config is a gpu-lookup with
+    `gate=G` (read once per scheduler)."""
+    if "_hqlab_gate" not in scheduler.__dict__:
+        from hqlab.engines.vllm.gpu_lookup import is_gpu_lookup, lookup_config
+        from hqlab.engines.vllm.speculator import proposer_spec
+
+        found = None
+        config = scheduler.vllm_config
+        if is_gpu_lookup(getattr(config, "speculative_config", None)):
+            min_match = lookup_config(proposer_spec(config)).gate
+            if min_match:
+                from hqlab.engines.vllm.gate import SchedulerGate
+
+                table = getattr(scheduler, "dynamic_sd_lookup", None)
+                if table is None:
+                    raise ConfigError("gate needs vLLM's num_speculative_tokens_per_batch_size schedule (with a "
+                                      "width-0 range): build the speculative config with gpu_lookup's "
+                                      "speculative_config(spec)")
+                found = SchedulerGate(min_match, table)
+        scheduler.__dict__["_hqlab_gate"] = found
+    return scheduler.__dict__["_hqlab_gate"]
+
+
 def _deliver(runner: Any, scheduler_output: Any) -> None:
     """In the worker, after vLLM's `finish_requests` and before the step drafts: the finished requests' ids and the
     step's new requests to the speculator (`GpuLookupSpeculator.corpus_step`)."""
@@ -212,19 +239,26 @@ def _deliver(runner: Any, scheduler_output: Any) -> None:
                                [r.req_id for r in scheduler_output.scheduled_new_reqs])
 
 
-def _patch_corpus_delivery() -> None:
-    """Scheduler: `_note_freed` when it frees a request, `_attach_freed` to each scheduler output (in every process
-    that may schedule; the runner's half is `_patch_corpus_runner`, patched in the worker with the binding)."""
+def _patch_scheduler() -> None:
+    """Scheduler (in every process that may schedule): the gate sets the width table before each `schedule()`;
+    `_note_freed` when it frees a request (and the gate forgets it), `_attach_freed` to each scheduler output (the
+    runner's half is `_patch_corpus_runner`, patched in the worker with the binding)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     def free(original: Callable) -> Callable:
         def _free_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
             _note_freed(self, request)
+            gate = _gate(self)
+            if gate is not None:
+                gate.forget(request.request_id)
             return original(self, request, *args, **kwargs)
         return _free_request
 
     def schedule(original: Callable) -> Callable:
         def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+            gate = _gate(self)
+            if gate is not None:
+                gate.before_schedule(self)
             out = original(self, *args, **kwargs)
             _attach_freed(self, out)
             return out

@@ -50,14 +50,14 @@ def is_custom_class(speculative_config: Any, class_path: str) -> bool:
     return get("method") == "custom_class" and get("model") == class_path
 
 
-def custom_class_config(class_path: str, k: int, widths: str = "") -> dict[str, Any]:
+def custom_class_config(class_path: str, k: int, widths: str = "", *, plain_steps: bool = False) -> dict[str, Any]:
     """vLLM's `speculative_config` for an hqlab GPU speculator: vLLM's `custom_class` method naming its class, k
     draft positions verified every step, or with a `batch_k` value (`widths`) as many as vLLM's scheduler looks up
-    for the step's batch size."""
+    for the step's batch size; `plain_steps` adds a width-0 range for the speculation gate (`batch_k`)."""
     from hqlab.engines.vllm import batch_k
 
     return batch_k.with_schedule({"method": "custom_class", "model": class_path, "num_speculative_tokens": k},
-                                 widths, k)
+                                 widths, k, plain_steps=plain_steps)
 
 
 def pad_token(vllm_config: Any) -> int:
