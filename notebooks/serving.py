@@ -28,6 +28,16 @@ samples_file = "data/results/vllm_serve_h200.samples.parquet"
 run = "s1"
 figures_dir = "figures"
 positions = 24  # output positions the sampling test compares
+# the speculation gate's replay: recorded greedy outputs, the lookup it gates, the gate lengths (0 = no gate), and
+# where the two step costs come from (a serving run at one request, and the step-cost grid of the same target)
+gate_traces = ["data/results/traces_0.5b_all_128.parquet", "data/results/traces_1.5b_labd_160.parquet",
+               "data/results/traces_0.5b_corpus_128.parquet"]
+gate_lookup = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest"
+gate_min_matches = [0, 1, 2, 3, 4, 6, 8]
+gate_cost_run = "s3"
+gate_cost_config = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,batch_k=1:15/4:7/0"
+gate_grid_file = "data/results/seed_scale_h100.parquet"
+gate_results_file = "data/results/gate_replay.parquet"
 
 # %%
 from pathlib import Path
@@ -92,3 +102,43 @@ for config, got in by.items():
     verdicts.append({"config": config, "samples": len(got), "min p": min(r["p"] for r in per_position),
                      "same distribution": serve.same_distribution(per_position)})
 pl.DataFrame(verdicts)
+
+# %% [markdown]
+# ## The speculation gate, replayed
+#
+# `gpu-lookup:...,gate=G` verifies drafts on a step only when some request's history, as vLLM's scheduler knows it
+# (three steps old under asynchronous scheduling), ends in G tokens seen earlier in it (`hqlab.rules.gate`). The
+# replay walks recorded greedy outputs with that lag (`hqlab.replay.gate`, checked step for step against vLLM's own
+# scheduler in tests/engines/vllm/test_vllm_gate.py) and prices the steps with two measured costs at one request:
+# a plain step and a speculative one. Two cost pairs: the served engine's (run `gate_cost_run`: `none`'s time per
+# token, and the lookup's time per token × its tokens a step) and the step-cost grid's (the same 1.5B shape, random
+# weights, width 1 against the median of widths 2-32). A projection until the gated server is measured.
+
+# %%
+from hqlab.config import LookupConfig, resolve_spec
+from hqlab.replay import gate as gate_replay
+from hqlab.replay.traces import load_traces
+
+cost_rows = pl.read_parquet(results_file).filter((pl.col("run") == gate_cost_run)
+                                                 & pl.col("config").is_in(["none", gate_cost_config]))
+served_plain, served_spec = serve.step_costs(cost_rows, gate_cost_config)
+grid = pl.read_parquet(gate_grid_file).filter((pl.col("shape") == "qwen2.5-1.5b") & (pl.col("config") == "gpu-lookup")
+                                              & (pl.col("batch") == 1) & (pl.col("context") == 1024))
+grid_plain = grid.filter(pl.col("width") == 1)["step_ms"].median()
+grid_spec = grid.filter(pl.col("width") > 1)["step_ms"].median()
+costs = {f"served ({served_spec / served_plain:.2f}x a plain step)": (served_plain, served_spec),
+         f"step-cost grid ({grid_spec / grid_plain:.2f}x)": (grid_plain, grid_spec)}
+lookup = resolve_spec(gate_lookup, {"gpu-lookup": LookupConfig, "lookup": LookupConfig})[1]
+steps = pl.concat([gate_replay.sweep(load_traces(f), lookup, [g or None for g in gate_min_matches])
+                   for f in gate_traces])
+priced = pl.concat([gate_replay.price(steps, plain_ms=p, spec_ms=q).with_columns(pl.lit(name).alias("costs"))
+                    for name, (p, q) in costs.items()])
+priced.write_parquet(gate_results_file)
+chart = plots.lines(priced, "min_match", "speedup", "workload", facet="costs",
+                    x_title="gate: match length a step needs (0 = no gate)",
+                    y_title="projected tok/s ÷ none, one request")
+plots.save(chart, Path(figures_dir) / "gate_replay.svg")
+chart
+
+# %%
+priced.pivot(on="min_match", index=["costs", "workload"], values="speedup").sort("costs", "workload")

@@ -378,8 +378,27 @@ def short_config(config: str) -> str:
         return "none"
     name, values = parse_spec(config.split(" [")[0])
     block = f" block={values['draft_block']}" if values.get("draft_block", "1") != "1" else ""
-    return (f"{name}{block} {values['batch_k']}" if "batch_k" in values
-            else f"{name}{block} k={values.get('k', '?')}")
+    gate = f" gate={values['gate']}" if values.get("gate", "0") != "0" else ""
+    return (f"{name}{block} {values['batch_k']}{gate}" if "batch_k" in values
+            else f"{name}{block} k={values.get('k', '?')}{gate}")
+
+
+def step_costs(rows: Any, config: str, *, reference: str = "none") -> tuple[float, float]:
+    """(plain, speculative) step time in ms at one request in flight, from a serving run's rows of one (dataset,
+    temperature): the reference's median time per output token is a plain step; `config`'s median time per output
+    token × its acceptance length (tokens a step) is one of its steps. What the speculation gate's replay prices
+    with (`hqlab.replay.gate.price`)."""
+    import polars as pl
+
+    one = rows.filter(pl.col("max_concurrency") == 1)
+    keys = one.select("dataset", "temperature").unique()
+    if keys.height != 1:
+        raise ValueError(f"step costs come from one (dataset, temperature) at one request; got {keys.height}")
+    ref, spec = (one.filter(pl.col("config") == c) for c in (reference, config))
+    if ref.is_empty() or spec.is_empty():
+        raise ValueError(f"no rows at one request for {reference!r} and {config!r}")
+    return (float(ref["median_tpot_ms"].median()),
+            float((spec["median_tpot_ms"] * spec["acceptance_length"]).median()))
 
 
 def load_curves(rows: Any) -> Any:

@@ -194,3 +194,26 @@ def test_run_s3_sampled_prose_at_one_request(loads):
     assert fused["ratio"].max() - fused["ratio"].min() < 0.05 and 1.0 < fused["ratio"].max() < 1.3
     lookup = table.filter(pl.col("config").str.starts_with("gpu-lookup"))
     assert lookup.height == 2 and (lookup["ratio"] < 0.95).all()
+
+
+def test_step_costs_at_one_request_are_time_per_token_times_tokens_a_step():
+    """Run s3 (sampled prose, one request): none's time per token is a plain step; the lookup's time per token × its
+    acceptance length is a speculative step, about 1.5x a plain one on that card."""
+    lookup = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,batch_k=1:15/4:7/0"
+    rows = pl.read_parquet(LOADS).filter((pl.col("run") == "s3") & pl.col("config").is_in(["none", lookup]))
+    plain, spec = serve.step_costs(rows, lookup)
+    one = rows.filter(pl.col("max_concurrency") == 1)
+    assert plain == one.filter(pl.col("config") == "none")["median_tpot_ms"].median()
+    row = one.filter(pl.col("config") == lookup)
+    assert spec == pytest.approx((row["median_tpot_ms"] * row["acceptance_length"]).median(), rel=1e-12)
+    assert 1.3 < spec / plain < 1.7
+    with pytest.raises(ValueError, match="no rows at one request"):
+        serve.step_costs(rows, "gpu-lookup:k=3")
+    with pytest.raises(ValueError, match="one \\(dataset, temperature\\)"):
+        serve.step_costs(pl.read_parquet(LOADS).filter(pl.col("run") == "s1"), lookup)
+
+
+def test_short_config_names_the_gate():
+    assert serve.short_config("gpu-lookup:nmin=1,k=15,batch_k=1:15/4:7/0,gate=2") == "gpu-lookup 1:15/4:7/0 gate=2"
+    assert serve.short_config("gpu-lookup:nmin=1,k=15,gate=1") == "gpu-lookup k=15 gate=1"
+    assert serve.short_config("gpu-lookup:nmin=1,k=15,batch_k=1:15/4:7/0") == "gpu-lookup 1:15/4:7/0"

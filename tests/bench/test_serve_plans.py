@@ -1,0 +1,31 @@
+"""Every committed serving plan (benchmarks/plans/*.json) is one the GPU host can run: each config is a valid spec,
+each point a valid load point, and the configs it samples or runs at one request only are among its configs. A
+plan that fails here would fail only after the GPU host's start-up and staging, the scarcest minutes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.vllm_serve import parse_point
+from hqlab.engines.vllm.gpu_fused import fused_config
+from hqlab.engines.vllm.gpu_lookup import lookup_config
+
+PLANS = sorted((Path(__file__).resolve().parents[2] / "benchmarks" / "plans").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", PLANS, ids=[p.stem for p in PLANS])
+def test_plan_is_runnable(path):
+    plan = json.loads(path.read_text())
+    assert plan["why"] and plan["points"]
+    configs = plan["configs"]
+    assert "none" in configs.values()  # every group needs its reference
+    for spec in configs.values():
+        if spec != "none":
+            (fused_config if spec.startswith("gpu-fused") else lookup_config)(spec)
+    for name in plan.get("batch1", []) + plan.get("sample", []):
+        assert name in configs, f"{path.name}: {name!r} is not one of its configs"
+    for point in plan["points"]:
+        parse_point(point)
