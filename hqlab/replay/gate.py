@@ -3,7 +3,8 @@
 `replay_gated` walks one request step by step as vLLM runs it at one request under asynchronous scheduling: step 0
 is the prefill (one token), and every later step either verifies the lookup's drafts (width k, drafts from the
 whole current history, `hqlab.rules.lookup.suffix_match`) or is a plain step, as the gate decided from the history
-known `behind` steps earlier. Under greedy decoding the output does not depend on the drafts, so every step
+known `behind` steps earlier (the prompt alone for the steps whose width was fixed before any output was known,
+the request's first steps). Under greedy decoding the output does not depend on the drafts, so every step
 follows from the recorded output exactly. Without a gate every step after the prefill verifies k positions, the
 fixed-width behaviour of `gpu-lookup` in vLLM 0.26.
 
@@ -58,7 +59,7 @@ def replay_gated(trace: Trace, lookup: LookupConfig, gate: GateConfig | None) ->
         speculate = True
         if gate is not None:
             known = step - gate.behind  # the last step whose output the scheduler had when it fixed this width
-            speculate = False if known < -1 else (prompt_open if known == -1 else opens[known])
+            speculate = prompt_open if known < 0 else opens[known]  # before any output: the prompt's state
         w = min(lookup.k, len(out) - pos - 1) if speculate else 0
         drafts = np.empty(0, dtype=np.int64)
         if w > 0:

@@ -16,9 +16,10 @@ the same number of positions for every request of a step, and a uniform step kee
 
 What the history is: the tokens the *scheduler* knows when it fixes the width. Under vLLM's asynchronous
 scheduling it fixes the width of step n + 1 while step n runs, with outputs known through step n - 2, so the gate
-reads a history three steps old (`GateConfig.behind`); the replay reproduces that lag, and the drafts themselves
-are still made from the full, current history on the GPU. Reading the lookup's state on the host instead of the
-GPU's match costs no synchronisation: the host already holds every token it has been sent.
+reads a history three steps old (`GateConfig.behind`), and a request's first steps read its prompt alone; the
+replay reproduces that lag, and the drafts themselves are still made from the full, current history on the GPU.
+Reading the lookup's state on the host instead of the GPU's match costs no synchronisation: the host already holds
+every token it has been sent.
 
 The structure. `SuffixGate` keeps the set of `min_match`-grams of a growing sequence: each appended token costs one
 tuple and one set lookup, so the hook's cost per step is a few microseconds per request, independent of context

@@ -42,13 +42,10 @@ def test_a_step_speculates_exactly_when_the_history_behind_it_was_open(traces, b
         s = replay_gated(trace, LOOKUP, gate)
         ends = np.cumsum(s.emitted)  # output tokens known after each step
         for j in range(1, len(s.width)):
-            known = j - behind
-            if known < -1:
-                expected = False
-            else:
-                state = SuffixGate(2)
-                state.extend(trace.prompt_ids + trace.output_ids[:ends[known] if known >= 0 else 0])
-                expected = state.open
+            known = j - behind  # before any output is known (known < 0), the prompt alone
+            state = SuffixGate(2)
+            state.extend(trace.prompt_ids + trace.output_ids[:ends[known] if known >= 0 else 0])
+            expected = state.open
             assert (s.width[j] > 0) == expected, (trace.prompt_id, j)
         assert s.tokens == len(trace.output_ids)
 

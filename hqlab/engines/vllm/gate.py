@@ -10,7 +10,9 @@ Everything else is vLLM's: a width of 0 is the same plain step `batch_k` gives u
 graph vLLM captured for it (the spec's schedule always has a width-0 range: `batch_k.with_plain_steps`).
 
 What it reads. Each running request's `all_token_ids` (prompt and the outputs the scheduler has processed), fed
-to one `SuffixGate` per request; a request's gate is dropped when vLLM frees it. Nothing is read from the GPU.
+to one `SuffixGate` per request, and the prompts of the waiting requests that the step may admit (as many as there
+are free slots, first in queue order): a request's first steps are fixed before any of its output is known, so
+its prompt decides them. A request's gate is dropped when vLLM frees it. Nothing is read from the GPU.
 The host's view is three steps old under asynchronous scheduling (`hqlab.rules.gate.ASYNC_BEHIND`): the replay
 (`hqlab.replay.gate`) reproduces that lag, and tests/engines/vllm/test_vllm_gate.py drives vLLM's own scheduler
 to check the widths it fixes against the replay's, step for step.
@@ -23,6 +25,7 @@ Nothing here imports vLLM; the plugin (`plugin._patch_scheduler`) calls it.
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import Any
 
 from hqlab.rules.gate import SuffixGate, batch_width
@@ -53,8 +56,11 @@ class SchedulerGate:
         return batch_width(opens, 1) > 0
 
     def before_schedule(self, scheduler: Any) -> None:
-        """Set the scheduler's width table for the `schedule()` about to run."""
-        if self.is_open(list(scheduler.running)):
+        """Set the scheduler's width table for the `schedule()` about to run: open when a running request, or a
+        waiting one this step may admit, is open."""
+        running = list(scheduler.running)
+        free = max(0, int(scheduler.max_num_running_reqs) - len(running))
+        if self.is_open(running + list(islice(scheduler.waiting, free))):
             scheduler.dynamic_sd_lookup = self.table
             self.open_steps += 1
         else:

@@ -32,7 +32,7 @@ RESULTS = Path(__file__).resolve().parents[3] / "data" / "results"
 LOOKUP = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,batch_k=1:15/4:7/0"
 
 
-def scheduler_for(spec: str, max_len: int):
+def scheduler_for(spec: str, max_len: int, max_num_seqs: int = 8):
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -42,8 +42,8 @@ def scheduler_for(spec: str, max_len: int):
     config = VllmConfig(
         model_config=ModelConfig(model=str(models.prepare("qwen2.5-coder-0.5b")), dtype="float32",
                                  max_model_len=max_len),
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_model_len=max_len, max_num_batched_tokens=max_len,
-                                         is_encoder_decoder=False),
+        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_len,
+                                         max_num_batched_tokens=max_len, is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=16, enable_prefix_caching=False),
         speculative_config=SpeculativeConfig(**gpu_lookup.speculative_config(spec)),
         device_config=DeviceConfig("cpu"), additional_config={gpu_lookup.SPEC_KEY: spec})
@@ -148,3 +148,25 @@ def test_a_bad_gate_says_what_to_fix():
         gpu_lookup.lookup_config(LOOKUP + ",gate=-1")
     with pytest.raises(ConfigError, match="gate"):
         gpu_lookup.lookup_config("gpu-fused:k=15,gate=2")
+
+
+def test_waiting_requests_count_with_their_prompts_only_up_to_the_free_slots():
+    """A request's first steps are fixed before any of its output exists: its prompt decides them, if the step may
+    admit it. With two slots and three waiting requests, only the first two in the queue count."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    def request(rid: str, prompt: list[int]) -> Request:
+        return Request(request_id=rid, prompt_token_ids=prompt, pooling_params=None,
+                       sampling_params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+
+    distinct, repeated = list(range(100, 140)), list(range(100, 140)) + [100]  # gate=1: closed, open
+    for prompts, width in [([distinct, distinct, repeated], 0), ([distinct, repeated, distinct], 7)]:  # 7: batch_k
+        scheduler = scheduler_for(LOOKUP + ",gate=1", 256, max_num_seqs=2)
+        for i, prompt in enumerate(prompts):
+            scheduler.add_request(request(str(i), prompt))
+        step = scheduler.schedule()
+        assert sorted(step.num_scheduled_tokens) == ["0", "1"]
+        assert step.num_spec_tokens_to_schedule == width
+        gate = plugin._gate(scheduler)
+        assert (gate.open_steps, gate.closed_steps) == ((1, 0) if width else (0, 1))
