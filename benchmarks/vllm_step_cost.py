@@ -7,8 +7,11 @@ depend on the weights' values. Every step runs through hqlab's `gpu-lookup` spec
 `width` positions a request, its rejection sampler and bookkeeping. Two devices make the width a free variable:
 - one engine per shape captures a CUDA graph for every width at once: its `batch_k` table gives each width a batch
   size of its own (1:31/2:15/3:7/4:3/5:1/0, vLLM's dynamic speculative decoding), and before each point the
-  benchmark sets vLLM's scheduler table and the speculator's to one width for every batch size (the engine runs in
-  this process, VLLM_ENABLE_V1_MULTIPROCESSING=0, so both are plain lists it can reach);
+  benchmark sets vLLM's scheduler table and the speculator's to one width for every batch size. By default the
+  engine core runs in its own process with asynchronous scheduling, as in the served and benchmarked engines
+  (`--engine process`), and the benchmark sets the width through the plugin's engine-core utility
+  (`plugin.set_width`); `--engine inprocess` runs it in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), the
+  method of run s2, whose per-call times price host-bound small steps slow (docs/seed-scale.md);
 - the benchmark-only fault `reject_all_drafts` (hqlab.engines.vllm.fault) keeps one token a request a step, so all
   requests advance in lockstep whatever random weights make the lookup propose.
 The requests of a point share one prompt of `context` random tokens, computed once (prefix caching): the KV cache
@@ -74,6 +77,9 @@ PLAN = [("qwen2.5-0.5b", "bf16", "gpu-lookup"), ("qwen2.5-1.5b", "bf16", "gpu-lo
 MEASURED_STEPS = 12  # steps timed per point, after WARM_STEPS
 WARM_STEPS = 3
 MAX_MODEL_LEN = max(CONTEXTS) + 64
+ENGINES = ("process", "inprocess")
+ENGINE_HELP = ("process: the engine core in its own process with asynchronous scheduling, as served (default); "
+               "inprocess: in the benchmark's process (run s2's method)")
 
 
 def log(msg: str) -> None:
@@ -139,8 +145,9 @@ def model_folder(shape_name: str, work: Path) -> str:
 
 
 def one(args: argparse.Namespace) -> int:
-    """One (shape, quant, config): build the engine in this process, measure every point, append rows."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler and the worker live in this process
+    """One (shape, quant, config): build the engine, measure every point, append rows."""
+    if args.engine == "inprocess":
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler and the worker live in this process
     import numpy as np
     from vllm import EngineArgs, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -169,24 +176,18 @@ def one(args: argparse.Namespace) -> int:
     # gpu-fused's drafter allocates its own cache after vLLM has taken its share: on an 80 GB card 0.88 left it none
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=folder, load_format="dummy", dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=max(BATCHES),
-        gpu_memory_utilization=0.88 if config == "gpu-lookup" else 0.75, enable_prefix_caching=True, seed=0, speculative_config=speculative,
+        gpu_memory_utilization=0.88 if config == "gpu-lookup" else 0.75, enable_prefix_caching=True, seed=0,
+        speculative_config=speculative,
         additional_config=extra, compilation_config={"cudagraph_capture_sizes": capture},
         max_num_batched_tokens=8192, **({"quantization": "fp8"} if args.quant == "fp8" else {})))
     start_s = time.perf_counter() - t0
     log(f"{args.shape} {args.quant} {config}: engine ready in {start_s:.0f} s")
-    core = engine.engine_core.engine_core  # in-process: InprocClient -> EngineCore
-    scheduler = core.scheduler
-    if scheduler.dynamic_sd_lookup is None:
-        raise RuntimeError("vLLM built no per-batch-size width table: the width cannot be set")
 
-    def set_width(width: int) -> None:
-        scheduler.dynamic_sd_lookup[:] = [width - 1] * len(scheduler.dynamic_sd_lookup)
-
-        def worker_side(worker, k):  # the speculator's copy of the table (it skips its drafting where k = 0)
-            table = worker.model_runner.speculator.k_table
-            table[:] = [k] * len(table)
-            return len(table)
-        engine.collective_rpc(worker_side, args=(width - 1,))
+    def set_width(width: int) -> None:  # verify `width` positions a request: width - 1 drafts
+        if args.engine == "inprocess":  # InprocClient -> EngineCore, in this process
+            plugin.set_width(engine.engine_core.engine_core, width - 1)
+        else:  # the engine core's own process, through vLLM's utility call
+            engine.engine_core.call_utility(plugin.WIDTH_UTILITY, width - 1)
 
     machine, version = machine_description(vllm=True), package_version("vllm")
     shape = SHAPES[args.shape]
@@ -231,6 +232,7 @@ def one(args: argparse.Namespace) -> int:
                "step_ms": statistics.median(ms), "step_ms_p10": ms[int(0.1 * (len(ms) - 1))],
                "step_ms_p90": ms[int(round(0.9 * (len(ms) - 1)))], "steps": len(ms),
                "drafter": DRAFTER if config == "gpu-fused" else "", "engine_start_s": round(start_s, 1),
+               "engine": args.engine,
                "machine": machine, "vllm_version": version, "git_commit": args.commit}
         with open(rows_path, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -260,7 +262,8 @@ def run_all(args: argparse.Namespace) -> int:
             break
         log(f"{key}: starting ({left:.0f} s left)")
         cmd = [sys.executable, __file__, "one", "--shape", shape, "--quant", quant, "--config", config,
-               "--tag", args.tag, "--commit", args.commit, "--work", str(work), "--rows", str(rows)]
+               "--tag", args.tag, "--commit", args.commit, "--work", str(work), "--rows", str(rows),
+               "--engine", args.engine]
         try:
             rc = subprocess.run(cmd, timeout=max(30.0, left - 5)).returncode
         except subprocess.TimeoutExpired:
@@ -303,8 +306,12 @@ def finish(args: argparse.Namespace) -> int:
     out = Path(args.out or ROOT / "data" / "results" / f"seed_scale_{cards.pop().lower()}.parquet")
     if out.exists() and set(map(card_of, pl.read_parquet(out)["machine"])) != {card_of(frame["machine"][0])}:
         raise SystemExit(f"{out} holds another card's step costs: name another --out")
+    if "engine" not in frame.columns:  # rows from before the option: run s2 measured in-process
+        frame = frame.with_columns(pl.lit("inprocess").alias("engine"))
     if out.exists():
         old = pl.read_parquet(out)
+        if "engine" not in old.columns:
+            old = old.with_columns(pl.lit("inprocess").alias("engine"))
         frame = pl.concat([old.filter(~pl.col("run").is_in(frame["run"].unique().to_list())), frame], how="diagonal")
     frame = frame.sort("run", "target_params_b", "quant", "config", "context", "batch", "width")
     write_atomic(out, lambda tmp: frame.write_parquet(tmp))
@@ -322,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--min-left-s", type=float, default=90, help="start no shape with less time left")
     r.add_argument("--only", action="append", default=[], help="shape or shape:quant:config to run (default all)")
     r.add_argument("--work", default=None)
+    r.add_argument("--engine", choices=ENGINES, default="process", help=ENGINE_HELP)
     o = sub.add_parser("one", help="one (shape, quant, config) in this process (run starts these)")
     o.add_argument("--shape", choices=sorted(SHAPES), required=True)
     o.add_argument("--quant", choices=("bf16", "fp8"), default="bf16")
@@ -330,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--commit", default="unknown")
     o.add_argument("--work", required=True)
     o.add_argument("--rows", required=True)
+    o.add_argument("--engine", choices=ENGINES, default="process", help=ENGINE_HELP)
     f = sub.add_parser("finish", help="CPU: the returned rows -> data/results/seed_scale_<card>.parquet")
     f.add_argument("returned")
     f.add_argument("--out", default=None, help="default: data/results/seed_scale_<card>.parquet, the card the rows "

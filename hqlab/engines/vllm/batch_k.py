@@ -121,3 +121,11 @@ def table_for(vllm_config: Any, value: str, k: int, *, plain_steps: bool = False
         return None
     entries = [(int(last), int(width)) for _, last, width in sorted(theirs)]
     return dense(entries, int(vllm_config.scheduler_config.max_num_seqs), k)
+
+
+def force_width(table: list[int], width: int, k: int) -> None:
+    """Benchmark only: make every batch size of a width table (vLLM's scheduler's `dynamic_sd_lookup`, or a
+    speculator's `k_table`) verify `width` drafts, in place (both sides hold the list they were built with)."""
+    if not 0 <= width <= k:
+        raise ConfigError(f"a forced width must be in [0, k={k}] (got {width})")
+    table[:] = [width] * len(table)

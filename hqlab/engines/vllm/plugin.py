@@ -13,6 +13,9 @@ that ask for an hqlab GPU speculator (`gpu_lookup.is_gpu_lookup`, `gpu_fused.is_
 3. `init_speculator` builds `GpuLookupSpeculator` (or `gpu_fused.GpuFusedSpeculator`), which is bound to the
    runner's request state when vLLM loads the model (the fused one also loads its draft model then).
 
+For the step-cost benchmark it adds one utility method to vLLM's engine core, `hqlab_set_width` (`set_width`),
+which fixes the verify width of every later step; nothing calls it unless a client asks.
+
 For a `gpu-lookup` with the speculation gate (`gate=G`) the scheduler sets each step's verify width from the
 lookup's match state before it schedules (`hqlab.engines.vllm.gate`, patched in `_patch_scheduler`).
 
@@ -63,6 +66,7 @@ def register() -> None:
     _patch_config()
     _patch_init_speculator()
     _patch_scheduler()
+    _add_width_utility()
 
 
 def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
@@ -280,6 +284,43 @@ def _patch_corpus_runner() -> None:
         return finish_requests
 
     _wrap(GPUModelRunner, "finish_requests", finish)
+
+
+WIDTH_UTILITY = "hqlab_set_width"  # the engine core's utility method the step-cost benchmark calls
+
+
+def set_width(core: Any, width: int) -> int:
+    """Benchmark only (benchmarks/vllm_step_cost.py), run in the engine core's process: make every later step verify
+    `width` drafts a request, in vLLM's scheduler table and in the speculator's copy (which skips its drafting at 0).
+    Returns the number of workers set. A client reaches it with `engine_core.call_utility(WIDTH_UTILITY, width)`,
+    so the engine keeps its own process and asynchronous scheduling, as a served engine does."""
+    from hqlab.engines.vllm import batch_k
+
+    scheduler = core.scheduler
+    if _gate(scheduler) is not None:
+        raise ConfigError("a forced width and the speculation gate both set the scheduler's width table: drop gate")
+    table = scheduler.dynamic_sd_lookup
+    if table is None:
+        raise ConfigError("vLLM built no per-batch-size width table (no batch_k in the spec): the width cannot be set")
+    k = int(scheduler.num_spec_tokens)
+    batch_k.force_width(table, width, k)
+    return len(core.model_executor.collective_rpc(_set_worker_width, args=(width, k)))
+
+
+def _set_worker_width(worker: Any, width: int, k: int) -> int:
+    from hqlab.engines.vllm import batch_k
+
+    table = worker.model_runner.speculator.k_table
+    batch_k.force_width(table, width, k)
+    return len(table)
+
+
+def _add_width_utility() -> None:
+    """Give vLLM's engine core the benchmark's utility method (an added method; nothing of vLLM changes)."""
+    from vllm.v1.engine.core import EngineCore
+
+    if not hasattr(EngineCore, WIDTH_UTILITY):
+        setattr(EngineCore, WIDTH_UTILITY, set_width)
 
 
 __all__ = ["register", "check_vllm_version", "VLLM_VERSION"]

@@ -170,3 +170,30 @@ def test_waiting_requests_count_with_their_prompts_only_up_to_the_free_slots():
         assert step.num_spec_tokens_to_schedule == width
         gate = plugin._gate(scheduler)
         assert (gate.open_steps, gate.closed_steps) == ((1, 0) if width else (0, 1))
+
+
+def test_the_step_cost_benchmarks_width_reaches_the_scheduler_and_the_speculator():
+    """`plugin.set_width` (the engine-core utility `hqlab_set_width`) on vLLM's own scheduler and a GPU lookup
+    speculator built on the CPU: every batch size verifies the forced width, and the speculator's table agrees (it
+    skips drafting at 0). The executor's part is vLLM's `collective_rpc`, which calls the function on each worker."""
+    from types import SimpleNamespace
+
+    from vllm.v1.engine.core import EngineCore
+
+    spec = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,batch_k=1:15/2:7/3:3/0"
+    scheduler = scheduler_for(spec, 256)
+    assert getattr(EngineCore, plugin.WIDTH_UTILITY) is plugin.set_width  # what call_utility finds by name
+    speculator = gpu_lookup.GpuLookupSpeculator.standalone(gpu_lookup.lookup_config(spec), max_num_reqs=8,
+                                                           max_model_len=256, pad=0, device="cpu")
+    worker = SimpleNamespace(model_runner=SimpleNamespace(speculator=speculator))
+    executor = SimpleNamespace(collective_rpc=lambda fn, args=(): [fn(worker, *args)])
+    core = SimpleNamespace(scheduler=scheduler, model_executor=executor)
+    assert scheduler.dynamic_sd_lookup[1:5] == [15, 7, 3, 0]
+    for width in (3, 0, 15):
+        assert plugin.set_width(core, width) == 1
+        assert set(scheduler.dynamic_sd_lookup[1:]) == {width} and set(speculator.k_table[1:]) == {width}
+    with pytest.raises(ConfigError, match="forced width must be in"):
+        plugin.set_width(core, 16)
+    gated = scheduler_for(spec + ",gate=1", 256)
+    with pytest.raises(ConfigError, match="drop gate"):
+        plugin.set_width(SimpleNamespace(scheduler=gated, model_executor=executor), 3)

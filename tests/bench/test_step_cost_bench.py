@@ -1,0 +1,45 @@
+"""benchmarks/vllm_step_cost.py's CPU side: `finish` keeps one card per file and says how each row was measured
+(the engine in its own process, or in the benchmark's: run s2's rows predate the column and were in-process)."""
+
+from __future__ import annotations
+
+import json
+
+import polars as pl
+import pytest
+
+from benchmarks import vllm_step_cost as bench
+
+
+def row(run: str, width: int, machine: str = "NVIDIA H200, torch 2.11", **extra) -> dict:
+    return {"run": run, "shape": "qwen2.5-1.5b", "target_params_b": 1.544, "layers": 28, "hidden": 1536,
+            "quant": "bf16", "config": "gpu-lookup", "width": width, "context": 1024, "batch": 1, "step_ms": 2.5,
+            "step_ms_p10": 2.4, "step_ms_p90": 2.6, "steps": 12, "drafter": "", "engine_start_s": 80.0,
+            "machine": machine, "vllm_version": "0.26.0", "git_commit": "abc", **extra}
+
+
+def write(folder, rows) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "seed_scale_x.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_finish_records_the_engine_mode_and_keeps_earlier_runs(tmp_path):
+    out = tmp_path / "seed_scale_h200.parquet"
+    write(tmp_path / "old", [row("s2", 1), row("s2", 2)])
+    bench.main(["finish", str(tmp_path / "old"), "--out", str(out)])
+    write(tmp_path / "new", [row("s5", 1, engine="process"), row("s5", 2, engine="process")])
+    bench.main(["finish", str(tmp_path / "new"), "--out", str(out)])
+    frame = pl.read_parquet(out)
+    assert dict(frame.group_by("run").agg(pl.col("engine").unique().first()).iter_rows()) == \
+        {"s2": "inprocess", "s5": "process"}
+
+
+def test_finish_refuses_to_mix_cards(tmp_path):
+    write(tmp_path / "mixed", [row("s5", 1), row("s5", 2, machine="NVIDIA H100 80GB HBM3, torch 2.11")])
+    with pytest.raises(SystemExit, match="2 kinds of card"):
+        bench.main(["finish", str(tmp_path / "mixed"), "--out", str(tmp_path / "x.parquet")])
+
+
+def test_the_engine_mode_is_an_option_of_both_commands():
+    with pytest.raises(SystemExit):
+        bench.main(["run", "--tag", "t", "--engine", "threads"])
