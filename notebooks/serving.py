@@ -30,14 +30,17 @@ figures_dir = "figures"
 positions = 24  # output positions the sampling test compares
 # the speculation gate's replay: recorded greedy outputs, the lookup it gates, the gate lengths (0 = no gate), and
 # where the two step costs come from (a serving run at one request, and the step-cost grid of the same target)
-gate_traces = ["data/results/traces_0.5b_all_128.parquet", "data/results/traces_1.5b_labd_160.parquet",
-               "data/results/traces_0.5b_corpus_128.parquet"]
+gate_traces = {"0.5B": ["data/results/traces_0.5b_all_128.parquet", "data/results/traces_0.5b_corpus_128.parquet"],
+               "1.5B": ["data/results/traces_1.5b_labd_160.parquet",
+                        "data/results/traces_1.5b_prose_chat_256.parquet"]}  # model -> trace sets
 gate_lookup = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest"
 gate_min_matches = [0, 1, 2, 3, 4, 6, 8]
 gate_cost_run = "s3"
 gate_cost_config = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,batch_k=1:15/4:7/0"
 gate_grid_file = "data/results/seed_scale_h100.parquet"
-gate_results_file = "data/results/gate_replay.parquet"
+results_dir = "data/results"  # where the gate's replay is written (gate_replay.parquet)
+gate_plot = ["prose 1.5B", "chat 1.5B", "prose 0.5B", "template 0.5B", "multiturn 0.5B", "agent 0.5B", "qa 1.5B",
+             "copy 1.5B"]  # the workloads drawn (the table and the parquet have all)
 
 # %%
 from pathlib import Path
@@ -108,8 +111,9 @@ pl.DataFrame(verdicts)
 #
 # `gpu-lookup:...,gate=G` verifies drafts on a step only when some request's history, as vLLM's scheduler knows it
 # (three steps old under asynchronous scheduling), ends in G tokens seen earlier in it (`hqlab.rules.gate`). The
-# replay walks recorded greedy outputs with that lag (`hqlab.replay.gate`, checked step for step against vLLM's own
-# scheduler in tests/engines/vllm/test_vllm_gate.py) and prices the steps with two measured costs at one request:
+# replay walks recorded greedy outputs (the 0.5B's at 128 tokens; the served 1.5B's at 160 and 256) with that lag
+# (`hqlab.replay.gate`, checked step for step against vLLM's own scheduler in tests/engines/vllm/test_vllm_gate.py)
+# and prices the steps with two measured costs at one request:
 # a plain step and a speculative one. Two cost pairs: the served engine's (run `gate_cost_run`: `none`'s time per
 # token, and the lookup's time per token × its tokens a step) and the step-cost grid's (the same 1.5B shape, random
 # weights, width 1 against the median of widths 2-32). A projection until the gated server is measured.
@@ -130,13 +134,15 @@ costs = {f"served ({served_spec / served_plain:.2f}x a plain step)": (served_pla
          f"step-cost grid ({grid_spec / grid_plain:.2f}x)": (grid_plain, grid_spec)}
 lookup = resolve_spec(gate_lookup, {"gpu-lookup": LookupConfig, "lookup": LookupConfig})[1]
 steps = pl.concat([gate_replay.sweep(load_traces(f), lookup, [g or None for g in gate_min_matches])
-                   for f in gate_traces])
+                   .with_columns(pl.format("{} {}", pl.col("workload"), pl.lit(size)).alias("workload"))
+                   for size, files in gate_traces.items() for f in files])
 priced = pl.concat([gate_replay.price(steps, plain_ms=p, spec_ms=q).with_columns(pl.lit(name).alias("costs"))
                     for name, (p, q) in costs.items()])
-priced.write_parquet(gate_results_file)
-chart = plots.lines(priced, "min_match", "speedup", "workload", facet="costs",
-                    x_title="gate: match length a step needs (0 = no gate)",
-                    y_title="projected tok/s ÷ none, one request")
+priced.write_parquet(Path(results_dir) / "gate_replay.parquet")
+shown = priced.filter(pl.col("workload").is_in(gate_plot))
+chart = plots.lines_with_mark(shown, "min_match", "speedup", "workload", panel="costs", columns=2,
+                              mark=(0, 1.0, "none"), log_x=False, x_title="gate length (0: no gate)",
+                              y_title="tok/s ÷ none (replay, 1 request)")
 plots.save(chart, Path(figures_dir) / "gate_replay.svg")
 chart
 

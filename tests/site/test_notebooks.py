@@ -30,7 +30,7 @@ SMALL = {
     "corpus": dict(workloads=["template", "prose"], corpus_sizes=[0, 1024], nmins=[2], inflight=[1],
                    prompts=[False]),
     "vllm_gpu": dict(),  # re-plots the committed vLLM runs
-    "serving": dict(),  # re-plots the committed serving run
+    "serving": dict(gate_min_matches=[0, 2]),  # re-plots the committed serving run; the gate's replay, two points
     "seed_scale": dict(shapes=["qwen2.5-0.5b", "qwen2.5-7b"], batches=[1]),  # the committed step costs
     # runs the benchmark itself (not only the re-plot), on two prompts
     "core_benchmark": dict(rerun=True, tags=["ci"], configs=["lookup:nmin=6,k=15", "hf-pld:k=10"],
