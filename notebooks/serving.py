@@ -138,6 +138,7 @@ steps = pl.concat([gate_replay.sweep(load_traces(f), lookup, [g or None for g in
                    for size, files in gate_traces.items() for f in files])
 priced = pl.concat([gate_replay.price(steps, plain_ms=p, spec_ms=q).with_columns(pl.lit(name).alias("costs"))
                     for name, (p, q) in costs.items()])
+Path(results_dir).mkdir(parents=True, exist_ok=True)
 priced.write_parquet(Path(results_dir) / "gate_replay.parquet")
 shown = priced.filter(pl.col("workload").is_in(gate_plot))
 chart = plots.lines_with_mark(shown, "min_match", "speedup", "workload", panel="costs", columns=2,
