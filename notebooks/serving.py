@@ -120,16 +120,18 @@ pl.DataFrame(verdicts)
 
 # %%
 from hqlab.config import LookupConfig, resolve_spec
+import numpy as np
+
 from hqlab.replay import gate as gate_replay
+from hqlab.replay import scale
 from hqlab.replay.traces import load_traces
 
 cost_rows = pl.read_parquet(results_file).filter((pl.col("run") == gate_cost_run)
                                                  & pl.col("config").is_in(["none", gate_cost_config]))
 served_plain, served_spec = serve.step_costs(cost_rows, gate_cost_config)
-grid = pl.read_parquet(gate_grid_file).filter((pl.col("shape") == "qwen2.5-1.5b") & (pl.col("config") == "gpu-lookup")
-                                              & (pl.col("batch") == 1) & (pl.col("context") == 1024))
-grid_plain = grid.filter(pl.col("width") == 1)["step_ms"].median()
-grid_spec = grid.filter(pl.col("width") > 1)["step_ms"].median()
+grid = pl.read_parquet(gate_grid_file)
+grid_plain, *grid_wide = scale.step_ms(grid, "qwen2.5-1.5b", "gpu-lookup", [1, 2, 4, 8, 16, 32], 1024, 1)
+grid_spec = float(np.median(grid_wide))
 costs = {f"served ({served_spec / served_plain:.2f}x a plain step)": (served_plain, served_spec),
          f"step-cost grid ({grid_spec / grid_plain:.2f}x)": (grid_plain, grid_spec)}
 lookup = resolve_spec(gate_lookup, {"gpu-lookup": LookupConfig, "lookup": LookupConfig})[1]
