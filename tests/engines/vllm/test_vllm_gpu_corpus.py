@@ -2,7 +2,8 @@
 request state, exactly what the reference rule (`hqlab.rules.corpus.propose`) drafts from a corpus rebuilt from the
 speculator's own insertion log, step after step as requests finish; its records say which source won and how many
 documents the corpus held; a reset is exact; the keys are validated; the plugin installs the corpus delivery.
-The Triton kernels run in the interpreter here; the GPU run is benchmarks/vllm_corpus.py.
+Without CUDA the Triton kernels run in the interpreter; with CUDA the drafting runs on the GPU (the kernels cannot
+read CPU tensors there). The vLLM run is benchmarks/vllm_corpus.py.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from hqlab.rules.corpus import Corpus, propose  # noqa: E402
 from hqlab.trace import Source  # noqa: E402
 
 SLOTS, WIDTH, VOCAB = 4, 512, 151936
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where the kernels can run
 
 
 def vllm_config(spec: str, k: int) -> VllmConfig:
@@ -56,8 +58,8 @@ def words() -> np.ndarray:
 
 
 def batch(rows: list[int], ids: list[str]) -> InputBatch:
-    made = InputBatch.make_dummy(len(rows), len(rows), InputBuffers(SLOTS, 64, torch.device("cpu")))
-    return dataclasses.replace(made, idx_mapping=torch.tensor(rows, dtype=torch.int32),
+    made = InputBatch.make_dummy(len(rows), len(rows), InputBuffers(SLOTS, 64, DEVICE))
+    return dataclasses.replace(made, idx_mapping=torch.tensor(rows, dtype=torch.int32, device=DEVICE),
                                idx_mapping_np=np.array(rows, dtype=np.int32), req_ids=ids)
 
 
@@ -72,9 +74,9 @@ def test_drafts_equal_the_rule_over_the_logged_corpus(spec):
     `corpus_step` (what the plugin calls from vLLM's runner), and every draft equals the rule's over the corpus the
     log rebuilds, with the same source and the same count of documents."""
     config = gpu_lookup.lookup_config(spec)
-    speculator = GpuLookupSpeculator(vllm_config(spec, config.k), device="cpu")
-    rows = torch.zeros(SLOTS, WIDTH, dtype=torch.int32)
-    lengths = torch.zeros(SLOTS, dtype=torch.int32)
+    speculator = GpuLookupSpeculator(vllm_config(spec, config.k), device=DEVICE)
+    rows = torch.zeros(SLOTS, WIDTH, dtype=torch.int32, device=DEVICE)
+    lengths = torch.zeros(SLOTS, dtype=torch.int32, device=DEVICE)
     speculator.bind(rows, lengths)
     text, rng = words(), np.random.default_rng(0)
     log: list[dict] = []
@@ -109,7 +111,7 @@ def test_drafts_equal_the_rule_over_the_logged_corpus(spec):
                 for doc in log[:seen]:
                     p, o = outputs[doc["request"]]
                     assert reference.add(p + o if config.corpus_prompts else o) == doc["seq"]
-                history = np.asarray(rows[slot, : int(lengths[slot])].numpy(), dtype=np.int64)
+                history = np.asarray(rows[slot, : int(lengths[slot])].cpu().numpy(), dtype=np.int64)
                 source, want = propose(history, reference, nmin=config.nmin, nmax=config.nmax, k=config.k,
                                        policy=config.policy)
                 got = drafts[i].tolist()
