@@ -25,14 +25,18 @@ def save(chart: alt.TopLevelMixin, path: str | Path, *, png: bool = True) -> lis
 
 
 def grouped_bars(data: pl.DataFrame, x: str, y: str, color: str, *, facet: str | None = None,
-                 y_title: str | None = None, rule_at: float | None = None, width: int = WIDTH * 3) -> alt.TopLevelMixin:
+                 y_title: str | None = None, rule_at: float | None = None, width: int = WIDTH * 3,
+                 independent_y: bool = False, legend_limit: int | None = None) -> alt.TopLevelMixin:
     """Grouped bars (one group per `x`, one bar per `color`), optional facet rows and a horizontal reference line.
-    More than ten series take a twenty-colour scheme: the default one repeats its colours after ten."""
+    More than ten series take a twenty-colour scheme: the default one repeats its colours after ten.
+    `independent_y` gives each facet row its own y scale (rows whose values are ten times apart);
+    `legend_limit` widens the legend's labels (pixels) where series names are long."""
     scale = alt.Scale(scheme="tableau20") if data[color].n_unique() > 10 else alt.Undefined
+    legend = alt.Legend(labelLimit=legend_limit) if legend_limit else alt.Undefined
     bars = alt.Chart().mark_bar().encode(
         x=alt.X(f"{x}:N", title=None, sort=None),
         y=alt.Y(f"{y}:Q", title=y_title or y),
-        color=alt.Color(f"{color}:N", sort=None, scale=scale),
+        color=alt.Color(f"{color}:N", sort=None, scale=scale, legend=legend),
         xOffset=alt.XOffset(f"{color}:N", sort=None),
         tooltip=[x, color, alt.Tooltip(f"{y}:Q", format=".3g")],
     )
@@ -40,7 +44,10 @@ def grouped_bars(data: pl.DataFrame, x: str, y: str, color: str, *, facet: str |
     if rule_at is not None:
         layers.append(alt.Chart().mark_rule(strokeDash=[4, 3], color="#444").encode(y=alt.datum(rule_at)))
     chart = alt.layer(*layers, data=data).properties(width=width, height=180)
-    return chart.facet(row=alt.Row(f"{facet}:N", title=None)) if facet else chart
+    if not facet:
+        return chart
+    faceted = chart.facet(row=alt.Row(f"{facet}:N", title=None))
+    return faceted.resolve_scale(y="independent") if independent_y else faceted
 
 
 def bar_panels(data: pl.DataFrame, x: str, color: str, panels: dict[str, str], *, log: tuple[str, ...] = (),

@@ -39,6 +39,7 @@ gate_cost_run = "s3"
 gate_cost_config = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,batch_k=1:15/4:7/0"
 gate_grid_file = "data/results/seed_scale_h100.parquet"
 results_dir = "data/results"  # where the gate's replay is written (gate_replay.parquet)
+gate_runs = ["s4", "s4b"]  # the serving runs of the gated lookup (gate=1, gate=2) beside the ungated one
 gate_plot = ["prose 1.5B", "chat 1.5B", "prose 0.5B", "template 0.5B", "multiturn 0.5B", "agent 0.5B", "qa 1.5B",
              "copy 1.5B"]  # the workloads drawn (the table and the parquet have all)
 
@@ -151,3 +152,47 @@ chart
 
 # %%
 priced.pivot(on="min_match", index=["costs", "workload"], values="speedup").sort("costs", "workload")
+
+# %% [markdown]
+# ## The gate, served
+#
+# The gated lookup (`gate=1`, `gate=2`) beside the ungated lookup, `gpu-fused` and `none`, each a `vllm serve`
+# process of runs `gate_runs` (repeats interleaved: each repeat is divided by `none`'s same repeat; the bars are
+# medians, the table gives the range). Then the step costs each run's host gave at one request on sampled prose:
+# the gate pays in proportion to how much a speculative step costs over a plain one.
+
+# %%
+gate_rows = pl.read_parquet(results_file).filter(pl.col("run").is_in(gate_runs))
+gate_table = serve.load_curves(serve.speedup_table(gate_rows)).filter(pl.col("config") != "none")
+chart = plots.grouped_bars(gate_table, "load", "ratio", "label", facet="group", y_title="output tok/s ÷ none",
+                           rule_at=0.95, width=200, independent_y=True, legend_limit=400)
+plots.save(chart, Path(figures_dir) / "gate_served.svg")
+chart
+
+# %%
+gate_table.select("run", "group", "load", "label", "ratio", "ratio_min", "ratio_max", "repeats",
+                  "acceptance_length", "median_tpot_ms", "median_ttft_ms").sort("group", "load", "label")
+
+# %%
+cost_runs = []
+for cost_run in [gate_cost_run, *gate_runs]:
+    prose = pl.read_parquet(results_file).filter((pl.col("run") == cost_run) & (pl.col("dataset") == "prose")
+                                                 & (pl.col("temperature") > 0)
+                                                 & pl.col("config").is_in(["none", gate_cost_config]))
+    if prose.filter(pl.col("max_concurrency") == 1).height:
+        plain, spec = serve.step_costs(prose, gate_cost_config)
+        cost_runs.append({"run": cost_run, "machine": prose["machine"][0].split(",")[0], "plain step ms": plain,
+                          "speculative step ms": spec, "ratio": spec / plain})
+pl.DataFrame(cost_runs)
+
+# %% [markdown]
+# The sampling test for the gated lookup: its samples against run `run`'s `none` (same model, same vLLM).
+
+# %%
+gate_samples = pl.read_parquet(samples_file).filter(pl.col("run").is_in(gate_runs))
+reference = by["none"]
+pl.DataFrame([{"run": r, "config": serve.short_config(c), "samples": len(got),
+               "min p": min(x["p"] for x in serve.distribution_test(reference, got, positions=positions)),
+               "same distribution": serve.same_distribution(
+                   serve.distribution_test(reference, got, positions=positions))}
+              for r, c, got in zip(gate_samples["run"], gate_samples["config"], gate_samples["token_ids"].to_list())])
