@@ -217,3 +217,82 @@ def test_short_config_names_the_gate():
     assert serve.short_config("gpu-lookup:nmin=1,k=15,batch_k=1:15/4:7/0,gate=2") == "gpu-lookup 1:15/4:7/0 gate=2"
     assert serve.short_config("gpu-lookup:nmin=1,k=15,gate=1") == "gpu-lookup k=15 gate=1"
     assert serve.short_config("gpu-lookup:nmin=1,k=15,batch_k=1:15/4:7/0") == "gpu-lookup 1:15/4:7/0"
+
+
+S4 = ("s4", "s4b")
+GATE = {0: "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,batch_k=1:15/4:7/0"}
+GATE.update({g: f"{GATE[0]},gate={g}" for g in (1, 2)})
+
+
+def test_runs_s4_measure_the_gate_beside_none_in_every_group(loads):
+    """Runs s4 and s4b (one H100, plan benchmarks/plans/serve_s4.json and the points its budget left, s4b.json):
+    every group holds `none`, the ungated and both gated lookups and gpu-fused, and no request failed."""
+    rows = loads.filter(pl.col("run").is_in(S4))
+    assert rows["machine"].str.contains("H100").all() and (rows["completed"] == rows["num_prompts"]).all()
+    groups = rows.group_by("run", "dataset", "temperature", "max_concurrency").agg(pl.col("config").unique())
+    assert groups.height == 4
+    for configs in groups["config"]:
+        assert set(configs) >= {"none", *GATE.values()} and any(c.startswith("gpu-fused") for c in configs)
+
+
+def test_runs_s4_the_best_hqlab_config_is_never_slower_than_none(loads):
+    best = serve.best_ratio(serve.speedup_table(loads.filter(pl.col("run").is_in(S4))))
+    assert best.height == 4 and (best["ratio"] >= 0.95).all(), best
+
+
+def test_runs_s4_what_docs_serving_says_of_the_gate(loads):
+    """docs/serving.md's table of runs s4/s4b: on sampled prose at one request every lookup is >= 0.95x `none`
+    (medians of three repeats) and the best config, gpu-fused, stays below the issue's 1.3x; the gate raises the
+    tokens a speculative step verifies on prose and chat, and on labd it runs the ungated lookup's steps (110 and 110
+    verify steps) yet measured slower (one repeat)."""
+    table = serve.speedup_table(loads.filter(pl.col("run").is_in(S4)))
+
+    def cell(dataset: str, load: int, config: str) -> dict:
+        return table.filter((pl.col("dataset") == dataset) & (pl.col("max_concurrency") == load)
+                            & (pl.col("config") == config)).row(0, named=True)
+
+    prose = {g: cell("prose", 1, c) for g, c in GATE.items()}
+    assert all(r["repeats"] == 3 and r["ratio"] >= 0.95 for r in prose.values())
+    assert prose[0]["acceptance_length"] < prose[1]["acceptance_length"] < prose[2]["acceptance_length"]
+    best = serve.best_ratio(table).filter((pl.col("dataset") == "prose") & (pl.col("max_concurrency") == 1))
+    assert best["config"][0].startswith("gpu-fused") and 1.1 < best["ratio"][0] < 1.3
+    chat = {g: cell("chat", 1, c) for g, c in GATE.items()}
+    assert chat[0]["acceptance_length"] < chat[1]["acceptance_length"] < chat[2]["acceptance_length"]
+    labd = {g: cell("labd", 1, c) for g, c in GATE.items()}
+    assert labd[1]["ratio"] < 0.9 * labd[0]["ratio"] and labd[2]["ratio"] < labd[1]["ratio"]
+    # 32 in flight: batch_k turns speculation off above four requests, with or without the gate
+    assert np.isnan(cell("prose", 32, GATE[2])["acceptance_length"])  # vLLM counted no drafts at all
+
+
+def test_runs_s4_the_host_sets_what_a_speculative_step_costs(loads):
+    """The same card kind (H100), two hosts: a speculative step of the lookup at one request on sampled prose cost
+    1.49x a plain one in run s3 and 1.22x in run s4, which is what the gate can save."""
+    ratios = {}
+    for run in ("s3", "s4"):
+        rows = loads.filter((pl.col("run") == run) & pl.col("config").is_in(["none", GATE[0]])
+                            & (pl.col("dataset") == "prose"))
+        plain, spec = serve.step_costs(rows, GATE[0])
+        ratios[run] = spec / plain
+    assert 1.4 < ratios["s3"] < 1.6 and 1.1 < ratios["s4"] < 1.3
+
+
+def test_run_s4_the_gated_lookup_keeps_nones_distribution():
+    frame = pl.read_parquet(SAMPLES)
+    ref = frame.filter((pl.col("run") == "s1") & (pl.col("config") == "none"))["token_ids"][0].to_list()
+    s4 = frame.filter(pl.col("run") == "s4")
+    assert s4["config"].to_list() == [GATE[2]]
+    got = s4["token_ids"][0].to_list()
+    assert len(got) == 600 and serve.same_distribution(serve.distribution_test(ref, got, positions=24))
+
+
+def test_runs_s4_greedy_texts_part_from_nones_only_at_near_ties():
+    greedy = pl.read_parquet(GREEDY).filter(pl.col("run").is_in(S4))
+    for run in S4:
+        rows = greedy.filter(pl.col("run") == run)
+        ref = rows.filter(pl.col("config") == "none").row(0, named=True)
+        others = rows.filter(pl.col("config") != "none")
+        assert others.height == 4
+        for row in others.iter_rows(named=True):
+            for ref_ids, ref_margins, ids in zip(ref["token_ids"], ref["margins"], row["token_ids"]):
+                at = serve.first_divergence(ref_ids, ids)
+                assert at is None or ref_margins[at] < 0.25, (run, row["config"], at)
