@@ -262,3 +262,37 @@ def panel_lines(data: pl.DataFrame, x: str, y: str, color: str, *, panel: str, o
     ).properties(width=WIDTH * 1.4, height=160)
     sort = order or list(dict.fromkeys(data[panel].to_list()))
     return chart.facet(alt.Facet(f"{panel}:N", title=None, sort=sort), columns=columns, data=data)
+
+
+def ranges(data: pl.DataFrame, x: str, y: str, lo: str, hi: str, color: str, *, facet: str | None = None,
+           rules: dict[str, float] | None = None, y_title: str | None = None,
+           width: int = WIDTH * 2) -> alt.TopLevelMixin:
+    """A dot at `y` with a bar from `lo` to `hi` per row (e.g. the median of repeats and their range), side by side
+    per `color` within each `x` group, one panel per `facet` value; dashed lines at `rules` (label -> y, e.g. an
+    acceptance bar), labelled at the panel's left edge. The y axis spans the data and the rules, not from 0."""
+    rules = rules or {}
+    values = data[lo].to_list() + data[hi].to_list() + data[y].to_list() + list(rules.values())
+    low, high = min(values), max(values)
+    pad = (high - low) * 0.08 or 0.05
+    scale = alt.Scale(domain=[low - pad, high + pad], nice=False, zero=False)
+    group = {"x": alt.X(f"{x}:N", title=None, sort=None, axis=alt.Axis(labelAngle=0)),
+             "xOffset": alt.XOffset(f"{color}:N", sort=None),
+             "color": alt.Color(f"{color}:N", sort=None, legend=alt.Legend(orient="bottom", columns=1, labelLimit=400))}
+    layers: list[alt.Chart] = [
+        alt.Chart().mark_rule(strokeWidth=2).encode(**group, y=alt.Y(f"{lo}:Q", scale=scale, title=y_title or y),
+                                                    y2=f"{hi}:Q"),
+        alt.Chart().mark_point(filled=True, size=55, opacity=1).encode(
+            **group, y=alt.Y(f"{y}:Q", scale=scale),
+            tooltip=[x, color, *([facet] if facet else []), alt.Tooltip(f"{y}:Q", format=".3g"),
+                     alt.Tooltip(f"{lo}:Q", format=".3g"), alt.Tooltip(f"{hi}:Q", format=".3g")])]
+    for label, value in rules.items():  # the aggregate leaves one row, so each is drawn once (not once per row)
+        layers += [alt.Chart().transform_aggregate(n="count()").mark_rule(strokeDash=[4, 3], color="#444")
+                   .encode(y=alt.datum(value)),
+                   alt.Chart().transform_aggregate(n="count()").mark_text(align="left", dy=-5, fontSize=9,
+                                                                          color="#444")
+                   .encode(x=alt.value(3), y=alt.datum(value), text=alt.datum(label))]
+    if not facet:
+        return alt.layer(*layers, data=data).properties(width=width, height=200)
+    order = list(dict.fromkeys(data[facet].to_list()))
+    return alt.layer(*layers).properties(width=width, height=200).facet(
+        alt.Facet(f"{facet}:N", title=None, sort=order), columns=2, data=data)

@@ -1,0 +1,92 @@
+"""Reading the vLLM corpus runs (benchmarks/vllm_corpus.py `finish`: data/results/vllm_corpus_h200.parquet, one row
+per point, and its .requests.parquet, one row per request): the corpus's speedup over the same lookup without it,
+per workload and load, against issue #42's bar; and how often greedy outputs differ from `none`'s. The corpus
+notebook plots these, docs/corpus.md quotes them, tests/bench/test_vllm_corpus_results.py asserts them on the
+committed run.
+
+Every ratio is taken inside one repeat (the configs of a workload and load run seconds apart), then summarised over
+the repeats: their median and range.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from hqlab.config import parse_spec
+
+# Issue #42's acceptance: the corpus config's decode tok/s over the same config without the corpus, at one request
+# and at 8 in flight. The agent workload has no bar.
+BAR = {"multiturn": 1.3, "template": 1.3, "prose": 0.97}
+
+
+def has_corpus(config: str) -> bool:
+    return config != "none" and any(k.startswith("corpus") for k in parse_spec(config)[1])
+
+
+def without_corpus(config: str, labels: set[str] | list[str]) -> str | None:
+    """The label among `labels` that is `config` without its corpus keys (None: no corpus, or no such label)."""
+    if not has_corpus(config):
+        return None
+    name, values = parse_spec(config)
+    want = (name, {k: v for k, v in values.items() if not k.startswith("corpus")})
+    return next((x for x in sorted(labels) if x != "none" and parse_spec(x) == want), None)
+
+
+def speedups(points: pl.DataFrame) -> pl.DataFrame:
+    """One row per (run, config with a corpus, workload, load): medians over repeats of the decode tok/s of `none`,
+    of the config without its corpus (`base_tok_s`) and with it (`tok_s`); the ratio with / without per repeat,
+    as median, min and max (`vs_no_corpus`, `_lo`, `_hi`); `vs_none` (median); tokens per step without and with;
+    the share of steps the corpus drafted; `replay_exact` (the replay predicted every step of both configs at every
+    repeat); the number of repeats; the issue's `bar` and whether the median `meets` it (null: no bar)."""
+    labels = points["config"].unique().to_list()
+    pairs = {c: without_corpus(c, labels) for c in labels}
+    pairs = {c: b for c, b in pairs.items() if b is not None}
+    key = ["run", "workload", "load", "repeat"]
+    corpus = points.filter(pl.col("config").is_in(list(pairs))).with_columns(
+        pl.col("config").replace_strict(pairs).alias("base_config"))
+    base = points.select(*key, pl.col("config").alias("base_config"), pl.col("decode_tok_s").alias("base_tok_s"),
+                         pl.col("tokens_per_step").alias("base_tokens_per_step"),
+                         pl.col("replay_exact").alias("base_exact"))
+    none = points.filter(pl.col("config") == "none").select(*key, pl.col("decode_tok_s").alias("none_tok_s"))
+    joined = (corpus.join(base, on=[*key, "base_config"], how="left").join(none, on=key, how="left")
+              .with_columns((pl.col("decode_tok_s") / pl.col("base_tok_s")).alias("ratio"),
+                            (pl.col("decode_tok_s") / pl.col("none_tok_s")).alias("ratio_none")))
+    out = (joined.group_by("run", "config", "base_config", "workload", "load")
+           .agg(pl.col("none_tok_s").median(), pl.col("base_tok_s").median(),
+                pl.col("decode_tok_s").median().alias("tok_s"),
+                pl.col("ratio").median().alias("vs_no_corpus"), pl.col("ratio").min().alias("vs_no_corpus_lo"),
+                pl.col("ratio").max().alias("vs_no_corpus_hi"), pl.col("ratio_none").median().alias("vs_none"),
+                pl.col("base_tokens_per_step").median(), pl.col("tokens_per_step").median(),
+                pl.col("corpus_step_share").median(),
+                (pl.col("replay_exact").fill_null(False) & pl.col("base_exact").fill_null(False)).all()
+                .alias("replay_exact"),
+                pl.len().alias("repeats"))
+           .with_columns(pl.col("workload").replace_strict(BAR, default=None, return_dtype=pl.Float64).alias("bar")))
+    return (out.with_columns((pl.col("vs_no_corpus") >= pl.col("bar")).alias("meets"))
+            .sort("run", "config", "workload", "load"))
+
+
+def greedy_differences(requests: pl.DataFrame) -> pl.DataFrame:
+    """How many requests' greedy outputs differ from a reference, per (run, config, workload, load, against):
+    a speculating config's against `none`'s same request in the same repeat (`against` = "none"); `none`'s own in
+    every later repeat against its first repeat ("none, first repeat"): whether `none` reproduces itself, without
+    which equality with `none` tests nothing. Columns `requests` (compared) and `differ`."""
+    key = ["run", "workload", "load", "repeat", "order"]
+    none = requests.filter(pl.col("config") == "none").select(*key, pl.col("output_ids").alias("reference"))
+    spec = (requests.filter(pl.col("config") != "none").select(*key, "config", "output_ids")
+            .join(none, on=key, how="inner").with_columns(pl.lit("none").alias("against")))
+    first = none.group_by("run", "workload", "load").agg(pl.col("repeat").min().alias("first"))
+    again = (none.join(first, on=["run", "workload", "load"]).filter(pl.col("repeat") > pl.col("first"))
+             .select(*key, pl.lit("none").alias("config"), pl.col("reference").alias("output_ids"),
+                     pl.lit("none, first repeat").alias("against"))
+             .join(none.join(first, on=["run", "workload", "load"]).filter(pl.col("repeat") == pl.col("first"))
+                   .select("run", "workload", "load", "order", "reference"),
+                   on=["run", "workload", "load", "order"], how="inner"))
+    both = pl.concat([spec.select(*key, "config", "against", "output_ids", "reference"),
+                      again.select(*key, "config", "against", "output_ids", "reference")])
+    return (both.group_by("run", "config", "workload", "load", "against")
+            .agg(pl.len().alias("requests"), (pl.col("output_ids") != pl.col("reference")).sum().alias("differ"))
+            .sort("run", "against", "config", "workload", "load"))
+
+
+__all__ = ["BAR", "has_corpus", "without_corpus", "speedups", "greedy_differences"]
