@@ -42,6 +42,8 @@ arctic_depth = 24
 step_costs = "data/results/step_cost_h200.parquet"  # measured verify steps (benchmarks/step_cost_gpu.py)
 cost_model = "qwen2.5-0.5b"
 search_ms_per_1k = 0.001  # the corpus kernel's price per step per 1k live tokens (see docs/corpus.md)
+vllm_file = "data/results/vllm_corpus_h200.parquet"  # the corpus inside vLLM (benchmarks/vllm_corpus.py finish)
+vllm_run = "c1"
 figures_dir = "figures"
 results_dir = "data/results"
 
@@ -52,6 +54,7 @@ import altair as alt
 import polars as pl
 
 from hqlab import plots
+from hqlab.bench import corpus_report
 from hqlab.replay import corpus as rc
 from hqlab.replay.traces import load_traces
 
@@ -173,3 +176,44 @@ chart = plots.bar_panels(pick, "panel", "config", {"tokens_per_step": "tokens pe
                                                    "speedup": "projected speedup"})
 plots.save(chart, figures / "corpus_arctic.svg")
 pick.select("panel", "config", "tokens_per_step", "corpus_accepted_share", "speedup")
+
+# %% [markdown]
+# ## Measured inside vLLM
+#
+# The corpus config (`gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,corpus=32768,corpus_policy=longest,
+# corpus_prompts=1`) against the same lookup without the corpus, on vLLM's GPU step (`benchmarks/vllm_corpus.py`:
+# the 1.5B, greedy, 256 new tokens, two repeats; the card is in the rows). Dots: median of the repeats' ratios, bars:
+# their range. Beside it the replay's projection above for the same rule (nmin 1, `longest`, prompts in the corpus,
+# the largest corpus size; 8 in flight: the dot is `lockstep`, the bar reaches `admit`), from the 0.5B's traces
+# priced with H200 step costs: a different model, output length and request count, so only roughly comparable.
+
+# %%
+points = pl.read_parquet(vllm_file).filter(pl.col("run") == vllm_run)
+measured = corpus_report.speedups(points)
+print(points["device"].unique().to_list(), points["vllm"].unique().to_list(), points["model"].unique().to_list())
+panel = pl.format("{} in flight", "load").alias("panel")
+series = [measured.select("workload", panel, pl.lit(f"measured in vLLM, {points['model'][0]}").alias("source"),
+                          "vs_no_corpus", "vs_no_corpus_lo", "vs_no_corpus_hi")]
+projected = summary.filter((pl.col("rule") == "corpus") & (pl.col("nmin") == 1) & (pl.col("choice") == "longest")
+                           & (pl.col("tokens") == max(corpus_sizes)) & pl.col("prompts"))
+if projected.height:  # one request: its one schedule; 8 in flight: the dot at the last schedule, the bar over all
+    series.append(projected.group_by("workload", pl.col("inflight").alias("load")).agg(
+        pl.col("vs_plain").sort_by(pl.col("schedule") == schedules[-1]).last().alias("vs_no_corpus"),
+        pl.col("vs_plain").min().alias("vs_no_corpus_lo"), pl.col("vs_plain").max().alias("vs_no_corpus_hi"))
+        .select("workload", panel, pl.lit(f"replay projection, {Path(traces_file).stem}").alias("source"),
+                "vs_no_corpus", "vs_no_corpus_lo", "vs_no_corpus_hi"))
+order = {w: i for i, w in enumerate(dict.fromkeys([*workloads, *measured["workload"].to_list()]))}
+speed = pl.concat(series).sort("panel", pl.col("workload").replace_strict(order), "source")
+bars = {f"{v}× ({', '.join(w for w, b in corpus_report.BAR.items() if b == v)})": v
+        for v in sorted(set(corpus_report.BAR.values()), reverse=True)}
+chart = plots.ranges(speed, "workload", "vs_no_corpus", "vs_no_corpus_lo", "vs_no_corpus_hi", "source",
+                     facet="panel", rules=bars, y_title="× the same lookup without the corpus")
+plots.save(chart, figures / "corpus_vllm.svg")
+chart
+
+# %%
+measured.drop("run", "config", "base_config")
+
+# %%
+corpus_report.greedy_differences(pl.read_parquet(Path(vllm_file).with_suffix(".requests.parquet"))
+                                 .filter(pl.col("run") == vllm_run)).drop("run")
