@@ -86,3 +86,43 @@ def test_parts_are_sized_to_travel_beside_this_working_tree():
     tree = vllm_host.tree_mib()
     part = vllm_host.auto_part_mib()
     assert 8 <= part and tree + part + 1 <= vllm_host.TRANSFER_MIB  # + the manifest, well under 1 MiB
+
+
+def _vllm_host():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vllm_host", ROOT / "tools" / "gpu_host" / "vllm_host.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_park_moves_committed_results_out_of_the_tree_and_back(tmp_path):
+    """`park` takes the committed results and figures out of what travels (git sees them deleted), refuses while
+    they hold uncommitted work, and `unpark` restores them byte for byte."""
+    import subprocess
+
+    host = _vllm_host()
+    git = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    (tmp_path / "data" / "results").mkdir(parents=True)
+    (tmp_path / "figures").mkdir()
+    (tmp_path / "data" / "results" / "r.parquet").write_bytes(b"rows" * 100)
+    (tmp_path / "figures" / "f.svg").write_text("<svg/>")
+    (tmp_path / ".gitignore").write_text("/.parked/\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    (tmp_path / "figures" / "f.svg").write_text("<svg>changed</svg>")
+    with pytest.raises(SystemExit, match="uncommitted changes"):
+        host.park(tmp_path)
+    assert (tmp_path / "figures" / "f.svg").exists()  # nothing moved
+    git("checkout", "--", "figures")
+    assert host.park(tmp_path) == ["data/results", "figures"]
+    assert not (tmp_path / "data" / "results").exists() and not (tmp_path / "figures").exists()
+    with pytest.raises(SystemExit, match="unpark first"):
+        host.park(tmp_path)
+    assert host.unpark(tmp_path) == ["data/results", "figures"]
+    assert (tmp_path / "data" / "results" / "r.parquet").read_bytes() == b"rows" * 100
+    assert subprocess.run(["git", "status", "--porcelain"], cwd=tmp_path, capture_output=True,
+                          text=True).stdout == ""
+    assert not (tmp_path / ".parked").exists()

@@ -13,6 +13,13 @@
 
 A part is at most what one transfer may carry beside the working tree; the work folder must outlive one call (the
 parts arrive over several), so it lives in the system temp folder.
+
+  here, around the GPU calls:  python tools/gpu_host/vllm_host.py park   /   ... unpark
+       The committed results and figures (PARKABLE: more than half of the tree) are read by no GPU command. `park`
+       moves them to .parked/ (ignored, so it does not travel), which leaves room for parts twice as large: half the
+       stash calls. It refuses while they hold uncommitted changes, and `unpark` moves them back (also after an
+       interrupted session: `git status` then shows them deleted, and .parked/ still holds them). Commit nothing
+       while parked.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout that is not installed (the GPU host)
 
 PARTS = ROOT / ".parts"
+PARKED = ROOT / ".parked"
+PARKABLE = ("data/results", "figures")  # tracked, large, and read by no command on the GPU host
 DIST = ROOT / ".vllm-dist"
 # Work folder on the GPU host: it must outlive one call (the parts arrive over several), so the system temp folder.
 GPU_WORK = Path(os.environ.get("HQLAB_GPU_WORK") or Path(tempfile.gettempdir()) / "hqlab-gpu")
@@ -281,6 +290,39 @@ def run(args: argparse.Namespace) -> int:
         return proc.wait()
 
 
+def park(root: Path = ROOT) -> list[str]:
+    """Move PARKABLE out of the travelling tree into .parked/ (see the module docstring); the paths moved."""
+    parked = root / PARKED.name
+    if parked.exists() and any(parked.iterdir()):
+        raise SystemExit(f"{parked.name}/ is not empty: unpark first")
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", *PARKABLE], cwd=root, check=True,
+                           capture_output=True, text=True).stdout
+    if dirty.strip():
+        raise SystemExit(f"uncommitted changes under {', '.join(PARKABLE)}; commit them before parking:\n{dirty}")
+    moved = []
+    for rel in PARKABLE:
+        if (root / rel).exists():
+            (parked / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(root / rel), str(parked / rel))
+            moved.append(rel)
+    return moved
+
+
+def unpark(root: Path = ROOT) -> list[str]:
+    """Move what `park` moved back into the tree; the paths restored."""
+    parked = root / PARKED.name
+    restored = []
+    for rel in PARKABLE:
+        if (parked / rel).exists():
+            if (root / rel).exists():
+                raise SystemExit(f"{rel} exists in the tree and in {parked.name}/: merge by hand")
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(parked / rel), str(root / rel))
+            restored.append(rel)
+    shutil.rmtree(parked, ignore_errors=True)
+    return restored
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -295,7 +337,13 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="GPU: unpack and install once, then run COMMAND in that environment")
     r.add_argument("--log", default="gpu_host.log", help="log file under $OUT")
     r.add_argument("command", nargs=argparse.REMAINDER)
+    sub.add_parser("park", help="here: move the committed results and figures out of the travelling tree")
+    sub.add_parser("unpark", help="here: move them back")
     args = ap.parse_args(argv)
+    if args.cmd in ("park", "unpark"):
+        moved = park() if args.cmd == "park" else unpark()
+        log(f"{args.cmd}: {', '.join(moved) or 'nothing'}; the tree now carries {tree_mib():.1f} MiB")
+        return 0
     if args.cmd == "prepare":
         prepare(args)
     elif args.cmd == "stash":
