@@ -39,6 +39,8 @@ gate_cost_run = "s3"
 gate_cost_config = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,batch_k=1:15/4:7/0"
 gate_grid_file = "data/results/seed_scale_h100.parquet"
 results_dir = "data/results"  # where the gate's replay is written (gate_replay.parquet)
+gate_cost_ratios = [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6]  # speculative step ÷ plain step, the host's cost
+gate_cost_lengths = [0, 1, 2, 3]  # the gate lengths drawn against it
 gate_runs = ["s4", "s4b"]  # the serving runs of the gated lookup (gate=1, gate=2) beside the ungated one
 gate_plot = ["prose 1.5B", "chat 1.5B", "prose 0.5B", "template 0.5B", "multiturn 0.5B", "agent 0.5B", "qa 1.5B",
              "copy 1.5B"]  # the workloads drawn (the table and the parquet have all)
@@ -152,6 +154,37 @@ chart
 
 # %%
 priced.pivot(on="min_match", index=["costs", "workload"], values="speedup").sort("costs", "workload")
+
+# %% [markdown]
+# ## Which gate for which host
+#
+# What a speculative step costs over a plain one is a property of the host as much as of the card (1.49× in run
+# `s3`, 1.22× in run `s4`, both H100s; 1.19× in the step-cost grid), and a gate's speed-up depends on the steps
+# only through that ratio. The same replayed steps, priced at every ratio of `gate_cost_ratios`, each gate against
+# the ungated lookup: above 1, the gate pays on that host. Measure your host's ratio with a serving run of `none` and the lookup
+# at one request (`hqlab.bench.serve.step_costs`).
+
+# %%
+by_cost = pl.concat([gate_replay.price(steps, plain_ms=1.0, spec_ms=r).with_columns(pl.lit(r).alias("cost_ratio"))
+                     for r in gate_cost_ratios])
+ungated = by_cost.filter(pl.col("min_match") == 0).select("workload", "cost_ratio",
+                                                          pl.col("speedup").alias("ungated"))
+by_cost = by_cost.join(ungated, on=["workload", "cost_ratio"]).with_columns(
+    (pl.col("speedup") / pl.col("ungated")).alias("vs_ungated"))
+shown = (by_cost.filter(pl.col("workload").is_in(gate_plot) & pl.col("min_match").is_in(gate_cost_lengths)
+                        & (pl.col("min_match") > 0))
+         .with_columns(pl.format("gate={}", pl.col("min_match")).alias("gate")))
+chart = plots.lines_with_mark(shown, "cost_ratio", "vs_ungated", "gate", panel="workload", columns=4,
+                              mark=(1.0, 1.0, "no gate"), log_x=False, log_y=False,
+                              x_title="speculative step ÷ plain step",
+                              y_title="tok/s ÷ the ungated lookup (replay)")
+plots.save(chart, Path(figures_dir) / "gate_by_cost.svg")
+chart
+
+# %%
+best = (by_cost.sort("speedup", descending=True).group_by("workload", "cost_ratio", maintain_order=True).first()
+        .pivot(on="cost_ratio", index="workload", values="min_match").sort("workload"))
+best  # the gate length (0: none) with the best replayed speed, per workload and cost ratio
 
 # %% [markdown]
 # ## The gate, served
