@@ -161,16 +161,11 @@ priced.pivot(on="min_match", index=["costs", "workload"], values="speedup").sort
 # What a speculative step costs over a plain one is a property of the host as much as of the card (1.49× in run
 # `s3`, 1.22× in run `s4`, both H100s; 1.19× in the step-cost grid), and a gate's speed-up depends on the steps
 # only through that ratio. The same replayed steps, priced at every ratio of `gate_cost_ratios`, each gate against
-# the ungated lookup: above 1, the gate pays on that host. Measure your host's ratio with a serving run of `none` and the lookup
-# at one request (`hqlab.bench.serve.step_costs`).
+# the ungated lookup (`hqlab.replay.gate.by_cost_ratio`): above 1, the gate pays on that host. Measure your host's
+# ratio with a serving run of `none` and the lookup at one request (`hqlab.bench.serve.step_costs`).
 
 # %%
-by_cost = pl.concat([gate_replay.price(steps, plain_ms=1.0, spec_ms=r).with_columns(pl.lit(r).alias("cost_ratio"))
-                     for r in gate_cost_ratios])
-ungated = by_cost.filter(pl.col("min_match") == 0).select("workload", "cost_ratio",
-                                                          pl.col("speedup").alias("ungated"))
-by_cost = by_cost.join(ungated, on=["workload", "cost_ratio"]).with_columns(
-    (pl.col("speedup") / pl.col("ungated")).alias("vs_ungated"))
+by_cost = gate_replay.by_cost_ratio(steps, gate_cost_ratios)
 shown = (by_cost.filter(pl.col("workload").is_in(gate_plot) & pl.col("min_match").is_in(gate_cost_lengths)
                         & (pl.col("min_match") > 0))
          .with_columns(pl.format("gate={}", pl.col("min_match")).alias("gate")))
@@ -208,10 +203,10 @@ gate_table.select("run", "group", "load", "label", "ratio", "ratio_min", "ratio_
 
 # %%
 cost_runs = []
+served = pl.read_parquet(results_file).filter((pl.col("dataset") == "prose") & (pl.col("temperature") > 0)
+                                              & pl.col("config").is_in(["none", gate_cost_config]))
 for cost_run in [gate_cost_run, *gate_runs]:
-    prose = pl.read_parquet(results_file).filter((pl.col("run") == cost_run) & (pl.col("dataset") == "prose")
-                                                 & (pl.col("temperature") > 0)
-                                                 & pl.col("config").is_in(["none", gate_cost_config]))
+    prose = served.filter(pl.col("run") == cost_run)
     if prose.filter(pl.col("max_concurrency") == 1).height:
         plain, spec = serve.step_costs(prose, gate_cost_config)
         cost_runs.append({"run": cost_run, "machine": prose["machine"][0].split(",")[0], "plain step ms": plain,
@@ -223,9 +218,10 @@ pl.DataFrame(cost_runs)
 
 # %%
 gate_samples = pl.read_parquet(samples_file).filter(pl.col("run").is_in(gate_runs))
-reference = by["none"]
-pl.DataFrame([{"run": r, "config": serve.short_config(c), "samples": len(got),
-               "min p": min(x["p"] for x in serve.distribution_test(reference, got, positions=positions)),
-               "same distribution": serve.same_distribution(
-                   serve.distribution_test(reference, got, positions=positions))}
-              for r, c, got in zip(gate_samples["run"], gate_samples["config"], gate_samples["token_ids"].to_list())])
+gate_verdicts = []
+for r, config, got in zip(gate_samples["run"], gate_samples["config"], gate_samples["token_ids"].to_list()):
+    per_position = serve.distribution_test(by["none"], got, positions=positions)
+    gate_verdicts.append({"run": r, "config": serve.short_config(config), "samples": len(got),
+                          "min p": min(x["p"] for x in per_position),
+                          "same distribution": serve.same_distribution(per_position)})
+pl.DataFrame(gate_verdicts)

@@ -76,10 +76,11 @@ def greedy_differences(requests: pl.DataFrame) -> pl.DataFrame:
     spec = (requests.filter(pl.col("config") != "none").select(*key, "config", "output_ids")
             .join(none, on=key, how="inner").with_columns(pl.lit("none").alias("against")))
     first = none.group_by("run", "workload", "load").agg(pl.col("repeat").min().alias("first"))
-    again = (none.join(first, on=["run", "workload", "load"]).filter(pl.col("repeat") > pl.col("first"))
+    none = none.join(first, on=["run", "workload", "load"])
+    again = (none.filter(pl.col("repeat") > pl.col("first"))
              .select(*key, pl.lit("none").alias("config"), pl.col("reference").alias("output_ids"),
                      pl.lit("none, first repeat").alias("against"))
-             .join(none.join(first, on=["run", "workload", "load"]).filter(pl.col("repeat") == pl.col("first"))
+             .join(none.filter(pl.col("repeat") == pl.col("first"))
                    .select("run", "workload", "load", "order", "reference"),
                    on=["run", "workload", "load", "order"], how="inner"))
     both = pl.concat([spec.select(*key, "config", "against", "output_ids", "reference"),

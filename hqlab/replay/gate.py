@@ -105,3 +105,16 @@ def price(frame: pl.DataFrame, *, plain_ms: float, spec_ms: float,
             .with_columns(tokens_per_step=pl.col("tokens") / pl.col("steps"),
                           spec_share=pl.col("spec_steps") / pl.col("steps"),
                           speedup=pl.col("tokens") * plain_ms / pl.col("time_ms")))
+
+
+def by_cost_ratio(frame: pl.DataFrame, ratios: Sequence[float]) -> pl.DataFrame:
+    """`price` at every ratio of a speculative step's cost to a plain one (a host's property: the speed-up depends on
+    the two costs only through it), with `cost_ratio` and `vs_ungated`, each gate's speed-up over the ungated
+    lookup's (min_match 0, which `frame` must hold) at the same ratio and workload."""
+    require(bool((frame["min_match"] == 0).any()), "by_cost_ratio needs the ungated lookup (min_match 0) in the sweep")
+    priced = pl.concat([price(frame, plain_ms=1.0, spec_ms=float(r)).with_columns(pl.lit(float(r)).alias("cost_ratio"))
+                        for r in ratios])
+    ungated = priced.filter(pl.col("min_match") == 0).select("workload", "cost_ratio",
+                                                             pl.col("speedup").alias("ungated"))
+    return (priced.join(ungated, on=["workload", "cost_ratio"])
+            .with_columns((pl.col("speedup") / pl.col("ungated")).alias("vs_ungated")).drop("ungated"))

@@ -12,7 +12,7 @@ import pytest
 from hqlab.config import ConfigError, LookupConfig
 from hqlab.proposers import make_proposer
 from hqlab.replay import replay
-from hqlab.replay.gate import price, replay_gated, sweep
+from hqlab.replay.gate import by_cost_ratio, price, replay_gated, sweep
 from hqlab.replay.traces import load_traces
 from hqlab.rules.gate import GateConfig, SuffixGate
 
@@ -59,3 +59,19 @@ def test_price_is_tokens_over_step_time(traces):
         assert row["speedup"] == pytest.approx(part["tokens"].sum() * 2.0 / time, rel=1e-12)
     with pytest.raises(ConfigError, match="step costs must be > 0"):
         price(frame, plain_ms=0.0, spec_ms=3.0)
+
+
+def test_by_cost_ratio_prices_each_gate_against_the_ungated_lookup_at_each_ratio(traces):
+    """Only the ratio of the two step costs matters; a gate closes speculative steps, so its gain over the ungated
+    lookup grows with what a speculative step costs."""
+    frame = sweep(traces[:6], LOOKUP, [None, 2], workload="w")
+    table = by_cost_ratio(frame, [1.0, 1.5]).sort("cost_ratio", "min_match")
+    for row in table.iter_rows(named=True):
+        same = price(frame, plain_ms=2.0, spec_ms=2.0 * row["cost_ratio"]).filter(
+            pl.col("min_match") == row["min_match"])
+        assert row["speedup"] == pytest.approx(same["speedup"][0], rel=1e-12)
+    assert (table.filter(pl.col("min_match") == 0)["vs_ungated"] == 1.0).all()
+    gated = table.filter(pl.col("min_match") == 2)["vs_ungated"].to_list()
+    assert gated[0] < gated[1]
+    with pytest.raises(ConfigError, match="needs the ungated lookup"):
+        by_cost_ratio(frame.filter(pl.col("min_match") == 2), [1.0])
