@@ -458,6 +458,12 @@ def finish(args: argparse.Namespace) -> int:
                                  pl.lit(str(versions.get("vllm"))).alias("vllm"),
                                  pl.lit(str(versions.get("device", meta.get("machine", "")))).alias("device"),
                                  pl.lit(meta.get("model", MODEL)).alias("model"))
+    engines = meta.get("engines") or []  # what vLLM chose per engine (model runner, scheduling, CUDA graphs)
+    if engines:
+        chosen = pl.DataFrame([{"config": e["config"], "vllm_runner": str(e.get("model_runner", "")).upper(),
+                                "async_scheduling": e.get("async_scheduling"),
+                                "cudagraph_mode": e.get("cudagraph_mode")} for e in engines])
+        points = points.join(chosen, on="config", how="left")
     requests = pl.DataFrame([{**{k: v for k, v in r.items() if k != "steps"}, "run": args.run,
                               **_step_columns(json.loads(r["steps"]))} for r in raw], infer_schema_length=None)
     req_out = out.with_suffix(".requests.parquet")

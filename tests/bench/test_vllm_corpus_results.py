@@ -44,6 +44,9 @@ def test_the_run_is_the_one_the_docs_describe(points, requests):
     assert set(points["config"]) == {"none", BASE, CORPUS}
     assert set(points["device"]) == {"cuda (NVIDIA H100 80GB HBM3)"}  # an H100, whatever the file's name says
     assert set(points["vllm"]) == {"0.26.0"} and set(points["model"]) == {"qwen2.5-coder-1.5b"}
+    # every engine ran vLLM's model runner V2 with asynchronous scheduling, as its own config said
+    assert set(points["vllm_runner"]) == {"V2"} and points["async_scheduling"].all()
+    assert set(points["git_commit"]) == {"4b1214b"}
     grid = points.group_by("workload", "load", "repeat").agg(pl.col("config").sort())
     assert grid.height == 16 and set(grid["workload"]) == WORKLOADS and set(grid["load"]) == {1, 8}
     assert all(sorted(c) == sorted(["none", BASE, CORPUS]) for c in grid["config"])  # none beside every point
