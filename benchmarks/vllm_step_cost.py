@@ -20,6 +20,8 @@ holds it once, and each request's attention still reads all of it, as distinct p
   GPU (through tools/gpu_host/vllm_host.py run; results saved after every point, a later call with the same tag
   skips the (shape, config) pairs already done):
       python3 benchmarks/vllm_step_cost.py run --tag s1 --commit $(git rev-parse --short HEAD) --budget-s 560
+    --contexts/--batches/--widths measure only those points (a validation's: benchmarks/seed_scale_validation.py runs
+    this grid at the points it prices, then the decodes it predicts, on one machine)
   CPU (here):
       python benchmarks/vllm_step_cost.py finish RETURNED_DIR   -> data/results/seed_scale_<card>.parquet
 """
@@ -36,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # a bare checkout on the GPU host
@@ -103,15 +106,67 @@ VALIDATION_CONTEXTS = (1024, 8192)
 VALIDATION_BATCHES = (1, 8)
 
 
-def points(config: str, shape: str = "") -> list[tuple[int, int, int]]:
+def points(config: str, shape: str = "", *, contexts: Sequence[int] | None = None,
+           batches: Sequence[int] | None = None, widths: Sequence[int] | None = None) -> list[tuple[int, int, int]]:
     """(context, batch, width) measured for a config, in the order they run (contexts outermost: one prefill each).
     gpu-fused's drafter keeps a cache of its own and prefills each request's prompt itself (no prefix caching):
-    its 32k context runs at batch 1 only."""
+    its 32k context runs at batch 1 only. `contexts`, `batches`, `widths` replace the plan's (a validation measures
+    only the points it prices: benchmarks/seed_scale_validation.py); gpu-fused never measures width 1."""
     small = shape in VALIDATION_SHAPES
-    contexts, batches = (VALIDATION_CONTEXTS, VALIDATION_BATCHES) if small else (CONTEXTS, BATCHES)
-    widths = WIDTHS if config == "gpu-lookup" else tuple(w for w in WIDTHS if w > 1)
+    default_contexts, default_batches = (VALIDATION_CONTEXTS, VALIDATION_BATCHES) if small else (CONTEXTS, BATCHES)
+    contexts = tuple(sorted(set(contexts))) if contexts else default_contexts
+    batches = tuple(sorted(set(batches))) if batches else default_batches
+    widths = tuple(sorted(set(widths))) if widths else WIDTHS
+    widths = widths if config == "gpu-lookup" else tuple(w for w in widths if w > 1)
     return [(c, b, w) for c in contexts for b in batches for w in widths
             if config == "gpu-lookup" or c < 32768 or b == 1]
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """"1,16,32" -> (1, 16, 32): the --contexts/--batches/--widths options (empty: the plan's own)."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of integers (got {text!r})") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"every value must be >= 1 (got {text!r})")
+    return values
+
+
+def point_options(args: argparse.Namespace) -> dict:
+    """The point-set options of `run`/`one` as `points`' keywords."""
+    return {"contexts": args.contexts or None, "batches": args.batches or None, "widths": args.widths or None}
+
+
+def max_model_len(args: argparse.Namespace) -> int:
+    """The engine's context limit: the largest context measured + 64 (a point's 16 steps and its verify width)."""
+    contexts = args.contexts or CONTEXTS
+    return max(contexts) + 64
+
+
+def run_bounded(cmd: Sequence[str], timeout_s: float, **kwargs) -> int | str:
+    """Run `cmd` in a session of its own and wait at most `timeout_s`: on timeout every process of that session is
+    killed (a vLLM engine core or worker started by the command must not outlive it holding GPU memory) and
+    "timeout" is returned, else the exit status."""
+    import signal
+
+    proc = subprocess.Popen(list(cmd), start_new_session=True, **kwargs)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        except ProcessLookupError:
+            pass
+        try:  # the session's other processes (engine cores) may outlive its leader
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return "timeout"
 
 
 def measured_points(rows_path: Path, shape: str, quant: str, config: str) -> set[tuple[int, int, int]]:
@@ -123,7 +178,7 @@ def measured_points(rows_path: Path, shape: str, quant: str, config: str) -> set
             if (r["shape"], r["quant"], r["config"]) == (shape, quant, config)}
 
 
-def model_folder(shape_name: str, work: Path) -> str:
+def model_folder(shape_name: str, work: Path, max_len: int = MAX_MODEL_LEN) -> str:
     """A folder vLLM can build the shape from: the tokenizer's files and a config.json with the shape's values."""
     from hqlab import models
 
@@ -132,7 +187,7 @@ def model_folder(shape_name: str, work: Path) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     config = json.loads((base / "config.json").read_text())
     config.update(SHAPES[shape_name])
-    config["max_position_embeddings"] = max(int(config.get("max_position_embeddings", 0)), MAX_MODEL_LEN)
+    config["max_position_embeddings"] = max(int(config.get("max_position_embeddings", 0)), max_len)
     config.pop("sliding_window", None)
     config.pop("layer_types", None)  # the base model's per-layer list: its length is the base's depth
     config["max_window_layers"] = SHAPES[shape_name]["num_hidden_layers"]
@@ -163,19 +218,20 @@ def one(args: argparse.Namespace) -> int:
     spec = LOOKUP if config == "gpu-lookup" else FUSED
     if config == "gpu-fused":
         models.prepare(DRAFTER)
-    folder = model_folder(args.shape, work)
-    speculative, extra = engine_configs(spec, planted_fault="reject_all_drafts")
-    capture = sorted({b * w for b in BATCHES for w in WIDTHS} | {1 << i for i in range(11)})
-    if not [p for p in points(config, args.shape) if p not in measured_points(rows_path, args.shape, args.quant,
-                                                                               config)]:
+    chosen = points(config, args.shape, **point_options(args))
+    if not [p for p in chosen if p not in measured_points(rows_path, args.shape, args.quant, config)]:
         log(f"{args.shape} {args.quant} {config}: every point measured already")
         return 0
+    max_len = max_model_len(args)
+    folder = model_folder(args.shape, work, max_len)
+    speculative, extra = engine_configs(spec, planted_fault="reject_all_drafts")
+    capture = sorted({b * w for b in BATCHES for w in WIDTHS} | {1 << i for i in range(11)})
     plugin.check_vllm_version()
     plugin.register()
     t0 = time.perf_counter()
     # gpu-fused's drafter allocates its own cache after vLLM has taken its share: on an 80 GB card 0.88 left it none
     engine = LLMEngine.from_engine_args(EngineArgs(
-        model=folder, load_format="dummy", dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=max(BATCHES),
+        model=folder, load_format="dummy", dtype="bfloat16", max_model_len=max_len, max_num_seqs=max(BATCHES),
         gpu_memory_utilization=0.88 if config == "gpu-lookup" else 0.75, enable_prefix_caching=True, seed=0,
         speculative_config=speculative,
         additional_config=extra, compilation_config={"cudagraph_capture_sizes": capture},
@@ -190,7 +246,6 @@ def one(args: argparse.Namespace) -> int:
             engine.engine_core.call_utility(plugin.WIDTH_UTILITY, width - 1)
 
     machine, version = machine_description(vllm=True), package_version("vllm")
-    shape = SHAPES[args.shape]
     counter = 0
     prompt_of: dict[int, list[int]] = {}
 
@@ -208,7 +263,7 @@ def one(args: argparse.Namespace) -> int:
         return times
 
     done = measured_points(rows_path, args.shape, args.quant, config)
-    todo = [p for p in points(config, args.shape) if p not in done]
+    todo = [p for p in chosen if p not in done]
     if done:
         log(f"  {len(done)} points measured by an earlier call, {len(todo)} left")
     for context, batch, width in todo:
@@ -225,20 +280,33 @@ def one(args: argparse.Namespace) -> int:
             log(f"  c={context} b={batch} w={width}: FAILED {type(e).__name__}: {e}")
             continue
         steady = times[WARM_STEPS:-1] or times
-        ms = sorted(1e3 * s for s in steady)
-        row = {"run": args.tag, "shape": args.shape, "target_params_b": round(params_b(shape), 3),
-               "layers": shape["num_hidden_layers"], "hidden": shape["hidden_size"], "quant": args.quant,
-               "config": config, "width": width, "context": context, "batch": batch,
-               "step_ms": statistics.median(ms), "step_ms_p10": ms[int(0.1 * (len(ms) - 1))],
-               "step_ms_p90": ms[int(round(0.9 * (len(ms) - 1)))], "steps": len(ms),
-               "drafter": DRAFTER if config == "gpu-fused" else "", "engine_start_s": round(start_s, 1),
-               "engine": args.engine,
-               "machine": machine, "vllm_version": version, "git_commit": args.commit}
+        row = point_row(args, config, width, context, batch, steady, start_s, machine, version)
         with open(rows_path, "a") as f:
             f.write(json.dumps(row) + "\n")
         log(f"  c={context} b={batch} w={width}: {row['step_ms']:.2f} ms "
             f"(p10 {row['step_ms_p10']:.2f}, p90 {row['step_ms_p90']:.2f}, {len(times)} steps)")
     return 0
+
+
+def point_argv(args: argparse.Namespace) -> list[str]:
+    """The point-set options of `run`, passed on to each `one`."""
+    return [f"--{name}={','.join(map(str, values))}" for name in ("contexts", "batches", "widths")
+            if (values := getattr(args, name))]
+
+
+def point_row(args: argparse.Namespace, config: str, width: int, context: int, batch: int, step_s: Sequence[float],
+              start_s: float, machine: str, version: str) -> dict:
+    """One measured point as a rows-file line: the median, p10 and p90 of its timed steps (seconds) in ms. `args`:
+    the `one` command's (tag, shape, quant, engine, commit)."""
+    shape = SHAPES[args.shape]
+    ms = sorted(1e3 * s for s in step_s)
+    return {"run": args.tag, "shape": args.shape, "target_params_b": round(params_b(shape), 3),
+            "layers": shape["num_hidden_layers"], "hidden": shape["hidden_size"], "quant": args.quant,
+            "config": config, "width": width, "context": context, "batch": batch,
+            "step_ms": statistics.median(ms), "step_ms_p10": ms[int(0.1 * (len(ms) - 1))],
+            "step_ms_p90": ms[int(round(0.9 * (len(ms) - 1)))], "steps": len(ms),
+            "drafter": DRAFTER if config == "gpu-fused" else "", "engine_start_s": round(start_s, 1),
+            "engine": args.engine, "machine": machine, "vllm_version": version, "git_commit": args.commit}
 
 
 def run_all(args: argparse.Namespace) -> int:
@@ -263,11 +331,8 @@ def run_all(args: argparse.Namespace) -> int:
         log(f"{key}: starting ({left:.0f} s left)")
         cmd = [sys.executable, __file__, "one", "--shape", shape, "--quant", quant, "--config", config,
                "--tag", args.tag, "--commit", args.commit, "--work", str(work), "--rows", str(rows),
-               "--engine", args.engine]
-        try:
-            rc = subprocess.run(cmd, timeout=max(30.0, left - 5)).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+               "--engine", args.engine, *point_argv(args)]
+        rc = run_bounded(cmd, max(30.0, left - 5))
         if rc == 0:
             with open(done_file, "a") as f:
                 f.write(key + "\n")
@@ -289,11 +354,18 @@ def card_of(machine: str) -> str:
 
 
 def finish(args: argparse.Namespace) -> int:
+    finish_rows(args.returned, args.out)
+    return 0
+
+
+def finish_rows(returned: str | Path, out_path: str | Path | None = None) -> Path:
+    """The returned rows of every seed_scale_*.jsonl under `returned` into the card's parquet (default
+    data/results/seed_scale_<card>.parquet); rows of the same runs already there are replaced. Returns the path."""
     import polars as pl
 
     from hqlab.io import write_atomic
 
-    src = Path(args.returned)
+    src = Path(returned)
     rows = [json.loads(line) for f in sorted(src.glob("seed_scale_*.jsonl")) for line in f.read_text().splitlines()
             if line.strip()]
     if not rows:
@@ -303,7 +375,7 @@ def finish(args: argparse.Namespace) -> int:
     if len(cards) != 1:
         raise SystemExit(f"the rows under {src} come from {len(cards)} kinds of card ({sorted(cards)}): step costs "
                          "of different cards never share a file, finish each card's rows on its own")
-    out = Path(args.out or ROOT / "data" / "results" / f"seed_scale_{cards.pop().lower()}.parquet")
+    out = Path(out_path or ROOT / "data" / "results" / f"seed_scale_{cards.pop().lower()}.parquet")
     if out.exists() and set(map(card_of, pl.read_parquet(out)["machine"])) != {card_of(frame["machine"][0])}:
         raise SystemExit(f"{out} holds another card's step costs: name another --out")
     if "engine" not in frame.columns:  # rows from before the option: run s2 measured in-process
@@ -316,7 +388,13 @@ def finish(args: argparse.Namespace) -> int:
     frame = frame.sort("run", "target_params_b", "quant", "config", "context", "batch", "width")
     write_atomic(out, lambda tmp: frame.write_parquet(tmp))
     print(f"{len(rows)} rows -> {out}")
-    return 0
+    return out
+
+
+def add_point_options(parser: argparse.ArgumentParser) -> None:
+    for name, what in (("contexts", "contexts"), ("batches", "batches"), ("widths", "verify widths")):
+        parser.add_argument(f"--{name}", type=int_list, default=(),
+                            help=f"comma-separated {what} to measure instead of the plan's (e.g. a validation's)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -330,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--only", action="append", default=[], help="shape or shape:quant:config to run (default all)")
     r.add_argument("--work", default=None)
     r.add_argument("--engine", choices=ENGINES, default="process", help=ENGINE_HELP)
+    add_point_options(r)
     o = sub.add_parser("one", help="one (shape, quant, config) in this process (run starts these)")
     o.add_argument("--shape", choices=sorted(SHAPES), required=True)
     o.add_argument("--quant", choices=("bf16", "fp8"), default="bf16")
@@ -339,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--work", required=True)
     o.add_argument("--rows", required=True)
     o.add_argument("--engine", choices=ENGINES, default="process", help=ENGINE_HELP)
+    add_point_options(o)
     f = sub.add_parser("finish", help="CPU: the returned rows -> data/results/seed_scale_<card>.parquet")
     f.add_argument("returned")
     f.add_argument("--out", default=None, help="default: data/results/seed_scale_<card>.parquet, the card the rows "

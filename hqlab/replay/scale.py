@@ -356,19 +356,30 @@ def price_requests(tr: Traces, costs: pl.DataFrame, shape: str, batch: int, *, q
 def validate(costs: pl.DataFrame, steps: pl.DataFrame, results: pl.DataFrame, run: str, shape: str, *,
              configs: Sequence[str] | None = None, fused_shape: str | None = None, quant: str = "bf16",
              profiled_pass: Mapping[int, float] | None = None, outside_context: str = "clamp",
-             tolerance: float = 0.10) -> pl.DataFrame:
-    """Predicted against measured decode tok/s per (config, class) of a committed run at batch 1, the step costs
+             tolerance: float = 0.10, same_machine: bool = False) -> pl.DataFrame:
+    """Predicted against measured decode tok/s per (config, class) of a vLLM run at batch 1, the step costs
     taken from the grid of the run's own model's shape: per request tokens ÷ the summed predicted step costs, the
     class median over its prompts, as the run's `decode_tok_s` is (the median over prompts of each prompt's median
     over repeats). `configs` default: every none, gpu-lookup and single-pass gpu-fused config of the run. Columns:
     run, shape, config, label, category, prompts, measured_tok_s, predicted_tok_s, ratio (predicted ÷ measured),
     within (|ratio - 1| ≤ tolerance), predicted_step_ms and recorded_step_ms (the class's mean step, predicted and as
-    the step records of the run took it, one repeat: where a miss comes from), clamped_share."""
+    the step records of the run took it, one repeat: where a miss comes from), clamped_share. `same_machine`: the
+    step costs must have been measured on the machine the run decoded on (the `machine` of every step-cost row
+    equals the run's; a validation of the same host's decodes, benchmarks/seed_scale_validation.py), else
+    `ScaleError`."""
     if not 0 < tolerance < 1:
         raise ScaleError(f"tolerance must be in (0, 1) (got {tolerance})")
     measured = results.filter((pl.col("run") == run) & (pl.col("concurrency") == 1))
     if measured.is_empty():
         raise ScaleError(f"run {run!r}: no batch-1 result rows")
+    if same_machine:
+        if "machine" not in measured.columns:
+            raise ScaleError(f"run {run!r}: the results have no `machine` column to check the host against")
+        theirs = set(measured["machine"].unique().to_list())
+        ours = set(costs["machine"].unique().to_list())
+        if len(theirs) != 1 or theirs != ours:
+            raise ScaleError(f"run {run!r} decoded on {sorted(theirs)}, the step costs were measured on "
+                             f"{sorted(ours)}: not the same machine")
     if configs is None:
         configs = [c for c in measured["config"].unique().sort().to_list() if priceable(steps, run, c)]
     rows = []
