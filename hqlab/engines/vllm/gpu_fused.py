@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from hqlab.config import ConfigError, resolve_spec
-from hqlab.engines.vllm import batch_k
+from hqlab.engines.vllm import batch_k, draft_sampling
 from hqlab.engines.vllm.speculator import (RECORD_KEY, SPEC_KEY, RecordRing, V2Speculator, bind_histories,
                                            custom_class_config, gpu_spec, is_custom_class, pad_token, recording,
                                            refuse_retired)
@@ -71,6 +71,9 @@ RECORD_CAPACITY = 4096
 # the drafter lags. Steps where no row is behind keep the narrow pass (k + 1 positions).
 SKIP_RUN = 7
 SNAPSHOTS = 4  # pinned host copies of the skip marks in flight (the host runs up to three steps ahead)
+# how the drafter's head token is drawn under sampling: its argmax, verified as a point mass, or a draw from its own
+# distribution at the request's temperature, verified against it (`draft_sampling`)
+DRAFT_SAMPLES = ("greedy", "probabilistic")
 KINDS = ("full", "catch_up", "lookup")  # what a drafting step runs of the drafter: all passes, the catch-up, none
 CATCH_UPS = ("lazy", "bounded")  # device_skip: when a drafter that skipped steps catches up (GpuFusedConfig)
 
@@ -92,7 +95,10 @@ class GpuFusedConfig(FusedConfig):
     "bounded" (a wide pass once it lags SKIP_RUN steps, needed or not: run fm1's code); layers: how the drafter runs
     its layers ("torch", or "triton": four Triton kernels per layer in its drafting passes, `layers=triton`);
     attention: the drafter's attention ("auto": vLLM's FlashAttention; "triton": one Triton kernel a layer in the
-    drafting passes, `attention=triton`; "sdpa")."""
+    drafting passes, `attention=triton`; "sdpa"); draft_sample: under sampling, "greedy" proposes the drafter's
+    argmax as a point mass, "probabilistic" draws its token from its own distribution at the request's temperature
+    and hands vLLM's rejection sampler that distribution (`draft_sampling`: accepted with 1 - TV(p, q) instead of
+    p(argmax q); greedy requests are unchanged)."""
 
     graphs: bool = True
     compile: bool = False
@@ -103,6 +109,7 @@ class GpuFusedConfig(FusedConfig):
     layers: str = "torch"
     attention: str = "auto"
     batch_k: str = ""
+    draft_sample: str = "greedy"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -143,6 +150,18 @@ class GpuFusedConfig(FusedConfig):
         if self.vocab:
             raise ConfigError(f"{NAME}: a reduced draft vocabulary is not supported inside vLLM yet (got "
                               f"vocab={self.vocab!r})")
+        if self.draft_sample not in DRAFT_SAMPLES:
+            raise ConfigError(f"{NAME}: draft_sample must be one of {', '.join(DRAFT_SAMPLES)} (got "
+                              f"{self.draft_sample!r})")
+        if self.draft_sample == "probabilistic":
+            # q may stand for a position only if whether the drafter's token is proposed there does not depend on
+            # that token (draft_sampling's module docstring): one head token, and a head decision by match length
+            # alone
+            if self.draft_block != 1 or self.rule != "threshold" or self.agree != 0:
+                raise ConfigError(f"{NAME}: draft_sample=probabilistic needs draft_block=1, rule=threshold and "
+                                  f"agree=0, where the fusion rule's choice of a position's source never depends on "
+                                  f"the drafter's sampled token (got draft_block={self.draft_block}, "
+                                  f"rule={self.rule}, agree={self.agree})")
 
 
 # Keys measured as no gain and removed (run fc: the 7-pass drafting step replayed from its graph; fk2: the one-pass
@@ -421,6 +440,17 @@ class GpuFusedSpeculator(V2Speculator):
                 self._snapshots.append({"packed": packed, "marks_np": view[:, :lag], "marked_np": view[:, lag],
                                         "count": np.zeros(max_num_reqs, np.int64),
                                         "event": torch.cuda.Event() if pin else None, "step": -1})
+        # draft_sample=probabilistic: the seeds and the step counter of the draft's own noise, and vLLM's per-slot
+        # temperatures (`bind_sampling`); the draft logits are allocated with the drafter (`load_drafter`: its
+        # vocabulary)
+        self.sampled = c.draft_sample == "probabilistic"
+        self.temperature: torch.Tensor | None = None
+        seeds = np.random.default_rng().integers(0, 2 ** 62, size=max_num_reqs + 1, dtype=np.int64)
+        self._seeds = torch.from_numpy(seeds).to(dev)
+        self._draw_step = torch.zeros(1, dtype=torch.int64, device=dev)
+        self._draft_logits: torch.Tensor | None = None
+        self._point_tokens: torch.Tensor | None = None
+        self._sample = torch.compile(draft_sampling.sample, dynamic=None) if c.compile_rule else draft_sampling.sample
         # What vLLM's V2 runner reads from a speculator.
         self.draft_logits = None
         self.supports_mm_inputs = False
@@ -446,11 +476,31 @@ class GpuFusedSpeculator(V2Speculator):
             raise ConfigError(f"{NAME}: the drafter {self.config.model!r} has a vocabulary of {drafter.vocab} rows and "
                               f"the target {self.vocab}; the drafter must share the target's tokenizer")
         self.drafter = drafter
+        if self.sampled:
+            self._allocate_draft_logits(drafter.vocab)
         # FlashAttention reads each row only up to its own length, whatever the bound: one graph per batch size.
         # The masked path attends over the whole bound, so it keeps a ladder of lengths.
         # The Triton attention too (attention=triton); its prompt chunks then run in FlashAttention or sdpa.
         whole = drafter.flash is not None or drafter.attention_kernel is not None
         self.buckets = [self.cache_len] if whole else attention_buckets(self.cache_len)
+
+    def _allocate_draft_logits(self, vocab: int) -> None:
+        """`draft_logits` for vLLM's rejection sampler, [max_num_reqs, k, vocab] float32 (a view: one scratch row
+        past the slots takes the writes of rows that do not sample), every position a point mass at token 0 until a
+        step writes it; `_point_tokens` remembers each point mass's token so that a step moves it with two writes."""
+        k, dev = self.k, self.device
+        self._vocab_index = torch.arange(vocab, dtype=torch.int64, device=dev)
+        self._draft_logits = torch.full((self.max_num_reqs + 1, k, vocab), float("-inf"), dtype=torch.float32,
+                                        device=dev)
+        self._draft_logits[:, :, 0] = 0.0
+        self._point_tokens = torch.zeros(self.max_num_reqs + 1, k, dtype=torch.int64, device=dev)
+        self._positions = torch.arange(k, dtype=torch.int64, device=dev)
+        self.draft_logits = self._draft_logits[:self.max_num_reqs]
+
+    def bind_sampling(self, temperature: torch.Tensor) -> None:
+        """Attach vLLM's per-slot temperatures ([max_num_reqs] float32, 0 = greedy): read by draft_sample=
+        probabilistic."""
+        self.temperature = temperature
 
     # vLLM's speculator interface -------------------------------------------------------------------------------
 
@@ -512,7 +562,8 @@ class GpuFusedSpeculator(V2Speculator):
 
     @property
     def ready(self) -> bool:
-        return self.state is not None and self.drafter is not None
+        return self.state is not None and self.drafter is not None and (not self.sampled or
+                                                                         self.temperature is not None)
 
     def draft(self, input_batch: Any, num_sampled: Any, dummy_run: bool) -> torch.Tensor:
         n = int(input_batch.num_reqs)
@@ -702,6 +753,8 @@ class GpuFusedSpeculator(V2Speculator):
                 self.drafts[:m, j] = cur
         lookup = proposals.masked_fill(proposals < 0, self.pad)
         self.out[:m] = self.step_rule(slots, ns, self.fresh[:m], lookup, valid, match_len, self.drafts[:m])
+        if self.sampled:
+            self._point_masses(m, self.step_rule.sources[:m], self.out[:m])
         if self.config.skip:  # the skip marks for the host's copy (`_after_step`), in one buffer
             marks, marked = self._marks_now
             torch.cat((marks.to(torch.int32), marked[:, None]), dim=1, out=self._packed)
@@ -731,13 +784,49 @@ class GpuFusedSpeculator(V2Speculator):
         pos = (dlen[:, None] + self.arange_w[:width]).clamp(max=self.max_model_len - 1)
         tokens = all_ids[slots[:, None], pos].long()
         last = (count - 1).clamp(min=0)
-        first = self.drafter.extend(slots, tokens, dlen, last, attn_len)
         if not final:
+            first = self.drafter.extend(slots, tokens, dlen, last, attn_len)
             self.dlen[slots] = dlen + count
             return first
+        if self.sampled:
+            first = self._draw(slots, sampled, self.drafter.logits(slots, tokens, dlen, last, attn_len))
+        else:
+            first = self.drafter.extend(slots, tokens, dlen, last, attn_len)
         self.dlen[slots] = torch.where(sampled, total, dlen)
         self.drafts[:m, 0] = first
         return first
+
+    def _draw(self, slots: torch.Tensor, sampled: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """draft_sample=probabilistic: each row's head token drawn from the drafter's `logits` at its request's
+        temperature (`draft_sampling.sample`); the distribution goes to position 0 of the row's draft logits (rows
+        that do not sample write the scratch row). Position 0 of a row whose head the lookup takes is made a point
+        mass again after the fusion rule (`_point_masses`)."""
+        assert self.temperature is not None and self._draft_logits is not None
+        self._draw_step.add_(1)
+        token, processed = self._sample(logits, self.temperature[slots], self._seeds[slots], self._draw_step,
+                                        self._vocab_index)
+        index = torch.where(sampled, slots, self.max_num_reqs)
+        self._draft_logits[index, 0] = processed
+        return token
+
+    def _point_masses(self, m: int, sources: torch.Tensor, tokens: torch.Tensor) -> None:
+        """draft_sample=probabilistic, after the fusion rule: every position of rows [0, m) whose token is not the
+        drafter's (the lookup's, or the pad after the block) becomes a point mass at its token. Positions 1..k-1 are
+        never the drafter's (draft_block=1): their old point mass moves (two scattered writes a row); position 0
+        keeps the drafter's distribution where its source is DRAFT, else is rewritten whole."""
+        from hqlab.rules.fusion import SOURCE_DRAFT
+
+        assert self._draft_logits is not None and self._point_tokens is not None
+        slots, sampled = self.slots[:m], self.num_sampled[:m] > 0
+        index = torch.where(sampled, slots, self.max_num_reqs)
+        rows, cols = index[:, None], self._positions[None, 1:]
+        logits = self._draft_logits
+        logits[rows, cols, self._point_tokens[index, 1:]] = float("-inf")
+        logits[rows, cols, tokens[:, 1:]] = 0.0
+        self._point_tokens[index, 1:] = tokens[:, 1:]
+        drafted = (sources[:, 0] == SOURCE_DRAFT)[:, None]
+        point = draft_sampling.point_mass_logits(tokens[:, 0], logits.shape[-1])
+        logits[index, 0] = torch.where(drafted, logits[index, 0], point)
 
     def _device_pass(self, m: int, attn_len: int, match_len: torch.Tensor, valid: torch.Tensor) -> None:
         """`device_skip`: the drafter's pass runs unless every sampling row's block is the lookup's whatever the
