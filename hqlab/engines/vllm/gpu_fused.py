@@ -155,13 +155,11 @@ class GpuFusedConfig(FusedConfig):
                               f"{self.draft_sample!r})")
         if self.draft_sample == "probabilistic":
             # q may stand for a position only if whether the drafter's token is proposed there does not depend on
-            # that token (draft_sampling's module docstring): one head token, and a head decision by match length
-            # alone
-            if self.draft_block != 1 or self.rule != "threshold" or self.agree != 0:
-                raise ConfigError(f"{NAME}: draft_sample=probabilistic needs draft_block=1, rule=threshold and "
-                                  f"agree=0, where the fusion rule's choice of a position's source never depends on "
-                                  f"the drafter's sampled token (got draft_block={self.draft_block}, "
-                                  f"rule={self.rule}, agree={self.agree})")
+            # that token (draft_sampling's module docstring): a head decision by match length alone
+            if self.rule != "threshold" or self.agree != 0:
+                raise ConfigError(f"{NAME}: draft_sample=probabilistic needs rule=threshold and agree=0, where the "
+                                  f"fusion rule's choice of a position's source never depends on the drafter's "
+                                  f"sampled token (got rule={self.rule}, agree={self.agree})")
 
 
 # Keys measured as no gain and removed (run fc: the 7-pass drafting step replayed from its graph; fk2: the one-pass
@@ -749,7 +747,11 @@ class GpuFusedSpeculator(V2Speculator):
         elif kind != "lookup":
             cur = self._catch_up(m, attn_len, width or self.q)
             for j in range(1, self.block if kind == "full" else 1):  # the head: one token per pass
-                cur = self.drafter.extend(slots, cur[:, None], total + (j - 1), self.zeros[:m], attn_len)
+                if self.sampled:
+                    logits = self.drafter.logits(slots, cur[:, None], total + (j - 1), self.zeros[:m], attn_len)
+                    cur = self._draw(slots, sampled, logits, j)
+                else:
+                    cur = self.drafter.extend(slots, cur[:, None], total + (j - 1), self.zeros[:m], attn_len)
                 self.drafts[:m, j] = cur
         lookup = proposals.masked_fill(proposals < 0, self.pad)
         self.out[:m] = self.step_rule(slots, ns, self.fresh[:m], lookup, valid, match_len, self.drafts[:m])
@@ -796,37 +798,39 @@ class GpuFusedSpeculator(V2Speculator):
         self.drafts[:m, 0] = first
         return first
 
-    def _draw(self, slots: torch.Tensor, sampled: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """draft_sample=probabilistic: each row's head token drawn from the drafter's `logits` at its request's
-        temperature (`draft_sampling.sample`); the distribution goes to position 0 of the row's draft logits (rows
-        that do not sample write the scratch row). Position 0 of a row whose head the lookup takes is made a point
-        mass again after the fusion rule (`_point_masses`)."""
+    def _draw(self, slots: torch.Tensor, sampled: torch.Tensor, logits: torch.Tensor, position: int = 0) -> torch.Tensor:
+        """draft_sample=probabilistic: each row's head token at `position` drawn from the drafter's `logits` at its
+        request's temperature (`draft_sampling.sample`, fresh noise at every call); the distribution goes to that
+        position of the row's draft logits (rows that do not sample write the scratch row). A head position whose
+        token is not the drafter's is made a point mass again after the fusion rule (`_point_masses`)."""
         assert self.temperature is not None and self._draft_logits is not None
         self._draw_step.add_(1)
         token, processed = self._sample(logits, self.temperature[slots], self._seeds[slots], self._draw_step,
                                         self._vocab_index)
         index = torch.where(sampled, slots, self.max_num_reqs)
-        self._draft_logits[index, 0] = processed
+        self._draft_logits[index, position] = processed
         return token
 
     def _point_masses(self, m: int, sources: torch.Tensor, tokens: torch.Tensor) -> None:
         """draft_sample=probabilistic, after the fusion rule: every position of rows [0, m) whose token is not the
-        drafter's (the lookup's, or the pad after the block) becomes a point mass at its token. Positions 1..k-1 are
-        never the drafter's (draft_block=1): their old point mass moves (two scattered writes a row); position 0
-        keeps the drafter's distribution where its source is DRAFT, else is rewritten whole."""
+        drafter's (the lookup's, or the pad after the block) becomes a point mass at its token. A head position
+        (< draft_block) keeps the drafter's distribution where its source is DRAFT, else is rewritten whole; a tail
+        position is never the drafter's: its old point mass moves (two scattered writes a row)."""
         from hqlab.rules.fusion import SOURCE_DRAFT
 
         assert self._draft_logits is not None and self._point_tokens is not None
         slots, sampled = self.slots[:m], self.num_sampled[:m] > 0
         index = torch.where(sampled, slots, self.max_num_reqs)
-        rows, cols = index[:, None], self._positions[None, 1:]
-        logits = self._draft_logits
-        logits[rows, cols, self._point_tokens[index, 1:]] = float("-inf")
-        logits[rows, cols, tokens[:, 1:]] = 0.0
-        self._point_tokens[index, 1:] = tokens[:, 1:]
-        drafted = (sources[:, 0] == SOURCE_DRAFT)[:, None]
-        point = draft_sampling.point_mass_logits(tokens[:, 0], logits.shape[-1])
-        logits[index, 0] = torch.where(drafted, logits[index, 0], point)
+        logits, head = self._draft_logits, min(self.block, self.k)
+        if head < self.k:
+            rows, cols = index[:, None], self._positions[None, head:]
+            logits[rows, cols, self._point_tokens[index, head:]] = float("-inf")
+            logits[rows, cols, tokens[:, head:]] = 0.0
+            self._point_tokens[index, head:] = tokens[:, head:]
+        for j in range(head):
+            drafted = (sources[:, j] == SOURCE_DRAFT)[:, None]
+            point = draft_sampling.point_mass_logits(tokens[:, j], logits.shape[-1])
+            logits[index, j] = torch.where(drafted, logits[index, j], point)
 
     def _device_pass(self, m: int, attn_len: int, match_len: torch.Tensor, valid: torch.Tensor) -> None:
         """`device_skip`: the drafter's pass runs unless every sampling row's block is the lookup's whatever the

@@ -80,7 +80,7 @@ def test_the_noise_is_fresh_at_every_step_and_differs_between_seeds():
     assert 0 < float(a.min()) and float(a.max()) < 1
 
 
-@pytest.mark.parametrize("spec", ["gpu-fused:k=7,draft_block=2,draft_sample=probabilistic",
+@pytest.mark.parametrize("spec", ["gpu-fused:k=7,draft_block=2,rule=score,draft_sample=probabilistic",
                                   "gpu-fused:k=7,draft_block=1,agree=1,draft_sample=probabilistic",
                                   "gpu-fused:k=7,draft_block=1,draft_sample=sometimes"])
 def test_settings_where_q_would_not_be_the_proposal_are_refused(spec):
@@ -125,25 +125,25 @@ def run(spec_text: str, temperature: float | None, device: str = "cpu",
     return steps, seen, spec
 
 
-def check_distributions(seen: list) -> None:
-    """Every position of every sampling row: the drafter's whole distribution where the block holds its token, else
-    a point mass at the proposed token; both kinds occur."""
-    drafted = lookups = 0
+def check_distributions(seen: list, head: int = 1) -> None:
+    """Every position of every sampling row: the drafter's whole distribution where the block holds its token (only
+    head positions, < `head`, can), else a point mass at the proposed token (or the pad); both kinds occur."""
+    drafted = points = 0
     for slots, out, sources, logits, num_sampled in seen:
         for row in range(out.shape[0]):
             if num_sampled[row] <= 0:
                 continue
             finite = torch.isfinite(logits[row])
-            for j in range(1, out.shape[1]):  # never the drafter's: a point mass at the proposed token (or the pad)
-                assert finite[j].nonzero().flatten().tolist() == [int(out[row, j])]
-                assert float(logits[row, j, out[row, j]]) == 0.0
-            if int(sources[row, 0]) == SOURCE_DRAFT:
-                drafted += 1
-                assert bool(finite[0].all())  # the drafter's whole distribution at T = 0.7
-            else:
-                lookups += 1
-                assert finite[0].nonzero().flatten().tolist() == [int(out[row, 0])]
-    assert drafted > 10 and lookups > 10  # both kinds of head ran (prose drafts, the copy takes the lookup's)
+            for j in range(out.shape[1]):
+                if int(sources[row, j]) == SOURCE_DRAFT:
+                    assert j < head
+                    drafted += 1
+                    assert bool(finite[j].all())  # the drafter's whole distribution at T = 0.7
+                else:
+                    points += 1
+                    assert finite[j].nonzero().flatten().tolist() == [int(out[row, j])]
+                    assert float(logits[row, j, out[row, j]]) == 0.0
+    assert drafted > 10 and points > 10  # both kinds of position ran (prose drafts, the copy takes the lookup's)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason=INTERPRETER_ONLY)
@@ -159,6 +159,20 @@ def test_every_draft_position_carries_the_distribution_its_token_came_from():
     steps, seen, _ = run(BASE + ",draft_sample=probabilistic", 0.7)
     check_distributions(seen)
     assert steps != greedy  # sampling changed some of the drafter's tokens
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason=INTERPRETER_ONLY)
+def test_a_head_of_two_draws_both_tokens_and_carries_both_distributions():
+    """draft_block=2 (no device_skip): the second head token is drawn from the drafter's distribution after its first
+    draw; at T = 0 the blocks are the greedy config's."""
+    spec = "gpu-fused:k=7,draft_block=2,nmax=8,schedule=long,nmin_tail=1"
+    greedy, _, _ = run(spec, None)
+    zero, _, _ = run(spec + ",draft_sample=probabilistic", 0.0)
+    assert zero == greedy
+    steps, seen, _ = run(spec + ",draft_sample=probabilistic", 0.7)
+    check_distributions(seen, head=2)
+    assert any(int(s[2][r, 1]) == SOURCE_DRAFT for s in seen for r in range(s[2].shape[0]))
+    assert steps != greedy
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
