@@ -379,6 +379,8 @@ def short_config(config: str) -> str:
     name, values = parse_spec(config.split(" [")[0])
     block = f" block={values['draft_block']}" if values.get("draft_block", "1") != "1" else ""
     gate = f" gate={values['gate']}" if values.get("gate", "0") != "0" else ""
+    gate += " sampled drafts" if values.get("draft_sample", "greedy") != "greedy" else ""
+    gate += " corpus" if values.get("corpus", "0") != "0" else ""
     return (f"{name}{block} {values['batch_k']}{gate}" if "batch_k" in values
             else f"{name}{block} k={values.get('k', '?')}{gate}")
 

@@ -50,10 +50,15 @@ class Proposal:
         return self.extra.get("known")
 
     def point_mass(self) -> np.ndarray:
-        """bool [n]: positions verified as point masses. Lookup positions always are; drafter positions are too
-        when the drafter did not sample (no q: its argmax is a deterministic guess)."""
+        """bool [n]: positions verified as point masses. Lookup positions are, unless the proposer says the token
+        there is the drafter's draw whichever source won (`extra["drawn"]`, bool [n]: the fused proposer's
+        `hqlab.rules.fusion.drafter_drawn`); drafter positions are too when the drafter did not sample (no q: its
+        argmax is a deterministic guess)."""
         if self.q is None:
             return np.ones(self.valid, dtype=bool)
+        drawn = self.extra.get("drawn")
+        if drawn is not None:
+            return ~np.asarray(drawn, dtype=bool)
         return self.sources != Source.DRAFT
 
     def truncated(self, n: int) -> "Proposal":
@@ -61,7 +66,10 @@ class Proposal:
         if n >= self.valid:
             return self
         q = None if self.q is None else self.q[:n]
-        return Proposal(self.tokens[:n], self.sources[:n], self.match_len, q, dict(self.extra))
+        extra = dict(self.extra)
+        if extra.get("drawn") is not None:
+            extra["drawn"] = extra["drawn"][:n]
+        return Proposal(self.tokens[:n], self.sources[:n], self.match_len, q, extra)
 
 
 @runtime_checkable

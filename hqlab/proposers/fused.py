@@ -11,11 +11,13 @@ last call for the same request), so replay, the engine and any other engine get 
 histories. Batch mode "unanimous" is HyperQwen's: one block length for the whole batch, sticky only at batch size
 1; "per-request" (default) decides for each request alone.
 
-Sampled verification stays exact when every decision about a position is fixed before that position's token is
-drawn, or depends only on tokens before it: the head decision (agree = 0) reads only match_len, the tail decision
-reads the drafted head, which precedes the tail. With agree > 0 the head decision reads the drafter's samples at
-the very positions it then keeps or replaces, which biases the output; that combination is refused (the sampling
-test shows the bias).
+Sampled verification stays exact when every position checked against q was proposed from q whichever way the rule
+went, and every other position is a point mass: the head decision at agree = 0 reads only match_len, the tail
+decision reads the drafted head, which precedes the tail. With agree > 0 the head decision reads the drafter's
+samples at the very positions it then keeps or replaces; there the lookup's token equals the draw, so those
+positions are the draw in both branches and are checked against q too (`hqlab.rules.fusion.drafter_drawn`, passed
+as `extra["drawn"]` to `Proposal.point_mass`). Checking them as point masses (by their LOOKUP tag) biases the
+output, which the sampling test shows.
 
 Lookup matching length: the fusion rules read matches as short as min(nstrong, nmin, nmin_tail, longmin, and
 nmin_alone when set), so the lookup runs with that as its cheap-reject length (with HyperQwen's lookup nmin 6 the
@@ -34,7 +36,7 @@ from hqlab.config import ConfigError, LookupConfig
 from hqlab.proposers.base import Drafter, Proposal
 from hqlab.proposers.draft import DraftConfig, DraftProposer
 from hqlab.proposers.lookup import LookupProposer
-from hqlab.rules.fusion import SOURCE_LOOKUP, FusionConfig, fuse
+from hqlab.rules.fusion import SOURCE_LOOKUP, FusionConfig, drafter_drawn, fuse
 from hqlab.rules.schedule import ScheduleConfig, ScheduleState, step, step_unanimous
 
 BATCH_MODES = ("per-request", "unanimous")
@@ -126,12 +128,6 @@ class FusedProposer:
         self.k = c.k
         self.lookup = LookupProposer(c.lookup_config())
         self.drafter = drafter or DraftProposer(c.draft_config())
-        samples = getattr(getattr(self.drafter, "config", None), "temperature", 0) > 0
-        if samples and c.rule == "threshold" and c.agree > 0:
-            raise ConfigError(
-                "fused: agree > 0 with a sampling drafter (temperature > 0) is not lossless: the head decision "
-                "would depend on the drafter's own samples, so the drafter tokens that stay in the block are no "
-                "longer distributed as the q they are verified with. Use agree=0 (the shipped set) for sampling.")
         self.fusion = c.fusion_config()
         self.schedule = c.schedule_config()
         self.states: dict[str, tuple[ScheduleState, int]] = {}  # key -> (scheduler state, history length seen)
@@ -203,9 +199,12 @@ class FusedProposer:
                 q = torch.zeros(n, dr.q.shape[1], dtype=dr.q.dtype, device=dr.q.device)
                 m = min(n, dr.q.shape[0])
                 q[:m] = dr.q[:m]
-            out.append(Proposal(f.tokens[:n], f.sources[:n], lk.match_len, q, {
-                "block": block, "take_flag": f.take_flag, "head_taken": f.head_taken, "tail_taken": f.tail_taken,
-                "draft_mode": dr.extra.get("draft_mode", "live"), "drafted": f.draft_valid}))
+            extra = {"block": block, "take_flag": f.take_flag, "head_taken": f.head_taken,
+                     "tail_taken": f.tail_taken, "draft_mode": dr.extra.get("draft_mode", "live"),
+                     "drafted": f.draft_valid}
+            if q is not None:  # the positions sampled verification checks against q (`Proposal.point_mass`)
+                extra["drawn"] = drafter_drawn(f, lk.match_len, lk.valid, self.fusion)[:n]
+            out.append(Proposal(f.tokens[:n], f.sources[:n], lk.match_len, q, extra))
         return out
 
     def _skips(self, key: str, history: np.ndarray) -> bool:

@@ -238,6 +238,27 @@ def fuse(
     return Fused(tokens[:n], sources[:n], head_len, agreed, bool(head_taken), bool(tail_taken), bool(take), supplied)
 
 
+def drafter_drawn(fused: Fused, match_len: int, valid: int, config: FusionConfig) -> np.ndarray:
+    """bool [n]: the positions of a fused block whose token is the drafter's draw whichever way the head rule went,
+    so that a sampling drafter's q is the distribution they were proposed from (sampled verification checks them
+    against q; every other position is a point mass, exact for any token).
+
+    DRAFT positions are; so are the first min(agree, valid) head positions of a head taken through the agreement
+    branch (nmin <= match < nstrong, agree >= 1): there the lookup's token equals the drafter's, the head decision
+    depends on those very draws, and had the draw disagreed the position would hold the draw anyway. Verifying them
+    as point masses and the disagreeing draws against q would not be lossless: with p = (.5, .5), q = (.9, .1) and
+    the lookup proposing token 0 the output is (.45, .55) (tests/rules/test_fusion_sampling.py). A head taken by
+    match length alone (nstrong, agree = 0, nmin_alone) and the tail never depend on the position's own draw."""
+    drawn = fused.sources == SOURCE_DRAFT
+    by_agreement = (config.rule == "threshold" and fused.head_taken and config.agree > 0
+                    and match_len < config.nstrong and match_len >= config.nmin
+                    and fused.agree_count >= config.agree)
+    if by_agreement:
+        drawn = drawn.copy()
+        drawn[:min(config.agree, valid, fused.head_len, drawn.shape[0])] = True
+    return drawn
+
+
 def fuse_batch(
     draft_tokens: Sequence[Sequence[int] | np.ndarray],
     lookup_tokens: Sequence[Sequence[int] | np.ndarray],
@@ -261,4 +282,4 @@ def fuse_batch(
     ]
 
 
-__all__ = ["FusionConfig", "Fused", "fuse", "fuse_batch", "agree_count", "SOURCE_LOOKUP", "SOURCE_DRAFT", "RULES"]
+__all__ = ["FusionConfig", "Fused", "fuse", "fuse_batch", "agree_count", "drafter_drawn", "SOURCE_LOOKUP", "SOURCE_DRAFT", "RULES"]

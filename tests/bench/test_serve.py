@@ -217,6 +217,12 @@ def test_short_config_names_the_gate():
     assert serve.short_config("gpu-lookup:nmin=1,k=15,batch_k=1:15/4:7/0,gate=2") == "gpu-lookup 1:15/4:7/0 gate=2"
     assert serve.short_config("gpu-lookup:nmin=1,k=15,gate=1") == "gpu-lookup k=15 gate=1"
     assert serve.short_config("gpu-lookup:nmin=1,k=15,batch_k=1:15/4:7/0") == "gpu-lookup 1:15/4:7/0"
+    # the served plan s5's fused configs stay apart in plots and tables
+    assert serve.short_config("gpu-fused:k=15,draft_block=1,batch_k=1:15/4:7/0,draft_sample=probabilistic") == \
+        "gpu-fused 1:15/4:7/0 sampled drafts"
+    assert serve.short_config("gpu-fused:k=15,draft_block=2,batch_k=1:15/4:7,draft_sample=probabilistic") == \
+        "gpu-fused block=2 1:15/4:7 sampled drafts"
+    assert serve.short_config("gpu-lookup:nmin=1,k=15,corpus=32768,corpus_policy=longest") == "gpu-lookup k=15 corpus"
 
 
 S4 = ("s4", "s4b")

@@ -6,9 +6,10 @@ three emitted tokens is computable. Each block mixes drafter positions (verified
 (point masses), depending on the drafter's samples through the tail rule. A chi-square test compares counts with
 the exact distribution.
 
-The check has teeth: with agree > 0 the head decision depends on the drafter's own samples, which biases the
-output; `FusedProposer` refuses that combination for a sampling drafter, and the same check fails on it when the
-refusal is bypassed. So does a verifier that checks lookup positions against q rows as if the drafter had proposed them. (Treating
+The check has teeth: with agree > 0 the head decision depends on the drafter's own samples; the positions it takes
+through agreement hold the drafter's draw in either branch and must be checked against q
+(`hqlab.rules.fusion.drafter_drawn`). The same check fails when they are checked as point masses by their LOOKUP
+tag, and when a verifier checks lookup positions against q rows as if the drafter had proposed them. (Treating
 drafter positions as point masses is NOT a bug: point-mass verification is exact for any token chosen without the
 target's randomness, only less efficient.)
 """
@@ -18,10 +19,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-import pytest
 import torch
 
-from hqlab.config import ConfigError
 from hqlab.bench.lossless import chi_square_pvalue
 from hqlab.proposers.base import Proposal, Source
 from hqlab.proposers.fused import FusedConfig, FusedProposer
@@ -65,7 +64,8 @@ class MarkovDrafter:
         return out
 
 
-def first_three(verify, config: FusedConfig, samples: int, seed: int, *, lookup_as_drafter: bool = False):
+def first_three(verify, config: FusedConfig, samples: int, seed: int, *, lookup_as_drafter: bool = False,
+                by_source: bool = False):
     target, drafter_chain = chains(1)
     gen = torch.Generator().manual_seed(seed)
     proposer = FusedProposer(config, drafter=MarkovDrafter(drafter_chain, config.draft_block, gen))
@@ -78,6 +78,8 @@ def first_three(verify, config: FusedConfig, samples: int, seed: int, *, lookup_
         rows = torch.stack([target[t] for t in prev])
         # the broken variant verifies lookup positions with q rows (zero for the tail) like drafter positions
         point_mass = np.zeros(p.valid, bool) if lookup_as_drafter else p.point_mass()
+        if by_source:  # the broken reading: every LOOKUP-tagged position a point mass, whatever the rule read
+            point_mass = p.sources != Source.DRAFT
         emitted = list(verify(p.tokens, rows, gen, q=p.q, point_mass=point_mass).emitted)
         while len(emitted) < 3:
             emitted.append(int(torch.multinomial(target[emitted[-1]], 1, generator=gen)))
@@ -106,16 +108,19 @@ def test_fused_sampling_head_taken_is_exact():
     assert pval > 1e-3, pval
 
 
-def test_agreement_gated_head_is_refused_for_sampling_drafters():
-    with pytest.raises(ConfigError, match="agree"):
-        FusedProposer(FusedConfig(agree=1, temperature=1.0, model="markov"),
-                      drafter=type("D", (), {"config": FusedConfig(temperature=1.0).draft_config()})())
-
-
-def test_check_catches_agreement_gated_head():
-    """Bypassing the refusal (the drafter samples while the config says greedy): the output is biased."""
+def test_agreement_gated_head_is_exact():
+    """agree = 1 with a sampling drafter: the head is taken through agreement whenever the drafter's first token is
+    the lookup's (a match of 2 to 12, below nstrong; the next test shows those steps occur), and the output still
+    follows the target."""
     config = FusedConfig(**{**TAIL_BY_AGREEMENT, "nmin": 2, "agree": 1})
     pval, _ = first_three(sample_verify, config, samples=SAMPLES, seed=5)
+    assert pval > 1e-3, pval
+
+
+def test_check_catches_agreement_gated_head_checked_by_source():
+    """The same blocks with the agreed positions checked as point masses (their LOOKUP tag): the output is biased."""
+    config = FusedConfig(**{**TAIL_BY_AGREEMENT, "nmin": 2, "agree": 1})
+    pval, _ = first_three(sample_verify, config, samples=SAMPLES, seed=5, by_source=True)
     assert pval < 1e-6, pval
 
 

@@ -1,0 +1,85 @@
+"""What `gpu-fused`'s sampled drafts (`draft_sample=probabilistic`) are worth against its greedy drafts, measured with
+the real models on the CPU: per output position of the target's own sampled answers, the acceptance of the
+drafter's argmax as a point mass, p(argmax q), and of a draft drawn from the drafter, 1 - TV(p, q)
+(`hqlab.replay.sampled_drafts`).
+
+Target Qwen2.5-Coder-1.5B samples each answer at the temperature (transformers' `generate`, seeded, no top-k/top-p:
+the serving benchmark's sampling); one forward pass of each model over prompt + answer gives both distributions at
+every answer position. No timing: the numbers are probabilities, the same on any machine up to float rounding.
+Datasets: the serving benchmark's prose and chat sets, their first `--prompts` prompts, chat-templated as `vllm bench
+serve` sends them.
+
+Writes data/results/draft_sampling_cpu.parquet (one row per dataset, prompt, temperature and answer position); the
+figure comes from notebooks/serving.py.
+Usage: python benchmarks/draft_sampling_cpu.py [--prompts 8] [--new-tokens 128] [--temperature 0.7 --temperature 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import polars as pl
+import torch
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from hqlab import models  # noqa: E402
+from hqlab.io import write_atomic  # noqa: E402
+from hqlab.provenance import git_commit, machine_description  # noqa: E402
+from hqlab.replay.sampled_drafts import acceptance  # noqa: E402
+from hqlab.workloads import load_workload  # noqa: E402
+
+DATASETS = {"prose": str(ROOT / "data" / "workloads" / "prose.jsonl"), "chat": "chat"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--drafter", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, action="append", default=[])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=ROOT / "data" / "results" / "draft_sampling_cpu.parquet")
+    args = ap.parse_args()
+    temperatures = args.temperature or [0.7, 1.0]
+    if any(t <= 0 for t in temperatures):
+        ap.error("every --temperature must be > 0 (greedy drafts and sampled drafts differ only under sampling)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folders = {name: models.prepare(name) for name in (args.target, args.drafter)}
+    tokenizer = AutoTokenizer.from_pretrained(folders[args.target])
+    target = AutoModelForCausalLM.from_pretrained(folders[args.target], dtype=torch.float32).eval()
+    drafter = AutoModelForCausalLM.from_pretrained(folders[args.drafter], dtype=torch.float32).eval()
+    work = [(name, prompt) for name, source in DATASETS.items() for prompt in load_workload(source)[:args.prompts]]
+    frames = []
+    with torch.inference_mode():
+        for t in temperatures:
+            for name, prompt in tqdm(work, desc=f"T={t:g}"):
+                text = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=False)
+                ids = tokenizer(text, return_tensors="pt").input_ids
+                torch.manual_seed(args.seed)
+                out = target.generate(ids, max_new_tokens=args.new_tokens, do_sample=True, temperature=t, top_k=0,
+                                      top_p=1.0, pad_token_id=tokenizer.eos_token_id)
+                start = ids.shape[1]
+                cols = acceptance(target(out).logits[0, start - 1:-1], drafter(out).logits[0, start - 1:-1], t)
+                n = len(cols["greedy_draft"])
+                frames.append(pl.DataFrame({"dataset": [name] * n, "prompt": [prompt.id] * n,
+                                            "temperature": [t] * n, "position": list(range(n)),
+                                            **{k: v.tolist() for k, v in cols.items()}}))
+    rows = pl.concat(frames).with_columns(target=pl.lit(args.target), drafter=pl.lit(args.drafter),
+                                          machine=pl.lit(machine_description("cpu")), git_commit=pl.lit(git_commit()))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out, rows.write_parquet)
+    summary = rows.group_by("dataset", "temperature").agg(pl.col("greedy_draft", "sampled_draft").mean(),
+                                                         pl.len().alias("positions")).sort("dataset", "temperature")
+    print(summary)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

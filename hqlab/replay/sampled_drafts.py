@@ -1,0 +1,69 @@
+"""What a drafter's token is worth under sampling, from the target's and the drafter's logits at the same positions.
+
+At a position where the target samples from p = softmax(target / T):
+
+- a greedy draft (the drafter's argmax x*, verified as a point mass, what `gpu-fused` proposes by default) is
+  accepted with probability p(x*);
+- a sampled draft (x drawn from q = softmax(drafter / T), verified against q: `gpu-fused`'s
+  `draft_sample=probabilistic`) is accepted with probability sum_x min(p(x), q(x)) = 1 - TV(p, q)
+  (Leviathan et al., 2023);
+- under greedy decoding (T = 0) the draft is accepted iff argmax p = argmax q.
+
+Over the target's own sampled output (what a lossless engine emits), the mean of each is the acceptance of the
+drafter's first head token at a step, the whole of what a one-token head (`draft_block=1`) adds to a step where the
+lookup proposes nothing. `benchmarks/draft_sampling_cpu.py` measures it with the real models.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+COLUMNS = ("greedy_draft", "sampled_draft", "argmax_agree", "target_top")
+
+
+def acceptance(target_logits: torch.Tensor, draft_logits: torch.Tensor, temperature: float) -> dict[str, np.ndarray]:
+    """Per position (rows of [n, V] logits; the vocabularies are cut to the shorter one): the acceptance of a greedy
+    draft, of a sampled draft, whether the argmaxes agree, and the target's top probability, at `temperature` > 0."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (got {temperature}); at 0 only argmax_agree is defined")
+    if target_logits.shape[0] != draft_logits.shape[0]:
+        raise ValueError(f"target and draft logits need the same positions, got {target_logits.shape[0]} and "
+                         f"{draft_logits.shape[0]}")
+    v = min(target_logits.shape[-1], draft_logits.shape[-1])
+    t, d = target_logits[:, :v].double(), draft_logits[:, :v].double()
+    p, q = torch.softmax(t / temperature, -1), torch.softmax(d / temperature, -1)
+    top = q.argmax(-1)
+    return {"greedy_draft": p.gather(1, top[:, None])[:, 0].numpy(),
+            "sampled_draft": torch.minimum(p, q).sum(-1).numpy(),
+            "argmax_agree": (t.argmax(-1) == top).numpy(),
+            "target_top": p.max(-1).values.numpy()}
+
+
+def summary(rows: "pl.DataFrame") -> "pl.DataFrame":
+    """Rows of `benchmarks/draft_sampling_cpu.py` -> one row per (dataset, temperature, draft): the mean acceptance
+    over answer positions ("draft" is "greedy" or "sampled"), the lowest and highest prompt mean, and the prompts."""
+    import polars as pl
+
+    per_prompt = rows.group_by("dataset", "temperature", "prompt").agg(
+        greedy=pl.col("greedy_draft").mean(), sampled=pl.col("sampled_draft").mean(), positions=pl.len())
+    long = per_prompt.unpivot(["greedy", "sampled"], index=["dataset", "temperature", "prompt", "positions"],
+                              variable_name="draft", value_name="acceptance")
+    means = rows.unpivot(["greedy_draft", "sampled_draft"], index=["dataset", "temperature"],
+                         variable_name="draft", value_name="acceptance").with_columns(
+        pl.col("draft").str.replace("_draft", "")).group_by("dataset", "temperature", "draft").agg(
+        acceptance=pl.col("acceptance").mean())
+    spread = long.group_by("dataset", "temperature", "draft").agg(
+        lowest=pl.col("acceptance").min(), highest=pl.col("acceptance").max(), prompts=pl.len())
+    return means.join(spread, on=["dataset", "temperature", "draft"]).sort("dataset", "temperature", "draft")
+
+
+def projected_speedup(speedup: float, tokens_per_step: float, gain: float) -> float:
+    """A measured speedup ÷ `none` at `tokens_per_step`, with each step emitting `gain` more tokens at the same step
+    cost (a one-token head: the sampled draft's acceptance minus the greedy one's)."""
+    if tokens_per_step <= 0:
+        raise ValueError(f"tokens_per_step must be > 0 (got {tokens_per_step})")
+    return speedup * (tokens_per_step + gain) / tokens_per_step
+
+
+__all__ = ["COLUMNS", "acceptance", "summary", "projected_speedup"]

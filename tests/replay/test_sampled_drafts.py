@@ -1,0 +1,66 @@
+"""`hqlab.replay.sampled_drafts.acceptance`: the acceptance of greedy and sampled drafts under sampling, checked
+against the reference verifier (`hqlab.rules.verify.sample_verify`) run many times, and on the closed forms."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import binomtest
+
+from hqlab.replay.sampled_drafts import COLUMNS, acceptance
+from hqlab.rules.verify import sample_verify
+
+TRIALS = 20_000
+
+
+def test_closed_forms():
+    target = torch.tensor([[2.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    cols = acceptance(target, target.clone(), 0.7)
+    assert set(cols) == set(COLUMNS)
+    np.testing.assert_allclose(cols["sampled_draft"], [1.0, 1.0])  # q = p: every sampled draft is accepted
+    p = torch.softmax(target[0].double() / 0.7, -1)
+    np.testing.assert_allclose(cols["greedy_draft"][0], float(p[0]))  # the argmax's own probability
+    assert cols["argmax_agree"].tolist() == [True, True]
+    # a drafter sure of a token the target gives 0.1: greedy 0.1, sampled sum(min) = 0.1 too; a flat drafter more
+    cols = acceptance(torch.log(torch.tensor([[0.9, 0.1]])), torch.tensor([[-20.0, 20.0]]), 1.0)
+    np.testing.assert_allclose(cols["greedy_draft"], [0.1], atol=1e-9)
+    np.testing.assert_allclose(cols["sampled_draft"], [0.1], atol=1e-9)
+    cols = acceptance(torch.log(torch.tensor([[0.9, 0.1]])), torch.tensor([[0.0, 0.0]]), 1.0)
+    np.testing.assert_allclose(cols["sampled_draft"], [0.6], atol=1e-9)
+    with pytest.raises(ValueError, match="temperature"):
+        acceptance(target, target, 0.0)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_the_reference_verifier_accepts_as_often_as_computed(sampled):
+    """Draw the draft (the drafter's argmax, or a draw from q), verify it with sample_verify, count acceptances."""
+    g = torch.Generator().manual_seed(1)
+    target, draft = torch.randn(1, 12, generator=g) * 2, torch.randn(1, 12, generator=g) * 2
+    t = 0.7
+    expect = float(acceptance(target, draft, t)["sampled_draft" if sampled else "greedy_draft"][0])
+    p = torch.softmax(target.double() / t, -1).repeat(2, 1)
+    q = torch.softmax(draft.double() / t, -1)
+    accepted = 0
+    for _ in range(TRIALS):
+        x = int(torch.multinomial(q[0], 1, generator=g)) if sampled else int(q[0].argmax())
+        verdict = sample_verify(np.array([x]), p, g, q=q, point_mass=np.array([not sampled]))
+        accepted += verdict.accepted == 1
+    assert binomtest(accepted, TRIALS, expect).pvalue > 1e-4, (accepted / TRIALS, expect)
+
+
+def test_summary_and_projection():
+    import polars as pl
+
+    from hqlab.replay.sampled_drafts import projected_speedup, summary
+
+    rows = pl.DataFrame({"dataset": ["prose"] * 4, "temperature": [0.7] * 4, "prompt": ["a", "a", "b", "b"],
+                         "greedy_draft": [0.5, 0.7, 0.2, 0.2], "sampled_draft": [0.6, 0.8, 0.4, 0.4]})
+    table = summary(rows)
+    got = {d: r for d, r in zip(table["draft"], table.iter_rows(named=True))}
+    assert got["greedy"]["acceptance"] == pytest.approx(0.4) and got["sampled"]["acceptance"] == pytest.approx(0.55)
+    assert (got["greedy"]["lowest"], got["greedy"]["highest"], got["greedy"]["prompts"]) == (
+        pytest.approx(0.2), pytest.approx(0.6), 2)
+    assert projected_speedup(1.2, 2.0, 0.1) == pytest.approx(1.26)
+    with pytest.raises(ValueError):
+        projected_speedup(1.2, 0.0, 0.1)
