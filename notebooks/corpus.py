@@ -44,6 +44,8 @@ cost_model = "qwen2.5-0.5b"
 search_ms_per_1k = 0.001  # the corpus kernel's price per step per 1k live tokens (see docs/corpus.md)
 vllm_file = "data/results/vllm_corpus_h200.parquet"  # the corpus inside vLLM (benchmarks/vllm_corpus.py finish)
 vllm_run = "c1"
+sweep_file = "data/results/corpus_sweep_replay.parquet"  # GPU settings over c1's outputs (its benchmark)
+sweep_show = 8  # settings listed, best worst margin first
 figures_dir = "figures"
 results_dir = "data/results"
 
@@ -56,6 +58,7 @@ import polars as pl
 from hqlab import plots
 from hqlab.bench import corpus_report
 from hqlab.replay import corpus as rc
+from hqlab.replay import corpus_vllm as cv
 from hqlab.replay.traces import load_traces
 
 alt.renderers.enable("svg")
@@ -217,3 +220,73 @@ measured.drop("run", "config", "base_config")
 # %%
 corpus_report.greedy_differences(pl.read_parquet(Path(vllm_file).with_suffix(".requests.parquet"))
                                  .filter(pl.col("run") == vllm_run)).drop("run")
+
+# %% [markdown]
+# ## Which GPU setting would clear the bar? Replayed over run c1's own outputs
+#
+# Every setting the vLLM speculator accepts (nmin, nmax, k, ties, corpus size, `corpus_policy`, `corpus_prompts`),
+# replayed over the outputs c1 recorded (exact tokens per step for those outputs; 8 in flight as the benchmark's
+# closed loop) and priced with c1's own clocks (`hqlab.replay.corpus_vllm`: the lookup's ms per step and per
+# iteration, the corpus search's ms per 1,000 live tokens; other k scaled by the 1.5B's vLLM step-cost grid).
+# `benchmarks/corpus_sweep_replay.py` writes the grid; here it is read and ranked by each setting's worst margin
+# over the issue's bars. Projections, not measurements: the calibration rows put c1's own setting beside what c1
+# measured.
+
+# %%
+sweep = pl.read_parquet(sweep_file)
+calibration = sweep.filter(pl.col("kind") == "calibration")
+swept = sweep.filter(pl.col("kind") == "sweep")
+ranking = cv.meets(swept, corpus_report.BAR)
+print(f"{ranking.height} settings, {ranking['meets_all'].sum()} projected to clear every bar")
+calibration.select("workload", "load", "base_tokens_per_step", "tokens_per_step", "vs_no_corpus", "measured",
+                   "measured_lo", "measured_hi")
+
+# %%
+ranking.drop("setting", "points").head(sweep_show)
+
+# %% [markdown]
+# Per barred point: what c1 measured (dot: median of its repeats, bar: their range), the replay's projection of
+# c1's setting, of the setting with the best worst margin, and of the best setting for that point alone.
+
+# %%
+best = ranking["gpu_spec"][0]
+barred = swept.filter(pl.col("workload").is_in(list(corpus_report.BAR)))
+per_point = barred.sort("vs_no_corpus", descending=True).group_by("workload", "load", maintain_order=True).first()
+ratio = [pl.col("vs_no_corpus").alias(c) for c in ("x", "lo", "hi")]  # a projection: one value, no range
+barred_calibration = calibration.filter(pl.col("workload").is_in(list(corpus_report.BAR)))
+series = [barred_calibration.select("workload", "load", pl.lit(f"measured, run {vllm_run}").alias("source"),
+                                    pl.col("measured").alias("x"), pl.col("measured_lo").alias("lo"),
+                                    pl.col("measured_hi").alias("hi")),
+          barred_calibration.select("workload", "load", pl.lit(f"projected, run {vllm_run}'s setting").alias("source"),
+                                    *ratio),
+          barred.filter(pl.col("gpu_spec") == best).select(
+              "workload", "load", pl.lit("projected, best worst margin").alias("source"), *ratio),
+          per_point.select("workload", "load", pl.lit("projected, best for that point").alias("source"), *ratio)]
+chart_data = pl.concat(series).with_columns(pl.format("{} in flight", "load").alias("panel")).sort("panel")
+chart = plots.ranges(chart_data, "workload", "x", "lo", "hi", "source", facet="panel", rules=bars,
+                     y_title="× the same lookup without the corpus")
+plots.save(chart, figures / "corpus_sweep.svg")
+print("best worst margin:", best)
+per_point.select("workload", "load", "gpu_spec", "vs_no_corpus", "base_tokens_per_step", "tokens_per_step")
+
+# %% [markdown]
+# ## Why multi-turn gains little one request at a time
+#
+# At every output position of c1's one-at-a-time multi-turn point (8 first turns, then 2 second turns), what the
+# own-history match and the corpus match (every earlier request's prompt and output) would each have accepted at
+# k = 15. `best` is their maximum: walking it step by step bounds what any choice between the two sources can
+# reach at this k.
+
+# %%
+mt = pl.read_parquet(Path(vllm_file).with_suffix(".requests.parquet")).filter(pl.col("run") == vllm_run)
+mt_traces = cv.point_traces(mt, workload="multiturn", load=1)
+mt_turns = dict(mt.filter(pl.col("workload") == "multiturn").select("request", "turn").unique().iter_rows())
+positions = cv.reuse_by_position(mt_traces, turn_of=mt_turns)
+print({c: round(cv.oracle_tokens_per_step(positions, c), 3) for c in ("own_accepted", "corpus_accepted", "best")},
+      "tokens per step walking each source alone and their best")
+positions.group_by("turn").agg(
+    pl.col("request").n_unique().alias("requests"), pl.len().alias("positions"),
+    (pl.col("corpus_accepted") > pl.col("own_accepted")).mean().alias("corpus_better"),
+    pl.col("own_accepted").mean(), pl.col("corpus_accepted").mean(), pl.col("best").mean(),
+    (pl.col("corpus_len") == 0).mean().alias("no_corpus_match"),
+    pl.col("corpus_len").median().alias("corpus_match_len_median")).sort("turn")

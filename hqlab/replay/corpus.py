@@ -306,6 +306,14 @@ def replay_corpus(traces: Sequence[Trace], config: CorpusReplayConfig | ArcticCo
     return [r.records for r in _replay(traces, config, progress=progress)]
 
 
+def replay_requests(traces: Sequence[Trace], config: CorpusReplayConfig | ArcticConfig | str, *,
+                    progress: bool = False) -> list[_Request]:
+    """The replayed requests themselves, in the order given: per request `records` (its step records), `searched`
+    (live corpus tokens at each step) and, under `lockstep`, `admitted` (the iteration of its first step) and `left`
+    (the iteration of its last): what a pricing of whole iterations needs (`hqlab.replay.corpus_vllm`)."""
+    return _replay(traces, config, progress=progress)
+
+
 def _replay(traces: Sequence[Trace], config: CorpusReplayConfig | ArcticConfig | str, *,
             progress: bool = False) -> list[_Request]:
     config = parse(config) if isinstance(config, str) else config
@@ -434,4 +442,4 @@ def summarize(frame: pl.DataFrame, *, by: Sequence[str] = ("workload", "spec")) 
 
 
 __all__ = ["CorpusReplayConfig", "ArcticConfig", "CorpusView", "parse", "grid", "document",
-           "replay_corpus", "rows", "step_models", "summarize", "OWN", "CORPUS", "NONE"]
+           "replay_corpus", "replay_requests", "rows", "step_models", "summarize", "OWN", "CORPUS", "NONE"]
