@@ -500,6 +500,38 @@ def summary(points: Any) -> None:
         print(table)
 
 
+PLAN_KEYS = {"configs": "config", "workloads": "workload", "loads": "load", "requests": "requests",
+             "repeats": "repeats", "budget_s": "budget_s"}
+
+
+def apply_plan(args: argparse.Namespace) -> None:
+    """Fill the bench arguments the command line left unset from `--plan` (a JSON object: `configs` a list of
+    specs or {label: spec}, `workloads`, `loads`, `requests` as the flags take them, `repeats`, `budget_s`; other
+    keys, such as `why`, are notes), then the defaults (2 repeats, 330 s)."""
+    plan: dict[str, Any] = {}
+    if args.plan:
+        path = Path(args.plan) if Path(args.plan).is_absolute() else ROOT / args.plan
+        try:
+            plan = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"--plan {args.plan}: {e}") from None
+        if not isinstance(plan, dict):
+            raise SystemExit(f"--plan {args.plan}: expected a JSON object")
+    for key, dest in PLAN_KEYS.items():
+        if key not in plan or getattr(args, dest) is not None:
+            continue
+        value = plan[key]
+        if key == "configs" and isinstance(value, dict):
+            value = list(value.values())
+        if key in ("configs", "workloads", "loads", "requests") and not isinstance(value, list):
+            raise SystemExit(f"--plan {args.plan}: {key} must be a list")
+        setattr(args, dest, value)
+    if args.repeats is None:
+        args.repeats = 2
+    if args.budget_s is None:
+        args.budget_s = 330.0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -509,12 +541,16 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--config", action="append", default=None, help=f"a config (repeatable; default {CONFIGS})")
     b.add_argument("--workload", action="append", default=None, help=f"a JSONL workload (default {WORKLOADS})")
     b.add_argument("--load", action="append", type=int, default=None, help="requests in flight (default 1 and 8)")
-    b.add_argument("--repeats", type=int, default=2)
+    b.add_argument("--repeats", type=int, default=None, help="repeats of every point (default 2)")
     b.add_argument("--requests", action="append", default=None,
                    help=f"requests per point in file order, LOAD=N or WORKLOAD:LOAD=N (repeatable; defaults "
                         f"{REQUESTS})")
-    b.add_argument("--budget-s", type=float, default=330.0,
-                   help="the whole call's time, engine starts included: no point starts that would end past it")
+    b.add_argument("--budget-s", type=float, default=None,
+                   help="the whole call's time, engine starts included: no point starts that would end past it "
+                        "(default 330)")
+    b.add_argument("--plan", default=None,
+                   help="a JSON plan (benchmarks/plans/corpus_*.json): its configs, workloads, loads, requests, "
+                        "repeats and budget_s fill in what the command line leaves out")
     b.add_argument("--gpu-memory", type=float, default=0.85, help="GPU memory fraction shared by the engines")
     b.add_argument("--dry-run", action="store_true", help="print the plan, start no engine (CPU)")
     f = sub.add_parser("finish", help="CPU: raw rows -> results and per-request parquets, with the replay check")
@@ -525,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--commit", default=None, help="the commit whose code ran on the host (default: this checkout's)")
     args = ap.parse_args(argv)
     if args.cmd == "bench":
+        apply_plan(args)
         if args.repeats < 2 and not args.dry_run:
             log("note: fewer than 2 repeats")
         return bench(args)

@@ -1,0 +1,58 @@
+"""benchmarks/vllm_corpus.py --plan: a JSON plan fills in what the command line leaves out (CPU, --dry-run), and the
+committed plan for run c2 (benchmarks/plans/corpus_c2.json) pairs every corpus config with its lookup without the
+corpus, as the ratio the issue asks for needs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PLAN = ROOT / "benchmarks" / "plans" / "corpus_c2.json"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("vllm_corpus_plan_bench", ROOT / "benchmarks" / "vllm_corpus.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_c2_plan_runs_as_planned(bench, capsys):
+    plan = json.loads(PLAN.read_text())
+    assert bench.main(["bench", "--tag", "c2", "--plan", str(PLAN), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    configs = list(plan["configs"].values())
+    assert f"{len(configs)} engines" in out and f"{3 * 2 * 3 * len(configs)} points, repeats 3" in out
+    assert "corpus_multiturn.jsonl: 24 requests in the file; load 1 runs 24, load 8 runs 24" in out
+    assert "prose.jsonl: 32 requests in the file; load 1 runs 6, load 8 runs 16" in out
+    assert "(budget 480 s)" in out
+    labels = set(configs)
+    corpus = [c for c in configs if "corpus=" in c]
+    assert len(corpus) == 2 and all(bench.without_corpus(c, labels) in labels for c in corpus)
+    from hqlab.engines.vllm.gpu_lookup import lookup_config
+
+    for c in configs[1:]:
+        lookup_config(c)  # every config is one the speculator accepts
+
+
+def test_the_command_line_wins_over_the_plan(bench, tmp_path, capsys):
+    plan = tmp_path / "p.json"
+    plan.write_text(json.dumps({"configs": ["none", "gpu-lookup:k=7"], "repeats": 4, "budget_s": 99,
+                                "workloads": ["data/workloads/prose.jsonl"], "loads": [1], "why": "a note"}))
+    assert bench.main(["bench", "--tag", "t", "--plan", str(plan), "--repeats", "2", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "2 engines" in out and "4 points, repeats 2" in out and "(budget 99 s)" in out
+    assert bench.main(["bench", "--tag", "t", "--workload", "data/workloads/prose.jsonl", "--load", "1",
+                       "--dry-run"]) == 0  # no plan: the defaults (3 configs, 2 repeats, 330 s)
+    out = capsys.readouterr().out
+    assert "3 engines" in out and "6 points, repeats 2" in out and "(budget 330 s)" in out
+    plan.write_text(json.dumps({"loads": 8}))
+    with pytest.raises(SystemExit, match="loads must be a list"):
+        bench.main(["bench", "--tag", "t", "--plan", str(plan), "--dry-run"])
