@@ -42,6 +42,12 @@ results_dir = "data/results"  # where the gate's replay is written (gate_replay.
 gate_cost_ratios = [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6]  # speculative step ÷ plain step, the host's cost
 gate_cost_lengths = [0, 1, 2, 3]  # the gate lengths drawn against it
 gate_runs = ["s4", "s4b"]  # the serving runs of the gated lookup (gate=1, gate=2) beside the ungated one
+# drafts drawn from the drafter (`draft_sample=probabilistic`): the CPU measurement of what they are worth, and the
+# served run and config whose sampled-prose speedup at one request it projects from
+draft_sampling_file = "data/results/draft_sampling_cpu.parquet"
+projection_run = "s4"
+projection_config = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,"
+                     "compile_rule=true,device_skip=true,layers=triton,attention=triton,batch_k=1:15/4:7/0")
 gate_plot = ["prose 1.5B", "chat 1.5B", "prose 0.5B", "template 0.5B", "multiturn 0.5B", "agent 0.5B", "qa 1.5B",
              "copy 1.5B"]  # the workloads drawn (the table and the parquet have all)
 
@@ -53,6 +59,7 @@ import polars as pl
 
 from hqlab import plots
 from hqlab.bench import serve
+from hqlab.replay import sampled_drafts
 
 alt.renderers.enable("svg")
 pl.Config.set_tbl_width_chars(200)
@@ -225,3 +232,33 @@ for r, config, got in zip(gate_samples["run"], gate_samples["config"], gate_samp
                           "min p": min(x["p"] for x in per_position),
                           "same distribution": serve.same_distribution(per_position)})
 pl.DataFrame(gate_verdicts)
+
+# %% [markdown]
+# ## Drafts drawn from the drafter (`draft_sample=probabilistic`)
+#
+# Under sampling, the drafter's argmax verified as a point mass is accepted with p(argmax q); a draft drawn from the
+# drafter's q and verified against it with 1 - TV(p, q). Both measured with the real models on the CPU over the
+# target's own sampled answers (`benchmarks/draft_sampling_cpu.py`): the mean per answer position, with the lowest
+# and highest prompt mean. Then what the gain would make of `projection_config`'s measured speedup on sampled prose
+# at one request in run `projection_run`, at the same step cost (a one-token head: the gain is the whole change of
+# tokens a step where the lookup proposes nothing). A projection, not a measurement: plan s5 measures it.
+
+# %%
+drafts = sampled_drafts.summary(pl.read_parquet(draft_sampling_file)).with_columns(
+    pl.format("{} · T={}", pl.col("dataset"), pl.col("temperature")).alias("group"))
+chart = plots.grouped_bars(drafts, "group", "acceptance", "draft",
+                           y_title="acceptance of the drafter's token", width=360)
+plots.save(chart, Path(figures_dir) / "draft_sampling_acceptance.svg")
+chart
+
+# %%
+measured = serve.speedup_table(pl.read_parquet(results_file).filter(pl.col("run") == projection_run)).filter(
+    (pl.col("config") == projection_config) & (pl.col("dataset") == "prose") & (pl.col("temperature") == 0.7)
+    & (pl.col("max_concurrency") == 1))
+gains = drafts.filter((pl.col("dataset") == "prose") & (pl.col("temperature") == 0.7)).pivot(
+    "draft", index="group", values="acceptance")
+gain = float(gains["sampled"][0] - gains["greedy"][0])
+pl.DataFrame([{"run": projection_run, "measured ratio": r["ratio"], "repeats": r["repeats"],
+               "tokens a step": r["acceptance_length"], "gain a step": gain,
+               "projected ratio": sampled_drafts.projected_speedup(r["ratio"], r["acceptance_length"], gain)}
+              for r in measured.iter_rows(named=True)])
