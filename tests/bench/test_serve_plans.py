@@ -1,4 +1,4 @@
-"""Every committed serving plan (benchmarks/plans/*.json) is one the GPU host can run: each config is a valid spec,
+"""Every committed serving plan (benchmarks/plans/serve_*.json) is one the GPU host can run: each config is a valid spec,
 each point a valid load point, and the configs it samples or runs at one request only are among its configs. A
 plan that fails here would fail only after the GPU host's start-up and staging, the scarcest minutes."""
 
@@ -13,7 +13,8 @@ from benchmarks.vllm_serve import parse_point
 from hqlab.engines.vllm.gpu_fused import fused_config
 from hqlab.engines.vllm.gpu_lookup import lookup_config
 
-PLANS = sorted((Path(__file__).resolve().parents[2] / "benchmarks" / "plans").glob("*.json"))
+# the serving plans (the corpus benchmark's plans are tested by test_vllm_corpus_plan.py)
+PLANS = sorted((Path(__file__).resolve().parents[2] / "benchmarks" / "plans").glob("serve_*.json"))
 
 
 @pytest.mark.parametrize("path", PLANS, ids=[p.stem for p in PLANS])
