@@ -378,11 +378,11 @@ def short_config(config: str) -> str:
         return "none"
     name, values = parse_spec(config.split(" [")[0])
     block = f" block={values['draft_block']}" if values.get("draft_block", "1") != "1" else ""
-    gate = f" gate={values['gate']}" if values.get("gate", "0") != "0" else ""
-    gate += " sampled drafts" if values.get("draft_sample", "greedy") != "greedy" else ""
-    gate += " corpus" if values.get("corpus", "0") != "0" else ""
-    return (f"{name}{block} {values['batch_k']}{gate}" if "batch_k" in values
-            else f"{name}{block} k={values.get('k', '?')}{gate}")
+    suffix = f" gate={values['gate']}" if values.get("gate", "0") != "0" else ""
+    suffix += " sampled drafts" if values.get("draft_sample", "greedy") != "greedy" else ""
+    suffix += " corpus" if values.get("corpus", "0") != "0" else ""
+    return (f"{name}{block} {values['batch_k']}{suffix}" if "batch_k" in values
+            else f"{name}{block} k={values.get('k', '?')}{suffix}")
 
 
 def step_costs(rows: Any, config: str, *, reference: str = "none") -> tuple[float, float]:

@@ -282,4 +282,5 @@ def fuse_batch(
     ]
 
 
-__all__ = ["FusionConfig", "Fused", "fuse", "fuse_batch", "agree_count", "drafter_drawn", "SOURCE_LOOKUP", "SOURCE_DRAFT", "RULES"]
+__all__ = ["FusionConfig", "Fused", "fuse", "fuse_batch", "agree_count", "drafter_drawn", "SOURCE_LOOKUP",
+           "SOURCE_DRAFT", "RULES"]

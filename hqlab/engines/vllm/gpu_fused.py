@@ -441,7 +441,7 @@ class GpuFusedSpeculator(V2Speculator):
         # draft_sample=probabilistic: the seeds and the step counter of the draft's own noise, and vLLM's per-slot
         # temperatures (`bind_sampling`); the draft logits are allocated with the drafter (`load_drafter`: its
         # vocabulary)
-        self.sampled = c.draft_sample == "probabilistic"
+        self.draws = c.draft_sample == "probabilistic"  # head tokens drawn from the drafter (not `sampled` rows)
         self.temperature: torch.Tensor | None = None
         seeds = np.random.default_rng().integers(0, 2 ** 62, size=max_num_reqs + 1, dtype=np.int64)
         self._seeds = torch.from_numpy(seeds).to(dev)
@@ -474,7 +474,7 @@ class GpuFusedSpeculator(V2Speculator):
             raise ConfigError(f"{NAME}: the drafter {self.config.model!r} has a vocabulary of {drafter.vocab} rows and "
                               f"the target {self.vocab}; the drafter must share the target's tokenizer")
         self.drafter = drafter
-        if self.sampled:
+        if self.draws:
             self._allocate_draft_logits(drafter.vocab)
         # FlashAttention reads each row only up to its own length, whatever the bound: one graph per batch size.
         # The masked path attends over the whole bound, so it keeps a ladder of lengths.
@@ -560,7 +560,7 @@ class GpuFusedSpeculator(V2Speculator):
 
     @property
     def ready(self) -> bool:
-        return self.state is not None and self.drafter is not None and (not self.sampled or
+        return self.state is not None and self.drafter is not None and (not self.draws or
                                                                          self.temperature is not None)
 
     def draft(self, input_batch: Any, num_sampled: Any, dummy_run: bool) -> torch.Tensor:
@@ -747,15 +747,11 @@ class GpuFusedSpeculator(V2Speculator):
         elif kind != "lookup":
             cur = self._catch_up(m, attn_len, width or self.q)
             for j in range(1, self.block if kind == "full" else 1):  # the head: one token per pass
-                if self.sampled:
-                    logits = self.drafter.logits(slots, cur[:, None], total + (j - 1), self.zeros[:m], attn_len)
-                    cur = self._draw(slots, sampled, logits, j)
-                else:
-                    cur = self.drafter.extend(slots, cur[:, None], total + (j - 1), self.zeros[:m], attn_len)
+                cur = self._head_token(slots, sampled, cur[:, None], total + (j - 1), self.zeros[:m], attn_len, j)
                 self.drafts[:m, j] = cur
         lookup = proposals.masked_fill(proposals < 0, self.pad)
         self.out[:m] = self.step_rule(slots, ns, self.fresh[:m], lookup, valid, match_len, self.drafts[:m])
-        if self.sampled:
+        if self.draws:
             self._point_masses(m, self.step_rule.sources[:m], self.out[:m])
         if self.config.skip:  # the skip marks for the host's copy (`_after_step`), in one buffer
             marks, marked = self._marks_now
@@ -790,20 +786,22 @@ class GpuFusedSpeculator(V2Speculator):
             first = self.drafter.extend(slots, tokens, dlen, last, attn_len)
             self.dlen[slots] = dlen + count
             return first
-        if self.sampled:
-            first = self._draw(slots, sampled, self.drafter.logits(slots, tokens, dlen, last, attn_len))
-        else:
-            first = self.drafter.extend(slots, tokens, dlen, last, attn_len)
+        first = self._head_token(slots, sampled, tokens, dlen, last, attn_len, 0)
         self.dlen[slots] = torch.where(sampled, total, dlen)
         self.drafts[:m, 0] = first
         return first
 
-    def _draw(self, slots: torch.Tensor, sampled: torch.Tensor, logits: torch.Tensor, position: int = 0) -> torch.Tensor:
-        """draft_sample=probabilistic: each row's head token at `position` drawn from the drafter's `logits` at its
-        request's temperature (`draft_sampling.sample`, fresh noise at every call); the distribution goes to that
-        position of the row's draft logits (rows that do not sample write the scratch row). A head position whose
-        token is not the drafter's is made a point mass again after the fusion rule (`_point_masses`)."""
+    def _head_token(self, slots: torch.Tensor, sampled: torch.Tensor, tokens: torch.Tensor, start: torch.Tensor,
+                    last: torch.Tensor, attn_len: int, position: int) -> torch.Tensor:
+        """A drafter pass (`StaticQwen2.extend`'s arguments) giving each row's head token at `position`: the argmax,
+        or with draft_sample=probabilistic a draw from the drafter's distribution at the request's temperature
+        (`draft_sampling.sample`, fresh noise at every call), that distribution going to the position's row of the
+        draft logits (rows that do not sample, `sampled` False, write the scratch row). A head position whose token
+        is not the drafter's is made a point mass again after the fusion rule (`_point_masses`)."""
+        if not self.draws:
+            return self.drafter.extend(slots, tokens, start, last, attn_len)
         assert self.temperature is not None and self._draft_logits is not None
+        logits = self.drafter.logits(slots, tokens, start, last, attn_len)
         self._draw_step.add_(1)
         token, processed = self._sample(logits, self.temperature[slots], self._seeds[slots], self._draw_step,
                                         self._vocab_index)
@@ -815,7 +813,9 @@ class GpuFusedSpeculator(V2Speculator):
         """draft_sample=probabilistic, after the fusion rule: every position of rows [0, m) whose token is not the
         drafter's (the lookup's, or the pad after the block) becomes a point mass at its token. A head position
         (< draft_block) keeps the drafter's distribution where its source is DRAFT, else is rewritten whole; a tail
-        position is never the drafter's: its old point mass moves (two scattered writes a row)."""
+        position is never the drafter's: its old point mass moves (two scattered writes a row). Under the settings
+        this mode accepts (agree=0, rule=threshold) "source DRAFT" is the reference's `fusion.drafter_drawn`
+        (tests/rules/test_fusion_sampling.py); the sources come from `fused_rules`, tested against the reference."""
         from hqlab.rules.fusion import SOURCE_DRAFT
 
         assert self._draft_logits is not None and self._point_tokens is not None

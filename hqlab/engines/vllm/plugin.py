@@ -168,7 +168,7 @@ def _patch_runner_binding() -> None:
             result = original(self, *args, **kwargs)
             if isinstance(speculator, GpuFusedSpeculator):
                 speculator.load_drafter()  # after the target, before vLLM profiles memory and sizes its KV cache
-                if speculator.sampled:  # draft_sample=probabilistic draws at each request's temperature
+                if speculator.draws:  # draft_sample=probabilistic draws at each request's temperature
                     speculator.bind_sampling(self.sampler.sampling_states.temperature.gpu)
             return result
         return load_model

@@ -102,7 +102,7 @@ def run(spec_text: str, temperature: float | None, device: str = "cpu",
     total = torch.zeros(2, dtype=torch.int32, device=device)
     spec.bind(ids, total)
     spec.drafter = tiny_qwen2(2, spec.cache_len, device=device)
-    if spec.sampled:
+    if spec.draws:
         spec._allocate_draft_logits(spec.drafter.vocab)
         spec.bind_sampling(torch.full((2,), float(temperature), device=device))
     if graphs:
@@ -115,7 +115,7 @@ def run(spec_text: str, temperature: float | None, device: str = "cpu",
     def watched(req_ids, *args):
         out = original(req_ids, *args)
         m = len(req_ids)
-        if spec.sampled:
+        if spec.draws:
             seen.append(tuple(x.to("cpu", copy=True) for x in (spec.slots[:m], out[:m], spec.step_rule.sources[:m],
                                                                 spec.draft_logits[spec.slots[:m]],
                                                                 spec.num_sampled[:m])))
