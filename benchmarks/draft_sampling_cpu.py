@@ -9,9 +9,15 @@ every answer position. No timing: the numbers are probabilities, the same on any
 Datasets: the serving benchmark's prose and chat sets, their first `--prompts` prompts, chat-templated as `vllm bench
 serve` sends them.
 
-Writes data/results/draft_sampling_cpu.parquet (one row per dataset, prompt, temperature and answer position); the
-figure comes from notebooks/serving.py.
-Usage: python benchmarks/draft_sampling_cpu.py [--prompts 6] [--new-tokens 96] [--temperature 0.7 ...]   (~15 min on 2 cores)
+With `--draft-scales`, also the acceptance of a draft drawn at temperature x scale (a tempered drafter, verified
+against its own tempered distribution) at the same positions: does drawing the drafter hotter or colder than the
+request bring it closer to the target?
+
+Writes data/results/draft_sampling_cpu.parquet (one row per dataset, prompt, temperature and answer position) and,
+with --draft-scales, data/results/draft_temperature_cpu.parquet (the same, per scale); the figures come from
+notebooks/serving.py.
+Usage: python benchmarks/draft_sampling_cpu.py [--prompts 6] [--new-tokens 96] [--temperature 0.7 ...]
+           [--draft-scales 0.6,0.8,0.9,1,1.1,1.25]   (~15 min on 2 cores)
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from hqlab import models  # noqa: E402
 from hqlab.io import write_atomic  # noqa: E402
 from hqlab.provenance import git_commit, machine_description  # noqa: E402
-from hqlab.replay.sampled_drafts import acceptance  # noqa: E402
+from hqlab.replay.sampled_drafts import acceptance, draft_temperature_summary  # noqa: E402
 from hqlab.workloads import load_workload  # noqa: E402
 
 DATASETS = {"prose": str(ROOT / "data" / "workloads" / "prose.jsonl"), "chat": "chat"}
@@ -44,8 +50,18 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--temperature", type=float, action="append", default=[])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--draft-scales", default="", help="comma-separated multipliers of the temperature to draw the "
+                    "drafter at (1 is added: the others are compared with it)")
     ap.add_argument("--out", type=Path, default=ROOT / "data" / "results" / "draft_sampling_cpu.parquet")
+    ap.add_argument("--scales-out", type=Path, default=ROOT / "data" / "results" / "draft_temperature_cpu.parquet")
     args = ap.parse_args()
+    try:
+        scales = sorted({1.0, *(float(x) for x in args.draft_scales.split(",") if x.strip())}) \
+            if args.draft_scales else []
+    except ValueError:
+        ap.error(f"--draft-scales must be comma-separated numbers, got {args.draft_scales!r}")
+    if any(x <= 0 for x in scales):
+        ap.error(f"every --draft-scales value must be > 0, got {args.draft_scales!r}")
     temperatures = args.temperature or [0.7]
     if any(t <= 0 for t in temperatures):
         ap.error("every --temperature must be > 0 (greedy drafts and sampled drafts differ only under sampling)")
@@ -56,7 +72,7 @@ def main() -> None:
     target = AutoModelForCausalLM.from_pretrained(folders[args.target], dtype=torch.float32).eval()
     drafter = AutoModelForCausalLM.from_pretrained(folders[args.drafter], dtype=torch.float32).eval()
     work = [(name, prompt) for name, source in DATASETS.items() for prompt in load_workload(source)[:args.prompts]]
-    frames = []
+    frames, scale_frames = [], []
     with torch.inference_mode():
         for t in temperatures:
             for name, prompt in tqdm(work, desc=f"T={t:g}"):
@@ -66,15 +82,27 @@ def main() -> None:
                 out = target.generate(ids, max_new_tokens=args.new_tokens, do_sample=True, temperature=t, top_k=0,
                                       top_p=1.0, pad_token_id=tokenizer.eos_token_id)
                 start = ids.shape[1]
-                cols = acceptance(target(out).logits[0, start - 1:-1], drafter(out).logits[0, start - 1:-1], t)
+                target_logits, draft_logits = target(out).logits[0, start - 1:-1], drafter(out).logits[0, start - 1:-1]
+                cols = acceptance(target_logits, draft_logits, t)
                 n = len(cols["greedy_draft"])
+                for x in scales:
+                    drawn = acceptance(target_logits, draft_logits, t, draft_temperature=t * x)["sampled_draft"]
+                    scale_frames.append(pl.DataFrame({"dataset": [name] * n, "prompt": [prompt.id] * n,
+                                                      "temperature": [t] * n, "draft_scale": [x] * n,
+                                                      "position": list(range(n)), "sampled_draft": drawn.tolist()}))
                 frames.append(pl.DataFrame({"dataset": [name] * n, "prompt": [prompt.id] * n,
                                             "temperature": [t] * n, "position": list(range(n)),
                                             **{k: v.tolist() for k, v in cols.items()}}))
-    rows = pl.concat(frames).with_columns(target=pl.lit(args.target), drafter=pl.lit(args.drafter),
-                                          machine=pl.lit(machine_description("cpu")), git_commit=pl.lit(git_commit()))
+    provenance = dict(target=pl.lit(args.target), drafter=pl.lit(args.drafter),
+                      machine=pl.lit(machine_description("cpu")), git_commit=pl.lit(git_commit()))
+    rows = pl.concat(frames).with_columns(**provenance)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, rows.write_parquet)
+    if scale_frames:
+        by_scale = pl.concat(scale_frames).with_columns(**provenance)
+        write_atomic(args.scales_out, by_scale.write_parquet)
+        print(draft_temperature_summary(by_scale))
+        print(f"wrote {args.scales_out}")
     summary = rows.group_by("dataset", "temperature").agg(pl.col("greedy_draft", "sampled_draft").mean(),
                                                          pl.len().alias("positions")).sort("dataset", "temperature")
     print(summary)

@@ -9,6 +9,10 @@ At a position where the target samples from p = softmax(target / T):
   (Leviathan et al., 2023);
 - under greedy decoding (T = 0) the draft is accepted iff argmax p = argmax q.
 
+A drafter drawn at another temperature than the request's (q' = softmax(drafter / T'), verified against q') is
+accepted with 1 - TV(p, q'): `draft_temperature` measures whether tempering the drafter brings it closer to the
+target (on the 1.5B/0.5B pair it does not, by more than a few thousandths: docs/serving.md).
+
 Over the target's own sampled output (what a lossless engine emits), the mean of each is the acceptance of the
 drafter's first head token at a step, the whole of what a one-token head (`draft_block=1`) adds to a step where the
 lookup proposes nothing. `benchmarks/draft_sampling_cpu.py` measures it with the real models.
@@ -22,22 +26,41 @@ import torch
 COLUMNS = ("greedy_draft", "sampled_draft", "argmax_agree", "target_top")
 
 
-def acceptance(target_logits: torch.Tensor, draft_logits: torch.Tensor, temperature: float) -> dict[str, np.ndarray]:
+def acceptance(target_logits: torch.Tensor, draft_logits: torch.Tensor, temperature: float,
+               draft_temperature: float | None = None) -> dict[str, np.ndarray]:
     """Per position (rows of [n, V] logits; the vocabularies are cut to the shorter one): the acceptance of a greedy
-    draft, of a sampled draft, whether the argmaxes agree, and the target's top probability, at `temperature` > 0."""
+    draft, of a sampled draft, whether the argmaxes agree, and the target's top probability, at `temperature` > 0.
+    The sampled draft is drawn at `draft_temperature` (default: `temperature`, what `gpu-fused` does)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (got {temperature}); at 0 only argmax_agree is defined")
+    draft_temperature = temperature if draft_temperature is None else draft_temperature
+    if draft_temperature <= 0:
+        raise ValueError(f"draft_temperature must be > 0 (got {draft_temperature}): a drafter at 0 is the greedy draft")
     if target_logits.shape[0] != draft_logits.shape[0]:
         raise ValueError(f"target and draft logits need the same positions, got {target_logits.shape[0]} and "
                          f"{draft_logits.shape[0]}")
     v = min(target_logits.shape[-1], draft_logits.shape[-1])
     t, d = target_logits[:, :v].double(), draft_logits[:, :v].double()
-    p, q = torch.softmax(t / temperature, -1), torch.softmax(d / temperature, -1)
-    top = q.argmax(-1)
+    p, q = torch.softmax(t / temperature, -1), torch.softmax(d / draft_temperature, -1)
+    top = d.argmax(-1)
     return {"greedy_draft": p.gather(1, top[:, None])[:, 0].numpy(),
             "sampled_draft": torch.minimum(p, q).sum(-1).numpy(),
             "argmax_agree": (t.argmax(-1) == top).numpy(),
             "target_top": p.max(-1).values.numpy()}
+
+
+def draft_temperature_summary(rows: "pl.DataFrame") -> "pl.DataFrame":
+    """Rows of the benchmark's `--draft-scales` file -> one row per (dataset, temperature, draft_scale): the mean
+    acceptance of a draft drawn at temperature x draft_scale, and its gain over draft_scale 1 (the default)."""
+    import polars as pl
+
+    if not (rows["draft_scale"] == 1.0).any():
+        raise ValueError("the rows need draft_scale 1.0 (the default the others are compared with)")
+    means = rows.group_by("dataset", "temperature", "draft_scale").agg(acceptance=pl.col("sampled_draft").mean(),
+                                                                       positions=pl.len())
+    base = means.filter(pl.col("draft_scale") == 1.0).select("dataset", "temperature", base=pl.col("acceptance"))
+    return means.join(base, on=["dataset", "temperature"]).with_columns(
+        gain=pl.col("acceptance") - pl.col("base")).drop("base").sort("dataset", "temperature", "draft_scale")
 
 
 def summary(rows: "pl.DataFrame") -> "pl.DataFrame":
@@ -66,4 +89,4 @@ def projected_speedup(speedup: float, tokens_per_step: float, gain: float) -> fl
     return speedup * (tokens_per_step + gain) / tokens_per_step
 
 
-__all__ = ["COLUMNS", "acceptance", "summary", "projected_speedup"]
+__all__ = ["COLUMNS", "acceptance", "draft_temperature_summary", "summary", "projected_speedup"]

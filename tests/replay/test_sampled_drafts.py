@@ -64,3 +64,38 @@ def test_summary_and_projection():
     assert projected_speedup(1.2, 2.0, 0.1) == pytest.approx(1.26)
     with pytest.raises(ValueError):
         projected_speedup(1.2, 0.0, 0.1)
+
+
+def test_a_tempered_drafter_is_accepted_against_its_own_distribution():
+    """A drafter whose logits are the target's times c, drawn at T x c, has the target's distribution exactly (always
+    accepted); drawn at T it has not; the default is the request's T."""
+    g = torch.Generator().manual_seed(3)
+    target = torch.randn(5, 40, generator=g) * 3
+    draft = target * 0.5  # a flatter copy: at T x 0.5 it is p exactly
+    t = 0.7
+    np.testing.assert_allclose(acceptance(target, draft, t, draft_temperature=t * 0.5)["sampled_draft"], 1.0,
+                               atol=1e-12)
+    at_t = acceptance(target, draft, t)["sampled_draft"]
+    assert (at_t < 0.999).all()
+    np.testing.assert_array_equal(acceptance(target, draft, t, draft_temperature=t)["sampled_draft"], at_t)
+    # the greedy draft and the agreement do not depend on the drafter's temperature
+    for col in ("greedy_draft", "argmax_agree", "target_top"):
+        np.testing.assert_array_equal(acceptance(target, draft, t, draft_temperature=2.0)[col],
+                                      acceptance(target, draft, t)[col])
+    with pytest.raises(ValueError, match="draft_temperature"):
+        acceptance(target, draft, t, draft_temperature=0.0)
+
+
+def test_draft_temperature_summary():
+    import polars as pl
+
+    from hqlab.replay.sampled_drafts import draft_temperature_summary
+
+    rows = pl.DataFrame({"dataset": ["prose"] * 4, "temperature": [0.7] * 4, "draft_scale": [1.0, 1.0, 0.8, 0.8],
+                         "sampled_draft": [0.6, 0.8, 0.75, 0.75]})
+    table = draft_temperature_summary(rows)
+    assert table["draft_scale"].to_list() == [0.8, 1.0]
+    np.testing.assert_allclose(table["acceptance"].to_list(), [0.75, 0.7])
+    np.testing.assert_allclose(table["gain"].to_list(), [0.05, 0.0], atol=1e-12)
+    with pytest.raises(ValueError, match="draft_scale 1.0"):
+        draft_temperature_summary(rows.filter(pl.col("draft_scale") != 1.0))
