@@ -45,6 +45,7 @@ gate_runs = ["s4", "s4b"]  # the serving runs of the gated lookup (gate=1, gate=
 # drafts drawn from the drafter (`draft_sample=probabilistic`): the CPU measurement of what they are worth, and the
 # served run and config whose sampled-prose speedup at one request it projects from
 draft_sampling_file = "data/results/draft_sampling_cpu.parquet"
+draft_temperature_file = "data/results/draft_temperature_cpu.parquet"  # the drafter drawn hotter or colder
 projection_run = "s4"
 projection_config = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,"
                      "compile_rule=true,device_skip=true,layers=triton,attention=triton,batch_k=1:15/4:7/0")
@@ -249,6 +250,18 @@ drafts = sampled_drafts.summary(pl.read_parquet(draft_sampling_file)).with_colum
 chart = plots.grouped_bars(drafts, "group", "acceptance", "draft",
                            y_title="acceptance of the drafter's token", width=360)
 plots.save(chart, Path(figures_dir) / "draft_sampling_acceptance.svg")
+chart
+
+# %% [markdown]
+# Would drawing the drafter at another temperature than the request's bring q closer to p? The same positions, the
+# drafter drawn at T x scale and verified against that distribution (`--draft-scales`).
+
+# %%
+tempered = sampled_drafts.draft_temperature_summary(pl.read_parquet(draft_temperature_file)).with_columns(
+    pl.format("{} · T={}", pl.col("dataset"), pl.col("temperature")).alias("group"))
+chart = plots.lines(tempered, "draft_scale", "acceptance", "group", x_title="drafter's temperature ÷ the request's",
+                    y_title="acceptance of a drawn draft, 1 − TV(p, q)")
+plots.save(chart, Path(figures_dir) / "draft_temperature_acceptance.svg")
 chart
 
 # %%
