@@ -63,6 +63,55 @@ def draft_temperature_summary(rows: "pl.DataFrame") -> "pl.DataFrame":
         gain=pl.col("acceptance") - pl.col("base")).drop("base").sort("dataset", "temperature", "draft_scale")
 
 
+def head_summary(rows: "pl.DataFrame", *, resamples: int = 2000, seed: int = 0) -> "pl.DataFrame":
+    """Rows of `benchmarks/drawn_heads_cpu.py` (one per config, prompt and verify step; `head`, `draft` greedy or
+    drawn, `prompt`, `accepted`) -> one row per head: tokens a step (accepted + 1, over all steps) of the greedy and
+    the drawn drafts, their ratio, and its 95 % range by resampling prompts (both drafts' steps of a drawn prompt
+    together: they decoded the same prompts)."""
+    import polars as pl
+
+    missing = {"head", "draft", "prompt", "accepted"} - set(rows.columns)
+    if missing:
+        raise ValueError(f"rows lack the columns {sorted(missing)} (benchmarks/drawn_heads_cpu.py writes them)")
+    per = rows.group_by("head", "draft", "prompt").agg(tokens=(pl.col("accepted") + 1).sum(), steps=pl.len())
+    rng = np.random.default_rng(seed)
+    out = []
+    for head in sorted(per["head"].unique().to_list()):
+        sums = {}
+        for draft in ("greedy", "drawn"):
+            d = per.filter((pl.col("head") == head) & (pl.col("draft") == draft))
+            sums[draft] = dict(zip(d["prompt"].to_list(), zip(d["tokens"].to_list(), d["steps"].to_list())))
+        prompts = sorted(set(sums["greedy"]) & set(sums["drawn"]))
+        if not prompts:
+            raise ValueError(f"head {head}: no prompt decoded with both greedy and drawn drafts")
+        arr = {k: np.array([sums[k][p] for p in prompts], dtype=float) for k in sums}  # [prompts, (tokens, steps)]
+
+        def tps(a: np.ndarray, idx: np.ndarray | slice) -> np.ndarray:
+            return a[idx, 0].sum(-1) / a[idx, 1].sum(-1)
+
+        idx = rng.integers(0, len(prompts), size=(resamples, len(prompts)))
+        ratios = tps(arr["drawn"], idx) / tps(arr["greedy"], idx)
+        greedy, drawn = float(tps(arr["greedy"], slice(None))), float(tps(arr["drawn"], slice(None)))
+        out.append({"head": head, "greedy": greedy, "drawn": drawn, "ratio": drawn / greedy,
+                    "ratio_lo": float(np.percentile(ratios, 2.5)), "ratio_hi": float(np.percentile(ratios, 97.5)),
+                    "prompts": len(prompts)})
+    return pl.DataFrame(out)
+
+
+def project_heads(heads: "pl.DataFrame", b1_speedup: float, head_speed: dict[int, float]) -> "pl.DataFrame":
+    """`head_summary` rows -> the drawn heads' projected speedup over `none`: a measured greedy one-token head's
+    speedup, times what a greedy head of that length ran against the one-token head (`head_speed`, measured on the
+    GPU; 1 for head 1), times the drawn/greedy tokens-a-step ratio (the same step, more tokens). Columns projected,
+    projected_lo, projected_hi."""
+    import polars as pl
+
+    if missing := sorted(set(heads["head"].to_list()) - set(head_speed)):
+        raise ValueError(f"no measured speed for heads {missing} (head_speed has {sorted(head_speed)})")
+    scale = pl.col("head").replace_strict(head_speed, return_dtype=pl.Float64) * b1_speedup
+    return heads.with_columns(projected=scale * pl.col("ratio"), projected_lo=scale * pl.col("ratio_lo"),
+                              projected_hi=scale * pl.col("ratio_hi"))
+
+
 def summary(rows: "pl.DataFrame") -> "pl.DataFrame":
     """Rows of `benchmarks/draft_sampling_cpu.py` -> one row per (dataset, temperature, draft): the mean acceptance
     over answer positions ("draft" is "greedy" or "sampled"), the lowest and highest prompt mean, and the prompts."""
@@ -89,4 +138,5 @@ def projected_speedup(speedup: float, tokens_per_step: float, gain: float) -> fl
     return speedup * (tokens_per_step + gain) / tokens_per_step
 
 
-__all__ = ["COLUMNS", "acceptance", "draft_temperature_summary", "summary", "projected_speedup"]
+__all__ = ["COLUMNS", "acceptance", "draft_temperature_summary", "head_summary", "project_heads", "summary",
+           "projected_speedup"]

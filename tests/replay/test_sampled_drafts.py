@@ -99,3 +99,27 @@ def test_draft_temperature_summary():
     np.testing.assert_allclose(table["gain"].to_list(), [0.05, 0.0], atol=1e-12)
     with pytest.raises(ValueError, match="draft_scale 1.0"):
         draft_temperature_summary(rows.filter(pl.col("draft_scale") != 1.0))
+
+
+def test_head_summary_and_projection():
+    import polars as pl
+
+    from hqlab.replay.sampled_drafts import head_summary, project_heads
+
+    # head 1: greedy emits 1, 2 (a), 1, 1 (b) -> 5/4; drawn 2, 2 (a), 2, 1 (b) -> 7/4; ratio 1.4
+    rows = pl.DataFrame({"head": [1] * 8, "draft": ["greedy"] * 4 + ["drawn"] * 4,
+                         "prompt": ["a", "a", "b", "b"] * 2, "accepted": [0, 1, 0, 0, 1, 1, 1, 0]})
+    table = head_summary(rows, resamples=500)
+    r = table.row(0, named=True)
+    assert (r["greedy"], r["drawn"], r["prompts"]) == (pytest.approx(1.25), pytest.approx(1.75), 2)
+    assert r["ratio"] == pytest.approx(1.4)
+    # resampling prompts: a alone gives 2 / 1.5 = 4/3, b alone 1.5 / 1 = 1.5; the range lies between
+    assert 4 / 3 - 1e-9 <= r["ratio_lo"] <= r["ratio"] <= r["ratio_hi"] <= 1.5 + 1e-9
+    proj = project_heads(table, 1.2, {1: 1.0})
+    assert proj["projected"][0] == pytest.approx(1.2 * 1.4)
+    with pytest.raises(ValueError, match="heads \\[1\\]"):
+        project_heads(table, 1.2, {2: 1.01})
+    with pytest.raises(ValueError, match="both greedy and drawn"):
+        head_summary(rows.filter(pl.col("draft") == "greedy"))
+    with pytest.raises(ValueError, match="columns"):
+        head_summary(rows.drop("prompt"))
