@@ -46,6 +46,8 @@ gate_runs = ["s4", "s4b"]  # the serving runs of the gated lookup (gate=1, gate=
 # served run and config whose sampled-prose speedup at one request it projects from
 draft_sampling_file = "data/results/draft_sampling_cpu.parquet"
 draft_temperature_file = "data/results/draft_temperature_cpu.parquet"  # the drafter drawn hotter or colder
+drawn_heads_file = "data/results/drawn_heads_cpu.parquet"  # whole steps: greedy against drawn heads of 1-3 tokens
+head_speed_run = "s3"  # the serving run that measured greedy heads of 1-3 tokens against each other
 projection_run = "s4"
 projection_config = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,"
                      "compile_rule=true,device_skip=true,layers=triton,attention=triton,batch_k=1:15/4:7/0")
@@ -275,3 +277,24 @@ pl.DataFrame([{"run": projection_run, "measured ratio": r["ratio"], "repeats": r
                "tokens a step": r["acceptance_length"], "gain a step": gain,
                "projected ratio": sampled_drafts.projected_speedup(r["ratio"], r["acceptance_length"], gain)}
               for r in measured.iter_rows(named=True)])
+
+# %% [markdown]
+# Whole steps: the lab's `fused` proposer with plan s5's settings decoding prose at T = 0.7 with the real models on
+# the CPU (`benchmarks/drawn_heads_cpu.py`), greedy drafts against drafts drawn from the drafter, heads of one to
+# three tokens: tokens a step, and the drawn/greedy ratio with its 95 % range over prompts. Projected onto the GPU:
+# `projection_config`'s measured speedup in `projection_run` (a greedy one-token head), times what a greedy head of
+# that length ran against the one-token head in `head_speed_run`, times the ratio (the same step, more tokens).
+
+# %%
+heads = sampled_drafts.head_summary(pl.read_parquet(drawn_heads_file))
+long_heads = heads.unpivot(["greedy", "drawn"], index="head", variable_name="draft", value_name="tokens a step")
+chart = plots.grouped_bars(long_heads.with_columns(pl.format("head of {}", pl.col("head")).alias("head")), "head",
+                           "tokens a step", "draft", y_title="tokens a verify step (prose, T = 0.7)", width=300)
+plots.save(chart, Path(figures_dir) / "drawn_heads_tokens.svg")
+speeds = sampled_drafts.head_speeds(pl.read_parquet(results_file), head_speed_run)
+sampled_drafts.project_heads(heads, float(measured["ratio"].median()), speeds).with_columns(
+    pl.col("head").replace_strict(speeds, return_dtype=pl.Float64).alias(f"greedy head speed ({head_speed_run})"))
+
+# %%
+chart
+
