@@ -112,6 +112,29 @@ def project_heads(heads: "pl.DataFrame", b1_speedup: float, head_speed: dict[int
                               projected_hi=scale * pl.col("ratio_hi"))
 
 
+def head_speeds(serve_rows: "pl.DataFrame", run: str, *, dataset: str = "prose", temperature: float = 0.7) -> dict[int, float]:
+    """From a serving run's rows (`data/results/vllm_serve_h200.parquet`), one request at a time on `dataset` at
+    `temperature`: each greedy-draft `gpu-fused` head length's output throughput over the one-token head's (medians
+    over repeats), keyed by head length (`draft_block`)."""
+    import re
+
+    import polars as pl
+
+    rows = serve_rows.filter((pl.col("run") == run) & (pl.col("dataset") == dataset)
+                             & (pl.col("temperature") == temperature) & (pl.col("max_concurrency") == 1)
+                             & pl.col("config").str.starts_with("gpu-fused")
+                             & ~pl.col("config").str.contains("draft_sample=probabilistic"))
+    speed: dict[int, list[float]] = {}
+    for config, tput in zip(rows["config"].to_list(), rows["output_throughput"].to_list()):
+        m = re.search(r"draft_block=(\d+)", config)
+        speed.setdefault(int(m.group(1)) if m else 1, []).append(tput)
+    if 1 not in speed:
+        raise ValueError(f"run {run!r} has no greedy-draft gpu-fused with a one-token head on {dataset} at "
+                         f"T={temperature}, one request at a time")
+    base = float(np.median(speed[1]))
+    return {head: float(np.median(v)) / base for head, v in sorted(speed.items())}
+
+
 def summary(rows: "pl.DataFrame") -> "pl.DataFrame":
     """Rows of `benchmarks/draft_sampling_cpu.py` -> one row per (dataset, temperature, draft): the mean acceptance
     over answer positions ("draft" is "greedy" or "sampled"), the lowest and highest prompt mean, and the prompts."""
@@ -138,5 +161,5 @@ def projected_speedup(speedup: float, tokens_per_step: float, gain: float) -> fl
     return speedup * (tokens_per_step + gain) / tokens_per_step
 
 
-__all__ = ["COLUMNS", "acceptance", "draft_temperature_summary", "head_summary", "project_heads", "summary",
+__all__ = ["COLUMNS", "acceptance", "draft_temperature_summary", "head_speeds", "head_summary", "project_heads", "summary",
            "projected_speedup"]

@@ -123,3 +123,21 @@ def test_head_summary_and_projection():
         head_summary(rows.filter(pl.col("draft") == "greedy"))
     with pytest.raises(ValueError, match="columns"):
         head_summary(rows.drop("prompt"))
+
+
+def test_head_speeds_from_a_serving_run():
+    import polars as pl
+
+    from hqlab.replay.sampled_drafts import head_speeds
+
+    fused = "gpu-fused:k=15,draft_block={},nmax=32"
+    rows = pl.DataFrame({
+        "run": ["s3"] * 6 + ["s4"],
+        "config": ["none", fused.format(1), fused.format(2), fused.format(3), fused.format(1),
+                   fused.format(2) + ",draft_sample=probabilistic", fused.format(2)],
+        "dataset": ["prose"] * 7, "temperature": [0.7] * 7, "max_concurrency": [1] * 7,
+        "output_throughput": [400.0, 400.0, 404.0, 396.0, 420.0, 999.0, 1.0]})
+    # head 1: median of 400 and 420 = 410; the drawn row and the other run are not read
+    assert head_speeds(rows, "s3") == pytest.approx({1: 1.0, 2: 404 / 410, 3: 396 / 410})
+    with pytest.raises(ValueError, match="one-token head"):
+        head_speeds(rows, "s4")
