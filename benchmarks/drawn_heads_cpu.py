@@ -49,7 +49,8 @@ def configs(heads: list[int], temperature: float, drafter: str) -> dict[str, tup
     out = {}
     for head in heads:
         for draft, t in (("greedy", 0.0), ("drawn", temperature)):
-            out[f"{draft}-b{head}"] = (head, draft, BASE.format(drafter=drafter) + f",draft_block={head},temperature={t:g}")
+            spec = BASE.format(drafter=drafter) + f",draft_block={head},temperature={t:g}"
+            out[f"{draft}-b{head}"] = (head, draft, spec)
     return out
 
 

@@ -112,13 +112,16 @@ def project_heads(heads: "pl.DataFrame", b1_speedup: float, head_speed: dict[int
                               projected_hi=scale * pl.col("ratio_hi"))
 
 
-def head_speeds(serve_rows: "pl.DataFrame", run: str, *, dataset: str = "prose", temperature: float = 0.7) -> dict[int, float]:
+def head_speeds(serve_rows: "pl.DataFrame", run: str, *, dataset: str = "prose",
+                temperature: float = 0.7) -> dict[int, float]:
     """From a serving run's rows (`data/results/vllm_serve_h200.parquet`), one request at a time on `dataset` at
     `temperature`: each greedy-draft `gpu-fused` head length's output throughput over the one-token head's (medians
-    over repeats), keyed by head length (`draft_block`)."""
+    over repeats), keyed by head length (`draft_block`; a config that names none has the default's)."""
     import re
 
     import polars as pl
+
+    from hqlab.proposers.fused import FusedConfig
 
     rows = serve_rows.filter((pl.col("run") == run) & (pl.col("dataset") == dataset)
                              & (pl.col("temperature") == temperature) & (pl.col("max_concurrency") == 1)
@@ -127,7 +130,7 @@ def head_speeds(serve_rows: "pl.DataFrame", run: str, *, dataset: str = "prose",
     speed: dict[int, list[float]] = {}
     for config, tput in zip(rows["config"].to_list(), rows["output_throughput"].to_list()):
         m = re.search(r"draft_block=(\d+)", config)
-        speed.setdefault(int(m.group(1)) if m else 1, []).append(tput)
+        speed.setdefault(int(m.group(1)) if m else FusedConfig.draft_block, []).append(tput)
     if 1 not in speed:
         raise ValueError(f"run {run!r} has no greedy-draft gpu-fused with a one-token head on {dataset} at "
                          f"T={temperature}, one request at a time")
@@ -161,5 +164,5 @@ def projected_speedup(speedup: float, tokens_per_step: float, gain: float) -> fl
     return speedup * (tokens_per_step + gain) / tokens_per_step
 
 
-__all__ = ["COLUMNS", "acceptance", "draft_temperature_summary", "head_speeds", "head_summary", "project_heads", "summary",
-           "projected_speedup"]
+__all__ = ["COLUMNS", "acceptance", "draft_temperature_summary", "head_speeds", "head_summary", "project_heads",
+           "summary", "projected_speedup"]

@@ -141,3 +141,6 @@ def test_head_speeds_from_a_serving_run():
     assert head_speeds(rows, "s3") == pytest.approx({1: 1.0, 2: 404 / 410, 3: 396 / 410})
     with pytest.raises(ValueError, match="one-token head"):
         head_speeds(rows, "s4")
+    # a config naming no draft_block has the default's (7), not a one-token head
+    unnamed = rows.with_columns(pl.col("config").str.replace(",draft_block=3", ""))
+    assert set(head_speeds(unnamed, "s3")) == {1, 2, 7}
