@@ -37,6 +37,7 @@ from hqlab.config import DecodeConfig  # noqa: E402
 from hqlab.io import write_atomic  # noqa: E402
 from hqlab.provenance import git_commit, machine_description  # noqa: E402
 from hqlab.proposers import make_proposer  # noqa: E402
+from hqlab.replay.sampled_drafts import head_summary  # noqa: E402
 from hqlab.rules.fusion import SOURCE_DRAFT  # noqa: E402
 from hqlab.workloads import load_workload  # noqa: E402
 
@@ -92,7 +93,7 @@ def main() -> None:
         temperature=pl.lit(args.temperature), target=pl.lit(args.target), drafter=pl.lit(args.drafter),
         seed=pl.lit(args.seed), machine=pl.lit(machine_description("cpu")), git_commit=pl.lit(git_commit()))
     write_atomic(args.out, rows.write_parquet)
-    print(rows.group_by("config").agg(tokens_per_step=(pl.col("accepted") + 1).mean(), steps=pl.len()).sort("config"))
+    print(head_summary(rows))
     print(f"wrote {args.out}")
 
 

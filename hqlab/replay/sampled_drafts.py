@@ -117,20 +117,19 @@ def head_speeds(serve_rows: "pl.DataFrame", run: str, *, dataset: str = "prose",
     """From a serving run's rows (`data/results/vllm_serve_h200.parquet`), one request at a time on `dataset` at
     `temperature`: each greedy-draft `gpu-fused` head length's output throughput over the one-token head's (medians
     over repeats), keyed by head length (`draft_block`; a config that names none has the default's)."""
-    import re
-
     import polars as pl
 
+    from hqlab.config import parse_spec
     from hqlab.proposers.fused import FusedConfig
 
     rows = serve_rows.filter((pl.col("run") == run) & (pl.col("dataset") == dataset)
-                             & (pl.col("temperature") == temperature) & (pl.col("max_concurrency") == 1)
-                             & pl.col("config").str.starts_with("gpu-fused")
-                             & ~pl.col("config").str.contains("draft_sample=probabilistic"))
+                             & (pl.col("temperature") == temperature) & (pl.col("max_concurrency") == 1))
     speed: dict[int, list[float]] = {}
     for config, tput in zip(rows["config"].to_list(), rows["output_throughput"].to_list()):
-        m = re.search(r"draft_block=(\d+)", config)
-        speed.setdefault(int(m.group(1)) if m else FusedConfig.draft_block, []).append(tput)
+        name, values = parse_spec(config)
+        if name != "gpu-fused" or values.get("draft_sample", "greedy") != "greedy":
+            continue
+        speed.setdefault(int(values.get("draft_block", FusedConfig.draft_block)), []).append(tput)
     if 1 not in speed:
         raise ValueError(f"run {run!r} has no greedy-draft gpu-fused with a one-token head on {dataset} at "
                          f"T={temperature}, one request at a time")
