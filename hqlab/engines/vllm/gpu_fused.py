@@ -493,6 +493,10 @@ class GpuFusedSpeculator(V2Speculator):
         self._draft_logits[:, :, 0] = 0.0
         self._point_tokens = torch.zeros(self.max_num_reqs + 1, k, dtype=torch.int64, device=dev)
         self._positions = torch.arange(k, dtype=torch.int64, device=dev)
+        # The values `_point_masses` writes, as device tensors: `x[index] = 0.0` on a CUDA tensor makes a CPU scalar
+        # and copies it over, which CUDA graph capture refuses (the drafting step then ran eagerly)
+        self._logit_off = torch.full((), float("-inf"), dtype=torch.float32, device=dev)
+        self._logit_on = torch.zeros((), dtype=torch.float32, device=dev)
         self.draft_logits = self._draft_logits[:self.max_num_reqs]
 
     def bind_sampling(self, temperature: torch.Tensor) -> None:
@@ -824,8 +828,8 @@ class GpuFusedSpeculator(V2Speculator):
         logits, head = self._draft_logits, min(self.block, self.k)
         if head < self.k:
             rows, cols = index[:, None], self._positions[None, head:]
-            logits[rows, cols, self._point_tokens[index, head:]] = float("-inf")
-            logits[rows, cols, tokens[:, head:]] = 0.0
+            logits[rows, cols, self._point_tokens[index, head:]] = self._logit_off
+            logits[rows, cols, tokens[:, head:]] = self._logit_on
             self._point_tokens[index, head:] = tokens[:, head:]
         for j in range(head):
             drafted = (sources[:, j] == SOURCE_DRAFT)[:, None]

@@ -176,17 +176,21 @@ def test_a_head_of_two_draws_both_tokens_and_carries_both_distributions():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-def test_in_cuda_graphs_greedy_rows_are_unchanged_and_sampled_rows_carry_their_distributions():
-    """The same two checks with the drafting step replayed from its captured graphs (device_skip's conditional
-    nodes around the drafter, the draw and its step counter inside them)."""
-    greedy, _, _ = run(BASE, None, "cuda", graphs=True)
-    zero, _, _ = run(BASE + ",draft_sample=probabilistic", 0.0, "cuda", graphs=True)
+@pytest.mark.parametrize("spec, head", [
+    (BASE, 1),  # device_skip's conditional nodes around the drafter, the draw and its step counter inside them
+    ("gpu-fused:k=7,draft_block=3,nmax=8,schedule=long,nmin_tail=1,compile_rule=true", 3),  # plan s5's three-token
+])                                                                                          # head, compiled rule
+def test_in_cuda_graphs_greedy_rows_are_unchanged_and_sampled_rows_carry_their_distributions(spec, head):
+    """The same two checks with the drafting step replayed from its captured graphs. The capture must succeed: a
+    failed one falls back to eager drafting (a warning), which passes the checks but is not what vLLM runs."""
+    greedy, _, _ = run(spec, None, "cuda", graphs=True)
+    zero, _, _ = run(spec + ",draft_sample=probabilistic", 0.0, "cuda", graphs=True)
     assert zero == greedy
-    steps, seen, _ = run(BASE + ",draft_sample=probabilistic", 0.7, "cuda", graphs=True)
-    check_distributions(seen)
+    steps, seen, _ = run(spec + ",draft_sample=probabilistic", 0.7, "cuda", graphs=True)
+    check_distributions(seen, head=head)
     assert steps != greedy
     # fresh noise at every replay: the drafted tokens of prose (slot 0) are not one step's draw repeated
-    again, _, _ = run(BASE + ",draft_sample=probabilistic", 0.7, "cuda", graphs=True)
+    again, _, _ = run(spec + ",draft_sample=probabilistic", 0.7, "cuda", graphs=True)
     assert again != steps
 
 
