@@ -122,6 +122,7 @@ def bench(args: argparse.Namespace) -> int:
         try:
             with serve.Server(argv, server_log, port=args.port, timeout_s=args.start_timeout) as server:
                 log(f"{label}: ready in {server.ready_s:.0f} s")
+                warn_if_eager(label, server_log)
                 if planted is None:
                     texts = serve.chat_texts(server.base_url, "target", chat, max_tokens=args.greedy_tokens)
                     append_jsonl(greedy_path, {"run": args.tag, "config": label, "texts": texts})
@@ -237,6 +238,7 @@ def together(args: argparse.Namespace) -> int:
                 server.wait()
                 live.append((spec, server))
                 log(f"{spec}: ready in {server.ready_s:.0f} s")
+                warn_if_eager(spec, server.log_path)
             except Exception as e:
                 log(f"{spec}: FAILED to start: {type(e).__name__}: {str(e)[-2000:]}")
 
@@ -322,6 +324,15 @@ def server_logs(src: Path) -> list[tuple[str, str]]:
     return logs
 
 
+def warn_if_eager(label: str, server_log: Path) -> None:
+    """Say at once if a server's drafting step failed to capture in CUDA graphs (it then runs eagerly: lossless,
+    but its speed is not the config's; `finish` records it as `drafting_eager`)."""
+    from hqlab.bench.serve import server_log_facts
+
+    if server_log.exists() and server_log_facts(server_log.read_text(errors="replace"))["drafting_eager"]:
+        log(f"{label}: WARNING: its drafting step runs eagerly (CUDA graph capture failed; see its log)")
+
+
 def short(spec: str) -> str:
     return spec if len(spec) <= 60 else spec[:57] + "..."
 
@@ -343,13 +354,19 @@ def finish(args: argparse.Namespace) -> int:
     frame = pl.DataFrame(rows)
     frame = frame.select(SERVE_COLUMNS + (["repeat"] if "repeat" in frame.columns else []))
     # the model runner each server used, as its own log says (a served config's log names its spec)
-    runners = {}
-    for _, text in server_logs(src):
+    runners, eager = {}, {}
+    for name, text in server_logs(src):
         facts = server_log_facts(text)
         if not facts["planted"]:
             runners[facts["config"]] = facts["vllm_runner"]
+            eager[facts["config"]] = facts["drafting_eager"]
+            if facts["drafting_eager"]:
+                print(f"WARNING {name}: {facts['config']}'s drafting step ran eagerly (its CUDA graph capture "
+                      f"failed): its speed is not the config's", file=sys.stderr)
     frame = frame.with_columns(pl.col("config").replace_strict(runners, default=None, return_dtype=pl.String)
-                               .alias("vllm_runner"))
+                               .alias("vllm_runner"),
+                               pl.col("config").replace_strict(eager, default=None, return_dtype=pl.Boolean)
+                               .alias("drafting_eager"))
     out = Path(args.out)
     if out.exists():
         old = pl.read_parquet(out)

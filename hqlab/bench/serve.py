@@ -416,9 +416,13 @@ def load_curves(rows: Any) -> Any:
 
 def server_log_facts(text: str) -> dict[str, Any]:
     """What a `vllm serve` log says about the engine it started: the hqlab spec it served ("none" without one), whether
-    a planted fault was in it, and the model runner vLLM chose ("V2" or "V1"; None where the log does not say)."""
+    a planted fault was in it, the model runner vLLM chose ("V2" or "V1"; None where the log does not say), and
+    whether hqlab's drafting step failed to capture in CUDA graphs and ran eagerly (`drafting_eager`: the speculator
+    warns and carries on with the same drafts, slower, so a run's speed would not be the config's)."""
     import re
 
     spec = re.search(r"'hqlab_proposer': '([^']+)'", text)
     runner = "V2" if "Using V2 Model Runner" in text else "V1" if "Using V1 Model Runner" in text else None
-    return {"config": spec.group(1) if spec else "none", "planted": "hqlab_fault" in text, "vllm_runner": runner}
+    eager = re.search(r"gpu-(?:fused|lookup): capturing the drafting step (?:in a CUDA graph )?failed", text)
+    return {"config": spec.group(1) if spec else "none", "planted": "hqlab_fault" in text, "vllm_runner": runner,
+            "drafting_eager": eager is not None}

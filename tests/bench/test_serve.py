@@ -302,3 +302,20 @@ def test_runs_s4_greedy_texts_part_from_nones_only_at_near_ties():
             for ref_ids, ref_margins, ids in zip(ref["token_ids"], ref["margins"], row["token_ids"]):
                 at = serve.first_divergence(ref_ids, ids)
                 assert at is None or ref_margins[at] < 0.25, (run, row["config"], at)
+
+
+def test_a_drafting_step_that_ran_eagerly_is_found_in_the_log():
+    """The committed servers' logs (runs s3, s4, s4b) captured every drafting step; the GPU test log of the drawn
+    drafts before their fix shows gpu-fused's warning that capture failed, the log after the fix does not."""
+    import tarfile
+
+    served = []
+    for run in ("s3", "s4", "s4b"):
+        with tarfile.open(RESULTS / f"serve_{run}" / f"serve_{run}_logs.tar.gz") as tar:
+            served += [tar.extractfile(m).read().decode(errors="replace") for m in tar.getmembers() if m.isfile()]
+    facts = [serve.server_log_facts(text) for text in served]
+    assert len(facts) >= 15 and any(f["config"].startswith("gpu-fused") for f in facts)
+    assert not any(f["drafting_eager"] for f in facts)
+    before, after = (RESULTS / "serve_s5" / f"draft_sampling_gpu_tests_{n}.log" for n in ("s5", "s5b"))
+    assert serve.server_log_facts(before.read_text())["drafting_eager"]
+    assert not serve.server_log_facts(after.read_text())["drafting_eager"]
