@@ -11,8 +11,8 @@ What runs, in order (`plan` prints it with each item's expected seconds):
   0. both models converted (hqlab.models; nothing when a call on the same warm machine already did it: ~160 s if
      not, run s2's log, which leaves too little for the 1.5B's decodes: `prepare` is that step alone);
   1. grid, per model's shape: gpu-lookup at batch 1, width 1 and each config's verify width (k + 1), contexts 128 to
-     4,096 in powers of two (they bracket every step of the suite's prompts, 140-2,035 tokens + 256 new, so no step
-     is priced outside the grid); with --fused-grid also the 1.5B's gpu-fused step at the fused configs' widths
+     2,048 in powers of two and 2,560 (they bracket every step of the suite's prompts, 140-2,035 tokens + 256 new +
+     the width, so no step is priced outside the grid; `bracketing_contexts`), 48 timed steps a point; with --fused-grid also the 1.5B's gpu-fused step at the fused configs' widths
      (about 100 s more; without it a fused config's drafter pass is the same decodes' profiled pass, --profile);
   2. decodes, per model: `none` and its configs, each on its own engine, all started together and interleaved
      prompt by prompt (--interleave --parallel-start), the suite's first --limit prompts (default 9: one each of
@@ -64,6 +64,8 @@ FUSED_31_SKIP = ("gpu-fused:k=31,draft_block=1,nmax=32,policy=earliest,compile=t
 # w2's and fn2's validated configs (`none` is always added), cut to fit one call; --config-05b/--config-15b replace
 DEFAULT_CONFIGS = {"qwen2.5-coder-0.5b": [LOOKUP_15, LOOKUP_31], "qwen2.5-coder-1.5b": [LOOKUP_31, FUSED_15]}
 SUITE, DOC_TOKENS, MAX_NEW_TOKENS = "all", 2000, 256  # as runs w2 and fn2
+TOP_STEP = 512  # the grid's largest context: the longest step's, rounded up to this (`bracketing_contexts`)
+GRID_STEPS = 48  # timed steps per grid point (v1 timed 12: the host-bound 0.5B's points spread 1.2-1.6x p10-p90)
 PROMPT_TOKENS = (140, 2035)  # the suite's prompts at doc_tokens 2000 (runs w2, fn2: chat-travel .. edit)
 LIMIT, REPEATS = 9, 3
 # Expected seconds (H200 runs w2/fn2, H100 run s2): an engine of the grid starts in 60-106 s (s2, one at a time);
@@ -107,16 +109,21 @@ def single_pass(config: str) -> bool:
     return config_kind(config) == "gpu-fused" and parse_spec(config)[1].get("draft_block", "1") == "1"
 
 
-def bracketing_contexts(low: int, high: int) -> tuple[int, ...]:
-    """Powers of two from the largest at or below `low` to the smallest at or above `high`: every step reading
-    low..high tokens lies between two measured contexts at most a factor of two apart (none clamped)."""
+def bracketing_contexts(low: int, high: int, top_step: int = TOP_STEP) -> tuple[int, ...]:
+    """Powers of two from the largest at or below `low` up to `high`, then `high` rounded up to a multiple of
+    `top_step`: every step reading low..high tokens lies between two measured contexts at most a factor of two apart
+    (none clamped). The top is not the next power of two: run v1's 4,096 point ran in another regime (a width-32 step
+    2.6-2.8x its 2,048 cost on both shapes), and interpolating towards it overpriced every step above 2,048."""
     if not 1 <= low <= high:
         raise ValueError(f"a context range needs 1 <= low <= high (got {low}, {high})")
-    c, last, out = 1 << (low.bit_length() - 1), 1 << (high - 1).bit_length(), []
-    while c <= last:
+    if top_step < 1:
+        raise ValueError(f"top_step must be >= 1 (got {top_step})")
+    c, out = 1 << (low.bit_length() - 1), []
+    while c < high:
         out.append(c)
         c *= 2
-    return tuple(out)
+    top = -(-high // top_step) * top_step
+    return tuple(out) + ((top,) if not out or top > out[-1] else ())
 
 
 def step_contexts(configs: Sequence[str], prompt_tokens: tuple[int, int] = PROMPT_TOKENS,
@@ -221,7 +228,8 @@ def grid_argv(item: Item, tag: str, commit: str, budget_s: float, work: Path) ->
     return ["run", "--tag", tag, "--commit", commit, "--budget-s", f"{budget_s:.0f}", "--min-left-s",
             f"{min(item.min_s, budget_s):.0f}", "--only", f"{SHAPE_OF[item.model]}:bf16:{item.grid_config}",
             "--work", str(work), "--engine", "process", "--contexts", ",".join(map(str, p["contexts"])),
-            "--batches", ",".join(map(str, p["batches"])), "--widths", ",".join(map(str, p["widths"]))]
+            "--batches", ",".join(map(str, p["batches"])), "--widths", ",".join(map(str, p["widths"])),
+            "--steps", str(GRID_STEPS)]
 
 
 def rows_of(rows_path: Path, shape: str, config: str) -> int:
@@ -396,6 +404,9 @@ def finish(args: argparse.Namespace) -> int:
             table = scale.validate(costs, steps, results, run_name, shape, outside_context="clamp", **kwargs)
         tables.append(table)
     table = pl.concat(tables)
+    repeats_path = part_path(out, "repeats")
+    if repeats_path.exists():  # how far each pair's own repeats agree: where they don't, no prediction can
+        table = scale.repeat_spread(pl.read_parquet(repeats_path), table)
     check = part_path(out, "check")
     write_atomic(check, lambda tmp: table.write_parquet(tmp))
     with pl.Config(tbl_rows=100, tbl_width_chars=200, fmt_str_lengths=40):
@@ -405,6 +416,10 @@ def finish(args: argparse.Namespace) -> int:
         print(f"run {run_name[0]}: within ±10 %: {int(part['within'].sum())} of {part.height} (config, class) pairs")
     print(f"all: within ±10 %: {int(table['within'].sum())} of {table.height} "
           f"({100 * scale.validation_fraction(table):.0f} %; the issue's mark is 80 %)")
+    if "repeat_spread" in table.columns:
+        steady = table.filter(pl.col("repeat_spread") <= 1.1)
+        print(f"pairs whose every prompt repeated within 1.1x: {steady.height} of {table.height}, of them within "
+              f"±10 %: {int(steady['within'].sum())}")
     if table.filter(pl.col("config") == "none").height:
         speedups = scale.speedup_check(table)
         print(f"speedup ÷ none within ±10 %: {int(speedups['speedup_within'].sum())} of {speedups.height}")

@@ -139,9 +139,15 @@ def point_options(args: argparse.Namespace) -> dict:
 
 
 def max_model_len(args: argparse.Namespace) -> int:
-    """The engine's context limit: the largest context measured + 64 (a point's 16 steps and its verify width)."""
+    """The engine's context limit: the largest context measured + a point's steps (one token each) + the widest
+    verify, rounded up to 64."""
     contexts = args.contexts or CONTEXTS
-    return max(contexts) + 64
+    need = max(contexts) + WARM_STEPS + measured_steps(args) + 1 + max(args.widths or WIDTHS)
+    return -(-need // 64) * 64
+
+
+def measured_steps(args: argparse.Namespace) -> int:
+    return getattr(args, "steps", None) or MEASURED_STEPS
 
 
 def run_bounded(cmd: Sequence[str], timeout_s: float, **kwargs) -> int | str:
@@ -275,7 +281,7 @@ def one(args: argparse.Namespace) -> int:
             log(f"  context {context}: prefilled in {time.perf_counter() - t:.1f} s")
         set_width(width)
         try:
-            times = run(prompt_of[context], batch, WARM_STEPS + MEASURED_STEPS + 1)
+            times = run(prompt_of[context], batch, WARM_STEPS + measured_steps(args) + 1)
         except Exception as e:  # e.g. out of KV cache: the point is absent, the rest still runs
             log(f"  c={context} b={batch} w={width}: FAILED {type(e).__name__}: {e}")
             continue
@@ -291,7 +297,7 @@ def one(args: argparse.Namespace) -> int:
 def point_argv(args: argparse.Namespace) -> list[str]:
     """The point-set options of `run`, passed on to each `one`."""
     return [f"--{name}={','.join(map(str, values))}" for name in ("contexts", "batches", "widths")
-            if (values := getattr(args, name))]
+            if (values := getattr(args, name))] + ([f"--steps={args.steps}"] if getattr(args, "steps", None) else [])
 
 
 def point_row(args: argparse.Namespace, config: str, width: int, context: int, batch: int, step_s: Sequence[float],
@@ -391,10 +397,22 @@ def finish_rows(returned: str | Path, out_path: str | Path | None = None) -> Pat
     return out
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer (got {text!r})") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (got {value})")
+    return value
+
+
 def add_point_options(parser: argparse.ArgumentParser) -> None:
     for name, what in (("contexts", "contexts"), ("batches", "batches"), ("widths", "verify widths")):
         parser.add_argument(f"--{name}", type=int_list, default=(),
                             help=f"comma-separated {what} to measure instead of the plan's (e.g. a validation's)")
+    parser.add_argument("--steps", type=positive_int, default=None,
+                        help=f"steps timed per point after {WARM_STEPS} warm-up steps (default {MEASURED_STEPS})")
 
 
 def main(argv: list[str] | None = None) -> int:

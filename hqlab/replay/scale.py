@@ -424,6 +424,17 @@ def validation_fraction(table: pl.DataFrame) -> float:
     return float(table["within"].mean())
 
 
+def repeat_spread(repeats: pl.DataFrame, table: pl.DataFrame) -> pl.DataFrame:
+    """`validate`'s table with `repeat_spread`: per (run, config, class) the largest, over the class's prompts, of a
+    prompt's fastest ÷ slowest decode tok/s across its repeats (`repeats`: a decode run's .repeats rows). A pair
+    whose own repeats spread more than 1 + tolerance cannot be predicted within the tolerance by any model: the
+    measurement is the limit there, not the prediction."""
+    spread = (repeats.group_by("run", "config", "category", "prompt_id")
+              .agg((pl.col("decode_tok_s").max() / pl.col("decode_tok_s").min()).alias("repeat_spread"))
+              .group_by("run", "config", "category").agg(pl.col("repeat_spread").max()))
+    return table.join(spread, on=["run", "config", "category"], how="left")
+
+
 def speedup_check(table: pl.DataFrame, *, tolerance: float = 0.10) -> pl.DataFrame:
     """From a `validate` table: per (run, config, class) besides `none`, the speedup ÷ `none` measured and predicted
     (each config's tok/s ÷ `none`'s of the same run and class), their ratio and whether it is within `tolerance`.

@@ -30,9 +30,13 @@ def test_verify_widths_and_bracketing_contexts():
         v.verify_width("gpu-lookup:nmin=1")
     with pytest.raises(ValueError, match="prices only"):
         v.verify_width("lookup:k=31")  # the CPU lookup: its width varies step by step
-    assert v.bracketing_contexts(140, 2323) == (128, 256, 512, 1024, 2048, 4096)
-    assert v.bracketing_contexts(1024, 1024) == (1024,)
-    assert v.bracketing_contexts(1025, 1030) == (1024, 2048)
+    assert v.bracketing_contexts(140, 2323) == (128, 256, 512, 1024, 2048, 2560)  # the top: the longest step's,
+    assert v.bracketing_contexts(1024, 1024) == (1024,)                           # rounded up to 512, not 4,096
+    assert v.bracketing_contexts(1025, 1030) == (1024, 1536)
+    assert v.bracketing_contexts(140, 2048) == (128, 256, 512, 1024, 2048)
+    assert v.bracketing_contexts(140, 2323, top_step=1) == (128, 256, 512, 1024, 2048, 2323)
+    with pytest.raises(ValueError, match="top_step"):
+        v.bracketing_contexts(140, 2323, top_step=0)
 
 
 def test_plan_measures_batch_one_at_the_configs_widths_then_decodes():
@@ -40,8 +44,9 @@ def test_plan_measures_batch_one_at_the_configs_widths_then_decodes():
     assert [(x.kind, x.model) for x in items] == [
         ("grid", "qwen2.5-coder-0.5b"), ("grid", "qwen2.5-coder-1.5b"),
         ("decode", "qwen2.5-coder-0.5b"), ("decode", "qwen2.5-coder-1.5b")]
-    assert items[0].points == {"widths": (1, 16, 32), "contexts": (128, 256, 512, 1024, 2048, 4096),
+    assert items[0].points == {"widths": (1, 16, 32), "contexts": (128, 256, 512, 1024, 2048, 2560),
                                "batches": (1,)}
+    assert v.grid_argv(items[0], "t", "c", 100.0, Path("w"))[-2:] == ["--steps", str(v.GRID_STEPS)]
     assert items[1].points["widths"] == (1, 16, 32)  # gpu-lookup k=31 and gpu-fused k=15
     assert [x.profile for x in items[2:]] == [False, True]  # the fused pass from the 1.5B's own profile
     # the default plan fits the budget it is meant for
@@ -52,7 +57,7 @@ def test_plan_measures_batch_one_at_the_configs_widths_then_decodes():
     assert not fused[-1].profile
     # the step-cost benchmark measures exactly these points (gpu-fused never at width 1)
     assert grid_bench.points("gpu-fused", "qwen2.5-1.5b", **fused[2].points) == \
-        [(c, 1, 16) for c in (128, 256, 512, 1024, 2048, 4096)]
+        [(c, 1, 16) for c in (128, 256, 512, 1024, 2048, 2560)]
 
 
 def _flat_grid(shape: str, points: dict, ms: dict[int, float], config: str = "gpu-lookup") -> list[dict]:
@@ -293,3 +298,24 @@ def test_validate_same_machine_refuses_step_costs_of_another_host():
     with pytest.raises(scale.ScaleError, match="not the same machine"):
         scale.validate(costs, steps, results.with_columns(pl.lit("other").alias("machine")), "x", "t",
                        same_machine=True)
+
+
+def test_run_v1_the_validation_on_one_h100_as_docs_seed_scale_reports_it():
+    """Run v1 (one H100, grid and decodes in one call): 28 of 42 (config, class) pairs within ±10 % (the 1.5B 19 of
+    21, the 0.5B 9 of 21), below the issue's 80 %. The 0.5B's own repeats spread up to 2x: of the 16 pairs whose
+    every prompt repeated within 1.1x, 13 are within. Recomputed from the committed decodes and grid."""
+    from hqlab.replay import scale
+
+    check = pl.read_parquet(RESULTS / "seed_scale_validation_h100.check.parquet").filter(
+        pl.col("run").str.starts_with("v1_"))
+    assert check.height == 42 and int(check["within"].sum()) == 28
+    per_run = dict(check.group_by("run").agg(pl.col("within").sum()).iter_rows())
+    assert per_run == {"v1_05b": 9, "v1_15b": 19}
+    repeats = pl.read_parquet(RESULTS / "seed_scale_validation_h100.repeats.parquet")
+    spread = scale.repeat_spread(repeats, check.drop("repeat_spread"))
+    assert (spread["repeat_spread"] >= 1).all()
+    steady = spread.filter(pl.col("repeat_spread") <= 1.1)
+    assert steady.height == 16 and int(steady["within"].sum()) == 13
+    # the 0.5B's repeats, not the 1.5B's, are the unsteady ones
+    assert spread.filter(pl.col("run") == "v1_05b")["repeat_spread"].median() > 1.3
+    assert spread.filter(pl.col("run") == "v1_15b")["repeat_spread"].median() < 1.05

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import polars as pl
@@ -68,3 +69,17 @@ def test_run_bounded_ends_the_whole_session_of_a_command_past_its_time(tmp_path)
         time.sleep(0.05)
     assert not alive()
     assert bench.run_bounded(["sh", "-c", "exit 3"], 5.0) == 3
+
+
+def test_steps_per_point_is_an_option_and_the_engine_holds_them():
+    """--steps N times N steps a point (each one token longer) on top of the warm-up: the engine's context limit
+    holds the largest context, all those steps and the widest verify; `run` hands the option to each `one`."""
+    args = argparse.Namespace(contexts=(2560,), batches=(), widths=(1, 32), steps=48)
+    need = 2560 + bench.WARM_STEPS + 48 + 1 + 32
+    assert bench.max_model_len(args) >= need and bench.max_model_len(args) % 64 == 0
+    assert bench.max_model_len(args) < need + 64
+    default = argparse.Namespace(contexts=(), batches=(), widths=(), steps=None)
+    assert bench.max_model_len(default) >= max(bench.CONTEXTS) + bench.WARM_STEPS + bench.MEASURED_STEPS + 1 + 32
+    assert "--steps=48" in bench.point_argv(args)
+    with pytest.raises(SystemExit):
+        bench.main(["run", "--tag", "t", "--steps", "0"])
