@@ -379,34 +379,10 @@ def finish(args: argparse.Namespace) -> int:
     results, steps = pl.read_parquet(out), pl.read_parquet(part_path(out, "steps"))
     phases_path = part_path(out, "phases")
     phases = pl.read_parquet(phases_path) if phases_path.exists() else None
-    tables = []
-    for model, run_name in runs.items():
-        shape = SHAPE_OF[model]
-        configs = [c for c in results.filter((pl.col("run") == run_name) & (pl.col("concurrency") == 1))["config"]
-                   .unique().sort().to_list() if scale.priceable(steps, run_name, c)]
-        profiled, fused_shape = None, None
-        if any(scale.config_kind(c) == "gpu-fused" for c in configs):
-            if scale.has_fused(costs, shape):
-                fused_shape = shape
-                print(f"{run_name}: the fused pass from the grid (fused step - lookup step)")
-            elif phases is not None and not phases.filter(pl.col("run") == run_name).is_empty():
-                profiled = scale.profiled_pass_ms(phases, run_name)
-                print(f"{run_name}: the fused pass from this run's own profile (GPU ms by width): {profiled}")
-            else:
-                left = [c for c in configs if scale.config_kind(c) == "gpu-fused"]
-                print(f"{run_name}: no fused step in the grid and no profile: not priced {left}")
-                configs = [c for c in configs if c not in left]
-        kwargs = dict(configs=configs, fused_shape=fused_shape, profiled_pass=profiled, same_machine=True)
-        try:
-            table = scale.validate(costs, steps, results, run_name, shape, outside_context="error", **kwargs)
-        except scale.ScaleError as e:  # a step outside the measured contexts (a point the grid lost): say so
-            print(f"{run_name}: {e}; priced at the nearest measured context instead (clamped_share)")
-            table = scale.validate(costs, steps, results, run_name, shape, outside_context="clamp", **kwargs)
-        tables.append(table)
-    table = pl.concat(tables)
-    repeats_path = part_path(out, "repeats")
-    if repeats_path.exists():  # how far each pair's own repeats agree: where they don't, no prediction can
-        table = scale.repeat_spread(pl.read_parquet(repeats_path), table)
+    repeats_path = part_path(out, "repeats")  # how far each pair's own repeats agree: where not, no model can
+    table = scale.validate_runs(costs, steps, results, {run: SHAPE_OF[model] for model, run in runs.items()},
+                                phases=phases, repeats=pl.read_parquet(repeats_path) if repeats_path.exists() else None,
+                                say=print)
     check = part_path(out, "check")
     write_atomic(check, lambda tmp: table.write_parquet(tmp))
     with pl.Config(tbl_rows=100, tbl_width_chars=200, fmt_str_lengths=40):

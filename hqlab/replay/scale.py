@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import polars as pl
@@ -422,6 +422,44 @@ def validation_fraction(table: pl.DataFrame) -> float:
     if table.is_empty():
         raise ScaleError("no validation rows")
     return float(table["within"].mean())
+
+
+def validate_runs(costs: pl.DataFrame, steps: pl.DataFrame, results: pl.DataFrame, runs: Mapping[str, str], *,
+                  phases: pl.DataFrame | None = None, repeats: pl.DataFrame | None = None, tolerance: float = 0.10,
+                  same_machine: bool = True, say: Callable[[str], None] = lambda _: None) -> pl.DataFrame:
+    """`validate` over several decode runs (`runs`: run -> the grid shape of its model), every priceable config of
+    each at batch 1: a gpu-fused config's drafter pass from the grid's fused step where the grid has one for that
+    shape, else from the run's own profile (`phases`), else the config is left out. Steps outside the grid's
+    contexts are an error first; where some are, the run is priced at the nearest measured context instead
+    (`clamped_share` says how much). With `repeats`, `repeat_spread` is added. `say` hears each decision."""
+    tables = []
+    for run, shape in runs.items():
+        batch1 = results.filter((pl.col("run") == run) & (pl.col("concurrency") == 1))
+        configs = [c for c in batch1["config"].unique().sort().to_list() if priceable(steps, run, c)]
+        profiled, fused_shape = None, None
+        if any(config_kind(c) == "gpu-fused" for c in configs):
+            if has_fused(costs, shape):
+                fused_shape = shape
+                say(f"{run}: the fused pass from the grid (fused step - lookup step)")
+            elif phases is not None and not phases.filter(pl.col("run") == run).is_empty():
+                profiled = profiled_pass_ms(phases, run)
+                say(f"{run}: the fused pass from this run's own profile (GPU ms by width): {profiled}")
+            else:
+                left = [c for c in configs if config_kind(c) == "gpu-fused"]
+                say(f"{run}: no fused step in the grid and no profile: not priced {left}")
+                configs = [c for c in configs if c not in left]
+        kwargs = dict(configs=configs, fused_shape=fused_shape, profiled_pass=profiled, same_machine=same_machine,
+                      tolerance=tolerance)
+        try:
+            table = validate(costs, steps, results, run, shape, outside_context="error", **kwargs)
+        except ScaleError as e:  # a step outside the measured contexts (a point the grid lost): say so
+            say(f"{run}: {e}; priced at the nearest measured context instead (clamped_share)")
+            table = validate(costs, steps, results, run, shape, outside_context="clamp", **kwargs)
+        tables.append(table)
+    if not tables:
+        raise ScaleError("no runs to validate")
+    table = pl.concat(tables)
+    return repeat_spread(repeats, table) if repeats is not None else table
 
 
 def repeat_spread(repeats: pl.DataFrame, table: pl.DataFrame) -> pl.DataFrame:
