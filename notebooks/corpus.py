@@ -44,6 +44,7 @@ cost_model = "qwen2.5-0.5b"
 search_ms_per_1k = 0.001  # the corpus kernel's price per step per 1k live tokens (see docs/corpus.md)
 vllm_file = "data/results/vllm_corpus_h200.parquet"  # the corpus inside vLLM (benchmarks/vllm_corpus.py finish)
 vllm_run = "c1"
+vllm_runs_compared = ["c1", "c2"]  # the vLLM runs side by side (c2: all 24 multi-turn requests, and k = 31)
 sweep_file = "data/results/corpus_sweep_replay.parquet"  # GPU settings over c1's outputs (its benchmark)
 sweep_show = 8  # settings listed, best worst margin first
 figures_dir = "figures"
@@ -220,6 +221,28 @@ measured.drop("run", "config", "base_config")
 # %%
 corpus_report.greedy_differences(pl.read_parquet(Path(vllm_file).with_suffix(".requests.parquet"))
                                  .filter(pl.col("run") == vllm_run)).drop("run")
+
+# %% [markdown]
+# ### The vLLM runs side by side
+# Every committed run's corpus configs against the same lookup without the corpus (c1: the first 10 multi-turn
+# requests one at a time, 16 with 8 in flight, two repeats; c2: all 24 multi-turn requests at both loads, three
+# repeats, c1's config and k = 31 with `corpus_policy=own` over outputs only). Dots: median of the repeats' ratios,
+# bars: their range.
+
+# %%
+runs_points = pl.read_parquet(vllm_file).filter(pl.col("run").is_in(vllm_runs_compared))
+by_run = corpus_report.speedups(runs_points).with_columns(
+    pl.format("{}: {}", "run", pl.col("config").map_elements(corpus_report.label, return_dtype=pl.String))
+    .alias("source"), panel)
+chart = plots.ranges(by_run.sort("panel", pl.col("workload").replace_strict(order, default=len(order)), "source"),
+                     "workload", "vs_no_corpus", "vs_no_corpus_lo", "vs_no_corpus_hi", "source", facet="panel",
+                     rules=bars, y_title="× the same lookup without the corpus")
+plots.save(chart, figures / "corpus_vllm_runs.svg")
+chart
+
+# %%
+by_run.select("run", "source", "workload", "load", "vs_no_corpus", "vs_no_corpus_lo", "vs_no_corpus_hi", "vs_none",
+              "base_tokens_per_step", "tokens_per_step", "corpus_step_share", "replay_exact", "repeats")
 
 # %% [markdown]
 # ## Which GPU setting would clear the bar? Replayed over run c1's own outputs

@@ -24,7 +24,7 @@
 
 # %% tags=["parameters"]
 step_costs_file = "data/results/seed_scale_h100.parquet"  # the H200 was not lent: measured on an H100
-step_costs_runs = []  # runs of the step-cost file to use (empty: all; each point must appear once)
+step_costs_runs = ["s2"]  # runs of the step-cost file to use (empty: all; each point must appear once)
 lookup_steps_file = "data/results/vllm_gpu_h200.steps.parquet"
 lookup_results_file = "data/results/vllm_gpu_h200.parquet"
 lookup_run = "w2"
@@ -49,6 +49,10 @@ speedup_configs = ["gpu-lookup k=31 (w2)", "gpu-lookup k=31 (fn2)", "gpu-fused k
                    "gpu-fused k=31 device skip (fn2, scaled drafter)"]  # the speedup figure's panels
 seeds_params_b = 27.0  # the seeds' headline: 159 -> 381 tok/s on a ~27B target
 seeds_speedup = 2.4
+same_machine_file = "data/results/seed_scale_validation_h100.parquet"  # decodes beside a grid of the same call
+same_machine_grid_run = "v1"  # that call's grid rows in the step-cost file
+same_machine_runs = {"v1_05b": "qwen2.5-0.5b", "v1_15b": "qwen2.5-1.5b"}  # its decode runs -> their grid shapes
+steady_spread = 1.1  # a pair is "steady" where every prompt's repeats agree within this factor
 figures_dir = "figures"
 results_dir = "data/results"
 
@@ -162,6 +166,39 @@ chart = plots.predicted_vs_measured(shown, "measured_tok_s", "predicted_tok_s", 
                                     x_title="measured decode tok/s (batch 1)", y_title="predicted decode tok/s",
                                     tooltip=["config", "category", "measured_tok_s", "predicted_tok_s", "ratio"])
 plots.save(chart, Path(figures_dir) / "seed_scale_validation.svg")
+chart
+
+# %% [markdown]
+# ## 2b. Validation on one machine
+# The check above prices H200 decodes with an H100's grid. Run `v1` (benchmarks/seed_scale_validation.py) measured a
+# grid at exactly the points it prices and then the decodes it predicts, in one call on one H100, so host and card
+# cannot explain a miss. `repeat_spread`: per pair the largest, over its prompts, of a prompt's fastest ÷ slowest
+# repeat; a pair whose own repeats spread more than the band cannot be predicted within it by any model.
+
+# %%
+same_costs = pl.read_parquet(step_costs_file).filter(pl.col("run") == same_machine_grid_run)
+same_parts = {name: pl.read_parquet(Path(same_machine_file).with_suffix(f".{name}.parquet"))
+              for name in ("steps", "phases", "repeats")}
+same = scale.validate_runs(same_costs, same_parts["steps"], pl.read_parquet(same_machine_file), same_machine_runs,
+                           phases=same_parts["phases"], repeats=same_parts["repeats"], tolerance=tolerance,
+                           say=print)
+steady = same.filter(pl.col("repeat_spread") <= steady_spread)
+print(f"within ±{tolerance:.0%}: {int(same['within'].sum())} of {same.height} (config, class) pairs, "
+      f"{scale.validation_fraction(same):.0%}; of the {steady.height} pairs whose repeats agree within "
+      f"{steady_spread}x: {int(steady['within'].sum())}")
+same.group_by("run", "label", maintain_order=True).agg(
+    pl.col("within").sum().alias("within"), pl.len().alias("classes"), pl.col("ratio").min().alias("lowest"),
+    pl.col("ratio").median().alias("median"), pl.col("ratio").max().alias("highest"),
+    pl.col("repeat_spread").median().alias("median repeat spread"))
+
+# %%
+shown = same.with_columns(pl.format("{} {}", "run", "label").alias("config"))
+chart = plots.predicted_vs_measured(shown, "measured_tok_s", "predicted_tok_s", "config", tolerance=tolerance,
+                                    x_title="measured decode tok/s (batch 1, run v1, one H100)",
+                                    y_title="predicted from the same call's grid",
+                                    tooltip=["config", "category", "measured_tok_s", "predicted_tok_s", "ratio",
+                                             "repeat_spread"])
+plots.save(chart, Path(figures_dir) / "seed_scale_same_machine.svg")
 chart
 
 # %% [markdown]

@@ -32,6 +32,16 @@ def without_corpus(config: str, labels: set[str] | list[str]) -> str | None:
     return next((x for x in sorted(labels) if x != "none" and parse_spec(x) == want), None)
 
 
+def label(config: str) -> str:
+    """A corpus config in a few words for a legend: "k=15, corpus 32768 longest, prompts" (or "k=15" without)."""
+    values = parse_spec(config)[1]
+    text = f"k={values.get('k', '?')}"
+    if "corpus" in values:
+        text += f", corpus {values['corpus']} {values.get('corpus_policy', 'own')}"
+        text += ", prompts" if values.get("corpus_prompts", "0") in ("1", "true") else ", outputs only"
+    return text
+
+
 def speedups(points: pl.DataFrame) -> pl.DataFrame:
     """One row per (run, config with a corpus, workload, load): medians over repeats of the decode tok/s of `none`,
     of the config without its corpus (`base_tok_s`) and with it (`tok_s`); the ratio with / without per repeat,
@@ -90,4 +100,4 @@ def greedy_differences(requests: pl.DataFrame) -> pl.DataFrame:
             .sort("run", "against", "config", "workload", "load"))
 
 
-__all__ = ["BAR", "has_corpus", "without_corpus", "speedups", "greedy_differences"]
+__all__ = ["BAR", "has_corpus", "without_corpus", "label", "speedups", "greedy_differences"]
