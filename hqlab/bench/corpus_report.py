@@ -33,13 +33,14 @@ def without_corpus(config: str, labels: set[str] | list[str]) -> str | None:
 
 
 def label(config: str) -> str:
-    """A corpus config in a few words for a legend: "k=15, corpus 32768 longest, prompts" (or "k=15" without)."""
-    values = parse_spec(config)[1]
-    text = f"k={values.get('k', '?')}"
-    if "corpus" in values:
-        text += f", corpus {values['corpus']} {values.get('corpus_policy', 'own')}"
-        text += ", prompts" if values.get("corpus_prompts", "0") in ("1", "true") else ", outputs only"
-    return text
+    """A `gpu-lookup` config in a few words for a legend, its settings as the speculator reads them (defaults
+    included): "k=15, corpus 32768 longest, prompts", or "k=15" without a corpus."""
+    from hqlab.engines.vllm.gpu_lookup import lookup_config
+
+    c = lookup_config(config)
+    if not c.corpus:
+        return f"k={c.k}"
+    return f"k={c.k}, corpus {c.corpus} {c.corpus_policy}, {'prompts' if c.corpus_prompts else 'outputs only'}"
 
 
 def speedups(points: pl.DataFrame) -> pl.DataFrame:

@@ -183,3 +183,66 @@ def test_ranges_chart_draws_each_rule_once_per_panel():
     assert all(layer.get("transform") for layer in layers[2:])  # aggregated to one row: not one line per data row
     scale = layers[0]["encoding"]["y"]["scale"]
     assert scale["domain"][0] < 0.97 and scale["zero"] is False  # the rules inside the axis, which does not start at 0
+
+
+# run c2: every multi-turn request, and k = 31 with corpus_policy=own over outputs only
+
+K31 = "gpu-lookup:nmin=1,nmax=32,k=31,policy=earliest"
+K31_OWN = f"{K31},corpus=32768,corpus_policy=own,corpus_prompts=0"
+
+
+@pytest.fixture(scope="module")
+def c2() -> tuple[pl.DataFrame, pl.DataFrame]:
+    return (pl.read_parquet(POINTS).filter(pl.col("run") == "c2"),
+            pl.read_parquet(REQUESTS).filter(pl.col("run") == "c2"))
+
+
+def test_run_c2_is_the_one_docs_corpus_describes(c2):
+    points, requests = c2
+    assert set(points["config"]) == {"none", BASE, CORPUS, K31, K31_OWN}
+    assert set(points["device"]) == {"cuda (NVIDIA H100 80GB HBM3)"} and set(points["git_commit"]) == {"f3020d6"}
+    assert set(points["repeat"]) == {0, 1, 2} and points.height == 3 * 3 * 2 * 5  # workloads x loads x configs
+    multiturn = points.filter(pl.col("workload") == "multiturn")
+    assert set(multiturn["requests"]) == {24}  # all of them, the third turns included, at both loads
+    speculating = points.filter(pl.col("config") != "none")
+    assert speculating["replay_exact"].all() and int(speculating["replay_steps"].sum()) == 91_387
+
+
+def test_run_c2_against_the_bar_and_the_docs_numbers(c2):
+    points, _ = c2
+    got = {(cr.label(r["config"]), r["workload"], r["load"]): r for r in cr.speedups(points).iter_rows(named=True)}
+    c1_config, own = cr.label(CORPUS), cr.label(K31_OWN)
+    assert (c1_config, own) == ("k=15, corpus 32768 longest, prompts", "k=31, corpus 32768 own, outputs only")
+    # multi-turn stays below 1.3x: ~1.18x one at a time, no gain with 8 in flight
+    assert 1.1 < got[(c1_config, "multiturn", 1)]["vs_no_corpus"] < 1.3
+    assert 1.1 < got[(own, "multiturn", 1)]["vs_no_corpus"] < 1.3
+    assert got[(c1_config, "multiturn", 8)]["vs_no_corpus_hi"] < 1.0
+    # the template one at a time clears it; with 8 in flight it does not
+    assert got[(c1_config, "template", 1)]["vs_no_corpus_lo"] > 1.5
+    assert got[(own, "template", 1)]["vs_no_corpus"] > 1.5
+    assert got[(c1_config, "template", 8)]["vs_no_corpus"] < 1.3 and got[(own, "template", 8)]["vs_no_corpus"] < 1.3
+    # prose: c1's config sits on the 0.97x line one at a time
+    assert got[(c1_config, "prose", 1)]["vs_no_corpus"] == pytest.approx(0.972, abs=0.001)
+
+
+def test_run_c2_k31_differs_from_none_where_its_base_does_at_one_request(c2):
+    """At one request both k = 15 configs equal `none`; both k = 31 configs, with and without the corpus, differ
+    from it in the same requests and equal each other everywhere: the corpus changes what is drafted, not what is
+    accepted (the 32-wide verify rounds differently at a few near-ties)."""
+    _, requests = c2
+    alone = requests.filter(pl.col("load") == 1)
+    diff = {(r["config"], r["workload"]): r["differ"] for r in cr.greedy_differences(alone)
+            .filter(pl.col("against") == "none").iter_rows(named=True)}
+    assert all(diff[(c, w)] == 0 for c in (BASE, CORPUS) for w in ("multiturn", "prose", "template"))
+    assert {w: diff[(K31, w)] for w in ("multiturn", "prose", "template")} == {"multiturn": 3, "prose": 0,
+                                                                               "template": 6}
+    key = ["workload", "repeat", "order"]
+    pair = (alone.filter(pl.col("config") == K31).select(*key, pl.col("output_ids").alias("a"))
+            .join(alone.filter(pl.col("config") == K31_OWN).select(*key, pl.col("output_ids").alias("b")), on=key))
+    assert pair.height == 3 * (24 + 6 + 10) and pair.filter(pl.col("a") != pl.col("b")).is_empty()
+
+
+def test_label_names_a_corpus_config_in_a_few_words():
+    assert cr.label(BASE) == "k=15"
+    assert cr.label(CORPUS) == "k=15, corpus 32768 longest, prompts"
+    assert cr.label("gpu-lookup:k=7,corpus=1024") == "k=7, corpus 1024 own, outputs only"
