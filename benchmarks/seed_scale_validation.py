@@ -12,11 +12,16 @@ What runs, in order (`plan` prints it with each item's expected seconds):
      not, run s2's log, which leaves too little for the 1.5B's decodes: `prepare` is that step alone);
   1. grid, per model's shape: gpu-lookup at batch 1, width 1 and each config's verify width (k + 1), contexts 128 to
      2,048 in powers of two and 2,560 (they bracket every step of the suite's prompts, 140-2,035 tokens + 256 new +
-     the width, so no step is priced outside the grid; `bracketing_contexts`), 48 timed steps a point; with --fused-grid also the 1.5B's gpu-fused step at the fused configs' widths
-     (about 100 s more; without it a fused config's drafter pass is the same decodes' profiled pass, --profile);
+     the width, so no step is priced outside the grid; `bracketing_contexts`), 48 timed steps a point; with
+     --fused-grid also the 1.5B's gpu-fused step at the fused configs' widths (about 100 s more; without it a fused
+     config's drafter pass is the same decodes' profiled pass, --profile);
   2. decodes, per model: `none` and its configs, each on its own engine, all started together and interleaved
      prompt by prompt (--interleave --parallel-start), the suite's first --limit prompts (default 9: one each of
-     copy, code, edit, quote, summary, qa and three chat prompts), --repeats rounds, one request at a time.
+     copy, code, edit, quote, summary, qa and three chat prompts), --repeats rounds, one request at a time;
+  3. with --none-grid, per model's shape an engine without a speculator at width 1 and the same contexts, which
+     prices `none` (`scale.plain_config`; without it `none` is the lookup's width-1 step, which still runs the
+     speculator and the rejection sampler: v1 priced `none` 5-9 % slow so). Last, so that a short budget cuts it
+     first (~80 s a model).
 Defaults (to fit ~520 s): the 0.5B with w2's gpu-lookup k = 15 and k = 31; the 1.5B with fn2's gpu-lookup k = 31
 and gpu-fused k = 15 one pass (fn2's gpu-lookup k = 15 and gpu-fused k = 31 device skip left out: two more engines
 at ~60-100 s each); 3 x 7 (config, class) pairs per model.
@@ -71,8 +76,8 @@ LIMIT, REPEATS = 9, 3
 # Expected seconds (H200 runs w2/fn2, H100 run s2): an engine of the grid starts in 60-106 s (s2, one at a time);
 # engines started together: three of the 0.5B ~75 s (w2: four in 94 s), three of the 1.5B with a fused one ~110 s
 # (fn2: five in 200 s, the fused ones last); a round of 9 prompts on 3 engines ~8 s (0.5B) and ~12 s (1.5B).
-GRID_EST_S = {"gpu-lookup": 100.0, "gpu-fused": 120.0}
-GRID_MIN_S = {"gpu-lookup": 70.0, "gpu-fused": 100.0}
+GRID_EST_S = {"gpu-lookup": 100.0, "gpu-fused": 120.0, "none": 80.0}
+GRID_MIN_S = {"gpu-lookup": 70.0, "gpu-fused": 100.0, "none": 60.0}
 DECODE_START_S = {"qwen2.5-coder-0.5b": 85.0, "qwen2.5-coder-1.5b": 130.0}  # process start to the first round
 ROUND_S_PER_ENGINE_PROMPT = {"qwen2.5-coder-0.5b": 0.3, "qwen2.5-coder-1.5b": 0.45}
 ESTIMATE_SLACK = 1.5  # an item may run this many times its estimate before it is cut, budget allowing
@@ -174,8 +179,9 @@ def decode_estimate(model: str, configs: Sequence[str], limit: int, repeats: int
 
 
 def make_plan(configs: dict[str, list[str]], *, limit: int = LIMIT, repeats: int = REPEATS,
-              fused_grid: bool = False) -> list[Item]:
-    """(a) every model's grid items, then (b) every model's decodes, in the order of `configs`."""
+              fused_grid: bool = False, none_grid: bool = False) -> list[Item]:
+    """(a) every model's grid items, then (b) every model's decodes, in the order of `configs`; with `none_grid`
+    (c) every model's `none` grid, at the contexts of its lookup grid."""
     items: list[Item] = []
     for model, these in configs.items():
         for grid_config, points in grid_points(these, step_contexts(these), fused_grid=fused_grid).items():
@@ -186,6 +192,11 @@ def make_plan(configs: dict[str, list[str]], *, limit: int = LIMIT, repeats: int
         items.append(Item("decode", model, f"decode {model}", decode_estimate(model, these, limit, repeats, profile),
                           min(DECODE_START_S[model] + 15.0, decode_estimate(model, these, limit, 1, False)),
                           configs=list(these), profile=profile))
+    if none_grid:
+        for model, these in configs.items():
+            points = {"widths": (1,), "contexts": bracketing_contexts(*step_contexts(these)), "batches": (1,)}
+            items.append(Item("grid", model, f"grid {SHAPE_OF[model]} none", GRID_EST_S["none"], GRID_MIN_S["none"],
+                              grid_config="none", points=points))
     return items
 
 
@@ -256,11 +267,12 @@ def run(args: argparse.Namespace) -> int:
     work = Path(args.work or Path(os.environ.get("TMPDIR", "/tmp")) / "hqlab-seed-validation" / args.tag)
     work.mkdir(parents=True, exist_ok=True)
     log(f"work dir {work}; results into {out}")
-    items = make_plan(configs_from(args), limit=args.limit, repeats=args.repeats, fused_grid=args.fused_grid)
+    items = make_plan(configs_from(args), limit=args.limit, repeats=args.repeats, fused_grid=args.fused_grid,
+                      none_grid=args.none_grid)
     status_path = out / f"validation_{args.tag}.json"
     status = {"tag": args.tag, "commit": args.commit, "budget_s": args.budget_s, "limit": args.limit,
               "repeats": args.repeats, "suite": SUITE, "doc_tokens": DOC_TOKENS, "max_new_tokens": MAX_NEW_TOKENS,
-              "fused_grid": args.fused_grid, "items": [], "prepare_s": None}
+              "fused_grid": args.fused_grid, "none_grid": args.none_grid, "items": [], "prepare_s": None}
 
     def save() -> None:
         status["items"] = [asdict(x) for x in items]
@@ -325,7 +337,8 @@ def prepare(args: argparse.Namespace) -> int:
 
 
 def show_plan(args: argparse.Namespace) -> int:
-    items = make_plan(configs_from(args), limit=args.limit, repeats=args.repeats, fused_grid=args.fused_grid)
+    items = make_plan(configs_from(args), limit=args.limit, repeats=args.repeats, fused_grid=args.fused_grid,
+                      none_grid=args.none_grid)
     total = 0.0
     for x in items:
         total += x.est_s
@@ -418,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         r.add_argument("--fused-grid", action="store_true",
                        help="also the 1.5B's gpu-fused step in the grid (~100 s more); without it the fused pass is "
                             "the decodes' profiled pass")
+        r.add_argument("--none-grid", action="store_true",
+                       help="last, an engine without a speculator per shape, which prices `none` (~80 s a model)")
         r.add_argument("--config-05b", action="append", default=None, help="the 0.5B's configs (repeatable)")
         r.add_argument("--config-15b", action="append", default=None, help="the 1.5B's configs (repeatable)")
         r.add_argument("--model", action="append", choices=sorted(SHAPE_OF), default=None,

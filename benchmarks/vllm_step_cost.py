@@ -76,7 +76,8 @@ FUSED = (f"gpu-fused:k={K},draft_block=1,model={DRAFTER},nmax=32,policy=earliest
 PLAN = [("qwen2.5-0.5b", "bf16", "gpu-lookup"), ("qwen2.5-1.5b", "bf16", "gpu-lookup"),
         ("qwen2.5-1.5b", "bf16", "gpu-fused"), ("qwen2.5-7b", "bf16", "gpu-lookup"),
         ("qwen2.5-27b", "bf16", "gpu-lookup"), ("qwen2.5-32b", "bf16", "gpu-lookup"),
-        ("qwen2.5-14b", "bf16", "gpu-lookup"), ("qwen2.5-27b", "fp8", "gpu-lookup")]
+        ("qwen2.5-14b", "bf16", "gpu-lookup"), ("qwen2.5-27b", "fp8", "gpu-lookup"),
+        ("qwen2.5-0.5b", "bf16", "none"), ("qwen2.5-1.5b", "bf16", "none")]
 MEASURED_STEPS = 12  # steps timed per point, after WARM_STEPS
 WARM_STEPS = 3
 MAX_MODEL_LEN = max(CONTEXTS) + 64
@@ -117,9 +118,11 @@ def points(config: str, shape: str = "", *, contexts: Sequence[int] | None = Non
     contexts = tuple(sorted(set(contexts))) if contexts else default_contexts
     batches = tuple(sorted(set(batches))) if batches else default_batches
     widths = tuple(sorted(set(widths))) if widths else WIDTHS
-    widths = widths if config == "gpu-lookup" else tuple(w for w in widths if w > 1)
+    if config == "none":  # an engine without a speculator: one token a request a step
+        widths = (1,)
+    widths = widths if config in ("gpu-lookup", "none") else tuple(w for w in widths if w > 1)
     return [(c, b, w) for c in contexts for b in batches for w in widths
-            if config == "gpu-lookup" or c < 32768 or b == 1]
+            if config != "gpu-fused" or c < 32768 or b == 1]
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -221,7 +224,7 @@ def one(args: argparse.Namespace) -> int:
 
     work, rows_path = Path(args.work), Path(args.rows)
     config = args.config
-    spec = LOOKUP if config == "gpu-lookup" else FUSED
+    spec = {"gpu-lookup": LOOKUP, "gpu-fused": FUSED, "none": None}[config]
     if config == "gpu-fused":
         models.prepare(DRAFTER)
     chosen = points(config, args.shape, **point_options(args))
@@ -230,7 +233,8 @@ def one(args: argparse.Namespace) -> int:
         return 0
     max_len = max_model_len(args)
     folder = model_folder(args.shape, work, max_len)
-    speculative, extra = engine_configs(spec, planted_fault="reject_all_drafts")
+    # `none`: no speculator, so no fault either (every step emits the one token it verifies)
+    speculative, extra = engine_configs(spec, planted_fault="reject_all_drafts") if spec else (None, {})
     capture = sorted({b * w for b in BATCHES for w in WIDTHS} | {1 << i for i in range(11)})
     plugin.check_vllm_version()
     plugin.register()
@@ -246,6 +250,8 @@ def one(args: argparse.Namespace) -> int:
     log(f"{args.shape} {args.quant} {config}: engine ready in {start_s:.0f} s")
 
     def set_width(width: int) -> None:  # verify `width` positions a request: width - 1 drafts
+        if spec is None:  # `none` verifies one position a request, always
+            return
         if args.engine == "inprocess":  # InprocClient -> EngineCore, in this process
             plugin.set_width(engine.engine_core.engine_core, width - 1)
         else:  # the engine core's own process, through vLLM's utility call
@@ -430,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     o = sub.add_parser("one", help="one (shape, quant, config) in this process (run starts these)")
     o.add_argument("--shape", choices=sorted(SHAPES), required=True)
     o.add_argument("--quant", choices=("bf16", "fp8"), default="bf16")
-    o.add_argument("--config", choices=("gpu-lookup", "gpu-fused"), default="gpu-lookup")
+    o.add_argument("--config", choices=("gpu-lookup", "gpu-fused", "none"), default="gpu-lookup")
     o.add_argument("--tag", required=True)
     o.add_argument("--commit", default="unknown")
     o.add_argument("--work", required=True)

@@ -35,7 +35,10 @@ STEP_COST_SCHEMA: dict[str, type[pl.DataType]] = {
     "step_ms": pl.Float64, "step_ms_p10": pl.Float64, "step_ms_p90": pl.Float64, "steps": pl.Int64,
     "drafter": pl.String, "engine_start_s": pl.Float64, "machine": pl.String, "vllm_version": pl.String,
     "git_commit": pl.String}
-STEP_CONFIGS = ("gpu-lookup", "gpu-fused")  # the configs the step-cost grid measures
+# the configs the step-cost grid measures; "none" (optional, width 1): an engine without a speculator, which prices
+# `none` where the grid has it (else the lookup's width-1 step, which still runs the speculator and vLLM's
+# rejection sampler: run v1 priced `none` 5-9 % slow that way)
+STEP_CONFIGS = ("gpu-lookup", "gpu-fused", "none")
 KINDS = ("none", "gpu-lookup", "gpu-fused")  # the configs of a vLLM run this module can price
 OUTSIDE_CONTEXT = ("error", "clamp")
 DRAFTERS = ("measured", "scaled")
@@ -281,6 +284,17 @@ def profiled_pass_ms(phases: pl.DataFrame, run: str, *, skipped_below_ms: float 
     return {w: float(np.mean(v)) for w, v in sorted(by_width.items())}
 
 
+def plain_config(costs: pl.DataFrame, shape: str, batch: int, *, quant: str = "bf16") -> str:
+    """The grid config that prices a step without speculation on `shape` at `batch`: "none" where the grid measured
+    an engine without a speculator there at every context its gpu-lookup was measured at, else "gpu-lookup" (its
+    width-1 step)."""
+    rows = costs.filter((pl.col("shape") == shape) & (pl.col("quant") == quant) & (pl.col("batch") == batch)
+                        & (pl.col("width") == 1))
+    plain = set(rows.filter(pl.col("config") == "none")["context"].to_list())
+    lookup = set(rows.filter(pl.col("config") == "gpu-lookup")["context"].to_list())
+    return "none" if plain and plain >= lookup else "gpu-lookup"
+
+
 def price_requests(tr: Traces, costs: pl.DataFrame, shape: str, batch: int, *, quant: str = "bf16",
                    fused_shape: str | None = None, drafter_shape: str | None = None,
                    measured_drafter_shape: str | None = None, pass_quant: str = "bf16",
@@ -288,8 +302,8 @@ def price_requests(tr: Traces, costs: pl.DataFrame, shape: str, batch: int, *, q
                    outside_context: str = "error") -> pl.DataFrame:
     """Per request of `tr`: tokens, steps, the projected decode time (ms) of its steps on `shape` at `batch` (and
     `recorded_ms`, what the steps took where they were recorded), the
-    time of the same tokens without speculation (`none_ms`: one width-1 gpu-lookup step a token, from the request's
-    first context on) and `clamped` (steps whose context was below the grid and priced at its smallest, with
+    time of the same tokens without speculation (`none_ms`: one step without speculation a token, from the request's
+    first context on, priced as `plain_config` says) and `clamped` (steps whose context was below the grid and priced at its smallest, with
     `outside_context="clamp"`). A gpu-fused step = the target's gpu-lookup step + the drafter's pass where the step
     ran one: from the grid (`pass_ms`; `fused_shape` is the shape the fused step was measured on, in `pass_quant`: a
     target in fp8 gets the drafter's pass as measured in bf16), or, where the grid has no fused step,
@@ -305,8 +319,9 @@ def price_requests(tr: Traces, costs: pl.DataFrame, shape: str, batch: int, *, q
     ctx = _contexts(raw, floor, ceiling, outside_context, f"run {tr.run}, {tr.config} on {shape} at batch {batch}")
     width = s["verify_len"].to_numpy()
     lookup_config = "gpu-lookup"
+    plain = plain_config(costs, shape, batch, quant=quant)
     if tr.kind == "none":
-        ms = step_ms(costs, shape, lookup_config, np.ones_like(width), ctx, batch, quant=quant)
+        ms = step_ms(costs, shape, plain, np.ones_like(width), ctx, batch, quant=quant)
     else:
         ms = step_ms(costs, shape, lookup_config, width, ctx, batch, quant=quant)
     if tr.kind == "gpu-fused":
@@ -347,7 +362,7 @@ def price_requests(tr: Traces, costs: pl.DataFrame, shape: str, batch: int, *, q
     for first, tokens in per.select("first_context", "tokens").iter_rows():
         positions = first + np.arange(tokens)
         ctx_none = _contexts(positions, floor, ceiling, outside_context, f"run {tr.run}, none on {shape}")
-        none_ms.append(float(step_ms(costs, shape, lookup_config, 1, ctx_none, batch, quant=quant).sum()))
+        none_ms.append(float(step_ms(costs, shape, plain, 1, ctx_none, batch, quant=quant).sum()))
     return per.with_columns(pl.Series("none_ms", none_ms)).with_columns(
         (1e3 * pl.col("tokens") / pl.col("ms")).alias("tok_s"),
         (1e3 * pl.col("tokens") / pl.col("none_ms")).alias("none_tok_s"))

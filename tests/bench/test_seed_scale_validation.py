@@ -327,3 +327,16 @@ def test_run_v1_the_validation_on_one_h100_as_docs_seed_scale_reports_it():
     # the 0.5B's repeats, not the 1.5B's, are the unsteady ones
     assert table.filter(pl.col("run") == "v1_05b")["repeat_spread"].median() > 1.3
     assert table.filter(pl.col("run") == "v1_15b")["repeat_spread"].median() < 1.05
+
+
+def test_the_none_grid_comes_last_at_width_one_and_the_lookups_contexts():
+    items = v.make_plan(v.DEFAULT_CONFIGS, none_grid=True)
+    assert [x.name for x in items[-2:]] == ["grid qwen2.5-0.5b none", "grid qwen2.5-1.5b none"]
+    assert items[:4] == v.make_plan(v.DEFAULT_CONFIGS)[:4]  # the rest of the plan, in its order, unchanged
+    lookup, plain = items[0], items[-2]
+    assert plain.points == {"widths": (1,), "contexts": lookup.points["contexts"], "batches": (1,)}
+    assert grid_bench.points("none", "qwen2.5-0.5b", **plain.points) == [(c, 1, 1) for c in lookup.points["contexts"]]
+    assert grid_bench.points("none", "qwen2.5-0.5b") == [(1024, 1, 1), (1024, 8, 1), (8192, 1, 1), (8192, 8, 1)]
+    argv = v.grid_argv(plain, "t", "c", 100.0, Path("w"))
+    assert argv[argv.index("--only") + 1] == "qwen2.5-0.5b:bf16:none"
+    assert ("qwen2.5-0.5b", "bf16", "none") in grid_bench.PLAN  # what `--only shape:bf16:none` selects

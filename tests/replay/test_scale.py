@@ -117,7 +117,7 @@ def test_bad_grids_are_refused():
     with pytest.raises(scale.ScaleError, match="non-positive"):
         scale.check_step_costs(costs.with_columns(pl.lit(0.0).alias("step_ms")))
     with pytest.raises(scale.ScaleError, match="unknown config"):
-        scale.check_step_costs(costs.with_columns(pl.lit("none").alias("config")))
+        scale.check_step_costs(costs.with_columns(pl.lit("lookup").alias("config")))
     with pytest.raises(scale.ScaleError, match="nothing measured for s-huge"):
         scale.step_ms(costs, "s-huge", "gpu-lookup", 4, 2048, 1)
 
@@ -304,9 +304,9 @@ def test_traces_of_the_committed_fused_run(fused_run):
 
 
 def reported_validation() -> tuple[int, int]:
-    """'N of M (config, class) pairs' as docs/seed-scale.md reports the validation."""
+    """'N of M' as docs/seed-scale.md reports the validation of the H200 runs w2 and fn2 against the H100 grid."""
     text = (REPO / "docs" / "seed-scale.md").read_text()
-    found = re.search(r"\*\*(\d+) of (\d+)\*\* \(config, class\) pairs", text)
+    found = re.search(r"\(`scale\.validate`\): within ±10 % on \*\*(\d+) of (\d+)\*\*", text)
     assert found, "docs/seed-scale.md reports no validation count"
     return int(found.group(1)), int(found.group(2))
 
@@ -327,3 +327,18 @@ def test_validation_on_the_committed_runs_is_what_the_docs_report(fused_run):
     within, pairs = int(table["within"].sum()), table.height
     assert (within, pairs) == reported_validation()
     assert pairs >= 40  # w2: 3 configs x 7 classes; fn2: 5 x 7
+
+
+def test_a_none_grid_prices_none_and_the_no_speculation_time_where_it_covers_the_lookups_contexts():
+    """`none` and `none_ms` come from the engine without a speculator where the grid measured it (1.5 ms against the
+    lookup's width-1 2 ms here); a `none` grid missing one of the lookup's contexts is not used."""
+    table = {**FLAT, ("t", "none", 1): 1.5}
+    costs = flat_fixture(table, params=PARAMS)
+    assert scale.plain_config(costs, "t", 1) == "none" and scale.plain_config(costs, "d", 1) == "gpu-lookup"
+    per = scale.price_requests(_traces("gpu-lookup:k=3"), costs, "t", 1)
+    assert per["ms"][0] == pytest.approx(6.0) and per["none_ms"][0] == pytest.approx(9.0)  # 6 tokens x 1.5 ms
+    plain = scale.price_requests(_traces("none", passes=(-1, -1), emitted=(1, 1)), costs, "t", 1)
+    assert plain["ms"][0] == pytest.approx(3.0)  # two one-token steps at 1.5 ms, not the lookup's 2 ms
+    partial = costs.filter(~((pl.col("config") == "none") & (pl.col("context") == 8192)))
+    assert scale.plain_config(partial, "t", 1) == "gpu-lookup"
+    assert scale.price_requests(_traces("gpu-lookup:k=3"), partial, "t", 1)["none_ms"][0] == pytest.approx(12.0)
