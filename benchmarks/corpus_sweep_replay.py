@@ -27,6 +27,7 @@ RUN = "c1"
 REQUESTS = ROOT / "data" / "results" / "vllm_corpus_h200.requests.parquet"
 POINTS = ROOT / "data" / "results" / "vllm_corpus_h200.parquet"
 STEP_GRID = ROOT / "data" / "results" / "seed_scale_h100.parquet"
+STEP_GRID_RUN = "s2"  # the grid's run whose widths scale k (the file also holds run v1's validation grid)
 OUT = ROOT / "data" / "results" / "corpus_sweep_replay.parquet"
 WORKLOADS = ("multiturn", "template", "agent", "prose")
 GRID = {"nmin": [1, 2, 3], "nmax": [16, 32, 64], "k": [7, 15, 31], "tie": ["earliest", "recent"],
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
     requests = pl.read_parquet(REQUESTS).filter(pl.col("run") == RUN)
-    prices = cv.fit_prices(requests, step_grid=pl.read_parquet(STEP_GRID))
+    prices = cv.fit_prices(requests, step_grid=pl.read_parquet(STEP_GRID).filter(pl.col("run") == STEP_GRID_RUN))
     print(prices)
     pts = points(requests)
     grid = specs(QUICK if args.quick else GRID)

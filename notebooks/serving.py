@@ -38,6 +38,7 @@ gate_min_matches = [0, 1, 2, 3, 4, 6, 8]
 gate_cost_run = "s3"
 gate_cost_config = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,batch_k=1:15/4:7/0"
 gate_grid_file = "data/results/seed_scale_h100.parquet"
+gate_grid_run = "s2"  # the grid's run (the file also holds run v1's validation grid)
 results_dir = "data/results"  # where the gate's replay is written (gate_replay.parquet)
 gate_cost_ratios = [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6]  # speculative step ÷ plain step, the host's cost
 gate_cost_lengths = [0, 1, 2, 3]  # the gate lengths drawn against it
@@ -142,7 +143,7 @@ from hqlab.replay.traces import load_traces
 cost_rows = pl.read_parquet(results_file).filter((pl.col("run") == gate_cost_run)
                                                  & pl.col("config").is_in(["none", gate_cost_config]))
 served_plain, served_spec = serve.step_costs(cost_rows, gate_cost_config)
-grid = pl.read_parquet(gate_grid_file)
+grid = pl.read_parquet(gate_grid_file).filter(pl.col("run") == gate_grid_run)
 grid_plain, *grid_wide = scale.step_ms(grid, "qwen2.5-1.5b", "gpu-lookup", [1, 2, 4, 8, 16, 32], 1024, 1)
 grid_spec = float(np.median(grid_wide))
 costs = {f"served ({served_spec / served_plain:.2f}x a plain step)": (served_plain, served_spec),

@@ -189,6 +189,9 @@ def fit_prices(requests: pl.DataFrame, *, step_grid: pl.DataFrame | None = None,
     widths: dict[int, dict[int, float]] = {}
     if step_grid is not None:
         g = step_grid.filter((pl.col("shape") == shape) & (pl.col("config") == "gpu-lookup"))
+        runs = sorted(g["run"].unique().to_list()) if "run" in g.columns else []
+        require(len(runs) <= 1, f"the step grid holds {shape}'s gpu-lookup rows of several runs {runs}: pass one "
+                                f"run's rows (their medians would mix different contexts and hosts)")
         for load in iteration_ms:
             rows = g.filter(pl.col("batch") == load).group_by("width").agg(pl.col("step_ms").median())
             table = dict(zip(rows["width"].to_list(), rows["step_ms"].to_list()))

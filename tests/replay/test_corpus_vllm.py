@@ -29,7 +29,7 @@ def requests() -> pl.DataFrame:
 
 @pytest.fixture(scope="module")
 def prices(requests) -> cv.StepPrices:
-    return cv.fit_prices(requests, step_grid=pl.read_parquet(GRID))
+    return cv.fit_prices(requests, step_grid=pl.read_parquet(GRID).filter(pl.col("run") == "s2"))
 
 
 def test_prices_are_the_runs_pooled_step_times(requests, prices):
@@ -47,6 +47,9 @@ def test_prices_are_the_runs_pooled_step_times(requests, prices):
     assert prices.width_factor(1, 31) == pytest.approx(prices.widths[1][32])
     with pytest.raises(ConfigError):
         cv.StepPrices(k=15, iteration_ms={1: 2.0}, none_ms={1: 1.8}, live_ms_per_1k=0.0).ms(1, 31)
+    # the committed grid file holds runs s2 and v1 (other contexts, another host): mixing them is refused
+    with pytest.raises(ConfigError, match="several runs"):
+        cv.fit_prices(requests, step_grid=pl.read_parquet(GRID))
 
 
 def test_spec_round_trip_and_the_speculator_accepts_it():
