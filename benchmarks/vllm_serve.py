@@ -122,7 +122,7 @@ def bench(args: argparse.Namespace) -> int:
         try:
             with serve.Server(argv, server_log, port=args.port, timeout_s=args.start_timeout) as server:
                 log(f"{label}: ready in {server.ready_s:.0f} s")
-                warn_if_eager(label, server_log)
+                eager = warn_if_eager(label, server_log, args.allow_eager)
                 if planted is None:
                     texts = serve.chat_texts(server.base_url, "target", chat, max_tokens=args.greedy_tokens)
                     append_jsonl(greedy_path, {"run": args.tag, "config": label, "texts": texts})
@@ -134,7 +134,7 @@ def bench(args: argparse.Namespace) -> int:
                                             "concurrency": args.sample_concurrency, "prompt": SAMPLE_PROMPT,
                                             "token_ids": samples})
                 log(f"{label}: {len(samples)} samples in {time.perf_counter() - t0:.0f} s")
-                if planted is not None:
+                if planted is not None or (eager and not args.allow_eager):
                     continue
                 for point in points:
                     name = f"{point.dataset}_t{point.temperature:g}_c{point.max_concurrency}"
@@ -229,7 +229,7 @@ def together(args: argparse.Namespace) -> int:
         env = {**os.environ, "VLLM_CACHE_ROOT": str(work / f"vllm-cache-{n}")}  # no two compiles share a file
         servers.append((spec, serve.Server(argv, work / f"serve_{args.tag}_{n}.log", port=args.port + n, env=env,
                                            timeout_s=args.start_timeout)))
-    live = []
+    live, eager = [], set()  # eager: servers whose drafting runs outside CUDA graphs (no load points)
     try:
         for spec, server in servers:
             server.start()
@@ -238,7 +238,8 @@ def together(args: argparse.Namespace) -> int:
                 server.wait()
                 live.append((spec, server))
                 log(f"{spec}: ready in {server.ready_s:.0f} s")
-                warn_if_eager(spec, server.log_path)
+                if warn_if_eager(spec, server.log_path, args.allow_eager) and not args.allow_eager:
+                    eager.add(spec)
             except Exception as e:
                 log(f"{spec}: FAILED to start: {type(e).__name__}: {str(e)[-2000:]}")
 
@@ -269,7 +270,7 @@ def together(args: argparse.Namespace) -> int:
             name = f"{point.dataset}_t{point.temperature:g}_c{point.max_concurrency}"
             for repeat in range(repeats):
                 for n, (spec, server) in enumerate(live):
-                    if point.max_concurrency > 1 and spec in args.batch1_config:
+                    if (point.max_concurrency > 1 and spec in args.batch1_config) or spec in eager:
                         continue
                     if time.monotonic() - started > args.budget_s:
                         log(f"budget of {args.budget_s:.0f} s spent: {name} repeat {repeat} and later not run")
@@ -324,13 +325,17 @@ def server_logs(src: Path) -> list[tuple[str, str]]:
     return logs
 
 
-def warn_if_eager(label: str, server_log: Path) -> None:
-    """Say at once if a server's drafting step failed to capture in CUDA graphs (it then runs eagerly: lossless,
-    but its speed is not the config's; `finish` records it as `drafting_eager`)."""
+def warn_if_eager(label: str, server_log: Path, allow: bool) -> bool:
+    """Whether a server's drafting step failed to capture in CUDA graphs, said at once. It then runs eagerly:
+    lossless, so its greedy texts and samples still count, but its speed is not the config's, so its load points
+    are skipped unless `allow` (--allow-eager); `finish` records it as `drafting_eager`."""
     from hqlab.bench.serve import server_log_facts
 
-    if server_log.exists() and server_log_facts(server_log.read_text(errors="replace"))["drafting_eager"]:
-        log(f"{label}: WARNING: its drafting step runs eagerly (CUDA graph capture failed; see its log)")
+    if not (server_log.exists() and server_log_facts(server_log.read_text(errors="replace"))["drafting_eager"]):
+        return False
+    log(f"{label}: WARNING: its drafting step runs eagerly (CUDA graph capture failed; see its log): "
+        + ("measured anyway (--allow-eager)" if allow else "its load points are skipped"))
+    return True
 
 
 def short(spec: str) -> str:
@@ -412,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--start-timeout", type=float, default=600)
     b.add_argument("--work", default=None)
     b.add_argument("--fail-fast", action="store_true")
+    b.add_argument("--allow-eager", action="store_true", help="measure a server whose drafting step failed to "
+                   "capture in CUDA graphs (default: its load points are skipped)")
     t = sub.add_parser("together", help="GPU host: every config's server at once, points interleaved, repeats")
     t.add_argument("--tag", required=True)
     t.add_argument("--commit", default="unknown")
@@ -435,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--port", type=int, default=8321)
     t.add_argument("--start-timeout", type=float, default=420)
     t.add_argument("--budget-s", type=float, default=560, help="start no load point after this many seconds")
+    t.add_argument("--allow-eager", action="store_true", help="measure a server whose drafting step failed to "
+                   "capture in CUDA graphs (default: its load points are skipped)")
     t.add_argument("--work", default=None)
     f = sub.add_parser("finish", help="CPU: the returned files -> data/results")
     f.add_argument("returned")

@@ -319,3 +319,15 @@ def test_a_drafting_step_that_ran_eagerly_is_found_in_the_log():
     before, after = (RESULTS / "serve_s5" / f"draft_sampling_gpu_tests_{n}.log" for n in ("s5", "s5b"))
     assert serve.server_log_facts(before.read_text())["drafting_eager"]
     assert not serve.server_log_facts(after.read_text())["drafting_eager"]
+
+
+def test_the_benchmark_skips_the_load_points_of_a_server_that_drafts_eagerly(capsys):
+    from benchmarks import vllm_serve
+
+    before, after = (RESULTS / "serve_s5" / f"draft_sampling_gpu_tests_{n}.log" for n in ("s5", "s5b"))
+    assert vllm_serve.warn_if_eager("gpu-fused:...", before, allow=False)
+    assert "its load points are skipped" in capsys.readouterr().out
+    assert vllm_serve.warn_if_eager("gpu-fused:...", before, allow=True)
+    assert "measured anyway (--allow-eager)" in capsys.readouterr().out
+    assert not vllm_serve.warn_if_eager("gpu-fused:...", after, allow=False)
+    assert not vllm_serve.warn_if_eager("gpu-fused:...", RESULTS / "no_such.log", allow=False)
