@@ -127,8 +127,7 @@ def bracketing_contexts(low: int, high: int, top_step: int = TOP_STEP) -> tuple[
     while c < high:
         out.append(c)
         c *= 2
-    top = -(-high // top_step) * top_step
-    return tuple(out) + ((top,) if not out or top > out[-1] else ())
+    return tuple(out) + (-(-high // top_step) * top_step,)  # every power of two kept is below `high`
 
 
 def step_contexts(configs: Sequence[str], prompt_tokens: tuple[int, int] = PROMPT_TOKENS,

@@ -301,9 +301,9 @@ def price_requests(tr: Traces, costs: pl.DataFrame, shape: str, batch: int, *, q
                    profiled_pass: Mapping[int, float] | None = None,
                    outside_context: str = "error") -> pl.DataFrame:
     """Per request of `tr`: tokens, steps, the projected decode time (ms) of its steps on `shape` at `batch` (and
-    `recorded_ms`, what the steps took where they were recorded), the
-    time of the same tokens without speculation (`none_ms`: one step without speculation a token, from the request's
-    first context on, priced as `plain_config` says) and `clamped` (steps whose context was below the grid and priced at its smallest, with
+    `recorded_ms`, what the steps took where they were recorded), the time of the same tokens without speculation
+    (`none_ms`: one step without speculation a token, from the request's first context on, priced as
+    `plain_config` says) and `clamped` (steps whose context was below the grid and priced at its smallest, with
     `outside_context="clamp"`). A gpu-fused step = the target's gpu-lookup step + the drafter's pass where the step
     ran one: from the grid (`pass_ms`; `fused_shape` is the shape the fused step was measured on, in `pass_quant`: a
     target in fp8 gets the drafter's pass as measured in bf16), or, where the grid has no fused step,
