@@ -396,7 +396,13 @@ def finish(args: argparse.Namespace) -> int:
                                 phases=phases, repeats=pl.read_parquet(repeats_path) if repeats_path.exists() else None,
                                 say=print)
     check = part_path(out, "check")
-    write_atomic(check, lambda tmp: table.write_parquet(tmp))
+    if check.exists():  # the check table keeps every earlier run's rows; this run's replace its own
+        earlier = pl.read_parquet(check)
+        kept = earlier.filter(~pl.col("run").is_in(table["run"].unique().to_list()))
+        merged = pl.concat([kept, table], how="diagonal_relaxed") if kept.height else table
+    else:
+        merged = table
+    write_atomic(check, lambda tmp: merged.write_parquet(tmp))
     with pl.Config(tbl_rows=100, tbl_width_chars=200, fmt_str_lengths=40):
         print(table.select("run", "label", "category", "prompts", "measured_tok_s", "predicted_tok_s", "ratio",
                            "within", "predicted_step_ms", "recorded_step_ms", "clamped_share"))
