@@ -50,6 +50,7 @@ draft_temperature_file = "data/results/draft_temperature_cpu.parquet"  # the dra
 drawn_heads_file = "data/results/drawn_heads_cpu.parquet"  # whole steps: greedy against drawn heads of 1-3 tokens
 head_speed_run = "s3"  # the serving run that measured greedy heads of 1-3 tokens against each other
 projection_run = "s4"
+served_heads_run = "s5a"  # the serving run that measured the drawn heads themselves (sampled prose, one request)
 projection_config = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,"
                      "compile_rule=true,device_skip=true,layers=triton,attention=triton,batch_k=1:15/4:7/0")
 gate_plot = ["prose 1.5B", "chat 1.5B", "prose 0.5B", "template 0.5B", "multiturn 0.5B", "agent 0.5B", "qa 1.5B",
@@ -299,3 +300,25 @@ sampled_drafts.project_heads(heads, float(measured["ratio"].median()), speeds).w
 # %%
 chart
 
+# %% [markdown]
+# The drawn heads served (`served_heads_run`): each config's output throughput ÷ `none`'s at one request on sampled
+# prose (the median of the repeats, each against `none`'s same repeat, and their range) beside the projection above,
+# with the tokens a verify step and that step's time ÷ a plain step (time per output token × tokens a step).
+
+# %%
+served = sampled_drafts.served_heads(pl.read_parquet(results_file), served_heads_run)
+projected = sampled_drafts.project_heads(heads, float(measured["ratio"].median()), speeds)
+compared = pl.concat([
+    served.select(pl.format("head of {}", pl.col("head")).alias("head"),
+                  pl.format("{} drafts, measured ({})", pl.col("draft"), pl.lit(served_heads_run)).alias("source"),
+                  "ratio", lo="ratio_min", hi="ratio_max"),
+    projected.select(pl.format("head of {}", pl.col("head")).alias("head"),
+                     pl.lit("drawn drafts, projected (CPU)").alias("source"),
+                     pl.col("projected").alias("ratio"), lo="projected_lo", hi="projected_hi")])
+chart = plots.ranges(compared, "head", "ratio", "lo", "hi", "source", rules={"the issue's 1.3×": 1.3, "none": 1.0},
+                     y_title="output tok/s ÷ none (prose, T = 0.7, one request)")
+plots.save(chart, Path(figures_dir) / "drawn_heads_served.svg")
+served.drop("config", "machine")
+
+# %%
+chart
