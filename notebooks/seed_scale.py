@@ -50,8 +50,9 @@ speedup_configs = ["gpu-lookup k=31 (w2)", "gpu-lookup k=31 (fn2)", "gpu-fused k
 seeds_params_b = 27.0  # the seeds' headline: 159 -> 381 tok/s on a ~27B target
 seeds_speedup = 2.4
 same_machine_file = "data/results/seed_scale_validation_h100.parquet"  # decodes beside a grid of the same call
-same_machine_grid_run = "v1"  # that call's grid rows in the step-cost file
-same_machine_runs = {"v1_05b": "qwen2.5-0.5b", "v1_15b": "qwen2.5-1.5b"}  # its decode runs -> their grid shapes
+# decode run -> [the grid run of the same call (its rows in the step-cost file), the grid shape that prices it]
+same_machine_runs = {"v1_05b": ["v1", "qwen2.5-0.5b"], "v1_15b": ["v1", "qwen2.5-1.5b"],
+                     "v2a_05b": ["v2a", "qwen2.5-0.5b"]}
 steady_spread = 1.1  # a pair is "steady" where every prompt's repeats agree within this factor
 figures_dir = "figures"
 results_dir = "data/results"
@@ -170,18 +171,20 @@ chart
 
 # %% [markdown]
 # ## 2b. Validation on one machine
-# The check above prices H200 decodes with an H100's grid. Run `v1` (benchmarks/seed_scale_validation.py) measured a
-# grid at exactly the points it prices and then the decodes it predicts, in one call on one H100, so host and card
-# cannot explain a miss. `repeat_spread`: per pair the largest, over its prompts, of a prompt's fastest ÷ slowest
+# The check above prices H200 decodes with an H100's grid. Runs `v1` and `v2a` (benchmarks/seed_scale_validation.py)
+# each measured a grid at exactly the points it prices and then the decodes it predicts, in one call on one H100, so
+# card and machine cannot explain a miss (the host's state within the call can). `repeat_spread`: per pair the largest, over its prompts, of a prompt's fastest ÷ slowest
 # repeat; a pair whose own repeats spread more than the band cannot be predicted within it by any model.
 
 # %%
-same_costs = pl.read_parquet(step_costs_file).filter(pl.col("run") == same_machine_grid_run)
+all_costs = pl.read_parquet(step_costs_file)
 same_parts = {name: pl.read_parquet(Path(same_machine_file).with_suffix(f".{name}.parquet"))
               for name in ("steps", "phases", "repeats")}
-same = scale.validate_runs(same_costs, same_parts["steps"], pl.read_parquet(same_machine_file), same_machine_runs,
-                           phases=same_parts["phases"], repeats=same_parts["repeats"], tolerance=tolerance,
-                           say=print)
+same = pl.concat([
+    scale.validate_runs(all_costs.filter(pl.col("run") == grid_run), same_parts["steps"],
+                        pl.read_parquet(same_machine_file), {run: shape}, phases=same_parts["phases"],
+                        repeats=same_parts["repeats"], tolerance=tolerance, say=print)
+    for run, (grid_run, shape) in same_machine_runs.items()], how="diagonal_relaxed")
 steady = same.filter(pl.col("repeat_spread") <= steady_spread)
 print(f"within ±{tolerance:.0%}: {int(same['within'].sum())} of {same.height} (config, class) pairs, "
       f"{scale.validation_fraction(same):.0%}; of the {steady.height} pairs whose repeats agree within "
@@ -194,7 +197,7 @@ same.group_by("run", "label", maintain_order=True).agg(
 # %%
 shown = same.with_columns(pl.format("{} {}", "run", "label").alias("config"))
 chart = plots.predicted_vs_measured(shown, "measured_tok_s", "predicted_tok_s", "config", tolerance=tolerance,
-                                    x_title="measured decode tok/s (batch 1, run v1, one H100)",
+                                    x_title="measured decode tok/s (batch 1, runs v1 and v2a, one H100)",
                                     y_title="predicted from the same call's grid",
                                     tooltip=["config", "category", "measured_tok_s", "predicted_tok_s", "ratio",
                                              "repeat_spread"])
