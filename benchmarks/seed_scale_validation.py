@@ -71,6 +71,7 @@ DEFAULT_CONFIGS = {"qwen2.5-coder-0.5b": [LOOKUP_15, LOOKUP_31], "qwen2.5-coder-
 SUITE, DOC_TOKENS, MAX_NEW_TOKENS = "all", 2000, 256  # as runs w2 and fn2
 TOP_STEP = 512  # the grid's largest context: the longest step's, rounded up to this (`bracketing_contexts`)
 GRID_STEPS = 48  # timed steps per grid point (v1 timed 12: the host-bound 0.5B's points spread 1.2-1.6x p10-p90)
+GRID_STEP_S = 0.004  # seconds a grid step of the 0.5B/1.5B takes at most (2-4 ms), for the estimate of longer grids
 PROMPT_TOKENS = (140, 2035)  # the suite's prompts at doc_tokens 2000 (runs w2, fn2: chat-travel .. edit)
 LIMIT, REPEATS = 9, 3
 # Expected seconds (H200 runs w2/fn2, H100 run s2): an engine of the grid starts in 60-106 s (s2, one at a time);
@@ -177,15 +178,31 @@ def decode_estimate(model: str, configs: Sequence[str], limit: int, repeats: int
     return DECODE_START_S[model] + (repeats + (1 if profile else 0)) * per_round + 10.0
 
 
+def grid_extra_s(n_points: int, steps: int, rounds: int) -> float:
+    """Seconds a grid of `n_points` takes beyond GRID_EST_S when each point times `steps` in `rounds` passes (each
+    pass pays WARM_STEPS + 1 untimed steps) instead of GRID_STEPS in one."""
+    per_point = steps + rounds * (grid_bench.WARM_STEPS + 1) - (GRID_STEPS + grid_bench.WARM_STEPS + 1)
+    return max(0.0, n_points * per_point * GRID_STEP_S)
+
+
 def make_plan(configs: dict[str, list[str]], *, limit: int = LIMIT, repeats: int = REPEATS,
-              fused_grid: bool = False, none_grid: bool = False) -> list[Item]:
+              fused_grid: bool = False, none_grid: bool = False, grid_steps: int = GRID_STEPS,
+              grid_rounds: int = 1) -> list[Item]:
     """(a) every model's grid items, then (b) every model's decodes, in the order of `configs`; with `none_grid`
-    (c) every model's `none` grid, at the contexts of its lookup grid."""
+    (c) every model's `none` grid, at the contexts of its lookup grid. `grid_steps` timed steps a grid point in
+    `grid_rounds` passes over the grid's points lengthen each grid item's estimate (`grid_extra_s`)."""
+    grid_bench.round_schedule([], grid_steps, grid_rounds)  # refuses rounds that leave a pass without a step
+
+    def extra(grid_config: str, model: str, points: dict) -> float:
+        n = len(grid_bench.points(grid_config, SHAPE_OF[model], **points))
+        return grid_extra_s(n, grid_steps, grid_rounds)
+
     items: list[Item] = []
     for model, these in configs.items():
         for grid_config, points in grid_points(these, step_contexts(these), fused_grid=fused_grid).items():
-            items.append(Item("grid", model, f"grid {SHAPE_OF[model]} {grid_config}", GRID_EST_S[grid_config],
-                              GRID_MIN_S[grid_config], grid_config=grid_config, points=points))
+            more = extra(grid_config, model, points)
+            items.append(Item("grid", model, f"grid {SHAPE_OF[model]} {grid_config}", GRID_EST_S[grid_config] + more,
+                              GRID_MIN_S[grid_config] + more, grid_config=grid_config, points=points))
     for model, these in configs.items():
         profile = any(single_pass(c) for c in these) and not fused_grid
         items.append(Item("decode", model, f"decode {model}", decode_estimate(model, these, limit, repeats, profile),
@@ -194,8 +211,9 @@ def make_plan(configs: dict[str, list[str]], *, limit: int = LIMIT, repeats: int
     if none_grid:
         for model, these in configs.items():
             points = {"widths": (1,), "contexts": bracketing_contexts(*step_contexts(these)), "batches": (1,)}
-            items.append(Item("grid", model, f"grid {SHAPE_OF[model]} none", GRID_EST_S["none"], GRID_MIN_S["none"],
-                              grid_config="none", points=points))
+            more = extra("none", model, points)
+            items.append(Item("grid", model, f"grid {SHAPE_OF[model]} none", GRID_EST_S["none"] + more,
+                              GRID_MIN_S["none"] + more, grid_config="none", points=points))
     return items
 
 
@@ -233,13 +251,14 @@ def bench_argv(item: Item, tag: str, limit: int, repeats: int) -> list[str]:
     return argv + (["--profile"] if item.profile else [])
 
 
-def grid_argv(item: Item, tag: str, commit: str, budget_s: float, work: Path) -> list[str]:
+def grid_argv(item: Item, tag: str, commit: str, budget_s: float, work: Path, *, steps: int = GRID_STEPS,
+              rounds: int = 1) -> list[str]:
     p = item.points
     return ["run", "--tag", tag, "--commit", commit, "--budget-s", f"{budget_s:.0f}", "--min-left-s",
             f"{min(item.min_s, budget_s):.0f}", "--only", f"{SHAPE_OF[item.model]}:bf16:{item.grid_config}",
             "--work", str(work), "--engine", "process", "--contexts", ",".join(map(str, p["contexts"])),
             "--batches", ",".join(map(str, p["batches"])), "--widths", ",".join(map(str, p["widths"])),
-            "--steps", str(GRID_STEPS)]
+            "--steps", str(steps)] + (["--rounds", str(rounds)] if rounds > 1 else [])
 
 
 def rows_of(rows_path: Path, shape: str, config: str) -> int:
@@ -267,11 +286,12 @@ def run(args: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
     log(f"work dir {work}; results into {out}")
     items = make_plan(configs_from(args), limit=args.limit, repeats=args.repeats, fused_grid=args.fused_grid,
-                      none_grid=args.none_grid)
+                      none_grid=args.none_grid, grid_steps=args.grid_steps, grid_rounds=args.grid_rounds)
     status_path = out / f"validation_{args.tag}.json"
     status = {"tag": args.tag, "commit": args.commit, "budget_s": args.budget_s, "limit": args.limit,
               "repeats": args.repeats, "suite": SUITE, "doc_tokens": DOC_TOKENS, "max_new_tokens": MAX_NEW_TOKENS,
-              "fused_grid": args.fused_grid, "none_grid": args.none_grid, "items": [], "prepare_s": None}
+              "fused_grid": args.fused_grid, "none_grid": args.none_grid, "grid_steps": args.grid_steps,
+              "grid_rounds": args.grid_rounds, "items": [], "prepare_s": None}
 
     def save() -> None:
         status["items"] = [asdict(x) for x in items]
@@ -306,7 +326,8 @@ def run(args: argparse.Namespace) -> int:
         log(f"{item.name}: starting, {limit_s:.0f} s of {left:.0f} left")
         t = time.monotonic()
         if item.kind == "grid":
-            grid_bench.main(grid_argv(item, args.tag, args.commit, limit_s, work))
+            grid_bench.main(grid_argv(item, args.tag, args.commit, limit_s, work, steps=args.grid_steps,
+                                      rounds=args.grid_rounds))
             got = rows_of(rows_path, SHAPE_OF[item.model], item.grid_config)
             grid_ok[item.model] = grid_ok.get(item.model, False) or (item.grid_config == "gpu-lookup" and got > 0)
             want = len(grid_bench.points(item.grid_config, SHAPE_OF[item.model], **item.points))
@@ -337,7 +358,7 @@ def prepare(args: argparse.Namespace) -> int:
 
 def show_plan(args: argparse.Namespace) -> int:
     items = make_plan(configs_from(args), limit=args.limit, repeats=args.repeats, fused_grid=args.fused_grid,
-                      none_grid=args.none_grid)
+                      none_grid=args.none_grid, grid_steps=args.grid_steps, grid_rounds=args.grid_rounds)
     total = 0.0
     for x in items:
         total += x.est_s
@@ -438,6 +459,11 @@ def main(argv: list[str] | None = None) -> int:
                             "the decodes' profiled pass")
         r.add_argument("--none-grid", action="store_true",
                        help="last, an engine without a speculator per shape, which prices `none` (~80 s a model)")
+        r.add_argument("--grid-steps", type=grid_bench.positive_int, default=GRID_STEPS,
+                       help=f"timed steps a grid point (default {GRID_STEPS})")
+        r.add_argument("--grid-rounds", type=grid_bench.positive_int, default=1,
+                       help="time each grid point's steps in this many passes over the grid's points, spread over "
+                            "the grid's time (default 1: one burst a point)")
         r.add_argument("--config-05b", action="append", default=None, help="the 0.5B's configs (repeatable)")
         r.add_argument("--config-15b", action="append", default=None, help="the 1.5B's configs (repeatable)")
         r.add_argument("--model", action="append", choices=sorted(SHAPE_OF), default=None,
@@ -452,6 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if getattr(args, "model", None) is None and args.cmd in ("run", "plan"):
         args.model = sorted(SHAPE_OF)
+    if args.cmd in ("run", "plan") and args.grid_rounds > args.grid_steps:
+        p.error(f"--grid-rounds {args.grid_rounds} is more than --grid-steps {args.grid_steps}: every round times at "
+                f"least one step of each point")
     return {"run": run, "plan": show_plan, "prepare": prepare, "finish": finish}[args.cmd](args)
 
 

@@ -153,6 +153,22 @@ def measured_steps(args: argparse.Namespace) -> int:
     return getattr(args, "steps", None) or MEASURED_STEPS
 
 
+def measured_rounds(args: argparse.Namespace) -> int:
+    return getattr(args, "rounds", None) or 1
+
+
+def round_schedule(points: Sequence[tuple[int, int, int]], steps: int, rounds: int) -> list[tuple[int, tuple, int]]:
+    """The order a call measures its points in: `rounds` passes over all of them, each timing a share of the
+    `steps` a point gets (the first `steps % rounds` passes one step more), as (round, point, steps). With one
+    round, each point's steps in one burst (what runs v1 and v2a did). Several rounds spread a point's steps over
+    the whole call, so that a host whose speed changes in episodes of seconds (docs/vllm.md) is met in the same
+    mix of states by every point, as by decodes that last minutes."""
+    if rounds < 1 or steps < rounds:
+        raise ValueError(f"rounds must be in [1, steps={steps}] so that every round times a step (got {rounds})")
+    share = [steps // rounds + (1 if r < steps % rounds else 0) for r in range(rounds)]
+    return [(r, point, share[r]) for r in range(rounds) for point in points]
+
+
 def run_bounded(cmd: Sequence[str], timeout_s: float, **kwargs) -> int | str:
     """Run `cmd` in a session of its own and wait at most `timeout_s`: on timeout every process of that session is
     killed (a vLLM engine core or worker started by the command must not outlive it holding GPU memory) and
@@ -278,7 +294,14 @@ def one(args: argparse.Namespace) -> int:
     todo = [p for p in chosen if p not in done]
     if done:
         log(f"  {len(done)} points measured by an earlier call, {len(todo)} left")
-    for context, batch, width in todo:
+    rounds = measured_rounds(args)
+    schedule = round_schedule(todo, measured_steps(args), rounds)
+    timed: dict[tuple[int, int, int], list[float]] = {point: [] for point in todo}
+    failed: set[tuple[int, int, int]] = set()
+    for r, point, steps in schedule:
+        context, batch, width = point
+        if point in failed:
+            continue
         if context not in prompt_of:
             rng = np.random.default_rng(context)
             prompt_of[context] = rng.integers(1000, 150000, size=context).tolist()
@@ -287,36 +310,42 @@ def one(args: argparse.Namespace) -> int:
             log(f"  context {context}: prefilled in {time.perf_counter() - t:.1f} s")
         set_width(width)
         try:
-            times = run(prompt_of[context], batch, WARM_STEPS + measured_steps(args) + 1)
+            times = run(prompt_of[context], batch, WARM_STEPS + steps + 1)
         except Exception as e:  # e.g. out of KV cache: the point is absent, the rest still runs
             log(f"  c={context} b={batch} w={width}: FAILED {type(e).__name__}: {e}")
+            failed.add(point)
             continue
-        steady = times[WARM_STEPS:-1] or times
-        row = point_row(args, config, width, context, batch, steady, start_s, machine, version)
+        timed[point] += times[WARM_STEPS:-1] or times
+        if r + 1 < rounds:
+            continue
+        # the point's last round: its row, written at once (a call cut short keeps every finished point)
+        row = point_row(args, config, width, context, batch, timed[point], start_s, machine, version, rounds=rounds)
         with open(rows_path, "a") as f:
             f.write(json.dumps(row) + "\n")
         log(f"  c={context} b={batch} w={width}: {row['step_ms']:.2f} ms "
-            f"(p10 {row['step_ms_p10']:.2f}, p90 {row['step_ms_p90']:.2f}, {len(times)} steps)")
+            f"(p10 {row['step_ms_p10']:.2f}, p90 {row['step_ms_p90']:.2f}, {row['steps']} steps"
+            f"{f' in {rounds} rounds' if rounds > 1 else ''})")
     return 0
 
 
 def point_argv(args: argparse.Namespace) -> list[str]:
     """The point-set options of `run`, passed on to each `one`."""
     return [f"--{name}={','.join(map(str, values))}" for name in ("contexts", "batches", "widths")
-            if (values := getattr(args, name))] + ([f"--steps={args.steps}"] if getattr(args, "steps", None) else [])
+            if (values := getattr(args, name))] + ([f"--steps={args.steps}"] if getattr(args, "steps", None) else []) \
+        + ([f"--rounds={args.rounds}"] if measured_rounds(args) > 1 else [])
 
 
 def point_row(args: argparse.Namespace, config: str, width: int, context: int, batch: int, step_s: Sequence[float],
-              start_s: float, machine: str, version: str) -> dict:
-    """One measured point as a rows-file line: the median, p10 and p90 of its timed steps (seconds) in ms. `args`:
-    the `one` command's (tag, shape, quant, engine, commit)."""
+              start_s: float, machine: str, version: str, *, rounds: int = 1) -> dict:
+    """One measured point as a rows-file line: the median, p10 and p90 of its timed steps (seconds) in ms, and the
+    rounds they were timed in. `args`: the `one` command's (tag, shape, quant, engine, commit)."""
     shape = SHAPES[args.shape]
     ms = sorted(1e3 * s for s in step_s)
     return {"run": args.tag, "shape": args.shape, "target_params_b": round(params_b(shape), 3),
             "layers": shape["num_hidden_layers"], "hidden": shape["hidden_size"], "quant": args.quant,
             "config": config, "width": width, "context": context, "batch": batch,
             "step_ms": statistics.median(ms), "step_ms_p10": ms[int(0.1 * (len(ms) - 1))],
-            "step_ms_p90": ms[int(round(0.9 * (len(ms) - 1)))], "steps": len(ms),
+            "step_ms_p90": ms[int(round(0.9 * (len(ms) - 1)))], "steps": len(ms), "rounds": rounds,
             "drafter": DRAFTER if config == "gpu-fused" else "", "engine_start_s": round(start_s, 1),
             "engine": args.engine, "machine": machine, "vllm_version": version, "git_commit": args.commit}
 
@@ -396,7 +425,8 @@ def finish_rows(returned: str | Path, out_path: str | Path | None = None) -> Pat
         old = pl.read_parquet(out)
         if "engine" not in old.columns:
             old = old.with_columns(pl.lit("inprocess").alias("engine"))
-        frame = pl.concat([old.filter(~pl.col("run").is_in(frame["run"].unique().to_list())), frame], how="diagonal")
+        frame = pl.concat([old.filter(~pl.col("run").is_in(frame["run"].unique().to_list())), frame],
+                          how="diagonal_relaxed")
     frame = frame.sort("run", "target_params_b", "quant", "config", "context", "batch", "width")
     write_atomic(out, lambda tmp: frame.write_parquet(tmp))
     print(f"{len(rows)} rows -> {out}")
@@ -419,6 +449,9 @@ def add_point_options(parser: argparse.ArgumentParser) -> None:
                             help=f"comma-separated {what} to measure instead of the plan's (e.g. a validation's)")
     parser.add_argument("--steps", type=positive_int, default=None,
                         help=f"steps timed per point after {WARM_STEPS} warm-up steps (default {MEASURED_STEPS})")
+    parser.add_argument("--rounds", type=positive_int, default=None,
+                        help="time each point's steps in this many passes over all points (default 1: one burst a "
+                        "point; each pass pays its own warm-up steps)")
 
 
 def main(argv: list[str] | None = None) -> int:

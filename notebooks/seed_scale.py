@@ -173,8 +173,9 @@ chart
 # ## 2b. Validation on one machine
 # The check above prices H200 decodes with an H100's grid. Runs `v1` and `v2a` (benchmarks/seed_scale_validation.py)
 # each measured a grid at exactly the points it prices and then the decodes it predicts, in one call on one H100, so
-# card and machine cannot explain a miss (the host's state within the call can). `repeat_spread`: per pair the largest, over its prompts, of a prompt's fastest ÷ slowest
-# repeat; a pair whose own repeats spread more than the band cannot be predicted within it by any model.
+# card and machine cannot explain a miss (the host's state within the call can). `repeat_spread`: per pair the
+# largest, over its prompts, of a prompt's fastest ÷ slowest repeat; a pair whose own repeats spread more than the
+# band cannot be predicted within it by any model.
 
 # %%
 all_costs = pl.read_parquet(step_costs_file)

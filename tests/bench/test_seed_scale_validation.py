@@ -388,3 +388,41 @@ def test_the_none_grid_comes_last_at_width_one_and_the_lookups_contexts():
     argv = v.grid_argv(plain, "t", "c", 100.0, Path("w"))
     assert argv[argv.index("--only") + 1] == "qwen2.5-0.5b:bf16:none"
     assert ("qwen2.5-0.5b", "bf16", "none") in grid_bench.PLAN  # what `--only shape:bf16:none` selects
+
+
+def test_rounds_spread_a_points_steps_over_passes_of_the_whole_grid():
+    points = [(128, 1, 1), (128, 1, 16), (2560, 1, 32)]
+    one = grid_bench.round_schedule(points, 48, 1)
+    assert one == [(0, p, 48) for p in points]  # one burst a point, as runs v1 and v2a
+    spread = grid_bench.round_schedule(points, 50, 4)
+    assert [p for _, p, _ in spread] == points * 4  # every pass visits every point, in the grid's order
+    per_point = {p: sum(n for _, q, n in spread if q == p) for p in points}
+    assert per_point == {p: 50 for p in points}
+    assert [n for r, q, n in spread if q == points[0]] == [13, 13, 12, 12]  # the remainder in the first passes
+    with pytest.raises(ValueError, match="every round times a step"):
+        grid_bench.round_schedule(points, 3, 4)
+    with pytest.raises(ValueError, match="rounds must be"):
+        grid_bench.round_schedule(points, 3, 0)
+
+
+def test_grid_rounds_reach_the_step_cost_benchmark_and_the_estimate():
+    plain = v.make_plan(v.DEFAULT_CONFIGS, none_grid=True)
+    longer = v.make_plan(v.DEFAULT_CONFIGS, none_grid=True, grid_steps=480, grid_rounds=8)
+    for a, b in zip(plain, longer):
+        if a.kind == "decode":
+            assert (a.est_s, a.min_s) == (b.est_s, b.min_s)
+            continue
+        n = len(grid_bench.points(a.grid_config, v.SHAPE_OF[a.model], **a.points))
+        more = n * (480 + 8 * (grid_bench.WARM_STEPS + 1) - (v.GRID_STEPS + grid_bench.WARM_STEPS + 1)) * v.GRID_STEP_S
+        assert b.est_s == pytest.approx(a.est_s + more) and b.min_s == pytest.approx(a.min_s + more)
+    argv = v.grid_argv(longer[0], "t", "c", 100.0, Path("w"), steps=480, rounds=8)
+    assert argv[-4:] == ["--steps", "480", "--rounds", "8"]
+    assert "--rounds" not in v.grid_argv(longer[0], "t", "c", 100.0, Path("w"))
+    import argparse
+
+    parsed = argparse.ArgumentParser()
+    grid_bench.add_point_options(parsed)
+    ns = parsed.parse_args(["--steps", "480", "--rounds", "8"])
+    assert grid_bench.point_argv(ns) == ["--steps=480", "--rounds=8"]  # what `run` hands each `one`
+    with pytest.raises(SystemExit):
+        v.main(["plan", "--grid-rounds", "100"])

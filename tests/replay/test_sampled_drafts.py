@@ -149,7 +149,8 @@ def test_head_speeds_from_a_serving_run():
 def test_served_heads_of_run_s5a_as_docs_serving_reports_them():
     """Run s5a (one H100, sampled prose at one request, 24 prompts × 3 repeats): drawn heads raise the tokens a
     step as the CPU measured, but every extra head token costs about half a plain step, so no head reaches the
-    issue's 1.3× `none`: greedy one-token head 1.23×, drawn heads of one, two and three tokens 1.19×, 1.18×, 1.08×."""
+    issue's 1.3× `none`: greedy one-token head 1.23×, drawn heads of one, two and three tokens 1.19×, 1.18×,
+    1.08×."""
     from pathlib import Path
 
     import polars as pl
