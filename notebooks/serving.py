@@ -306,7 +306,7 @@ chart
 # with the tokens a verify step and that step's time ÷ a plain step (time per output token × tokens a step).
 
 # %%
-served = sampled_drafts.served_heads(pl.read_parquet(results_file), served_heads_run)
+served = serve.served_heads(pl.read_parquet(results_file), served_heads_run)
 projected = sampled_drafts.project_heads(heads, float(measured["ratio"].median()), speeds)
 compared = pl.concat([
     served.select(pl.format("head of {}", pl.col("head")).alias("head"),

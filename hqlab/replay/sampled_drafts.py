@@ -137,45 +137,6 @@ def head_speeds(serve_rows: "pl.DataFrame", run: str, *, dataset: str = "prose",
     return {head: float(np.median(v)) / base for head, v in sorted(speed.items())}
 
 
-def served_heads(serve_rows: "pl.DataFrame", run: str, *, dataset: str = "prose",
-                 temperature: float = 0.7) -> "pl.DataFrame":
-    """What a serving run measured of `gpu-fused`'s heads, one request at a time on `dataset` at `temperature`: one
-    row per config with its head length (`head`), its drafts (`draft`: "greedy" or "drawn"), its output throughput
-    ÷ `none`'s (`ratio`, median over repeats, each divided by `none`'s same repeat; `ratio_min`, `ratio_max`),
-    `tokens_a_step` (vLLM's acceptance length) and `step_ms` (time per output token × tokens a step: one verify
-    step, drafting included), and `step_ratio`, that step ÷ `none`'s time per output token (a plain step).
-
-    A head pays where its tokens a step grow by more than its step's cost: ratio ≈ tokens_a_step ÷ step_ratio (less
-    what the first token's time adds)."""
-    import polars as pl
-
-    from hqlab.bench import serve
-    from hqlab.config import parse_spec
-    from hqlab.proposers.fused import FusedConfig
-
-    rows = serve_rows.filter((pl.col("run") == run) & (pl.col("dataset") == dataset)
-                             & (pl.col("temperature") == temperature) & (pl.col("max_concurrency") == 1))
-    if rows.filter(pl.col("config") == "none").is_empty():
-        raise ValueError(f"run {run!r} has no `none` rows on {dataset} at T={temperature}, one request at a time")
-    plain = float(rows.filter(pl.col("config") == "none")["median_tpot_ms"].median())
-    table = serve.speedup_table(rows)
-    out = []
-    for r in table.iter_rows(named=True):
-        name, values = parse_spec(r["config"])
-        if name != "gpu-fused":
-            continue
-        spec = rows.filter(pl.col("config") == r["config"])
-        step = float((spec["median_tpot_ms"] * spec["acceptance_length"]).median())
-        out.append({"config": r["config"], "head": int(values.get("draft_block", FusedConfig.draft_block)),
-                    "draft": "greedy" if values.get("draft_sample", "greedy") == "greedy" else "drawn",
-                    "ratio": r["ratio"], "ratio_min": r["ratio_min"], "ratio_max": r["ratio_max"],
-                    "repeats": r["repeats"], "tokens_a_step": r["acceptance_length"], "step_ms": step,
-                    "step_ratio": step / plain, "plain_step_ms": plain, "machine": r["machine"]})
-    if not out:
-        raise ValueError(f"run {run!r} has no gpu-fused rows on {dataset} at T={temperature}, one request at a time")
-    return pl.DataFrame(out).sort("draft", "head", descending=[True, False])
-
-
 def summary(rows: "pl.DataFrame") -> "pl.DataFrame":
     """Rows of `benchmarks/draft_sampling_cpu.py` -> one row per (dataset, temperature, draft): the mean acceptance
     over answer positions ("draft" is "greedy" or "sampled"), the lowest and highest prompt mean, and the prompts."""
@@ -203,4 +164,4 @@ def projected_speedup(speedup: float, tokens_per_step: float, gain: float) -> fl
 
 
 __all__ = ["COLUMNS", "acceptance", "draft_temperature_summary", "head_speeds", "head_summary", "project_heads",
-           "served_heads", "summary", "projected_speedup"]
+           "summary", "projected_speedup"]

@@ -144,34 +144,3 @@ def test_head_speeds_from_a_serving_run():
     # a config naming no draft_block has the default's (7), not a one-token head
     unnamed = rows.with_columns(pl.col("config").str.replace(",draft_block=3", ""))
     assert set(head_speeds(unnamed, "s3")) == {1, 2, 7}
-
-
-def test_served_heads_of_run_s5a_as_docs_serving_reports_them():
-    """Run s5a (one H100, sampled prose at one request, 24 prompts × 3 repeats): drawn heads raise the tokens a
-    step as the CPU measured, but every extra head token costs about half a plain step, so no head reaches the
-    issue's 1.3× `none`: greedy one-token head 1.23×, drawn heads of one, two and three tokens 1.19×, 1.18×,
-    1.08×."""
-    from pathlib import Path
-
-    import polars as pl
-
-    from hqlab.replay.sampled_drafts import served_heads
-
-    rows = pl.read_parquet(Path(__file__).resolve().parents[2] / "data/results/vllm_serve_h200.parquet")
-    table = served_heads(rows, "s5a")
-    assert table.select("draft", "head").rows() == [("greedy", 1), ("drawn", 1), ("drawn", 2), ("drawn", 3)]
-    assert (table["repeats"] == 3).all() and table["machine"].str.contains("H100").all()
-    assert [round(x, 2) for x in table["ratio"]] == [1.23, 1.19, 1.18, 1.08]
-    assert (table["ratio"] < 1.3).all()
-    drawn = table.filter(pl.col("draft") == "drawn")
-    assert drawn["tokens_a_step"].is_sorted() and drawn["step_ratio"].is_sorted()
-    # each extra head token: +0.3-0.6 tokens a step for +0.4-0.55 of a plain step
-    d_tokens, d_cost = drawn["tokens_a_step"].diff().drop_nulls(), drawn["step_ratio"].diff().drop_nulls()
-    assert d_tokens.is_between(0.3, 0.6).all() and d_cost.is_between(0.4, 0.55).all()
-    # throughput ÷ none is tokens a step ÷ the step's cost, less the first token's extra time (a few per cent)
-    implied = table["tokens_a_step"] / table["step_ratio"]
-    assert ((table["ratio"] / implied).is_between(0.9, 1.0)).all()
-    with pytest.raises(ValueError, match="no `none` rows"):
-        served_heads(rows.filter(pl.col("config") != "none"), "s5a")
-    with pytest.raises(ValueError, match="no gpu-fused rows"):
-        served_heads(rows.filter(~pl.col("config").str.starts_with("gpu-fused")), "s5a")
