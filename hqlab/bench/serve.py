@@ -263,6 +263,26 @@ def first_divergence(reference: Sequence[int], other: Sequence[int]) -> int | No
     return None if len(reference) == len(other) else min(len(reference), len(other))
 
 
+def greedy_partings(rows: Any, reference: str = "none") -> list[tuple[str, int, int, float]]:
+    """Where each server's greedy text parts from the reference's, in one run's greedy rows (columns config,
+    token_ids: one list per prompt, and the reference's margins: its top-two logit gap at every position): one
+    (config, prompt index, position, the reference's margin there) per prompt whose texts part. A verify step's
+    shape can flip a bf16 near-tie; a parting at a clear margin is a lossless failure."""
+    import polars as pl
+
+    ref = rows.filter(pl.col("config") == reference)
+    if ref.height != 1:
+        raise ValueError(f"expected one {reference!r} row of greedy texts, found {ref.height}")
+    ref_row = ref.row(0, named=True)
+    out = []
+    for row in rows.filter(pl.col("config") != reference).iter_rows(named=True):
+        for i, (ref_ids, margins, ids) in enumerate(zip(ref_row["token_ids"], ref_row["margins"], row["token_ids"])):
+            at = first_divergence(ref_ids, ids)
+            if at is not None:
+                out.append((row["config"], i, at, float(margins[at]) if at < len(margins) else float("inf")))
+    return out
+
+
 def sample_token_ids(base_url: str, served_model: str, prompt: str, *, samples: int, max_tokens: int,
                      temperature: float, concurrency: int = 32) -> list[list[int]]:
     """`samples` independent sampled chat completions of one prompt (no seed: each request draws its own), their

@@ -125,6 +125,15 @@ def test_run_s1_greedy_texts_through_the_openai_client(samples):
         assert got[1] == texts["none"][1], config  # the prompt every config agreed on
 
 
+def test_greedy_partings_name_the_server_prompt_position_and_margin():
+    rows = pl.DataFrame({"config": ["none", "a", "b"],
+                         "token_ids": [[[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]], [[1, 9, 3], [4, 5]]],
+                         "margins": [[[0.5, 0.1, 2.0], [1.0, 3.0]], None, None]})
+    assert serve.greedy_partings(rows) == [("a", 1, 1, 3.0), ("b", 0, 1, 0.1)]
+    with pytest.raises(ValueError, match="one 'none' row"):
+        serve.greedy_partings(rows.filter(pl.col("config") != "none"))
+
+
 def test_first_divergence_names_where_two_greedy_outputs_part():
     from hqlab.bench.serve import first_divergence
 
@@ -166,17 +175,10 @@ def test_run_s3_greedy_texts_part_from_nones_only_at_near_ties():
     """Every speculating server of run s3 returns `none`'s greedy tokens up to a position where `none`'s own top two
     logits were within a quarter of a logit (a bf16 near-tie a verify step's shape can flip)."""
     greedy = pl.read_parquet(GREEDY).filter(pl.col("run") == "s3")
-    ref = greedy.filter(pl.col("config") == "none").row(0, named=True)
-    others = greedy.filter(pl.col("config") != "none")
-    assert others.height == 5
-    parted = 0
-    for row in others.iter_rows(named=True):
-        for ref_ids, ref_margins, ids in zip(ref["token_ids"], ref["margins"], row["token_ids"]):
-            at = serve.first_divergence(ref_ids, ids)
-            if at is not None:
-                parted += 1
-                assert ref_margins[at] < 0.25, (row["config"], at, ref_margins[at])
-    assert parted > 0  # the run has near-ties; a test of none would prove nothing
+    assert greedy.filter(pl.col("config") != "none").height == 5
+    parted = serve.greedy_partings(greedy)
+    assert all(margin < 0.25 for *_, margin in parted), parted
+    assert parted  # the run has near-ties; a test of none would prove nothing
 
 
 def test_run_s3_sampled_prose_at_one_request(loads):
@@ -295,13 +297,8 @@ def test_runs_s4_greedy_texts_part_from_nones_only_at_near_ties():
     greedy = pl.read_parquet(GREEDY).filter(pl.col("run").is_in(S4))
     for run in S4:
         rows = greedy.filter(pl.col("run") == run)
-        ref = rows.filter(pl.col("config") == "none").row(0, named=True)
-        others = rows.filter(pl.col("config") != "none")
-        assert others.height == 4
-        for row in others.iter_rows(named=True):
-            for ref_ids, ref_margins, ids in zip(ref["token_ids"], ref["margins"], row["token_ids"]):
-                at = serve.first_divergence(ref_ids, ids)
-                assert at is None or ref_margins[at] < 0.25, (run, row["config"], at)
+        assert rows.filter(pl.col("config") != "none").height == 4
+        assert all(margin < 0.25 for *_, margin in serve.greedy_partings(rows)), run
 
 
 def test_a_drafting_step_that_ran_eagerly_is_found_in_the_log():
@@ -370,10 +367,6 @@ def test_run_s5a_drawn_heads_keep_nones_distribution_and_greedy_text():
         assert len(samples) == 600
         assert serve.same_distribution(serve.distribution_test(ref, samples, positions=24)), config
     greedy = pl.read_parquet(GREEDY).filter(pl.col("run") == "s5a")
-    reference = greedy.filter(pl.col("config") == "none").row(0, named=True)
-    others = greedy.filter(pl.col("config") != "none")
-    assert others.height == 4
-    for row in others.iter_rows(named=True):
-        for ref_ids, margins, ids in zip(reference["token_ids"], reference["margins"], row["token_ids"]):
-            at = serve.first_divergence(ref_ids, ids)
-            assert at is None or margins[at] < 0.25, (row["config"], at)
+    assert greedy.filter(pl.col("config") != "none").height == 4
+    parted = serve.greedy_partings(greedy)
+    assert parted and all(margin < 0.25 for *_, margin in parted), parted
