@@ -191,8 +191,6 @@ def make_plan(configs: dict[str, list[str]], *, limit: int = LIMIT, repeats: int
     """(a) every model's grid items, then (b) every model's decodes, in the order of `configs`; with `none_grid`
     (c) every model's `none` grid, at the contexts of its lookup grid. `grid_steps` timed steps a grid point in
     `grid_rounds` passes over the grid's points lengthen each grid item's estimate (`grid_extra_s`)."""
-    grid_bench.round_schedule([], grid_steps, grid_rounds)  # refuses rounds that leave a pass without a step
-
     def extra(grid_config: str, model: str, points: dict) -> float:
         n = len(grid_bench.points(grid_config, SHAPE_OF[model], **points))
         return grid_extra_s(n, grid_steps, grid_rounds)
@@ -378,7 +376,7 @@ def finish(args: argparse.Namespace) -> int:
 
     from benchmarks import vllm_gpu
     from hqlab.bench import part_path
-    from hqlab.io import write_atomic
+    from hqlab.io import replace_runs, write_atomic
     from hqlab.replay import scale
 
     src = Path(args.returned)
@@ -416,13 +414,8 @@ def finish(args: argparse.Namespace) -> int:
     table = scale.validate_runs(costs, steps, results, {run: SHAPE_OF[model] for model, run in runs.items()},
                                 phases=phases, repeats=pl.read_parquet(repeats_path) if repeats_path.exists() else None,
                                 say=print)
-    check = part_path(out, "check")
-    if check.exists():  # the check table keeps every earlier run's rows; this run's replace its own
-        earlier = pl.read_parquet(check)
-        kept = earlier.filter(~pl.col("run").is_in(table["run"].unique().to_list()))
-        merged = pl.concat([kept, table], how="diagonal_relaxed") if kept.height else table
-    else:
-        merged = table
+    check = part_path(out, "check")  # every earlier run's rows stay; this run's replace its own
+    merged = replace_runs(pl.read_parquet(check) if check.exists() else None, table)
     write_atomic(check, lambda tmp: merged.write_parquet(tmp))
     with pl.Config(tbl_rows=100, tbl_width_chars=200, fmt_str_lengths=40):
         print(table.select("run", "label", "category", "prompts", "measured_tok_s", "predicted_tok_s", "ratio",

@@ -346,7 +346,7 @@ def finish(args: argparse.Namespace) -> int:
     import polars as pl
 
     from hqlab.bench.serve import SERVE_COLUMNS, server_log_facts
-    from hqlab.io import write_atomic
+    from hqlab.io import replace_runs, write_atomic
 
     def write_parquet(frame: "pl.DataFrame", path: Path) -> None:
         write_atomic(path, lambda tmp: frame.write_parquet(tmp))
@@ -373,19 +373,14 @@ def finish(args: argparse.Namespace) -> int:
                                pl.col("config").replace_strict(eager, default=None, return_dtype=pl.Boolean)
                                .alias("drafting_eager"))
     out = Path(args.out)
-    if out.exists():
-        old = pl.read_parquet(out)
-        frame = pl.concat([old.filter(~pl.col("run").is_in(frame["run"].unique().to_list())), frame], how="diagonal")
+    frame = replace_runs(pl.read_parquet(out) if out.exists() else None, frame)
     write_parquet(frame, out)
     for kind in ("samples", "greedy"):
         extra = [json.loads(line) for f in sorted(src.glob(f"serve_{kind}_*.jsonl"))
                  for line in f.read_text().splitlines() if line.strip()]
         if extra:
             path = out.with_name(f"{out.stem}.{kind}.parquet")
-            new = pl.DataFrame(extra)
-            if path.exists():
-                new = pl.concat([pl.read_parquet(path).filter(~pl.col("run").is_in(new["run"].unique().to_list())),
-                                 new], how="diagonal")
+            new = replace_runs(pl.read_parquet(path) if path.exists() else None, pl.DataFrame(extra))
             write_parquet(new, path)
     print(f"{len(rows)} load rows -> {out}")
     return 0

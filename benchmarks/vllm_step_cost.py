@@ -404,7 +404,7 @@ def finish_rows(returned: str | Path, out_path: str | Path | None = None) -> Pat
     data/results/seed_scale_<card>.parquet); rows of the same runs already there are replaced. Returns the path."""
     import polars as pl
 
-    from hqlab.io import write_atomic
+    from hqlab.io import replace_runs, write_atomic
 
     src = Path(returned)
     rows = [json.loads(line) for f in sorted(src.glob("seed_scale_*.jsonl")) for line in f.read_text().splitlines()
@@ -425,8 +425,7 @@ def finish_rows(returned: str | Path, out_path: str | Path | None = None) -> Pat
         old = pl.read_parquet(out)
         if "engine" not in old.columns:
             old = old.with_columns(pl.lit("inprocess").alias("engine"))
-        frame = pl.concat([old.filter(~pl.col("run").is_in(frame["run"].unique().to_list())), frame],
-                          how="diagonal_relaxed")
+        frame = replace_runs(old, frame)
     frame = frame.sort("run", "target_params_b", "quant", "config", "context", "batch", "width")
     write_atomic(out, lambda tmp: frame.write_parquet(tmp))
     print(f"{len(rows)} rows -> {out}")

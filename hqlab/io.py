@@ -44,6 +44,17 @@ def write_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:
     return path
 
 
+def replace_runs(old: Any, new: Any, key: str = "run") -> Any:
+    """A results table with `new`'s rows in place of `old`'s rows of the same runs (polars frames; `old` may be
+    None): what a benchmark's `finish` writes, so that finishing a run again replaces it and every other run stays.
+    Columns one side lacks are null on the other side's rows."""
+    import polars as pl
+
+    if old is None:
+        return new
+    return pl.concat([old.filter(~pl.col(key).is_in(new[key].unique().to_list())), new], how="diagonal_relaxed")
+
+
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
