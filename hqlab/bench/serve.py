@@ -441,15 +441,13 @@ def served_heads(serve_rows: Any, run: str, *, dataset: str = "prose", temperatu
                              & (pl.col("temperature") == temperature) & (pl.col("max_concurrency") == 1))
     if rows.filter(pl.col("config") == "none").is_empty():
         raise ValueError(f"run {run!r} has no `none` rows on {dataset} at T={temperature}, one request at a time")
-    plain = float(rows.filter(pl.col("config") == "none")["median_tpot_ms"].median())
     table = speedup_table(rows)
     out = []
     for r in table.iter_rows(named=True):
         name, values = parse_spec(r["config"])
         if name != "gpu-fused":
             continue
-        spec = rows.filter(pl.col("config") == r["config"])
-        step = float((spec["median_tpot_ms"] * spec["acceptance_length"]).median())
+        plain, step = step_costs(rows, r["config"])
         out.append({"config": r["config"], "head": int(values.get("draft_block", FusedConfig.draft_block)),
                     "draft": "greedy" if values.get("draft_sample", "greedy") == "greedy" else "drawn",
                     "ratio": r["ratio"], "ratio_min": r["ratio_min"], "ratio_max": r["ratio_max"],
