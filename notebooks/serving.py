@@ -122,6 +122,20 @@ for config, got in by.items():
 pl.DataFrame(verdicts)
 
 # %% [markdown]
+# Every other run's sampled servers against run `run`'s `none` (same model, same vLLM): longer and drawn drafter
+# heads, the gated lookup, the lookup with the corpus.
+
+# %%
+later = pl.read_parquet(samples_file).filter(pl.col("run") != run)
+later_verdicts = []
+for r, config, got in zip(later["run"], later["config"], later["token_ids"].to_list()):
+    per_position = serve.distribution_test(by["none"], got, positions=positions)
+    later_verdicts.append({"run": r, "config": serve.short_config(config), "samples": len(got),
+                           "min p": min(x["p"] for x in per_position),
+                           "same distribution": serve.same_distribution(per_position)})
+pl.DataFrame(later_verdicts)
+
+# %% [markdown]
 # ## The speculation gate, replayed
 #
 # `gpu-lookup:...,gate=G` verifies drafts on a step only when some request's history, as vLLM's scheduler knows it
