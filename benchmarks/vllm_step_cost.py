@@ -203,11 +203,16 @@ def measured_points(rows_path: Path, shape: str, quant: str, config: str) -> set
             if (r["shape"], r["quant"], r["config"]) == (shape, quant, config)}
 
 
-def model_folder(shape_name: str, work: Path, max_len: int = MAX_MODEL_LEN) -> str:
-    """A folder vLLM can build the shape from: the tokenizer's files and a config.json with the shape's values."""
+def model_folder(shape_name: str, work: Path, max_len: int = MAX_MODEL_LEN, base: str | None = None) -> str:
+    """A folder vLLM can build the shape from: the tokenizer's files and a config.json with the shape's values,
+    taken from `base` (a folder holding TOKENIZER_FROM's config.json and tokenizer files) or else from the converted
+    TOKENIZER_FROM, which needs its weights on the host."""
     from hqlab import models
 
-    base = Path(models.prepare(TOKENIZER_FROM))
+    base_dir = Path(base) if base else Path(models.prepare(TOKENIZER_FROM))
+    if not (base_dir / "config.json").is_file() or not (base_dir / "tokenizer.json").is_file():
+        raise SystemExit(f"--base {base_dir}: needs config.json and tokenizer.json of {TOKENIZER_FROM}")
+    base = base_dir
     folder = work / "models" / shape_name
     folder.mkdir(parents=True, exist_ok=True)
     config = json.loads((base / "config.json").read_text())
@@ -248,7 +253,7 @@ def one(args: argparse.Namespace) -> int:
         log(f"{args.shape} {args.quant} {config}: every point measured already")
         return 0
     max_len = max_model_len(args)
-    folder = model_folder(args.shape, work, max_len)
+    folder = model_folder(args.shape, work, max_len, base=args.base)
     # `none`: no speculator, so no fault either (every step emits the one token it verifies)
     speculative, extra = engine_configs(spec, planted_fault="reject_all_drafts") if spec else (None, {})
     capture = sorted({b * w for b in BATCHES for w in WIDTHS} | {1 << i for i in range(11)})
@@ -332,7 +337,8 @@ def point_argv(args: argparse.Namespace) -> list[str]:
     """The point-set options of `run`, passed on to each `one`."""
     return [f"--{name}={','.join(map(str, values))}" for name in ("contexts", "batches", "widths")
             if (values := getattr(args, name))] + ([f"--steps={args.steps}"] if getattr(args, "steps", None) else []) \
-        + ([f"--rounds={args.rounds}"] if measured_rounds(args) > 1 else [])
+        + ([f"--rounds={args.rounds}"] if measured_rounds(args) > 1 else []) \
+        + ([f"--base={args.base}"] if getattr(args, "base", None) else [])
 
 
 def point_row(args: argparse.Namespace, config: str, width: int, context: int, batch: int, step_s: Sequence[float],
@@ -448,6 +454,9 @@ def add_point_options(parser: argparse.ArgumentParser) -> None:
                             help=f"comma-separated {what} to measure instead of the plan's (e.g. a validation's)")
     parser.add_argument("--steps", type=positive_int, default=None,
                         help=f"steps timed per point after {WARM_STEPS} warm-up steps (default {MEASURED_STEPS})")
+    parser.add_argument("--base", default=None,
+                        help=f"a folder with {TOKENIZER_FROM}'s config.json and tokenizer files: random-weight shapes "
+                        "then need no model converted on the host (only vLLM)")
     parser.add_argument("--rounds", type=positive_int, default=None,
                         help="time each point's steps in this many passes over all points (default 1: one burst a "
                         "point; each pass pays its own warm-up steps)")

@@ -52,7 +52,8 @@ seeds_speedup = 2.4
 same_machine_file = "data/results/seed_scale_validation_h100.parquet"  # decodes beside a grid of the same call
 # decode run -> [the grid run of the same call (its rows in the step-cost file), the grid shape that prices it]
 same_machine_runs = {"v1_05b": ["v1", "qwen2.5-0.5b"], "v1_15b": ["v1", "qwen2.5-1.5b"],
-                     "v2a_05b": ["v2a", "qwen2.5-0.5b"]}
+                     "v2a_05b": ["v2a", "qwen2.5-0.5b"], "v2b_15b": ["v2b", "qwen2.5-1.5b"],
+                     "v3a_05b": ["v3a", "qwen2.5-0.5b"]}
 steady_spread = 1.1  # a pair is "steady" where every prompt's repeats agree within this factor
 figures_dir = "figures"
 results_dir = "data/results"
@@ -171,7 +172,7 @@ chart
 
 # %% [markdown]
 # ## 2b. Validation on one machine
-# The check above prices H200 decodes with an H100's grid. Runs `v1` and `v2a` (benchmarks/seed_scale_validation.py)
+# The check above prices H200 decodes with an H100's grid. Runs `v1` to `v3a` (benchmarks/seed_scale_validation.py)
 # each measured a grid at exactly the points it prices and then the decodes it predicts, in one call on one H100, so
 # card and machine cannot explain a miss (the host's state within the call can). `repeat_spread`: per pair the
 # largest, over its prompts, of a prompt's fastest ÷ slowest repeat; a pair whose own repeats spread more than the
@@ -198,7 +199,7 @@ same.group_by("run", "label", maintain_order=True).agg(
 # %%
 shown = same.with_columns(pl.format("{} {}", "run", "label").alias("config"))
 chart = plots.predicted_vs_measured(shown, "measured_tok_s", "predicted_tok_s", "config", tolerance=tolerance,
-                                    x_title="measured decode tok/s (batch 1, runs v1 and v2a, one H100)",
+                                    x_title="measured decode tok/s (batch 1, runs v1 to v3a, one H100 each)",
                                     y_title="predicted from the same call's grid",
                                     tooltip=["config", "category", "measured_tok_s", "predicted_tok_s", "ratio",
                                              "repeat_spread"])

@@ -356,14 +356,43 @@ def test_run_v2a_the_0_5b_with_its_none_grid_as_docs_seed_scale_reports_it():
     assert ms.min() < 1.8 and ms.max() > 2.8
 
 
+def test_runs_v3a_and_v2b_as_docs_seed_scale_reports_them():
+    """Runs v3a (the 0.5B, each grid point timed in eight passes over the grid) and v2b (the 1.5B; its `none` grid
+    cut by the call's budget, so `none` is priced with the lookup's width-1 step): 12 and 8 of 21 pairs within
+    ±10 %, recomputed from the committed grid and decodes and equal to the committed check table. v2b's grid met
+    the host slow: every `none` and fused pair is predicted below its measured tok/s, while those decodes' repeats
+    agreed within 1.1x (median over classes); over all five one-machine runs 59 of 105 pairs are within."""
+    from polars.testing import assert_frame_equal
+
+    decodes = RESULTS / "seed_scale_validation_h100.parquet"
+    part = {name: pl.read_parquet(decodes.with_suffix(f".{name}.parquet")) for name in ("steps", "phases", "repeats")}
+    grid = pl.read_parquet(RESULTS / "seed_scale_h100.parquet")
+    assert set(grid.filter(pl.col("run") == "v2b")["config"]) == {"gpu-lookup"}  # the none grid was cut
+    assert set(grid.filter(pl.col("run") == "v3a")["rounds"]) == {8}
+    committed = pl.read_parquet(RESULTS / "seed_scale_validation_h100.check.parquet")
+    within = {}
+    for run, grid_run, shape in (("v3a_05b", "v3a", "qwen2.5-0.5b"), ("v2b_15b", "v2b", "qwen2.5-1.5b")):
+        table = scale.validate_runs(grid.filter(pl.col("run") == grid_run), part["steps"], pl.read_parquet(decodes),
+                                    {run: shape}, phases=part["phases"], repeats=part["repeats"])
+        assert_frame_equal(table.sort("config", "category"),
+                           committed.filter(pl.col("run") == run).sort("config", "category"),
+                           check_exact=False, rel_tol=1e-9)
+        within[run] = int(table["within"].sum())
+    assert within == {"v3a_05b": 12, "v2b_15b": 8}
+    slow = committed.filter((pl.col("run") == "v2b_15b") & (pl.col("label") != "gpu-lookup k=31"))
+    assert (slow["ratio"] < 0.95).all()
+    assert slow.group_by("label").agg(pl.col("repeat_spread").median())["repeat_spread"].max() <= 1.11
+    assert int(committed["within"].sum()) == 59 and committed.height == 105
+
+
 def test_finish_keeps_the_check_rows_of_earlier_runs(tmp_path):
     """`finish` of run v2a on top of the files as they were after v1: the check table gains v2a's rows and keeps
     v1's (it used to be overwritten with the latest run's alone); the grid and decodes gain v2a beside v1."""
     names = ["seed_scale_validation_h100" + s for s in ("", ".steps", ".phases", ".repeats", ".check")]
     for name in names + ["seed_scale_h100"]:
         frame = pl.read_parquet(RESULTS / f"{name}.parquet")
-        if "run" in frame.columns:
-            frame = frame.filter(~pl.col("run").str.starts_with("v2a"))
+        if "run" in frame.columns:  # the files as they were after v1: no v2a, v2b or v3a
+            frame = frame.filter(~pl.col("run").str.contains(r"^v[23]"))
         frame.write_parquet(tmp_path / f"{name}.parquet")
     before = pl.read_parquet(tmp_path / "seed_scale_validation_h100.check.parquet")
     assert set(before["run"]) == {"v1_05b", "v1_15b"}
