@@ -22,6 +22,8 @@ holds it once, and each request's attention still reads all of it, as distinct p
       python3 benchmarks/vllm_step_cost.py run --tag s1 --commit $(git rev-parse --short HEAD) --budget-s 560
     --contexts/--batches/--widths measure only those points (a validation's: benchmarks/seed_scale_validation.py runs
     this grid at the points it prices, then the decodes it predicts, on one machine)
+    --base DIR takes the shapes' config and tokenizer from DIR (written here by `python benchmarks/vllm_step_cost.py
+    base DIR` and carried with the call: the host then needs only vLLM, no converted model)
   CPU (here):
       python benchmarks/vllm_step_cost.py finish RETURNED_DIR   -> data/results/seed_scale_<card>.parquet
 """
@@ -227,6 +229,24 @@ def model_folder(shape_name: str, work: Path, max_len: int = MAX_MODEL_LEN, base
         if f.name.startswith(("tokenizer", "vocab", "merges", "generation_config", "special_tokens")):
             shutil.copy(f, folder / f.name)
     return str(folder)
+
+
+BASE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def write_base(args: argparse.Namespace) -> int:
+    """CPU: the folder `--base` reads, from this machine's converted TOKENIZER_FROM (converted on first use), so a
+    GPU host that has vLLM but no model can build every shape: carry it with the call."""
+    from hqlab import models
+
+    source = Path(models.prepare(args.source))
+    folder = Path(args.folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in BASE_FILES:
+        if (source / name).is_file():
+            shutil.copy(source / name, folder / name)
+    log(f"{folder}: {', '.join(sorted(f.name for f in folder.iterdir()))} from {args.source}")
+    return 0
 
 
 def one(args: argparse.Namespace) -> int:
@@ -488,8 +508,13 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("returned")
     f.add_argument("--out", default=None, help="default: data/results/seed_scale_<card>.parquet, the card the rows "
                    "name (h100, h200)")
+    b = sub.add_parser("base", help=f"CPU: write the folder --base reads ({TOKENIZER_FROM}'s config and tokenizer)")
+    b.add_argument("folder")
+    b.add_argument("--source", default=TOKENIZER_FROM,
+                   help="the model whose files to copy (default %(default)s, what the committed grids were built "
+                   "from; any Qwen2.5 of the same tokenizer builds the same shapes)")
     args = p.parse_args(argv)
-    return {"run": run_all, "one": one, "finish": finish}[args.cmd](args)
+    return {"run": run_all, "one": one, "finish": finish, "base": write_base}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@
 
 # %% tags=["parameters"]
 step_costs_file = "data/results/seed_scale_h100.parquet"  # the H200 was not lent: measured on an H100
-step_costs_runs = ["s2"]  # runs of the step-cost file to use (empty: all; each point must appear once)
+step_costs_runs = ["s2", "s3a"]  # runs of the step-cost file to use (empty: all; each point must appear once)
 lookup_steps_file = "data/results/vllm_gpu_h200.steps.parquet"
 lookup_results_file = "data/results/vllm_gpu_h200.parquet"
 lookup_run = "w2"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -83,3 +84,24 @@ def test_steps_per_point_is_an_option_and_the_engine_holds_them():
     assert "--steps=48" in bench.point_argv(args)
     with pytest.raises(SystemExit):
         bench.main(["run", "--tag", "t", "--steps", "0"])
+
+
+@pytest.mark.slow
+def test_base_folder_builds_every_shape_without_the_model(tmp_path):
+    """`base` writes a model's config and tokenizer files (here the default 0.5B's, which the suite converts anyway;
+    the GPU calls use the 1.5B's, of the same tokenizer); `--base` builds a shape's folder from them alone (no
+    weights: what a GPU host without a converted model gets), with the shape's values, and refuses a folder that
+    lacks them, naming it."""
+    from hqlab.models import DEFAULT_MODEL
+
+    assert bench.main(["base", str(tmp_path / "base"), "--source", DEFAULT_MODEL]) == 0
+    assert sorted(f.name for f in (tmp_path / "base").iterdir()) == sorted(bench.BASE_FILES)
+    folder = bench.model_folder("qwen2.5-32b", tmp_path / "work", 8256, base=str(tmp_path / "base"))
+    config = json.loads((tmp_path / "work" / "models" / "qwen2.5-32b" / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["max_window_layers"]) == (64, 5120, 64)
+    assert config["max_position_embeddings"] >= 8256 and not config["use_sliding_window"]
+    assert {"tokenizer.json", "config.json"} <= {f.name for f in Path(folder).iterdir()}
+    assert folder.endswith("qwen2.5-32b")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="empty: needs config.json and tokenizer.json"):
+        bench.model_folder("qwen2.5-14b", tmp_path / "work", 2048, base=str(tmp_path / "empty"))

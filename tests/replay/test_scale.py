@@ -342,3 +342,23 @@ def test_a_none_grid_prices_none_and_the_no_speculation_time_where_it_covers_the
     partial = costs.filter(~((pl.col("config") == "none") & (pl.col("context") == 8192)))
     assert scale.plain_config(partial, "t", 1) == "gpu-lookup"
     assert scale.price_requests(_traces("gpu-lookup:k=3"), partial, "t", 1)["none_ms"][0] == pytest.approx(12.0)
+
+
+@pytest.mark.skipif(not STEP_COSTS.exists(), reason="data/results/seed_scale_h100.parquet is not committed")
+def test_run_s3a_the_14b_and_32b_are_weight_bound_and_its_two_broken_points_are_what_the_docs_name():
+    """Run s3a (docs/seed-scale.md): the 14B and 32B at 1k and 8k tokens, batch 1 and 8, widths 1-32. At one request
+    the step is the weights' read: width 32 costs at most 6 % more than width 1, and the 32B's step over the 14B's
+    is near their parameter ratio (2.2). The two points the docs name as no model step (batch 8, width 32, 8k) have
+    p10 more than 10 % below a single request's width-1 step, no other point has; every median is at or above it."""
+    costs = scale.check_step_costs(pl.read_parquet(STEP_COSTS).filter(pl.col("run") == "s3a"))
+    assert set(costs["shape"]) == {"qwen2.5-14b", "qwen2.5-32b"} and costs.height == 48
+    assert set(costs["engine"]) == {"process"} and costs["machine"].str.contains("H100").all()
+    first = costs.filter((pl.col("batch") == 1) & (pl.col("width") == 1) & (pl.col("context") == 1024))
+    floor = dict(zip(first["shape"], first["step_ms"]))
+    assert 1.8 < floor["qwen2.5-32b"] / floor["qwen2.5-14b"] < 2.4
+    one = costs.filter(pl.col("batch") == 1).pivot(on="width", index=["shape", "context"], values="step_ms")
+    assert ((one["32"] / one["1"]) < 1.06).all()
+    broken = costs.filter(pl.col("step_ms_p10") < 0.9 * pl.col("shape").replace_strict(floor))
+    assert sorted(zip(broken["shape"], broken["batch"], broken["width"], broken["context"])) == [
+        ("qwen2.5-14b", 8, 32, 8192), ("qwen2.5-32b", 8, 32, 8192)]
+    assert (costs["step_ms"] >= 0.98 * costs["shape"].replace_strict(floor)).all()
