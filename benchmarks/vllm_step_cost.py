@@ -348,8 +348,8 @@ def one(args: argparse.Namespace) -> int:
         with open(rows_path, "a") as f:
             f.write(json.dumps(row) + "\n")
         log(f"  c={context} b={batch} w={width}: {row['step_ms']:.2f} ms "
-            f"(p10 {row['step_ms_p10']:.2f}, p90 {row['step_ms_p90']:.2f}, {row['steps']} steps"
-            f"{f' in {rounds} rounds' if rounds > 1 else ''})")
+            f"(mean {row['step_ms_mean']:.2f}, p10 {row['step_ms_p10']:.2f}, p90 {row['step_ms_p90']:.2f}, "
+            f"{row['steps']} steps{f' in {rounds} rounds' if rounds > 1 else ''})")
     return 0
 
 
@@ -363,14 +363,17 @@ def point_argv(args: argparse.Namespace) -> list[str]:
 
 def point_row(args: argparse.Namespace, config: str, width: int, context: int, batch: int, step_s: Sequence[float],
               start_s: float, machine: str, version: str, *, rounds: int = 1) -> dict:
-    """One measured point as a rows-file line: the median, p10 and p90 of its timed steps (seconds) in ms, and the
-    rounds they were timed in. `args`: the `one` command's (tag, shape, quant, engine, commit)."""
+    """One measured point as a rows-file line: the median, p10 and p90 of its timed steps (seconds) in ms, their mean
+    (`step_ms_mean`: the timed wall time over the steps, which outputs arriving in bursts cannot bias: run s3a's
+    batch-8 width-32 points at 8k had a p10 below a single request's step, calls that returned without a forward
+    pass), and the rounds they were timed in. `args`: the `one` command's (tag, shape, quant, engine, commit)."""
     shape = SHAPES[args.shape]
     ms = sorted(1e3 * s for s in step_s)
     return {"run": args.tag, "shape": args.shape, "target_params_b": round(params_b(shape), 3),
             "layers": shape["num_hidden_layers"], "hidden": shape["hidden_size"], "quant": args.quant,
             "config": config, "width": width, "context": context, "batch": batch,
-            "step_ms": statistics.median(ms), "step_ms_p10": ms[int(0.1 * (len(ms) - 1))],
+            "step_ms": statistics.median(ms), "step_ms_mean": sum(ms) / len(ms),
+            "step_ms_p10": ms[int(0.1 * (len(ms) - 1))],
             "step_ms_p90": ms[int(round(0.9 * (len(ms) - 1)))], "steps": len(ms), "rounds": rounds,
             "drafter": DRAFTER if config == "gpu-fused" else "", "engine_start_s": round(start_s, 1),
             "engine": args.engine, "machine": machine, "vllm_version": version, "git_commit": args.commit}

@@ -105,3 +105,18 @@ def test_base_folder_builds_every_shape_without_the_model(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="empty: needs config.json and tokenizer.json"):
         bench.model_folder("qwen2.5-14b", tmp_path / "work", 2048, base=str(tmp_path / "empty"))
+
+
+def test_a_point_keeps_its_mean_beside_the_median_when_outputs_come_in_bursts():
+    """Run s3a's batch-8 width-32 points at 8k: some engine calls returned without a forward pass (p10 below a
+    single request's step) and others carried two steps. The median of such intervals is not the step; their mean
+    (the wall time over the steps) is, and the row keeps both."""
+    args = argparse.Namespace(tag="t", shape="qwen2.5-14b", quant="bf16", engine="process", commit="abc")
+    steady = [0.0168] * 15
+    bursts = [0.0084] * 8 + [0.0264] * 7  # the same 15 steps' wall time (252 ms), delivered unevenly
+    row = bench.point_row(args, "gpu-lookup", 32, 8192, 8, steady, 50.0, "H100", "0.26.0")
+    burst_row = bench.point_row(args, "gpu-lookup", 32, 8192, 8, bursts, 50.0, "H100", "0.26.0")
+    assert row["step_ms"] == pytest.approx(16.8) and row["step_ms_mean"] == pytest.approx(16.8)
+    assert burst_row["step_ms_mean"] == pytest.approx(sum(bursts) / 15 * 1e3)
+    assert burst_row["step_ms_mean"] == pytest.approx(16.8) and burst_row["step_ms"] == pytest.approx(8.4)
+    assert burst_row["steps"] == 15 and burst_row["step_ms_p10"] == pytest.approx(8.4)
