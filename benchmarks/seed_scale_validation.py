@@ -411,9 +411,11 @@ def finish(args: argparse.Namespace) -> int:
     phases_path = part_path(out, "phases")
     phases = pl.read_parquet(phases_path) if phases_path.exists() else None
     repeats_path = part_path(out, "repeats")  # how far each pair's own repeats agree: where not, no model can
-    table = scale.validate_runs(costs, steps, results, {run: SHAPE_OF[model] for model, run in runs.items()},
+    priced, statistic = scale.decode_costs(costs)
+    print(f"grid run {tag}: decodes priced with each point's {statistic} step")
+    table = scale.validate_runs(priced, steps, results, {run: SHAPE_OF[model] for model, run in runs.items()},
                                 phases=phases, repeats=pl.read_parquet(repeats_path) if repeats_path.exists() else None,
-                                say=print)
+                                say=print).with_columns(pl.lit(statistic).alias("cost_statistic"))
     check = part_path(out, "check")  # every earlier run's rows stay; this run's replace its own
     merged = replace_runs(pl.read_parquet(check) if check.exists() else None, table)
     write_atomic(check, lambda tmp: merged.write_parquet(tmp))

@@ -183,7 +183,7 @@ all_costs = pl.read_parquet(step_costs_file)
 same_parts = {name: pl.read_parquet(Path(same_machine_file).with_suffix(f".{name}.parquet"))
               for name in ("steps", "phases", "repeats")}
 same = pl.concat([
-    scale.validate_runs(all_costs.filter(pl.col("run") == grid_run), same_parts["steps"],
+    scale.validate_runs(scale.decode_costs(all_costs.filter(pl.col("run") == grid_run))[0], same_parts["steps"],
                         pl.read_parquet(same_machine_file), {run: shape}, phases=same_parts["phases"],
                         repeats=same_parts["repeats"], tolerance=tolerance, say=print)
     for run, (grid_run, shape) in same_machine_runs.items()], how="diagonal_relaxed")

@@ -81,6 +81,18 @@ def check_step_costs(costs: pl.DataFrame) -> pl.DataFrame:
     return costs
 
 
+def decode_costs(costs: pl.DataFrame) -> tuple[pl.DataFrame, str]:
+    """The step costs to price decodes with, and which statistic they are: each point's mean step (`step_ms_mean`)
+    where every row has one, else its median (`step_ms`; grids measured before the mean was kept). A decode's
+    tok/s is its tokens over its summed step time, so the statistic that matches it is a mean: on a host that runs
+    at two speeds a point's median is whichever speed held most of its steps, while a decode meets both in
+    proportion (docs/seed-scale.md). Decided before any grid with means was measured (validation runs from v4 on)."""
+    if "step_ms_mean" in costs.columns and costs["step_ms_mean"].is_not_null().all() \
+            and bool((costs["step_ms_mean"] > 0).all()):
+        return costs.with_columns(pl.col("step_ms_mean").alias("step_ms")), "mean"
+    return costs, "median"
+
+
 def _grid(costs: pl.DataFrame, shape: str, quant: str, config: str, batch: int) -> dict[int, tuple[np.ndarray,
                                                                                                    np.ndarray]]:
     """context -> (widths ascending, step ms) measured for one (shape, quant, config, batch)."""

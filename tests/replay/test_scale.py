@@ -362,3 +362,19 @@ def test_run_s3a_the_14b_and_32b_are_weight_bound_and_its_two_broken_points_are_
     assert sorted(zip(broken["shape"], broken["batch"], broken["width"], broken["context"])) == [
         ("qwen2.5-14b", 8, 32, 8192), ("qwen2.5-32b", 8, 32, 8192)]
     assert (costs["step_ms"] >= 0.98 * costs["shape"].replace_strict(floor)).all()
+
+
+def test_decodes_are_priced_with_each_points_mean_where_every_point_has_one():
+    """A decode's time is the sum of its steps, so a point's mean prices it (a grid from before the mean was kept,
+    or with a point lacking it, keeps the median); the step's price then follows the mean."""
+    costs = flat_fixture(FLAT, params=PARAMS)
+    assert scale.decode_costs(costs)[1] == "median"
+    with_mean = costs.with_columns((pl.col("step_ms") * 1.25).alias("step_ms_mean"))
+    priced, statistic = scale.decode_costs(with_mean)
+    assert statistic == "mean" and priced["step_ms"].to_list() == with_mean["step_ms_mean"].to_list()
+    assert scale.step_ms(priced, "t", "gpu-lookup", 4, 1024, 1) == pytest.approx(3.75)
+    one_missing = with_mean.with_columns(pl.when(pl.int_range(pl.len()) == 0).then(None)
+                                         .otherwise(pl.col("step_ms_mean")).alias("step_ms_mean"))
+    assert scale.decode_costs(one_missing)[1] == "median"
+    committed = pl.read_parquet(STEP_COSTS).filter(pl.col("run") == "v3a")  # measured before the mean was kept
+    assert scale.decode_costs(committed)[1] == "median"
