@@ -110,30 +110,17 @@ serve.best_ratio(table).select("dataset", "temperature", "max_concurrency", "lab
 # planted verification bug, which must fail.
 
 # %%
-samples = pl.read_parquet(samples_file).filter(pl.col("run") == run)
-by = dict(zip(samples["config"], samples["token_ids"].to_list()))
-verdicts = []
-for config, got in by.items():
-    if config == "none":
-        continue
-    per_position = serve.distribution_test(by["none"], got, positions=positions)
-    verdicts.append({"config": config, "samples": len(got), "min p": min(r["p"] for r in per_position),
-                     "same distribution": serve.same_distribution(per_position)})
-pl.DataFrame(verdicts)
+all_samples = pl.read_parquet(samples_file)
+reference = all_samples.filter((pl.col("run") == run) & (pl.col("config") == "none"))["token_ids"][0].to_list()
+serve.sampling_verdicts(reference, all_samples.filter((pl.col("run") == run) & (pl.col("config") != "none")),
+                        positions=positions)
 
 # %% [markdown]
 # Every other run's sampled servers against run `run`'s `none` (same model, same vLLM): longer and drawn drafter
 # heads, the gated lookup, the lookup with the corpus.
 
 # %%
-later = pl.read_parquet(samples_file).filter(pl.col("run") != run)
-later_verdicts = []
-for r, config, got in zip(later["run"], later["config"], later["token_ids"].to_list()):
-    per_position = serve.distribution_test(by["none"], got, positions=positions)
-    later_verdicts.append({"run": r, "config": serve.short_config(config), "samples": len(got),
-                           "min p": min(x["p"] for x in per_position),
-                           "same distribution": serve.same_distribution(per_position)})
-pl.DataFrame(later_verdicts)
+serve.sampling_verdicts(reference, all_samples.filter(pl.col("run") != run), positions=positions)
 
 # %% [markdown]
 # ## The speculation gate, replayed
@@ -243,14 +230,7 @@ pl.DataFrame(cost_runs)
 # The sampling test for the gated lookup: its samples against run `run`'s `none` (same model, same vLLM).
 
 # %%
-gate_samples = pl.read_parquet(samples_file).filter(pl.col("run").is_in(gate_runs))
-gate_verdicts = []
-for r, config, got in zip(gate_samples["run"], gate_samples["config"], gate_samples["token_ids"].to_list()):
-    per_position = serve.distribution_test(by["none"], got, positions=positions)
-    gate_verdicts.append({"run": r, "config": serve.short_config(config), "samples": len(got),
-                          "min p": min(x["p"] for x in per_position),
-                          "same distribution": serve.same_distribution(per_position)})
-pl.DataFrame(gate_verdicts)
+serve.sampling_verdicts(reference, all_samples.filter(pl.col("run").is_in(gate_runs)), positions=positions)
 
 # %% [markdown]
 # ## Drafts drawn from the drafter (`draft_sample=probabilistic`)

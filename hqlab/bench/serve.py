@@ -391,18 +391,38 @@ def best_ratio(table: Any, reference: str = "none") -> Any:
 
 
 def short_config(config: str) -> str:
-    """A config's name for plots and tables: its proposer and batch schedule (the rest is in docs/serving.md)."""
+    """A config's name for plots and tables: its proposer and batch schedule (the rest is in docs/serving.md), and a
+    planted fault's bracket where the server had one."""
     from hqlab.config import parse_spec
 
     if config == "none":
         return "none"
-    name, values = parse_spec(config.split(" [")[0])
+    spec, bracket, fault = config.partition(" [")
+    name, values = parse_spec(spec)
     block = f" block={values['draft_block']}" if values.get("draft_block", "1") != "1" else ""
     suffix = f" gate={values['gate']}" if values.get("gate", "0") != "0" else ""
     suffix += " sampled drafts" if values.get("draft_sample", "greedy") != "greedy" else ""
     suffix += " corpus" if values.get("corpus", "0") != "0" else ""
+    suffix += f" [{fault}" if bracket else ""
     return (f"{name}{block} {values['batch_k']}{suffix}" if "batch_k" in values
             else f"{name}{block} k={values.get('k', '?')}{suffix}")
+
+
+def sampling_verdicts(reference: Sequence[Sequence[int]], samples: Any, *, positions: int,
+                      alpha: float = 0.01) -> Any:
+    """The sampling test of every sampled server in `samples` (rows with run, config, token_ids: the samples
+    parquet) against `reference` (`none`'s samples of the same prompt and temperature): per server its samples,
+    the smallest p over `positions` and whether it keeps the distribution (`same_distribution` at `alpha`)."""
+    import polars as pl
+
+    rows = []
+    for run, config, got in zip(samples["run"], samples["config"], samples["token_ids"].to_list()):
+        per_position = distribution_test(reference, got, positions=positions)
+        rows.append({"run": run, "config": short_config(config), "samples": len(got),
+                     "min p": min(x["p"] for x in per_position),
+                     "same distribution": same_distribution(per_position, alpha)})
+    return pl.DataFrame(rows, schema={"run": pl.String, "config": pl.String, "samples": pl.Int64,
+                                      "min p": pl.Float64, "same distribution": pl.Boolean})
 
 
 def step_costs(rows: Any, config: str, *, reference: str = "none") -> tuple[float, float]:

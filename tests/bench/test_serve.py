@@ -399,3 +399,20 @@ def test_run_s5c_every_group_has_a_config_at_least_095_none(loads):
     best = serve.best_ratio(table).sort("dataset")
     assert best["ratio"].min() >= 0.95
     assert best["config"][0].endswith("corpus_prompts=1") and best["config"][1].endswith("batch_k=1:15/4:7/0")
+
+
+def test_sampling_verdicts_test_every_server_against_nones_samples():
+    """One row per sampled server: the committed s5c corpus server and a shifted distribution drawn here, against
+    run s1's `none`; the planted fault's bracket stays in the server's name."""
+    frame = pl.read_parquet(SAMPLES)
+    ref = frame.filter((pl.col("run") == "s1") & (pl.col("config") == "none"))["token_ids"][0].to_list()
+    table = serve.sampling_verdicts(ref, frame.filter(pl.col("run") != "s1"), positions=24)
+    assert table.height == frame.filter(pl.col("run") != "s1").height and table["same distribution"].all()
+    s1 = serve.sampling_verdicts(ref, frame.filter((pl.col("run") == "s1") & (pl.col("config") != "none")),
+                                 positions=24)
+    planted = s1.filter(pl.col("config").str.contains("planted"))
+    assert planted["config"].to_list() == ["gpu-lookup 1:15/4:7/0 [planted accept_first_draft]"]
+    assert not planted["same distribution"][0] and s1.filter(~pl.col("config").str.contains("planted"))[
+        "same distribution"].all()
+    empty = serve.sampling_verdicts(ref, frame.filter(pl.col("run") == "nothing"), positions=24)
+    assert empty.is_empty() and empty.columns == ["run", "config", "samples", "min p", "same distribution"]
