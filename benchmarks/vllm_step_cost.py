@@ -211,13 +211,12 @@ def model_folder(shape_name: str, work: Path, max_len: int = MAX_MODEL_LEN, base
     TOKENIZER_FROM, which needs its weights on the host."""
     from hqlab import models
 
-    base_dir = Path(base) if base else Path(models.prepare(TOKENIZER_FROM))
-    if not (base_dir / "config.json").is_file() or not (base_dir / "tokenizer.json").is_file():
-        raise SystemExit(f"--base {base_dir}: needs config.json and tokenizer.json of {TOKENIZER_FROM}")
-    base = base_dir
+    source = Path(base) if base else Path(models.prepare(TOKENIZER_FROM))
+    if not (source / "config.json").is_file() or not (source / "tokenizer.json").is_file():
+        raise SystemExit(f"--base {source}: needs config.json and tokenizer.json of {TOKENIZER_FROM}")
     folder = work / "models" / shape_name
     folder.mkdir(parents=True, exist_ok=True)
-    config = json.loads((base / "config.json").read_text())
+    config = json.loads((source / "config.json").read_text())
     config.update(SHAPES[shape_name])
     config["max_position_embeddings"] = max(int(config.get("max_position_embeddings", 0)), max_len)
     config.pop("sliding_window", None)
@@ -225,7 +224,7 @@ def model_folder(shape_name: str, work: Path, max_len: int = MAX_MODEL_LEN, base
     config["max_window_layers"] = SHAPES[shape_name]["num_hidden_layers"]
     config["use_sliding_window"] = False
     (folder / "config.json").write_text(json.dumps(config, indent=1))
-    for f in base.iterdir():
+    for f in source.iterdir():
         if f.name.startswith(("tokenizer", "vocab", "merges", "generation_config", "special_tokens")):
             shutil.copy(f, folder / f.name)
     return str(folder)
