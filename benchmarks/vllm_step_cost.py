@@ -205,15 +205,22 @@ def measured_points(rows_path: Path, shape: str, quant: str, config: str) -> set
             if (r["shape"], r["quant"], r["config"]) == (shape, quant, config)}
 
 
+def check_base(base: str) -> Path:
+    """`--base`'s folder, refused (naming what is missing) unless it holds TOKENIZER_FROM's config and tokenizer."""
+    folder = Path(base)
+    if not (folder / "config.json").is_file() or not (folder / "tokenizer.json").is_file():
+        raise SystemExit(f"--base {folder}: needs config.json and tokenizer.json of {TOKENIZER_FROM} "
+                         f"(python benchmarks/vllm_step_cost.py base {folder} writes them)")
+    return folder
+
+
 def model_folder(shape_name: str, work: Path, max_len: int = MAX_MODEL_LEN, base: str | None = None) -> str:
     """A folder vLLM can build the shape from: the tokenizer's files and a config.json with the shape's values,
     taken from `base` (a folder holding TOKENIZER_FROM's config.json and tokenizer files) or else from the converted
     TOKENIZER_FROM, which needs its weights on the host."""
     from hqlab import models
 
-    source = Path(base) if base else Path(models.prepare(TOKENIZER_FROM))
-    if not (source / "config.json").is_file() or not (source / "tokenizer.json").is_file():
-        raise SystemExit(f"--base {source}: needs config.json and tokenizer.json of {TOKENIZER_FROM}")
+    source = check_base(base) if base else Path(models.prepare(TOKENIZER_FROM))
     folder = work / "models" / shape_name
     folder.mkdir(parents=True, exist_ok=True)
     config = json.loads((source / "config.json").read_text())
@@ -379,6 +386,8 @@ def point_row(args: argparse.Namespace, config: str, width: int, context: int, b
 
 
 def run_all(args: argparse.Namespace) -> int:
+    if args.base:
+        check_base(args.base)  # before any engine starts, not once per shape in each `one`
     work = Path(args.work or Path(tempfile.gettempdir()) / "hqlab-step-cost" / args.tag)
     work.mkdir(parents=True, exist_ok=True)
     out = Path(os.environ.get("OUT") or work / "out")

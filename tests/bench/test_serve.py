@@ -402,8 +402,8 @@ def test_run_s5c_every_group_has_a_config_at_least_095_none(loads):
 
 
 def test_sampling_verdicts_test_every_server_against_nones_samples():
-    """One row per sampled server: the committed s5c corpus server and a shifted distribution drawn here, against
-    run s1's `none`; the planted fault's bracket stays in the server's name."""
+    """One row per sampled server of the committed samples against run s1's `none`: every later run's server keeps
+    the distribution, s1's planted fault does not and keeps its bracket in the server's name; no servers, no rows."""
     frame = pl.read_parquet(SAMPLES)
     ref = frame.filter((pl.col("run") == "s1") & (pl.col("config") == "none"))["token_ids"][0].to_list()
     table = serve.sampling_verdicts(ref, frame.filter(pl.col("run") != "s1"), positions=24)

@@ -105,6 +105,8 @@ def test_base_folder_builds_every_shape_without_the_model(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="empty: needs config.json and tokenizer.json"):
         bench.model_folder("qwen2.5-14b", tmp_path / "work", 2048, base=str(tmp_path / "empty"))
+    with pytest.raises(SystemExit, match="empty: needs config.json and tokenizer.json"):  # refused before any engine
+        bench.main(["run", "--tag", "t", "--work", str(tmp_path / "w"), "--base", str(tmp_path / "empty")])
 
 
 def test_a_point_keeps_its_mean_beside_the_median_when_outputs_come_in_bursts():
