@@ -24,7 +24,9 @@
 
 # %% tags=["parameters"]
 step_costs_file = "data/results/seed_scale_h100.parquet"  # the H200 was not lent: measured on an H100
-step_costs_runs = ["s2", "s3a"]  # runs of the step-cost file to use (empty: all; each point must appear once)
+# runs of the step-cost file to use, oldest first: where several measured a point, the one named last keeps it
+# (`scale.newest_points`; empty: all runs, each point must then appear once)
+step_costs_runs = ["s2", "s3a", "s3b", "s3c"]
 lookup_steps_file = "data/results/vllm_gpu_h200.steps.parquet"
 lookup_results_file = "data/results/vllm_gpu_h200.parquet"
 lookup_run = "w2"
@@ -53,7 +55,9 @@ same_machine_file = "data/results/seed_scale_validation_h100.parquet"  # decodes
 # decode run -> [the grid run of the same call (its rows in the step-cost file), the grid shape that prices it]
 same_machine_runs = {"v1_05b": ["v1", "qwen2.5-0.5b"], "v1_15b": ["v1", "qwen2.5-1.5b"],
                      "v2a_05b": ["v2a", "qwen2.5-0.5b"], "v2b_15b": ["v2b", "qwen2.5-1.5b"],
-                     "v3a_05b": ["v3a", "qwen2.5-0.5b"]}
+                     "v3a_05b": ["v3a", "qwen2.5-0.5b"], "v4a_05b": ["v4a", "qwen2.5-0.5b"],
+                     "v4b_15b": ["v4b", "qwen2.5-1.5b"], "v4c_05b": ["v4c", "qwen2.5-0.5b"],
+                     "v4d_15b": ["v4d", "qwen2.5-1.5b"]}
 steady_spread = 1.1  # a pair is "steady" where every prompt's repeats agree within this factor
 figures_dir = "figures"
 results_dir = "data/results"
@@ -73,7 +77,7 @@ pl.Config.set_tbl_width_chars(200)
 pl.Config.set_fmt_str_lengths(60)
 costs = pl.read_parquet(step_costs_file)
 if step_costs_runs:
-    costs = costs.filter(pl.col("run").is_in(step_costs_runs))
+    costs = scale.newest_points(costs, step_costs_runs)
 costs = scale.check_step_costs(costs)
 print(" | ".join(sorted(costs["machine"].unique())), "| vLLM", ", ".join(sorted(costs["vllm_version"].unique())),
       "| runs", ", ".join(sorted(costs["run"].unique())), "| commit", ", ".join(sorted(costs["git_commit"].unique())))
@@ -172,7 +176,7 @@ chart
 
 # %% [markdown]
 # ## 2b. Validation on one machine
-# The check above prices H200 decodes with an H100's grid. Runs `v1` to `v3a` (benchmarks/seed_scale_validation.py)
+# The check above prices H200 decodes with an H100's grid. Runs `v1` to `v4d` (benchmarks/seed_scale_validation.py)
 # each measured a grid at exactly the points it prices and then the decodes it predicts, in one call on one H100, so
 # card and machine cannot explain a miss (the host's state within the call can). `repeat_spread`: per pair the
 # largest, over its prompts, of a prompt's fastest ÷ slowest repeat; a pair whose own repeats spread more than the
@@ -197,9 +201,9 @@ same.group_by("run", "label", maintain_order=True).agg(
     pl.col("repeat_spread").median().alias("median repeat spread"))
 
 # %%
-shown = same.with_columns(pl.format("{} {}", "run", "label").alias("config"))
-chart = plots.predicted_vs_measured(shown, "measured_tok_s", "predicted_tok_s", "config", tolerance=tolerance,
-                                    x_title="measured decode tok/s (batch 1, runs v1 to v3a, one H100 each)",
+shown = same.with_columns(pl.format("{} {}", "run", "label").alias("config"))  # coloured by run, config in the tip
+chart = plots.predicted_vs_measured(shown, "measured_tok_s", "predicted_tok_s", "run", tolerance=tolerance,
+                                    x_title="measured decode tok/s (batch 1, runs v1 to v4d, one H100 each)",
                                     y_title="predicted from the same call's grid",
                                     tooltip=["config", "category", "measured_tok_s", "predicted_tok_s", "ratio",
                                              "repeat_spread"])

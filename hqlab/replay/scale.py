@@ -81,6 +81,24 @@ def check_step_costs(costs: pl.DataFrame) -> pl.DataFrame:
     return costs
 
 
+def newest_points(costs: pl.DataFrame, runs: Sequence[str]) -> pl.DataFrame:
+    """The rows of `runs` in `costs`, one per (shape, quant, config, width, context, batch): where several of the
+    runs measured a point, the one named last keeps it (a later run re-measures points of an earlier one with more
+    steps, or replaces points that were not model steps: run s3c's 8k batch-8 width-32 points for run s3a's)."""
+    if not runs:
+        raise ScaleError("newest_points: name at least one run")
+    if len(set(runs)) != len(runs):
+        raise ScaleError(f"newest_points: a run is named twice in {list(runs)}")
+    missing = [r for r in runs if costs.filter(pl.col("run") == r).is_empty()]
+    if missing:
+        have = sorted(costs["run"].unique().to_list()) if "run" in costs.columns else []
+        raise ScaleError(f"newest_points: no rows of run(s) {missing} in the step costs (runs there: {have})")
+    order = {r: i for i, r in enumerate(runs)}
+    ranked = costs.filter(pl.col("run").is_in(list(runs))).with_columns(
+        pl.col("run").replace_strict(order, return_dtype=pl.Int64).alias("_order"))
+    return ranked.sort("_order").unique(subset=list(KEY), keep="last", maintain_order=True).drop("_order")
+
+
 def decode_costs(costs: pl.DataFrame) -> tuple[pl.DataFrame, str]:
     """The step costs to price decodes with, and which statistic they are: each point's mean step (`step_ms_mean`)
     where every row has one, else its median (`step_ms`; grids measured before the mean was kept). A decode's

@@ -364,6 +364,48 @@ def test_run_s3a_the_14b_and_32b_are_weight_bound_and_its_two_broken_points_are_
     assert (costs["step_ms"] >= 0.98 * costs["shape"].replace_strict(floor)).all()
 
 
+def test_newest_points_keeps_one_row_a_point_from_the_run_named_last():
+    costs = flat_fixture(FLAT, params=PARAMS)
+    old = costs.with_columns(pl.lit("a").alias("run"))
+    new = old.filter(pl.col("width") == 1).with_columns(pl.lit("b").alias("run"), pl.col("step_ms") * 2)
+    both = pl.concat([old, new])
+    with pytest.raises(scale.ScaleError, match="appears more than once"):
+        scale.check_step_costs(both)
+    picked = scale.check_step_costs(scale.newest_points(both, ["a", "b"]))
+    assert picked.height == old.height
+    assert set(picked.filter(pl.col("width") == 1)["run"]) == {"b"}
+    assert set(picked.filter(pl.col("width") != 1)["run"]) == {"a"}
+    assert set(scale.newest_points(both, ["b", "a"])["run"]) == {"a"}  # the order named decides, not the file's
+    for runs, message in ((["a", "c"], r"no rows of run\(s\) \['c'\]"), (["a", "a"], "named twice"),
+                          ([], "at least one run")):
+        with pytest.raises(scale.ScaleError, match=message):
+            scale.newest_points(both, runs)
+
+
+def test_runs_s3b_and_s3c_fill_the_27b_at_8k_and_replace_s3as_two_broken_points():
+    """Run s3b: the 27B class at 1k and 8k, batch 1 and 8 (its fp8 engine did not start: the host lacked
+    compressed-tensors). Run s3c: the 14B and 32B at 8k, batch 8 and 32. Read with `newest_points(s2, s3a, s3b,
+    s3c)`, every point is a model step (p10 at or above 90 % of its shape's single-request width-1 step), at one
+    request width 32 costs at most 6 % more than width 1, and at batch 32 a wide verify is compute: width 32 over
+    width 1 is 3.4-3.7x on the 14B and 32B."""
+    grid = pl.read_parquet(STEP_COSTS)
+    costs = scale.check_step_costs(scale.newest_points(grid, ["s2", "s3a", "s3b", "s3c"]))
+    s3b = costs.filter(pl.col("run") == "s3b")
+    assert set(s3b["shape"]) == {"qwen2.5-27b"} and set(s3b["quant"]) == {"bf16"} and s3b.height == 24
+    assert set(s3b["context"]) == {1024, 8192} and set(s3b["batch"]) == {1, 8}
+    s3c = costs.filter(pl.col("run") == "s3c")
+    assert set(s3c["shape"]) == {"qwen2.5-14b", "qwen2.5-32b"} and set(s3c["batch"]) == {8, 32} and s3c.height == 24
+    assert costs.filter(pl.col("run") == "s3a").height == 48 - 12  # its six 8k batch-8 points a shape: now s3c's
+    big = costs.filter(pl.col("shape").is_in(["qwen2.5-14b", "qwen2.5-27b", "qwen2.5-32b"]))
+    first = big.filter((pl.col("batch") == 1) & (pl.col("width") == 1) & (pl.col("context") == 1024))
+    floor = dict(zip(first["shape"], first["step_ms"]))
+    assert (big["step_ms_p10"] >= 0.9 * big["shape"].replace_strict(floor)).all()
+    one = big.filter(pl.col("batch") == 1).pivot(on="width", index=["shape", "context"], values="step_ms")
+    assert ((one["32"] / one["1"]) < 1.06).all()
+    b32 = s3c.filter(pl.col("batch") == 32).pivot(on="width", index="shape", values="step_ms")
+    assert ((b32["32"] / b32["1"]).is_between(3.3, 3.8)).all()
+
+
 def test_decodes_are_priced_with_each_points_mean_where_every_point_has_one():
     """A decode's time is the sum of its steps, so a point's mean prices it (a grid from before the mean was kept,
     or with a point lacking it, keeps the median); the step's price then follows the mean."""

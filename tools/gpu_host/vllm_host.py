@@ -68,6 +68,9 @@ GPU_WHEELS = [
     # form parsing for the upload routes
     "uvicorn==0.54.0", "watchfiles==1.3.0", "jmespath==1.1.0", "model-hosting-container-standards==0.1.16",
     "python-multipart==0.0.34", "prometheus-fastapi-instrumentator==8.1.0",  # the /metrics route, imported at app build
+    # fp8 weights (`--only qwen2.5-27b:fp8:...` of the step-cost grid): vLLM's quantization configs import
+    # compressed-tensors (and it loguru) when any quantized model is built; run s3b's fp8 engine stopped there
+    "compressed-tensors==0.17.0", "loguru==0.7.3",
 ]
 PLATFORMS = ["manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_27_x86_64", "manylinux_2_28_x86_64",
              "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_35_x86_64", "manylinux1_x86_64"]
