@@ -33,7 +33,7 @@ from hqlab.workloads import DOCUMENT
 OUT_DIR = REPO / "data" / "workloads"
 TRACES = REPO / "data" / "results" / "traces_0.5b_corpus_128.parquet"
 META = OUT_DIR / "corpus_workloads.meta.json"
-WORKLOADS = ("multiturn", "template", "agent")
+WORKLOADS = ("multiturn", "template", "agent", "batch")
 CONTROLS = ("prose",)  # traces only: its request file is data/workloads/prose.jsonl
 
 
@@ -181,6 +181,26 @@ def template_sessions(text: str) -> list[Session]:
     return out
 
 
+def batch_entries(text: str) -> list[str]:
+    """Every level-3 entry of the handbook, in its order, each down to the next heading (code fences respected) and
+    clipped as the template's are: the records a batch job over the whole handbook would convert."""
+    entries = [clip(body.strip(), 1400) for body in handbook_sections(text).values() if body.startswith("### ")]
+    if not entries:
+        raise ValueError("the handbook has no level-3 entries")
+    return entries
+
+
+def batch_sessions(text: str) -> list[Session]:
+    """The template's instruction over every level-3 entry of the handbook (153), one request each: a batch job long
+    enough that its first wave, which finds the corpus empty, is a small part of it (with 8 in flight, 1 in 19)."""
+    out = []
+    for i, entry in enumerate(batch_entries(text)):
+        msgs = [{"role": "system", "content": TEMPLATE_SYSTEM},
+                {"role": "user", "content": TEMPLATE.format(entry=entry)}]
+        out.append(Session("batch", f"batch-{i:03d}", 1, lambda s, msgs=msgs: list(msgs)))
+    return out
+
+
 AGENT_SYSTEM = """You are an operations assistant for the Lantern log search service. You work by calling tools. \
 Reply with exactly one JSON object and nothing else, one of:
 {"tool": "search_handbook", "query": "<a few keywords>"}  -- lists the handbook sections that match
@@ -275,6 +295,7 @@ def build_sessions(which: list[str]) -> dict[str, list[Session]]:
     text = DOCUMENT.read_text(encoding="utf-8")
     sections = handbook_sections(text)
     makers = {"multiturn": lambda: multiturn_sessions(sections), "template": lambda: template_sessions(text),
+              "batch": lambda: batch_sessions(text),
               "agent": lambda: agent_sessions(sections), "prose": prose_sessions}
     return {w: makers[w]() for w in which}
 
