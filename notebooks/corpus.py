@@ -245,6 +245,29 @@ by_run.select("run", "source", "workload", "load", "vs_no_corpus", "vs_no_corpus
               "base_tokens_per_step", "tokens_per_step", "corpus_step_share", "replay_exact", "repeats")
 
 # %% [markdown]
+# ### The first wave and the rest
+# With `load` in flight the first `load` requests of a point start before any answer has finished, so the corpus
+# holds nothing of their kind; every later request finds the answers finished before it
+# (`corpus_report.waves`). Per request: decoded tokens over decode time, with ÷ without the corpus in each repeat
+# (dot: median, bar: range). A point's ratio above mixes the two; a longer batch job is mostly its later wave.
+
+# %%
+wave_rows = corpus_report.waves(pl.read_parquet(Path(vllm_file).with_suffix(".requests.parquet"))
+                                .filter(pl.col("run").is_in(vllm_runs_compared)))
+by_wave = wave_rows.with_columns(
+    pl.format("{}: {}, {} wave", "run", pl.col("config").map_elements(corpus_report.label, return_dtype=pl.String),
+              "wave").alias("source"), panel)
+chart = plots.ranges(by_wave.sort("panel", pl.col("workload").replace_strict(order, default=len(order)), "source"),
+                     "workload", "stream", "stream_lo", "stream_hi", "source", facet="panel", rules=bars,
+                     y_title="per-request decode rate, × without the corpus")
+plots.save(chart, figures / "corpus_waves.svg")
+chart
+
+# %%
+by_wave.select("source", "workload", "load", "requests", "base_tokens_per_step", "tokens_per_step",
+               "tokens_per_step_ratio", "stream", "stream_lo", "stream_hi")
+
+# %% [markdown]
 # ## Which GPU setting would clear the bar? Replayed over run c1's own outputs
 #
 # Every setting the vLLM speculator accepts (nmin, nmax, k, ties, corpus size, `corpus_policy`, `corpus_prompts`),

@@ -17,6 +17,9 @@ from hqlab.config import parse_spec
 # Issue #42's acceptance: the corpus config's decode tok/s over the same config without the corpus, at one request
 # and at 8 in flight. The agent workload has no bar.
 BAR = {"multiturn": 1.3, "template": 1.3, "prose": 0.97}
+# workloads held to another's bar in `speedups` (not in the replay sweep, which never ran them): the batch job is the
+# template's instruction over the whole handbook
+BAR_AS = {"batch": "template"}
 
 
 def has_corpus(config: str) -> bool:
@@ -72,7 +75,8 @@ def speedups(points: pl.DataFrame) -> pl.DataFrame:
                 (pl.col("replay_exact").fill_null(False) & pl.col("base_exact").fill_null(False)).all()
                 .alias("replay_exact"),
                 pl.len().alias("repeats"))
-           .with_columns(pl.col("workload").replace_strict(BAR, default=None, return_dtype=pl.Float64).alias("bar")))
+           .with_columns(pl.col("workload").replace_strict({**BAR, **{w: BAR[t] for w, t in BAR_AS.items()}},
+                                                           default=None, return_dtype=pl.Float64).alias("bar")))
     return (out.with_columns((pl.col("vs_no_corpus") >= pl.col("bar")).alias("meets"))
             .sort("run", "config", "workload", "load"))
 
@@ -101,4 +105,44 @@ def greedy_differences(requests: pl.DataFrame) -> pl.DataFrame:
             .sort("run", "against", "config", "workload", "load"))
 
 
-__all__ = ["BAR", "has_corpus", "without_corpus", "label", "speedups", "greedy_differences"]
+def waves(requests: pl.DataFrame) -> pl.DataFrame:
+    """The corpus's gain split by when a request was sent. At `load` in flight the first `load` requests of a point
+    (`order` < load) start together, before any answer has finished, so the corpus holds no output of theirs' kind
+    (only prompts, with `corpus_prompts`); every later request finds the answers finished before it. One row per
+    (run, config with a corpus, workload, load, wave in {"first", "later"}): the requests in the wave (per repeat),
+    tokens per step without and with the corpus over all repeats (from the step records, timing-free), their ratio,
+    and the ratio of per-request decode rates ((tokens - 1) ÷ (last token - first token), summed over the wave's
+    requests; median over repeats, `stream_lo`/`_hi` its range). A point's own ratio mixes the two waves by their
+    steps; a longer batch job is mostly its later wave."""
+    labels = requests["config"].unique().to_list()
+    pairs = {c: b for c in labels if (b := without_corpus(c, labels)) is not None}
+    rows = (requests.filter(pl.col("config").is_in([*pairs, *pairs.values()]))
+            .with_columns(pl.when(pl.col("order") < pl.col("load")).then(pl.lit("first")).otherwise(pl.lit("later"))
+                          .alias("wave"),
+                          pl.col("step_emitted").list.sum().alias("tokens"),
+                          pl.col("step_emitted").list.len().alias("steps"),
+                          (pl.col("output_ids").list.len() - 1).clip(lower_bound=0).alias("decoded"),
+                          (pl.col("t_last") - pl.col("ttft_s")).clip(lower_bound=0.0).alias("span")))
+    key = ["run", "config", "workload", "load", "wave"]
+    per_repeat = (rows.group_by(*key, "repeat")
+                  .agg(pl.col("tokens").sum(), pl.col("steps").sum(), pl.len().alias("requests"),
+                       (pl.col("decoded").sum() / pl.col("span").sum()).alias("stream_tok_s")))
+    base = per_repeat.filter(pl.col("config").is_in(list(pairs.values()))).select(
+        "run", "workload", "load", "wave", "repeat", pl.col("config").alias("base_config"),
+        pl.col("tokens").alias("base_tokens"), pl.col("steps").alias("base_steps"),
+        pl.col("stream_tok_s").alias("base_stream_tok_s"))
+    joined = (per_repeat.filter(pl.col("config").is_in(list(pairs)))
+              .with_columns(pl.col("config").replace_strict(pairs).alias("base_config"))
+              .join(base, on=["run", "workload", "load", "wave", "repeat", "base_config"], how="inner")
+              .with_columns((pl.col("stream_tok_s") / pl.col("base_stream_tok_s")).alias("stream")))
+    out = (joined.group_by(*key, "base_config")
+           .agg(pl.col("requests").median().cast(pl.Int64),
+                (pl.col("base_tokens").sum() / pl.col("base_steps").sum()).alias("base_tokens_per_step"),
+                (pl.col("tokens").sum() / pl.col("steps").sum()).alias("tokens_per_step"),
+                pl.col("stream").median().alias("stream"), pl.col("stream").min().alias("stream_lo"),
+                pl.col("stream").max().alias("stream_hi"), pl.len().alias("repeats"))
+           .with_columns((pl.col("tokens_per_step") / pl.col("base_tokens_per_step")).alias("tokens_per_step_ratio")))
+    return out.sort("run", "config", "workload", "load", "wave")
+
+
+__all__ = ["BAR", "BAR_AS", "has_corpus", "without_corpus", "label", "speedups", "greedy_differences", "waves"]
