@@ -171,14 +171,19 @@ def template_entries(text: str, n: int = 24) -> list[str]:
     return entries[:n]
 
 
-def template_sessions(text: str) -> list[Session]:
-    """A batch job: one instruction over 24 handbook entries, one request each (no conversation)."""
+def record_sessions(workload: str, entries: list[str], digits: int) -> list[Session]:
+    """One request per entry: the template's instruction over it, no conversation (a batch job)."""
     out = []
-    for i, entry in enumerate(template_entries(text)):
+    for i, entry in enumerate(entries):
         msgs = [{"role": "system", "content": TEMPLATE_SYSTEM},
                 {"role": "user", "content": TEMPLATE.format(entry=entry)}]
-        out.append(Session("template", f"template-{i:02d}", 1, lambda s, msgs=msgs: list(msgs)))
+        out.append(Session(workload, f"{workload}-{i:0{digits}d}", 1, lambda s, msgs=msgs: list(msgs)))
     return out
+
+
+def template_sessions(text: str) -> list[Session]:
+    """A batch job: one instruction over 24 handbook entries, one request each (no conversation)."""
+    return record_sessions("template", template_entries(text), 2)
 
 
 def batch_entries(text: str) -> list[str]:
@@ -193,12 +198,7 @@ def batch_entries(text: str) -> list[str]:
 def batch_sessions(text: str) -> list[Session]:
     """The template's instruction over every level-3 entry of the handbook (153), one request each: a batch job long
     enough that its first wave, which finds the corpus empty, is a small part of it (with 8 in flight, 1 in 19)."""
-    out = []
-    for i, entry in enumerate(batch_entries(text)):
-        msgs = [{"role": "system", "content": TEMPLATE_SYSTEM},
-                {"role": "user", "content": TEMPLATE.format(entry=entry)}]
-        out.append(Session("batch", f"batch-{i:03d}", 1, lambda s, msgs=msgs: list(msgs)))
-    return out
+    return record_sessions("batch", batch_entries(text), 3)
 
 
 AGENT_SYSTEM = """You are an operations assistant for the Lantern log search service. You work by calling tools. \

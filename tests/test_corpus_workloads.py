@@ -17,7 +17,8 @@ from hqlab.workloads import DOCUMENT, WorkloadError, read_requests
 REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = REPO / "data" / "workloads"
 META = json.loads((WORKLOADS / "corpus_workloads.meta.json").read_text())
-NAMES = ("multiturn", "template", "agent")
+NAMES = ("multiturn", "template", "agent", "batch")
+COUNTS = {"multiturn": 24, "template": 24, "agent": 32, "batch": 153}
 
 
 def _generator():
@@ -51,7 +52,7 @@ def test_files_match_their_recorded_hashes_and_source():
 @pytest.mark.parametrize("name", NAMES)
 def test_request_logs_parse_with_their_fields(requests, name):
     reqs = requests[name]
-    assert 24 <= len(reqs) <= 48
+    assert len(reqs) == COUNTS[name]
     assert {r.workload for r in reqs} == {name}
     assert all(r.messages[-1]["role"] == "user" for r in reqs)
     # sent in waves: every session's turn t before any turn t + 1
@@ -67,6 +68,14 @@ def test_inputs_come_from_the_handbook(requests):
     for r, entry in zip(requests["template"], entries, strict=True):
         assert r.messages[1]["content"] == gen.TEMPLATE.format(entry=entry)
         assert entry in text
+    # the batch job: the same instruction over every level-3 entry, in the handbook's order
+    entries = gen.batch_entries(text)
+    assert len(entries) == len([line for line in text.splitlines() if line.startswith("### ")]) == 153
+    for r, entry in zip(requests["batch"], entries, strict=True):
+        assert r.messages == [{"role": "system", "content": gen.TEMPLATE_SYSTEM},
+                              {"role": "user", "content": gen.TEMPLATE.format(entry=entry)}]
+        assert entry in text and entry.startswith("### ") and len(entry) <= 1400
+    assert entries[:3] != gen.template_entries(text)[:3]  # not the template's FAQ entries first
     for r in requests["multiturn"]:
         if r.turn == 0:
             material = r.messages[0]["content"].rsplit("\n\n", 1)[0].removeprefix("```python\n").removesuffix("\n```")
@@ -137,4 +146,4 @@ def test_assistant_messages_are_the_recorded_greedy_outputs(requests, traces):
             carried = [m["content"] for m in r.messages if m["role"] == "assistant"]
             produced = [answers[(r.session, t)] for t in range(r.turn)]
             assert set(carried) <= set(produced), r.id  # an edited or retried turn drops the answer it replaces
-            assert len(carried) >= min(r.turn, 1) or name == "template"
+            assert len(carried) >= min(r.turn, 1) or name in ("template", "batch")

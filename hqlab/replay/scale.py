@@ -96,7 +96,8 @@ def newest_points(costs: pl.DataFrame, runs: Sequence[str]) -> pl.DataFrame:
     order = {r: i for i, r in enumerate(runs)}
     ranked = costs.filter(pl.col("run").is_in(list(runs))).with_columns(
         pl.col("run").replace_strict(order, return_dtype=pl.Int64).alias("_order"))
-    return ranked.sort("_order").unique(subset=list(KEY), keep="last", maintain_order=True).drop("_order")
+    return (ranked.sort("_order", maintain_order=True).unique(subset=list(KEY), keep="last", maintain_order=True)
+            .drop("_order"))
 
 
 def decode_costs(costs: pl.DataFrame) -> tuple[pl.DataFrame, str]:

@@ -42,7 +42,21 @@ def test_the_c2_plan_runs_as_planned(bench, capsys):
         lookup_config(c)  # every config is one the speculator accepts
 
 
-def test_the_command_line_wins_over_the_plan(bench, tmp_path, capsys):
+def test_the_c3_plan_runs_the_whole_batch_job_at_8_in_flight(bench, capsys):
+    """Plan c3 (#42, docs/corpus.md): the batch workload, all 153 requests at 8 in flight and the first 24 one at a
+    time, `none`, the lookup k = 15 and the same lookup with c1's corpus, three repeats."""
+    path = PLAN.with_name("corpus_c3.json")
+    plan = json.loads(path.read_text())
+    assert bench.main(["bench", "--tag", "c3", "--plan", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "3 engines" in out and "18 points, repeats 3" in out and "(budget 480 s)" in out
+    assert "corpus_batch.jsonl: 153 requests in the file; load 1 runs 24, load 8 runs 153" in out
+    configs = list(plan["configs"].values())
+    corpus = [c for c in configs if "corpus=" in c]
+    assert len(corpus) == 1 and bench.without_corpus(corpus[0], set(configs)) in configs
+
+
+
     plan = tmp_path / "p.json"
     plan.write_text(json.dumps({"configs": ["none", "gpu-lookup:k=7"], "repeats": 4, "budget_s": 99,
                                 "workloads": ["data/workloads/prose.jsonl"], "loads": [1], "why": "a note"}))
