@@ -6,6 +6,12 @@ the whole step's graph, and a torch.profiler table of the whole step's kernels o
   GPU (through tools/gpu_host/vllm_host.py run, which converts the 0.5B):
       python3 benchmarks/fused_pass_kernels.py [--tag a] [--config SPEC ...] [--tiles SWEEP.json]
   writes $OUT/fused_pass_kernels_<tag>.json and prints one JSON row per (config, history) and the kernel table.
+
+  With --prefill: instead, the drafter's eager prompt prefill (`GpuFusedSpeculator._prefill`, what a new request
+  costs the fused speculator before its first token; served, `gpu-fused` answered it ~20 ms after `none`), wall
+  time per prompt length with the served config's layers as they are (`prefill_chunk` 1,024: one torch-path call)
+  and in 64-token chunks (each through the Triton layers), and one call's host and GPU time from torch.profiler:
+      python3 benchmarks/fused_pass_kernels.py --prefill --tag p1      # -> $OUT/fused_prefill_<tag>.json
 """
 
 from __future__ import annotations
@@ -26,6 +32,57 @@ CONFIGS = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compile=true,sc
            "gpu-fused:k=31,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,"
            "compile_rule=true,device_skip=true")
 HISTORIES = (512, 1024, 2048, 3900)
+# the served config of the serving runs (s5a, s5c) and the prompt lengths a prefill is timed at
+PREFILL_CONFIG = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,"
+                  "compile_rule=true,device_skip=true,layers=triton,attention=triton")
+PREFILL_CHUNKS = (1024, 64)
+PROMPTS = (64, 128, 256, 512, 1024)
+
+
+def prefill(tag: str, out: Path, repeats: int = 7) -> None:
+    """Wall time of the drafter's eager prefill of one prompt (median of `repeats`, after one warm-up), per prompt
+    length and `prefill_chunk`, and a torch.profiler split of one 256-token prefill into host and GPU time."""
+    import statistics
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": PREFILL_CONFIG,
+                    "rows": []}
+    for chunk in PREFILL_CHUNKS:
+        spec, _ = standalone_speculator(f"{PREFILL_CONFIG},prefill_chunk={chunk}", slots=4, width=4096)
+
+        def once(length: int, name: str) -> float:
+            spec.owner.pop(0, None)  # a new request in slot 0: the prefill starts from its first token
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            spec._prefill(name, 0, length, done=True)
+            torch.cuda.synchronize()
+            return (time.perf_counter() - t0) * 1e3
+
+        for length in PROMPTS:
+            once(length, "warm")
+            ms = [once(length, f"r{i}") for i in range(repeats)]
+            row = {"prefill_chunk": chunk, "prompt": length, "ms": statistics.median(ms), "ms_min": min(ms),
+                   "ms_max": max(ms), "repeats": repeats}
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            once(256, "profiled")
+        events = prof.key_averages()
+        gpu_us = sum(e.device_time_total for e in events if e.device_time_total > 0 and not e.key.startswith("cuda"))
+        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
+                                                            "cuLaunchKernelEx"))
+        split = {"prefill_chunk": chunk, "prompt": 256, "gpu_kernel_ms": gpu_us / 1e3, "kernel_launches": launches,
+                 "top": [{"name": e.key[:100], "calls": e.count, "gpu_us": e.device_time_total,
+                          "cpu_us": e.cpu_time_total} for e in sorted(events, key=lambda e: -e.cpu_time_total)[:25]]}
+        result.setdefault("profiles", []).append(split)
+        print(f"prefill_chunk {chunk}, 256 tokens: {split['gpu_kernel_ms']:.2f} ms of GPU kernels, "
+              f"{launches} launches", flush=True)
+        del spec
+        torch.cuda.empty_cache()
+    (out / f"fused_prefill_{tag}.json").write_text(json.dumps(result, indent=1))
 
 
 def main() -> None:
@@ -40,8 +97,12 @@ def main() -> None:
                    "tiles replace the Triton layers' table before the drafters are built")
     p.add_argument("--pdl", action="store_true", help="Triton kernels with programmatic dependent launch (run "
                    "t2 ran with it, t2n without; without is the kernels' default)")
+    p.add_argument("--prefill", action="store_true", help="time the drafter's eager prompt prefill instead (above)")
     args = p.parse_args()
     out = Path(os.environ.get("OUT", "."))
+    if args.prefill:
+        prefill(args.tag, out)
+        return
     if args.pdl:
         from hqlab_kernels import drafter_attention, drafter_layers
 
