@@ -379,14 +379,23 @@ def main(argv: list[str] | None = None) -> int:
     if not set(which) & set(WORKLOADS):  # a control's traces only: the workloads' record stays as it was
         print(f"wrote {TRACES.relative_to(REPO)} ({len(traces)} traces)")
         return 0
-    meta = {"generator": "benchmarks/corpus_workloads.py", "git_commit": provenance.git_commit(),
-            "model": origin.model, "sha256": origin.sha256, "dtype": origin.dtype, "device": origin.device,
-            "max_new_tokens": args.max_new_tokens, "batch": args.batch, "threads": args.threads,
-            "versions": provenance.versions(), "source": str(DOCUMENT.relative_to(REPO)),
-            "source_sha256": sha256_file(DOCUMENT),
-            "traces": str(TRACES.relative_to(REPO)),
-            "files": {f"corpus_{w}.jsonl": sha256_file(OUT_DIR / f"corpus_{w}.jsonl") for w in WORKLOADS
-                      if (OUT_DIR / f"corpus_{w}.jsonl").exists()}}
+    record = {"generator": "benchmarks/corpus_workloads.py", "git_commit": provenance.git_commit(),
+              "model": origin.model, "sha256": origin.sha256, "dtype": origin.dtype, "device": origin.device,
+              "max_new_tokens": args.max_new_tokens, "batch": args.batch, "threads": args.threads,
+              "versions": provenance.versions(), "source": str(DOCUMENT.relative_to(REPO)),
+              "source_sha256": sha256_file(DOCUMENT),
+              "traces": str(TRACES.relative_to(REPO))}
+    made = [f"corpus_{w}.jsonl" for w in which if w in WORKLOADS]
+    earlier = json.loads(META.read_text()) if META.exists() else None
+    if earlier is None or set(earlier.get("files", {})) <= set(made):
+        meta = record  # every file on record is made now: one record for all
+    else:  # some made now, the rest earlier (maybe on another machine): keep that record, add this run's per file
+        meta = earlier
+        meta.setdefault("made", {}).update({name: {k: v for k, v in record.items() if k not in ("generator",
+                                                                                                "source", "traces")}
+                                            for name in made})
+    meta["files"] = {f"corpus_{w}.jsonl": sha256_file(OUT_DIR / f"corpus_{w}.jsonl") for w in WORKLOADS
+                     if (OUT_DIR / f"corpus_{w}.jsonl").exists()}
     write_atomic(META, lambda tmp: tmp.write_text(json.dumps(meta, indent=1) + "\n"))
     print(f"wrote {META.relative_to(REPO)} and {TRACES.relative_to(REPO)} ({len(traces)} traces)")
     return 0

@@ -72,7 +72,7 @@ def test_inputs_come_from_the_handbook(requests):
     entries = gen.batch_entries(text)
     assert len(entries) == len([line for line in text.splitlines() if line.startswith("### ")]) == 153
     for r, entry in zip(requests["batch"], entries, strict=True):
-        assert r.messages == [{"role": "system", "content": gen.TEMPLATE_SYSTEM},
+        assert list(r.messages) == [{"role": "system", "content": gen.TEMPLATE_SYSTEM},
                               {"role": "user", "content": gen.TEMPLATE.format(entry=entry)}]
         assert entry in text and entry.startswith("### ") and len(entry) <= 1400
     assert entries[:3] != gen.template_entries(text)[:3]  # not the template's FAQ entries first

@@ -56,7 +56,7 @@ def test_the_c3_plan_runs_the_whole_batch_job_at_8_in_flight(bench, capsys):
     assert len(corpus) == 1 and bench.without_corpus(corpus[0], set(configs)) in configs
 
 
-
+def test_the_command_line_wins_over_the_plan(bench, tmp_path, capsys):
     plan = tmp_path / "p.json"
     plan.write_text(json.dumps({"configs": ["none", "gpu-lookup:k=7"], "repeats": 4, "budget_s": 99,
                                 "workloads": ["data/workloads/prose.jsonl"], "loads": [1], "why": "a note"}))
