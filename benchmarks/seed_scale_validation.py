@@ -57,6 +57,7 @@ sys.path.insert(0, str(ROOT))  # a bare checkout on the GPU host
 
 from benchmarks import vllm_step_cost as grid_bench  # noqa: E402  (after the path: a bare checkout)
 from hqlab.config import parse_spec  # noqa: E402  (light: no polars or torch, which the GPU host may lack)
+from hqlab.io import read_json  # noqa: E402  (standard library only)
 
 SHAPE_OF = {"qwen2.5-coder-0.5b": "qwen2.5-0.5b", "qwen2.5-coder-1.5b": "qwen2.5-1.5b"}  # real model -> grid shape
 SHORT = {"qwen2.5-coder-0.5b": "05b", "qwen2.5-coder-1.5b": "15b"}
@@ -398,7 +399,7 @@ def finish(args: argparse.Namespace) -> int:
         if not raw.exists():
             print(f"{model}: no decodes returned ({raw.name})")
             continue
-        meta = json.loads(raw.with_suffix(".json").read_text())
+        meta = read_json(raw.with_suffix(".json"))
         if meta["machine"] not in set(costs["machine"]):
             raise SystemExit(f"{raw.name} decoded on {meta['machine']!r}, the grid rows of run {tag} were measured on "
                              f"{sorted(set(costs['machine']))}: not the same machine")

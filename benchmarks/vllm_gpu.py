@@ -48,6 +48,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # a bare checkout on the GPU host (hqlab is not importable before this)
 
+from hqlab.io import read_json  # noqa: E402  (standard library only)
+
 DEFAULT_CONFIGS = ["gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest", "lookup:nmin=1,nmax=32,k=15,policy=earliest"]
 
 
@@ -186,7 +188,7 @@ def finish(args: argparse.Namespace) -> None:
     source: dict[str, str] = {}
     for path in [*args.raw, *([args.reference] if args.reference else [])]:
         more = runs_from_raw(pl.read_parquet(path))
-        meta = json.loads(Path(path).with_suffix(".json").read_text())
+        meta = read_json(Path(path).with_suffix(".json"))
         if path == args.reference:  # only its `none` rows: the reference of a call run with --skip-reference
             more = [r for r in more if r.config == "none"]
             if not more:
@@ -248,7 +250,7 @@ def replay(args: argparse.Namespace) -> None:
     from hqlab.replay.teacher import load_drafter
     from hqlab.workloads import load_workload
 
-    meta = json.loads(Path(args.raw).with_suffix(".json").read_text())
+    meta = read_json(Path(args.raw).with_suffix(".json"))
     runs = runs_from_raw(pl.read_parquet(args.raw))
     if args.category:
         runs = [r for r in runs if r.category in args.category]

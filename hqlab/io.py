@@ -81,6 +81,20 @@ def sha256_file(path: str | Path, progress: str | None = None) -> str:
     return h.hexdigest()
 
 
+def read_json(path: str | Path) -> Any:
+    """The JSON document at `path`, or at `path` + ".gz" where only that exists: large raw run records (a decode
+    run's engine profiles, megabytes of text) are committed gzipped, so that the working tree still travels to the
+    GPU host beside a part; the benchmarks write them plain."""
+    import gzip
+
+    path = Path(path)
+    packed = path.with_name(path.name + ".gz")
+    if not path.exists() and packed.exists():
+        with gzip.open(packed, "rt", encoding="utf-8") as f:
+            return json.load(f)
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
 def json_lines(text: str, path: Path, error: type[Exception]) -> Iterator[tuple[int, str, Any]]:
     """(line number, "<path>:<line>", parsed value) for every non-blank line of a JSON-lines text; a line that is
     not JSON raises `error` naming the file, line and column."""

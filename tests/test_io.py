@@ -1,8 +1,12 @@
-"""`hqlab.io.replace_runs`: what every benchmark's `finish` writes when a results file already holds other runs."""
+"""`hqlab.io`: what every benchmark's `finish` writes when a results file already holds other runs (`replace_runs`), and
+raw run records read plain or gzipped (`read_json`)."""
 
 from __future__ import annotations
 
+import json
+
 import polars as pl
+import pytest
 
 from hqlab.io import replace_runs
 
@@ -14,3 +18,18 @@ def test_a_finished_run_replaces_its_own_rows_and_keeps_every_other_run():
     assert got.sort("run").rows() == [("s2", 3, None), ("v1", 9, 8)]  # v1's two old rows gone, s2 kept
     assert replace_runs(None, new).equals(new)
     assert replace_runs(got, new).sort("run").equals(got.sort("run"))  # finishing again changes nothing
+
+
+def test_read_json_reads_the_plain_file_or_else_its_gzipped_copy(tmp_path):
+    import gzip
+
+    from hqlab.io import read_json
+
+    plain = tmp_path / "run.json"
+    with gzip.open(tmp_path / "run.json.gz", "wt", encoding="utf-8") as f:
+        json.dump({"engines": [1, 2]}, f)
+    assert read_json(plain) == {"engines": [1, 2]}  # only the gzipped copy exists
+    plain.write_text('{"engines": []}', encoding="utf-8")
+    assert read_json(plain) == {"engines": []}  # the plain file wins where both exist
+    with pytest.raises(FileNotFoundError):
+        read_json(tmp_path / "missing.json")
