@@ -35,6 +35,11 @@ def without_corpus(config: str, labels: set[str] | list[str]) -> str | None:
     return next((x for x in sorted(labels) if x != "none" and parse_spec(x) == want), None)
 
 
+def corpus_pairs(configs: list[str]) -> dict[str, str]:
+    """Each config with a corpus among `configs` -> the same config without it, where that one is among them too."""
+    return {c: b for c in configs if (b := without_corpus(c, configs)) is not None}
+
+
 def label(config: str) -> str:
     """A `gpu-lookup` config in a few words for a legend, its settings as the speculator reads them (defaults
     included): "k=15, corpus 32768 longest, prompts", or "k=15" without a corpus."""
@@ -52,9 +57,7 @@ def speedups(points: pl.DataFrame) -> pl.DataFrame:
     as median, min and max (`vs_no_corpus`, `_lo`, `_hi`); `vs_none` (median); tokens per step without and with;
     the share of steps the corpus drafted; `replay_exact` (the replay predicted every step of both configs at every
     repeat); the number of repeats; the issue's `bar` and whether the median `meets` it (null: no bar)."""
-    labels = points["config"].unique().to_list()
-    pairs = {c: without_corpus(c, labels) for c in labels}
-    pairs = {c: b for c, b in pairs.items() if b is not None}
+    pairs = corpus_pairs(points["config"].unique().to_list())
     key = ["run", "workload", "load", "repeat"]
     corpus = points.filter(pl.col("config").is_in(list(pairs))).with_columns(
         pl.col("config").replace_strict(pairs).alias("base_config"))
@@ -114,8 +117,7 @@ def waves(requests: pl.DataFrame) -> pl.DataFrame:
     and the ratio of per-request decode rates ((tokens - 1) ÷ (last token - first token), summed over the wave's
     requests; median over repeats, `stream_lo`/`_hi` its range). A point's own ratio mixes the two waves by their
     steps; a longer batch job is mostly its later wave."""
-    labels = requests["config"].unique().to_list()
-    pairs = {c: b for c in labels if (b := without_corpus(c, labels)) is not None}
+    pairs = corpus_pairs(requests["config"].unique().to_list())
     rows = (requests.filter(pl.col("config").is_in([*pairs, *pairs.values()]))
             .with_columns(pl.when(pl.col("order") < pl.col("load")).then(pl.lit("first")).otherwise(pl.lit("later"))
                           .alias("wave"),
@@ -145,4 +147,4 @@ def waves(requests: pl.DataFrame) -> pl.DataFrame:
     return out.sort("run", "config", "workload", "load", "wave")
 
 
-__all__ = ["BAR", "BAR_AS", "has_corpus", "without_corpus", "label", "speedups", "greedy_differences", "waves"]
+__all__ = ["BAR", "BAR_AS", "has_corpus", "without_corpus", "corpus_pairs", "label", "speedups", "greedy_differences", "waves"]
