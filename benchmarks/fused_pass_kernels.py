@@ -71,7 +71,8 @@ def prefill(tag: str, out: Path, repeats: int = 7) -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             once(256, "profiled")
         events = prof.key_averages()
-        gpu_us = sum(e.device_time_total for e in events if e.device_time_total > 0 and not e.key.startswith("cuda"))
+        # self time: an operator's total includes its kernels', which are events of their own (no double count)
+        gpu_us = sum(e.self_device_time_total for e in events)
         launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
                                                             "cuLaunchKernelEx"))
         split = {"prefill_chunk": chunk, "prompt": 256, "gpu_kernel_ms": gpu_us / 1e3, "kernel_launches": launches,
