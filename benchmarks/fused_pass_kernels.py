@@ -10,7 +10,9 @@ the whole step's graph, and a torch.profiler table of the whole step's kernels o
   With --prefill: instead, the drafter's eager prompt prefill (`GpuFusedSpeculator._prefill`, what a new request
   costs the fused speculator before its first token; served, `gpu-fused` answered it ~20 ms after `none`), wall
   time per prompt length with the served config's layers as they are (`prefill_chunk` 1,024: one torch-path call)
-  and in 64-token chunks (each through the Triton layers), and one call's host and GPU time from torch.profiler:
+  and in 64-token chunks (each through the Triton layers), the same without torch.compile's wrappers
+  (`compile=false`), the first call at prompt lengths not seen before (what a served request meets: a recompile
+  would show there, not in the warmed medians), and one call's host and GPU time from torch.profiler:
       python3 benchmarks/fused_pass_kernels.py --prefill --tag p1      # -> $OUT/fused_prefill_<tag>.json
 """
 
@@ -35,8 +37,11 @@ HISTORIES = (512, 1024, 2048, 3900)
 # the served config of the serving runs (s5a, s5c) and the prompt lengths a prefill is timed at
 PREFILL_CONFIG = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,"
                   "compile_rule=true,device_skip=true,layers=triton,attention=triton")
-PREFILL_CHUNKS = (1024, 64)
+# (name, spec suffix): the served layers as they are, 64-token chunks through the Triton layers, no torch.compile
+PREFILL_VARIANTS = (("chunk1024", ",prefill_chunk=1024"), ("chunk64", ",prefill_chunk=64"),
+                    ("chunk1024-nocompile", ",prefill_chunk=1024,compile=false"))
 PROMPTS = (64, 128, 256, 512, 1024)
+FRESH = (37, 53, 71, 97, 131, 173, 229, 301)  # prompt lengths each timed once, on their first call
 
 
 def prefill(tag: str, out: Path, repeats: int = 7) -> None:
@@ -50,8 +55,10 @@ def prefill(tag: str, out: Path, repeats: int = 7) -> None:
 
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": PREFILL_CONFIG,
                     "rows": []}
-    for chunk in PREFILL_CHUNKS:
-        spec, _ = standalone_speculator(f"{PREFILL_CONFIG},prefill_chunk={chunk}", slots=4, width=4096)
+    for variant, suffix in PREFILL_VARIANTS:
+        base = PREFILL_CONFIG.replace(",compile=true", "") if ",compile=" in suffix else PREFILL_CONFIG
+        spec, _ = standalone_speculator(base + suffix, slots=4, width=4096)
+        chunk = spec.config.prefill_chunk
 
         def once(length: int, name: str) -> float:
             spec.owner.pop(0, None)  # a new request in slot 0: the prefill starts from its first token
@@ -64,9 +71,14 @@ def prefill(tag: str, out: Path, repeats: int = 7) -> None:
         for length in PROMPTS:
             once(length, "warm")
             ms = [once(length, f"r{i}") for i in range(repeats)]
-            row = {"prefill_chunk": chunk, "prompt": length, "ms": statistics.median(ms), "ms_min": min(ms),
-                   "ms_max": max(ms), "repeats": repeats}
+            row = {"variant": variant, "prefill_chunk": chunk, "prompt": length, "ms": statistics.median(ms),
+                   "ms_min": min(ms), "ms_max": max(ms), "repeats": repeats}
             result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        for length in FRESH:
+            row = {"variant": variant, "prefill_chunk": chunk, "prompt": length, "first_call_ms": once(length, "new"),
+                   "again_ms": once(length, "again")}
+            result.setdefault("fresh", []).append(row)
             print(json.dumps(row), flush=True)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             once(256, "profiled")
@@ -75,11 +87,11 @@ def prefill(tag: str, out: Path, repeats: int = 7) -> None:
         gpu_us = sum(e.self_device_time_total for e in events)
         launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
                                                             "cuLaunchKernelEx"))
-        split = {"prefill_chunk": chunk, "prompt": 256, "gpu_kernel_ms": gpu_us / 1e3, "kernel_launches": launches,
+        split = {"variant": variant, "prefill_chunk": chunk, "prompt": 256, "gpu_kernel_ms": gpu_us / 1e3, "kernel_launches": launches,
                  "top": [{"name": e.key[:100], "calls": e.count, "gpu_us": e.device_time_total,
                           "cpu_us": e.cpu_time_total} for e in sorted(events, key=lambda e: -e.cpu_time_total)[:25]]}
         result.setdefault("profiles", []).append(split)
-        print(f"prefill_chunk {chunk}, 256 tokens: {split['gpu_kernel_ms']:.2f} ms of GPU kernels, "
+        print(f"{variant}, 256 tokens: {split['gpu_kernel_ms']:.2f} ms of GPU kernels, "
               f"{launches} launches", flush=True)
         del spec
         torch.cuda.empty_cache()
