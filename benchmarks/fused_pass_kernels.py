@@ -11,8 +11,10 @@ the whole step's graph, and a torch.profiler table of the whole step's kernels o
   costs the fused speculator before its first token; served, `gpu-fused` answered it ~20 ms after `none`), wall
   time per prompt length with the served config's layers as they are (`prefill_chunk` 1,024: one torch-path call)
   and in 64-token chunks (each through the Triton layers), the same without torch.compile's wrappers
-  (`compile=false`), the first call at prompt lengths not seen before (what a served request meets: a recompile
-  would show there, not in the warmed medians), and one call's host and GPU time from torch.profiler:
+  (`compile=false`), in passes of 64 replayed from one captured graph (`prefill_graph`), the first call at prompt
+  lengths not seen before (what a served request meets: a recompile would show there, not in the warmed medians)
+  with the drafter's next-token logits after it (each variant against the first: the same argmax?), and one call's
+  host and GPU time from torch.profiler:
       python3 benchmarks/fused_pass_kernels.py --prefill --tag p1      # -> $OUT/fused_prefill_<tag>.json
 """
 
@@ -39,14 +41,16 @@ PREFILL_CONFIG = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compile=
                   "compile_rule=true,device_skip=true,layers=triton,attention=triton")
 # (name, spec suffix): the served layers as they are, 64-token chunks through the Triton layers, no torch.compile
 PREFILL_VARIANTS = (("chunk1024", ",prefill_chunk=1024"), ("chunk64", ",prefill_chunk=64"),
-                    ("chunk1024-nocompile", ",prefill_chunk=1024,compile=false"))
+                    ("chunk1024-nocompile", ",prefill_chunk=1024,compile=false"),
+                    ("graph64", ",prefill_chunk=1024,prefill_graph=1024"))
 PROMPTS = (64, 128, 256, 512, 1024)
 FRESH = (37, 53, 71, 97, 131, 173, 229, 301)  # prompt lengths each timed once, on their first call
 
 
 def prefill(tag: str, out: Path, repeats: int = 7) -> None:
-    """Wall time of the drafter's eager prefill of one prompt (median of `repeats`, after one warm-up), per prompt
-    length and `prefill_chunk`, and a torch.profiler split of one 256-token prefill into host and GPU time."""
+    """Wall time of the drafter's prefill of one prompt (median of `repeats`, after one warm-up) per prompt length
+    and variant, the first call at new lengths with the logits it leaves, and a torch.profiler split of one
+    256-token prefill into host and GPU time."""
     import statistics
     import time
 
@@ -55,8 +59,10 @@ def prefill(tag: str, out: Path, repeats: int = 7) -> None:
 
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": PREFILL_CONFIG,
                     "rows": []}
+    reference: dict[int, torch.Tensor] = {}  # prompt length -> the first variant's next-token logits
     for variant, suffix in PREFILL_VARIANTS:
         base = PREFILL_CONFIG.replace(",compile=true", "") if ",compile=" in suffix else PREFILL_CONFIG
+        torch.manual_seed(0)  # the same random histories in every variant
         spec, _ = standalone_speculator(base + suffix, slots=4, width=4096)
         chunk = spec.config.prefill_chunk
 
@@ -78,6 +84,15 @@ def prefill(tag: str, out: Path, repeats: int = 7) -> None:
         for length in FRESH:
             row = {"variant": variant, "prefill_chunk": chunk, "prompt": length, "first_call_ms": once(length, "new"),
                    "again_ms": once(length, "again")}
+            # what the drafter knows after the prompt: its logits for the token after it (the same histories in
+            # every variant: seeded above)
+            d, slot = spec.drafter, spec.index[:1]
+            logits = d.logits(slot, spec.state[0][0, length:length + 1].long()[None], spec.index[length:length + 1],
+                              spec.zeros[:1], spec.cache_len).float()[0]
+            reference.setdefault(length, logits)
+            row["argmax"] = int(logits.argmax())
+            row["same_argmax_as_first"] = row["argmax"] == int(reference[length].argmax())
+            row["max_abs_logit_diff_vs_first"] = float((logits - reference[length]).abs().max())
             result.setdefault("fresh", []).append(row)
             print(json.dumps(row), flush=True)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -87,7 +102,8 @@ def prefill(tag: str, out: Path, repeats: int = 7) -> None:
         gpu_us = sum(e.self_device_time_total for e in events)
         launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
                                                             "cuLaunchKernelEx"))
-        split = {"variant": variant, "prefill_chunk": chunk, "prompt": 256, "gpu_kernel_ms": gpu_us / 1e3, "kernel_launches": launches,
+        split = {"variant": variant, "prefill_chunk": chunk, "prompt": 256, "gpu_kernel_ms": gpu_us / 1e3,
+                 "kernel_launches": launches,
                  "top": [{"name": e.key[:100], "calls": e.count, "gpu_us": e.device_time_total,
                           "cpu_us": e.cpu_time_total} for e in sorted(events, key=lambda e: -e.cpu_time_total)[:25]]}
         result.setdefault("profiles", []).append(split)

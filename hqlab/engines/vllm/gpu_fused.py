@@ -64,6 +64,10 @@ CLASS_PATH = "hqlab.engines.vllm.gpu_fused.GpuFusedSpeculator"
 # prompt tokens fed to the drafter per eager call by default (`prefill_chunk`: bounds its activation memory; each call
 # pays the host cost of 24 eager layers, which shows in the first token's time)
 PREFILL_CHUNK = 1024
+# prompt positions per replay of the captured prefill pass (`prefill_graph`): the most rows the drafter's Triton
+# layers take (drafter.TRITON_MAX_ROWS), so with layers=triton a pass is 24 x 4 Triton kernels around
+# FlashAttention, replayed with no host work per layer
+PREFILL_ROWS = 64
 GRAPH_MAX_BATCH = 16  # batch sizes above this draft eagerly
 RECORD_CAPACITY = 4096
 # With `skip`, at most this many drafter-free steps in a row per request before a catch-up pass: a catch-up pass
@@ -85,7 +89,10 @@ class GpuFusedConfig(FusedConfig):
     drafter layers' elementwise work (fewer kernels per pass; compiles on the first steps); compile_rule:
     torch.compile the fusion and schedule rule (`FusedStep`: ~100 small operations a step into a few kernels);
     prefill_chunk: prompt tokens the drafter reads per eager call (vLLM prefills up to max_num_batched_tokens, 2,048
-    by default, per step: one call per vLLM chunk at 2048); device_skip: the drafting step itself skips the drafter's
+    by default, per step: one call per vLLM chunk at 2048); prefill_graph: a prompt with at most this many tokens
+    still unread is fed to the drafter in passes of PREFILL_ROWS positions replayed from one captured CUDA graph (the
+    last pass padded past the prompt's end with whatever the history row holds there; the drafter's next pass
+    feeds from the prompt's end and overwrites it), not in eager calls (0: always eager); device_skip: the drafting step itself skips the drafter's
     pass where the lookup alone decides every sampling row's block (a match of at least nstrong with a token to
     propose: with one drafter token a step and the threshold rule the block is then the lookup's whatever the drafter
     says), decided on the device behind CUDA graph conditional nodes (`conditional.run_if`), with no host proof and
@@ -104,6 +111,7 @@ class GpuFusedConfig(FusedConfig):
     compile: bool = False
     compile_rule: bool = False
     prefill_chunk: int = PREFILL_CHUNK
+    prefill_graph: int = 0
     device_skip: bool = False
     catch_up: str = "lazy"
     layers: str = "torch"
@@ -138,6 +146,9 @@ class GpuFusedConfig(FusedConfig):
         if self.prefill_chunk < 1:
             raise ConfigError(f"{NAME}: prefill_chunk must be >= 1 prompt token per drafter call "
                               f"(got {self.prefill_chunk})")
+        if self.prefill_graph < 0:
+            raise ConfigError(f"{NAME}: prefill_graph is the longest unread prompt fed through the captured prefill "
+                              f"pass, >= 0 (0: always eager; got {self.prefill_graph})")
         from hqlab.engines.vllm.drafter import ATTENTION, LAYERS
 
         if self.layers not in LAYERS:
@@ -388,6 +399,12 @@ class GpuFusedSpeculator(V2Speculator):
         # slot and position indices as device views: a tensor built from a host list would wait for the GPU's queue
         self.index = torch.arange(max(max_num_reqs, max_model_len), dtype=torch.int64, device=dev)
         self.prefilled: dict[str, int] = {}  # request id -> prompt tokens the drafter has seen (mid-prefill only)
+        # prefill_graph: the captured prompt pass's inputs (a cache row, its first position, PREFILL_ROWS tokens) and
+        # its graph (None until `capture`, or where capture failed: the same pass then runs eagerly)
+        self._prefill_slot = torch.zeros(1, dtype=torch.int64, device=dev)
+        self._prefill_start = torch.zeros(1, dtype=torch.int64, device=dev)
+        self._prefill_tokens = torch.zeros(1, PREFILL_ROWS, dtype=torch.int64, device=dev)
+        self.prefill_graph: Any = None
         self.owner: dict[int, str] = {}  # slot -> the request whose tokens the drafter's cache row holds
         self.drafter: Any = None
         self.state: tuple[torch.Tensor, torch.Tensor] | None = None  # vLLM's (all_token_ids, total_len)
@@ -532,6 +549,13 @@ class GpuFusedSpeculator(V2Speculator):
                     self.graphs.clear()
                     warnings.warn(f"{NAME}: capturing the drafting step failed ({e2}); it runs eagerly",
                                   RuntimeWarning, stacklevel=2)
+        if self.config.prefill_graph:
+            try:
+                self._capture_prefill()
+            except RuntimeError as e:
+                self.prefill_graph = None
+                warnings.warn(f"{NAME}: capturing the drafter's prompt pass failed ({e}); prompts are read eagerly",
+                              RuntimeWarning, stacklevel=2)
         self._slots_host, self._fresh_clear = None, self.max_num_reqs  # capturing wrote `slots`, zeroed `fresh`
         if self.recorder is not None:
             self.recorder.restart()
@@ -561,6 +585,28 @@ class GpuFusedSpeculator(V2Speculator):
                     with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
                         self._draft(m, bucket, kind, width)
                     self.graphs[(m, bucket, kind, width)] = graph
+
+    def _prefill_pass(self) -> None:
+        """PREFILL_ROWS prompt positions from `_prefill_start` of cache row `_prefill_slot` (static shapes: the body of
+        the captured prompt pass; attention over the whole row, which FlashAttention and the masked path both bound
+        by each query's own position)."""
+        self.drafter.hidden_states(self._prefill_slot, self._prefill_tokens, self._prefill_start,
+                                   attn_len=self.cache_len)
+
+    def _capture_prefill(self) -> None:
+        # a warm-up on a side stream first (Triton's and torch.compile's first calls), then the capture; both write
+        # positions [0, PREFILL_ROWS) of slot 0 before any request owns it
+        self._prefill_slot.zero_()
+        self._prefill_start.zero_()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._prefill_pass()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(), capture_error_mode="thread_local"):
+            self._prefill_pass()
+        self.prefill_graph = graph
 
     @property
     def ready(self) -> bool:
@@ -723,11 +769,25 @@ class GpuFusedSpeculator(V2Speculator):
             seen = 0
         self.owner[slot] = req_id
         tokens = self.state[0][slot]
-        slot_t = self.index[slot:slot + 1]
-        chunk = self.config.prefill_chunk
-        for a in range(seen, end, chunk):
-            e = min(end, a + chunk)
-            self.drafter.hidden_states(slot_t, tokens[a:e].long()[None], self.index[a:a + 1], attn_len=e)
+        passes = -(-(end - seen) // PREFILL_ROWS)
+        if 0 < end - seen <= self.config.prefill_graph and seen + passes * PREFILL_ROWS <= min(self.cache_len,
+                                                                                            tokens.shape[0]):
+            # passes of PREFILL_ROWS from the captured graph, the last one padded (`prefill_graph`); `fill_` is a
+            # kernel with a scalar argument, not a copy from the host
+            self._prefill_slot.fill_(slot)
+            for a in range(seen, end, PREFILL_ROWS):
+                self._prefill_tokens[0].copy_(tokens[a:a + PREFILL_ROWS])
+                self._prefill_start.fill_(a)
+                if self.prefill_graph is not None:
+                    self.prefill_graph.replay()
+                else:
+                    self._prefill_pass()
+        else:
+            slot_t = self.index[slot:slot + 1]
+            chunk = self.config.prefill_chunk
+            for a in range(seen, end, chunk):
+                e = min(end, a + chunk)
+                self.drafter.hidden_states(slot_t, tokens[a:e].long()[None], self.index[a:a + 1], attn_len=e)
         self.dlen[slot:slot + 1].fill_(end)  # a kernel with a scalar argument: `dlen[slot] = end` copies from the host
         if not done:
             self.prefilled[req_id] = end

@@ -389,6 +389,40 @@ def test_the_prefill_chunk_changes_the_calls_not_what_the_drafter_knows():
     assert torch.allclose(logits[0], logits[1], atol=1e-5)
 
 
+def test_the_captured_prompt_pass_pads_past_the_prompt_and_the_next_pass_overwrites_it():
+    """`prefill_graph`: a prompt of 100 tokens read in two passes of PREFILL_ROWS (the second padded past position
+    100 with whatever the history row holds) leaves the drafter as one eager call does: the same logits for the next
+    three tokens fed from position 100 (which overwrite the padding), float32 on the CPU. Prompts longer than the
+    bound, or whose padded passes would run past the row, take the eager calls."""
+    width, rows = 160, gpu_fused.PREFILL_ROWS
+    ids = torch.randint(0, 63, (1, width), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
+    logits, calls = {}, {}
+    for name, spec_text, prompt in (("eager", "prefill_graph=0", 100), ("graph", "prefill_graph=128", 100),
+                                    ("over-bound", "prefill_graph=64", 100), ("past-row", "prefill_graph=160", 150)):
+        config = fused_config(f"gpu-fused:k=3,draft_block=2,nmax=4,{spec_text}")
+        spec = GpuFusedSpeculator.standalone(config, max_num_reqs=1, max_model_len=width, pad=63, device="cpu",
+                                             dtype=torch.float32)
+        spec.bind(ids, torch.full((1,), prompt, dtype=torch.int32))
+        spec.drafter = tiny_qwen2(1, spec.cache_len)
+        feed, seen = spec.drafter.hidden_states, []
+
+        def counted(*args, feed=feed, seen=seen, **kwargs):
+            seen.append(args[1].shape[1])
+            return feed(*args, **kwargs)
+
+        spec.drafter.hidden_states = counted
+        spec._prefill("a", 0, prompt, done=True)
+        calls[name] = list(seen)
+        assert int(spec.dlen[0]) == prompt
+        nxt = ids[0, prompt:prompt + 3].long()[None]
+        logits[name] = spec.drafter.logits(torch.tensor([0]), nxt, torch.tensor([prompt]), torch.tensor([2]),
+                                           spec.cache_len)
+    assert calls == {"eager": [100], "graph": [rows, rows], "over-bound": [100], "past-row": [150]}
+    assert torch.allclose(logits["graph"], logits["eager"], atol=1e-5)
+    with pytest.raises(ConfigError, match="prefill_graph is the longest unread prompt"):
+        fused_config("gpu-fused:prefill_graph=-1")
+
+
 def test_a_prompt_resumed_in_a_slot_another_request_used_is_prefilled_again():
     """Chunked prefill continues where the drafter stopped only while its cache row still holds the request; after
     another request took the slot (preemption, then resumption), the drafter starts the prompt over."""
