@@ -363,6 +363,38 @@ def test_the_drafter_prefill_never_waits_for_the_gpu():
     assert int(spec.dlen[1]) == gpu_fused.PREFILL_CHUNK + 40
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_the_captured_prompt_pass_reads_prompts_as_the_eager_calls_do_on_the_gpu():
+    """`prefill_graph` on the GPU (float32, masked attention, a tiny random-weight drafter): prompts of 5 to 200
+    tokens read by replaying the captured 64-position pass leave the drafter's next-token logits as the eager calls
+    do, and the replays queue their work without a host-device synchronisation."""
+    logits = {}
+    for bound in (0, 256):
+        config = fused_config(f"gpu-fused:k=7,draft_block=2,nmax=8,prefill_graph={bound}")
+        spec = GpuFusedSpeculator.standalone(config, max_num_reqs=2, max_model_len=320, pad=63, device="cuda",
+                                             dtype=torch.float32)
+        ids = torch.randint(0, 60, (2, spec.max_model_len), dtype=torch.int32, device="cuda",
+                            generator=torch.Generator("cuda").manual_seed(4))
+        spec.bind(ids, torch.zeros(2, dtype=torch.int32, device="cuda"))
+        spec.drafter = tiny_qwen2(2, spec.cache_len, device="cuda", dtype=torch.float32, attention="sdpa")
+        spec.use_graphs = True
+        spec.capture()
+        assert (spec.prefill_graph is not None) == bool(bound)
+        for length in (5, 64, 100, 200):
+            spec.owner.pop(1, None)  # a new request in slot 1
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                spec._prefill(f"r{length}", 1, length, done=True)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            nxt = ids[1, length:length + 2].long()[None]
+            logits[bound, length] = spec.drafter.logits(spec.index[1:2], nxt, spec.index[length:length + 1],
+                                                        spec.index[1:2], spec.cache_len)
+    for length in (5, 64, 100, 200):
+        assert torch.allclose(logits[256, length], logits[0, length], atol=1e-4), length
+
+
 def test_the_prefill_chunk_changes_the_calls_not_what_the_drafter_knows():
     """A prompt fed in chunks of 7 tokens or in one call leaves the drafter with the same cache: the same next-token
     logits (float32 on the CPU), in 6 calls against 1."""
