@@ -53,17 +53,21 @@ projection_run = "s4"
 served_heads_run = "s5a"  # the serving run that measured the drawn heads themselves (sampled prose, one request)
 projection_config = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,"
                      "compile_rule=true,device_skip=true,layers=triton,attention=triton,batch_k=1:15/4:7/0")
+# the drafter's prompt prefill outside vLLM (benchmarks/fused_pass_kernels.py --prefill): eager calls against the
+# passes replayed from a captured graph (`prefill_graph`)
+prefill_profile = "data/results/fused_prefill_p1/fused_prefill_h100_p1.json"
 gate_plot = ["prose 1.5B", "chat 1.5B", "prose 0.5B", "template 0.5B", "multiturn 0.5B", "agent 0.5B", "qa 1.5B",
              "copy 1.5B"]  # the workloads drawn (the table and the parquet have all)
 
 # %%
+import json
 from pathlib import Path
 
 import altair as alt
 import polars as pl
 
 from hqlab import plots
-from hqlab.bench import serve
+from hqlab.bench import serve, vllm_report
 from hqlab.replay import sampled_drafts
 
 alt.renderers.enable("svg")
@@ -313,6 +317,23 @@ chart = plots.ranges(compared, "head", "ratio", "lo", "hi", "source", rules={"th
                      y_title="output tok/s ÷ none (prose, T = 0.7, one request)")
 plots.save(chart, Path(figures_dir) / "drawn_heads_served.svg")
 served.drop("config", "machine")
+
+# %%
+chart
+
+# %% [markdown]
+# The drafter's prompt prefill, what `gpu-fused` adds to a new request's first token (`prefill_profile`): wall time
+# per prompt length of the eager calls the served config made (warm: the median of seven after a warm-up; first:
+# the first call at a length not seen before, as a served request meets it) against 64-position passes replayed
+# from one captured CUDA graph (`prefill_graph`).
+
+# %%
+prefill = vllm_report.prefill_times(json.loads(Path(prefill_profile).read_text()))
+chart = plots.lines_with_mark(prefill.with_columns(pl.col("call").replace_strict(
+    {"warm": "warm (median of 7)", "first": "first call at a new length"}).alias("call")), "prompt", "ms", "label",
+    panel="call", columns=2, x_title="prompt tokens", y_title="drafter prefill (ms, wall)")
+plots.save(chart, Path(figures_dir) / "drafter_prefill.svg")
+prefill.filter(pl.col("prompt") <= 256).pivot("variant", index=["call", "prompt"], values="ms")
 
 # %%
 chart

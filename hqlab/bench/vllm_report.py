@@ -491,6 +491,29 @@ def pass_kernel_parts(profile: dict) -> pl.DataFrame:
             .agg(pl.col("us").sum(), pl.col("kernels").sum()))
 
 
+# the variants of benchmarks/fused_pass_kernels.py --prefill, by what they are
+PREFILL_LABELS = {"chunk1024": "eager, one call (served so far)", "chunk64": "eager, 64-token calls",
+                  "chunk1024-nocompile": "eager, no torch.compile", "graph64": "graph, 64-token passes"}
+
+
+def prefill_times(profile: dict) -> pl.DataFrame:
+    """The drafter's prompt prefill of a `fused_pass_kernels --prefill` run (its JSON): one row per (variant, prompt
+    length, call) with `ms` of wall time, `call` "warm" (the median of the repeats after a warm-up, with `ms_min`,
+    `ms_max`) or "first" (the first call at a length not seen before, as a served request meets it), and for first
+    calls whether the drafter's next-token argmax after the prompt equals the first variant's (`same_argmax`)."""
+    rows = [{"variant": r["variant"], "label": PREFILL_LABELS.get(r["variant"], r["variant"]),
+             "prompt": int(r["prompt"]), "call": "warm", "ms": float(r["ms"]), "ms_min": float(r["ms_min"]),
+             "ms_max": float(r["ms_max"]), "same_argmax": None} for r in profile.get("rows", []) if "variant" in r]
+    rows += [{"variant": r["variant"], "label": PREFILL_LABELS.get(r["variant"], r["variant"]),
+              "prompt": int(r["prompt"]), "call": "first", "ms": float(r["first_call_ms"]), "ms_min": None,
+              "ms_max": None, "same_argmax": bool(r["same_argmax_as_first"])} for r in profile.get("fresh", [])]
+    if not rows:
+        raise ConfigError("the profile has no prefill rows by variant (benchmarks/fused_pass_kernels.py --prefill "
+                          "writes them)")
+    return pl.DataFrame(rows).sort("call", "variant", "prompt", descending=[True, False, False],
+                                   maintain_order=True)
+
+
 def tile_sweep(sweep: dict) -> pl.DataFrame:
     """Per (kernel, rows) of a tile sweep (benchmarks/drafter_layer_tiles.py's JSON): µs per launch of the product
     alone in cuBLAS (or, for the attention, vLLM's FlashAttention), of the tiles the table held when the sweep ran,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import polars as pl
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -459,6 +460,31 @@ def test_gpu_phases_take_the_drafting_step_out_of_sampling_and_add_up_to_the_fus
     assert ((fused["gpu_ms"] - fused["step_ms"]).abs() < 0.1).all()
     with pytest.raises(ConfigError, match="run 'fj1' has no profiled phases"):
         vllm_report.gpu_phases(data["phases"], "fj1")
+
+
+def test_prefill_times_read_every_variant_and_call_of_run_p1():
+    """Run p1 (benchmarks/fused_pass_kernels.py --prefill, an H100): four variants, five warm lengths and eight first
+    calls each; every warm median inside its repeats' range; the first variant's first calls agree with
+    themselves; the captured passes' warm time grows with the 64-position passes a prompt takes (one pass for 64
+    tokens, sixteen for 1,024); a JSON without variant rows is refused."""
+    import json
+
+    from hqlab.bench import vllm_report
+    from hqlab.config import ConfigError
+
+    profile = json.loads((ROOT / "data/results/fused_prefill_p1/fused_prefill_h100_p1.json").read_text())
+    times = vllm_report.prefill_times(profile)
+    assert times.group_by("variant", "call").len().sort("variant", "call")["len"].to_list() == [8, 5] * 4
+    assert set(times["label"]) == set(vllm_report.PREFILL_LABELS.values())
+    warm = times.filter(pl.col("call") == "warm")
+    assert ((warm["ms_min"] <= warm["ms"]) & (warm["ms"] <= warm["ms_max"])).all()
+    first = times.filter((pl.col("call") == "first") & (pl.col("variant") == "chunk1024"))
+    assert first["same_argmax"].all()
+    graph = warm.filter(pl.col("variant") == "graph64").sort("prompt")
+    per_pass = graph["ms"] / (graph["prompt"] // 64)
+    assert per_pass.max() < 1.2 * per_pass.min()  # one replay per 64 positions, each alike
+    with pytest.raises(ConfigError, match="no prefill rows"):
+        vllm_report.prefill_times({"rows": [{"prompt": 64, "ms": 1.0}]})
 
 
 def test_pass_kernel_parts_split_the_profiled_drafting_step_by_what_its_kernels_do():
