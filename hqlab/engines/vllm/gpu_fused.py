@@ -96,12 +96,12 @@ class GpuFusedConfig(FusedConfig):
     pass against 12-36 ms for an eager prompt, docs/serving.md); device_skip: the drafting step itself skips the
     drafter's pass where the lookup alone decides every sampling row's block (a match of at least nstrong with a
     token to propose: with one drafter token a step and the threshold rule the block is then the lookup's whatever
-    the drafter says), decided on the device behind CUDA graph conditional nodes (`conditional.run_if`), with no host proof and
-    no lag; decision for decision the config without it (docs/vllm-internals.md, the device-decided skip);
-    catch_up (with device_skip): when a drafter that skipped steps reads what it missed, "lazy" (only at a step that needs its token, in as many
-    wide passes as its lag takes, a loop behind a WHILE node: a copy that never needs the drafter never runs it) or
-    "bounded" (a wide pass once it lags SKIP_RUN steps, needed or not: run fm1's code); layers: how the drafter runs
-    its layers ("torch", or "triton": four Triton kernels per layer in its drafting passes, `layers=triton`);
+    the drafter says), decided on the device behind CUDA graph conditional nodes (`conditional.run_if`), with no
+    host proof and no lag; decision for decision the config without it (docs/vllm-internals.md, the device-decided
+    skip); catch_up (with device_skip): when a drafter that skipped steps reads what it missed, "lazy" (only at a
+    step that needs its token, in as many wide passes as its lag takes, a loop behind a WHILE node: a copy that
+    never needs the drafter never runs it) or "bounded" (a wide pass once it lags SKIP_RUN steps, needed or not: run
+    fm1's code); layers: how the drafter runs its layers ("torch", or "triton": four Triton kernels per layer in its drafting passes, `layers=triton`);
     attention: the drafter's attention ("auto": vLLM's FlashAttention; "triton": one Triton kernel a layer in the
     drafting passes, `attention=triton`; "sdpa"); draft_sample: under sampling, "greedy" proposes the drafter's
     argmax as a point mass, "probabilistic" draws its token from its own distribution at the request's temperature
