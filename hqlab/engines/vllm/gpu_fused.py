@@ -84,29 +84,29 @@ CATCH_UPS = ("lazy", "bounded")  # device_skip: when a drafter that skipped step
 
 @dataclass(frozen=True)
 class GpuFusedConfig(FusedConfig):
-    """`FusedConfig` (k = long block, draft_block = drafter head = short block, lookup, fusion and scheduler keys)
-    plus graphs: capture the drafting step in CUDA graphs when vLLM captures its own; compile: torch.compile the
-    drafter layers' elementwise work (fewer kernels per pass; compiles on the first steps); compile_rule:
-    torch.compile the fusion and schedule rule (`FusedStep`: ~100 small operations a step into a few kernels);
-    prefill_chunk: prompt tokens the drafter reads per eager call (vLLM prefills up to max_num_batched_tokens, 2,048
-    by default, per step: one call per vLLM chunk at 2048); prefill_graph: a prompt with at most this many tokens
-    still unread is fed to the drafter in passes of PREFILL_ROWS positions replayed from one captured CUDA graph (the
-    last pass padded past the prompt's end with whatever the history row holds there; the drafter's next pass
-    feeds from the prompt's end and overwrites it), not in eager calls (0: always eager; run p1 on an H100: 1.4 ms a
-    pass against 12-36 ms for an eager prompt, docs/serving.md); device_skip: the drafting step itself skips the
-    drafter's pass where the lookup alone decides every sampling row's block (a match of at least nstrong with a
-    token to propose: with one drafter token a step and the threshold rule the block is then the lookup's whatever
-    the drafter says), decided on the device behind CUDA graph conditional nodes (`conditional.run_if`), with no
-    host proof and no lag; decision for decision the config without it (docs/vllm-internals.md, the device-decided
-    skip); catch_up (with device_skip): when a drafter that skipped steps reads what it missed, "lazy" (only at a
-    step that needs its token, in as many wide passes as its lag takes, a loop behind a WHILE node: a copy that
-    never needs the drafter never runs it) or "bounded" (a wide pass once it lags SKIP_RUN steps, needed or not: run
-    fm1's code); layers: how the drafter runs its layers ("torch", or "triton": four Triton kernels per layer in its drafting passes, `layers=triton`);
+    """`FusedConfig` (k = long block, draft_block = drafter head = short block, lookup, fusion and scheduler keys) plus
+    graphs: capture the drafting step in CUDA graphs when vLLM captures its own; compile: torch.compile the drafter
+    layers' elementwise work (fewer kernels per pass; compiles on the first steps); compile_rule: torch.compile the
+    fusion and schedule rule (`FusedStep`: ~100 small operations a step into a few kernels); prefill_chunk: prompt
+    tokens the drafter reads per eager call (vLLM prefills up to max_num_batched_tokens, 2,048 by default, per step:
+    one call per vLLM chunk at 2048); prefill_graph: a prompt with at most this many tokens still unread is fed to the
+    drafter in passes of PREFILL_ROWS positions replayed from one captured CUDA graph (the last pass padded past the
+    prompt's end with whatever the history row holds there; the drafter's next pass feeds from the prompt's end and
+    overwrites it), not in eager calls (0: always eager; run p1 on an H100: 1.4 ms a pass against 12-36 ms for an
+    eager prompt, docs/serving.md); device_skip: the drafting step itself skips the drafter's pass where the lookup
+    alone decides every sampling row's block (a match of at least nstrong with a token to propose: with one drafter
+    token a step and the threshold rule the block is then the lookup's whatever the drafter says), decided on the
+    device behind CUDA graph conditional nodes (`conditional.run_if`), with no host proof and no lag; decision for
+    decision the config without it (docs/vllm-internals.md, the device-decided skip); catch_up (with device_skip):
+    when a drafter that skipped steps reads what it missed, "lazy" (only at a step that needs its token, in as many
+    wide passes as its lag takes, a loop behind a WHILE node: a copy that never needs the drafter never runs it) or
+    "bounded" (a wide pass once it lags SKIP_RUN steps, needed or not: run fm1's code); layers: how the drafter runs
+    its layers ("torch", or "triton": four Triton kernels per layer in its drafting passes, `layers=triton`);
     attention: the drafter's attention ("auto": vLLM's FlashAttention; "triton": one Triton kernel a layer in the
-    drafting passes, `attention=triton`; "sdpa"); draft_sample: under sampling, "greedy" proposes the drafter's
-    argmax as a point mass, "probabilistic" draws its token from its own distribution at the request's temperature
-    and hands vLLM's rejection sampler that distribution (`draft_sampling`: accepted with 1 - TV(p, q) instead of
-    p(argmax q); greedy requests are unchanged)."""
+    drafting passes, `attention=triton`; "sdpa"); draft_sample: under sampling, "greedy" proposes the drafter's argmax
+    as a point mass, "probabilistic" draws its token from its own distribution at the request's temperature and hands
+    vLLM's rejection sampler that distribution (`draft_sampling`: accepted with 1 - TV(p, q) instead of p(argmax q);
+    greedy requests are unchanged)."""
 
     graphs: bool = True
     compile: bool = False
