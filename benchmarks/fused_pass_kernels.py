@@ -39,10 +39,13 @@ HISTORIES = (512, 1024, 2048, 3900)
 # the served config of the serving runs (s5a, s5c) and the prompt lengths a prefill is timed at
 PREFILL_CONFIG = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,"
                   "compile_rule=true,device_skip=true,layers=triton,attention=triton")
-# (name, spec suffix): the served layers as they are, 64-token chunks through the Triton layers, no torch.compile
-PREFILL_VARIANTS = (("chunk1024", ",prefill_chunk=1024"), ("chunk64", ",prefill_chunk=64"),
-                    ("chunk1024-nocompile", ",prefill_chunk=1024,compile=false"),
-                    ("graph64", ",prefill_chunk=1024,prefill_graph=1024"))
+# (name, spec): the served layers as they are, 64-token chunks through the Triton layers, no torch.compile, the
+# captured 64-position passes
+PREFILL_VARIANTS = (("chunk1024", PREFILL_CONFIG + ",prefill_chunk=1024"),
+                    ("chunk64", PREFILL_CONFIG + ",prefill_chunk=64"),
+                    ("chunk1024-nocompile", PREFILL_CONFIG.replace(",compile=true,", ",compile=false,")
+                     + ",prefill_chunk=1024"),
+                    ("graph64", PREFILL_CONFIG + ",prefill_chunk=1024,prefill_graph=1024"))
 PROMPTS = (64, 128, 256, 512, 1024)
 FRESH = (37, 53, 71, 97, 131, 173, 229, 301)  # prompt lengths each timed once, on their first call
 
@@ -60,10 +63,9 @@ def prefill(tag: str, out: Path, repeats: int = 7) -> None:
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": PREFILL_CONFIG,
                     "rows": []}
     reference: dict[int, torch.Tensor] = {}  # prompt length -> the first variant's next-token logits
-    for variant, suffix in PREFILL_VARIANTS:
-        base = PREFILL_CONFIG.replace(",compile=true", "") if ",compile=" in suffix else PREFILL_CONFIG
+    for variant, spec_text in PREFILL_VARIANTS:
         torch.manual_seed(0)  # the same random histories in every variant
-        spec, _ = standalone_speculator(base + suffix, slots=4, width=4096)
+        spec, _ = standalone_speculator(spec_text, slots=4, width=4096)
         chunk = spec.config.prefill_chunk
 
         def once(length: int, name: str) -> float:
