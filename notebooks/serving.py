@@ -56,6 +56,8 @@ projection_config = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compi
 # the drafter's prompt prefill outside vLLM (benchmarks/fused_pass_kernels.py --prefill): eager calls against the
 # passes replayed from a captured graph (`prefill_graph`)
 prefill_profile = "data/results/fused_prefill_p1/fused_prefill_h100_p1.json"
+prefill_runs = ["s5a", "s6"]  # serving runs of projection_config on sampled prose at one request (s6: also with
+# prefill_graph=1024, the drafter's prompt read from the captured graph)
 gate_plot = ["prose 1.5B", "chat 1.5B", "prose 0.5B", "template 0.5B", "multiturn 0.5B", "agent 0.5B", "qa 1.5B",
              "copy 1.5B"]  # the workloads drawn (the table and the parquet have all)
 
@@ -334,6 +336,29 @@ chart = plots.lines_with_mark(prefill.with_columns(pl.col("call").replace_strict
     panel="call", columns=2, x_title="prompt tokens", y_title="drafter prefill (ms, wall)")
 plots.save(chart, Path(figures_dir) / "drafter_prefill.svg")
 prefill.filter(pl.col("prompt") <= 256).pivot("variant", index=["call", "prompt"], values="ms")
+
+# %%
+chart
+
+# %% [markdown]
+# The first token's fix served (`prefill_runs`): the served `gpu-fused` (`projection_config`) and the same with
+# `prefill_graph=1024` on sampled prose (T = 0.7) at one request, each repeat divided by `none`'s same repeat (the
+# median and the range), with the median time to the first token.
+
+# %%
+served_runs = pl.read_parquet(results_file).filter(
+    pl.col("run").is_in(prefill_runs) & (pl.col("dataset") == "prose") & (pl.col("temperature") == 0.7)
+    & (pl.col("max_concurrency") == 1)
+    & pl.col("config").is_in(["none", projection_config, projection_config + ",prefill_graph=1024"]))
+first_token = serve.speedup_table(served_runs).with_columns(
+    pl.col("config").map_elements(serve.short_config, return_dtype=pl.String).alias("label"),
+    pl.format("{} ({})", pl.col("run"), pl.col("machine").str.extract(r"(H\d00)")).alias("served run"))
+chart = plots.ranges(first_token.filter(pl.col("config") != "none"), "served run", "ratio", "ratio_min", "ratio_max",
+                     "label", rules={"the issue's 1.3×": 1.3},
+                     y_title="output tok/s ÷ none (prose, T = 0.7, one request)")
+plots.save(chart, Path(figures_dir) / "prefill_graph_served.svg")
+first_token.select("served run", "label", "ratio", "ratio_min", "ratio_max", "repeats", "output_throughput",
+                   "median_ttft_ms", "acceptance_length")
 
 # %%
 chart

@@ -403,6 +403,7 @@ def short_config(config: str) -> str:
     suffix = f" gate={values['gate']}" if values.get("gate", "0") != "0" else ""
     suffix += " sampled drafts" if values.get("draft_sample", "greedy") != "greedy" else ""
     suffix += " corpus" if values.get("corpus", "0") != "0" else ""
+    suffix += " prefill graph" if values.get("prefill_graph", "0") != "0" else ""
     suffix += f" [{fault}" if bracket else ""
     return (f"{name}{block} {values['batch_k']}{suffix}" if "batch_k" in values
             else f"{name}{block} k={values.get('k', '?')}{suffix}")
