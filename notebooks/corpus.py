@@ -44,7 +44,8 @@ cost_model = "qwen2.5-0.5b"
 search_ms_per_1k = 0.001  # the corpus kernel's price per step per 1k live tokens (see docs/corpus.md)
 vllm_file = "data/results/vllm_corpus_h200.parquet"  # the corpus inside vLLM (benchmarks/vllm_corpus.py finish)
 vllm_run = "c1"
-vllm_runs_compared = ["c1", "c2"]  # the vLLM runs side by side (c2: all 24 multi-turn requests, and k = 31)
+vllm_runs_compared = ["c1", "c2", "c3"]  # the vLLM runs side by side (c2: all 24 multi-turn requests, and
+# k = 31; c3: a batch job of 153 requests over the template)
 sweep_file = "data/results/corpus_sweep_replay.parquet"  # GPU settings over c1's outputs (its benchmark)
 sweep_show = 8  # settings listed, best worst margin first
 figures_dir = "figures"
@@ -226,8 +227,8 @@ corpus_report.greedy_differences(pl.read_parquet(Path(vllm_file).with_suffix(".r
 # ### The vLLM runs side by side
 # Every committed run's corpus configs against the same lookup without the corpus (c1: the first 10 multi-turn
 # requests one at a time, 16 with 8 in flight, two repeats; c2: all 24 multi-turn requests at both loads, three
-# repeats, c1's config and k = 31 with `corpus_policy=own` over outputs only). Dots: median of the repeats' ratios,
-# bars: their range.
+# repeats, c1's config and k = 31 with `corpus_policy=own` over outputs only; c3: the batch job, 24 requests one at
+# a time and 153 with 8 in flight, three repeats). Dots: median of the repeats' ratios, bars: their range.
 
 # %%
 runs_points = pl.read_parquet(vllm_file).filter(pl.col("run").is_in(vllm_runs_compared))
