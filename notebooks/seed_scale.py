@@ -26,7 +26,7 @@
 step_costs_file = "data/results/seed_scale_h100.parquet"  # the H200 was not lent: measured on an H100
 # runs of the step-cost file to use, oldest first: where several measured a point, the one named last keeps it
 # (`scale.newest_points`; empty: all runs, each point must then appear once)
-step_costs_runs = ["s2", "s3a", "s3b", "s3c"]
+step_costs_runs = ["s2", "s3a", "s3b", "s3c", "s3d"]  # s3d: the 27B class in fp8
 lookup_steps_file = "data/results/vllm_gpu_h200.steps.parquet"
 lookup_results_file = "data/results/vllm_gpu_h200.parquet"
 lookup_run = "w2"
