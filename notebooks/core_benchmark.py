@@ -28,6 +28,7 @@ rerun = False
 engine = "hf"
 model = "qwen2.5-coder-0.5b"
 device = "auto"
+dtype = "auto"  # "auto": bf16 on CUDA and CPU alike; float32 is faster on CPUs without bf16 arithmetic
 configs = ["lookup:nmin=1,nmax=32,k=15,policy=earliest", "lookup:nmin=6,nmax=12,k=15", "lookup:nmin=6,nmax=12,k=7", "pld:n=3,k=10", "hf-pld:k=10"]
 suites = {"labd": 512, "chat": 128}
 doc_tokens = 2000
@@ -54,8 +55,8 @@ figures, results_path = Path(figures_dir), Path(results_dir)
 
 # %%
 if rerun:  # every suite through `engine` ("hf" or "vllm"), then results + steps parquet under the first tag
-    results, steps = bench.run_suites(engine, suites, configs, model=model, device=device, doc_tokens=doc_tokens,
-                                      limit=limit, repeats=repeats)
+    results, steps = bench.run_suites(engine, suites, configs, model=model, device=device, dtype=dtype,
+                                      doc_tokens=doc_tokens, limit=limit, repeats=repeats)
     bench.write_results(results_path / f"core_{tags[0]}.parquet", results, steps)
 
 # %%
