@@ -265,6 +265,38 @@ def test_run_c2_the_template_at_8_in_flight_misses_the_bar_in_its_first_wave_onl
     assert got[(c1_config, "multiturn", 1, "later")]["stream_hi"] < 1.3
 
 
+
+# run c3: a batch job of 153 requests over the template
+
+
+@pytest.fixture(scope="module")
+def c3() -> tuple[pl.DataFrame, pl.DataFrame]:
+    return (pl.read_parquet(POINTS).filter(pl.col("run") == "c3"),
+            pl.read_parquet(REQUESTS).filter(pl.col("run") == "c3"))
+
+
+def test_run_c3_the_batch_job_clears_the_bar_one_at_a_time_not_with_8_in_flight(c3):
+    """docs/corpus.md, run c3 (plan corpus_c3.json, one H100): 24 requests one at a time and all 153 with 8 in
+    flight, three repeats. The corpus config runs 1.44x the lookup alone one at a time; with 8 in flight 1.04x,
+    although past the first wave it still carries 1.67x the tokens a step, so the steps themselves got longer. The
+    replay is exact everywhere and one at a time every greedy output equals `none`'s."""
+    points, requests = c3
+    assert set(points["config"]) == {"none", BASE, CORPUS} and set(points["workload"]) == {"batch"}
+    assert set(points["device"]) == {"cuda (NVIDIA H100 80GB HBM3)"} and set(points["git_commit"]) == {
+        "03fca68fc33a7147755289e7542b6976d9e6b122+dirty"}  # "dirty": its results parked off the travelling tree
+    assert {(r["load"], r["requests"]) for r in points.iter_rows(named=True)} == {(1, 24), (8, 153)}
+    speculating = points.filter(pl.col("config") != "none")
+    assert speculating["replay_exact"].all()
+    assert points.filter(pl.col("load") == 1)["greedy_equal_none"].all()
+    got = {r["load"]: r for r in cr.speedups(points).iter_rows(named=True)}
+    assert got[1]["vs_no_corpus"] == pytest.approx(1.44, abs=0.01) and got[1]["vs_no_corpus_lo"] > 1.3
+    assert got[8]["vs_no_corpus"] == pytest.approx(1.04, abs=0.01) and got[8]["vs_no_corpus_hi"] < 1.3
+    waves = {(r["load"], r["wave"]): r for r in cr.waves(requests).iter_rows(named=True)}
+    later = waves[(8, "later")]
+    assert later["requests"] == 145 and later["tokens_per_step_ratio"] == pytest.approx(1.67, abs=0.01)
+    assert later["stream_hi"] < 1.2  # 1.67x the tokens a step, at most 1.2x the decode rate
+
+
 def test_waves_split_at_the_load_and_pair_each_corpus_config_with_its_base():
     """Two requests at 2 in flight, then two more: the first two are the first wave; tokens per step pool the steps
     of all repeats, the stream rate is decoded tokens over decode time per repeat."""
