@@ -387,9 +387,12 @@ def finish(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # no abbreviations: a GPU call is minutes of device time, and `--out` silently meaning `--output-len` cost one
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("bench", help="GPU host: one vllm serve per config, loads, greedy texts, samples")
+    b = sub.add_parser("bench", help="GPU host: one vllm serve per config, loads, greedy texts, samples",
+                       allow_abbrev=False)
     b.add_argument("--tag", required=True)
     b.add_argument("--commit", default="unknown", help="the code's commit (the host's copy has no git history)")
     b.add_argument("--model", default=TARGET)
@@ -414,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--fail-fast", action="store_true")
     b.add_argument("--allow-eager", action="store_true", help="measure a server whose drafting step failed to "
                    "capture in CUDA graphs (default: its load points are skipped)")
-    t = sub.add_parser("together", help="GPU host: every config's server at once, points interleaved, repeats")
+    t = sub.add_parser("together", help="GPU host: every config's server at once, points interleaved, repeats",
+                       allow_abbrev=False)
     t.add_argument("--tag", required=True)
     t.add_argument("--commit", default="unknown")
     t.add_argument("--model", default=TARGET)
@@ -440,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--allow-eager", action="store_true", help="measure a server whose drafting step failed to "
                    "capture in CUDA graphs (default: its load points are skipped)")
     t.add_argument("--work", default=None)
-    f = sub.add_parser("finish", help="CPU: the returned files -> data/results")
+    f = sub.add_parser("finish", help="CPU: the returned files -> data/results", allow_abbrev=False)
     f.add_argument("returned")
     f.add_argument("--out", default=str(ROOT / "data" / "results" / "vllm_serve_h200.parquet"))
     args = p.parse_args(argv)

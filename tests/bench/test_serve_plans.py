@@ -30,3 +30,12 @@ def test_plan_is_runnable(path):
         assert name in configs, f"{path.name}: {name!r} is not one of its configs"
     for point in plan["points"]:
         parse_point(point)
+
+
+def test_the_benchmark_refuses_an_abbreviated_option(capsys):
+    """`--out` is no option of `together`: it must be refused, not taken as `--output-len` (a GPU call lost so)."""
+    from benchmarks.vllm_serve import main
+
+    with pytest.raises(SystemExit) as err:
+        main(["together", "--plan", "benchmarks/plans/serve_s6.json", "--tag", "x", "--out", "/tmp/x"])
+    assert err.value.code == 2 and "unrecognized arguments: --out" in capsys.readouterr().err
