@@ -209,25 +209,30 @@ def run_bench(args, workloads, configs, points, chosen, t_start) -> int:
     settings = [setting_for(c) for c in configs]
     options = VLLMOptions(model=folder, max_num_seqs=max(8, max(args.load or LOADS)), max_model_len=max_model_len,
                           gpu_memory_utilization=round(args.gpu_memory / len(settings), 3),
-                          kv_cache_bytes=startup.PARALLEL_START_KV_BYTES)
+                          kv_cache_bytes=startup.PARALLEL_START_KV_BYTES,
+                          max_cudagraph_capture_size=args.capture or 0)
     decode = DecodeConfig(max_new_tokens=MAX_NEW_TOKENS)
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
     raw_path, meta_path = out / f"vllm_corpus_{args.tag}.parquet", out / f"vllm_corpus_{args.tag}.json"
+    phases_path = out / f"vllm_corpus_{args.tag}.phases.parquet"
     rows: list[dict[str, Any]] = []
+    phases: list[dict[str, Any]] = []  # with --profile: the worker's timed calls (`worker.StepTimer`), per point
     described: list[dict[str, Any]] = []
     meta = {"machine": machine, "versions": versions, "model": args.model, "max_new_tokens": MAX_NEW_TOKENS,
             "configs": configs, "repeats": args.repeats, "loads": list(args.load or LOADS),
             "requests": [*REQUESTS, *(args.requests or [])], "budget_s": args.budget_s,
-            "points_planned": len(points), "points_done": 0, "stopped": "", "failed": {}, "engines": described}
+            "points_planned": len(points), "points_done": 0, "stopped": "", "failed": {}, "engines": described,
+            "capture": args.capture or 0, "profile": bool(args.profile)}
 
     def save() -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        if rows:
-            pq.write_table(pa.Table.from_pylist(rows), str(raw_path) + ".tmp")
-            os.replace(str(raw_path) + ".tmp", raw_path)
+        for path, table in ((raw_path, rows), (phases_path, phases)):
+            if table:
+                pq.write_table(pa.Table.from_pylist(table), str(path) + ".tmp")
+                os.replace(str(path) + ".tmp", path)
         meta_path.with_suffix(".tmp").write_text(json.dumps(meta) + "\n")
         os.replace(meta_path.with_suffix(".tmp"), meta_path)
 
@@ -274,8 +279,8 @@ def run_bench(args, workloads, configs, points, chosen, t_start) -> int:
             engine = by_label[config]
             t = time.time()
             try:
-                got = run_point(engine, reqs, [prompt_ids[(workload, r.order)] for r in reqs], load, decode,
-                                records_from_workers)
+                got, timed = run_point(engine, reqs, [prompt_ids[(workload, r.order)] for r in reqs], load, decode,
+                                       records_from_workers, profile=args.profile)
             except Exception as e:  # noqa: BLE001 - one config failing must not lose the others' points
                 import traceback
 
@@ -288,6 +293,8 @@ def run_bench(args, workloads, configs, points, chosen, t_start) -> int:
             for row in got:
                 row.update(config=config, workload_file=workload, load=load, repeat=repeat, point=i)
             rows.extend(got)
+            phases.extend({**call, "config": config, "workload_file": workload, "load": load, "repeat": repeat,
+                           "point": i} for call in timed)
             meta["points_done"] = i + 1
             save()
             toks = sum(len(r["output_ids"]) for r in got)
@@ -302,14 +309,18 @@ def run_bench(args, workloads, configs, points, chosen, t_start) -> int:
     return 1 if meta["failed"] else 0
 
 
-def run_point(engine, reqs, prompts, load, decode, records_from_workers) -> list[dict[str, Any]]:
-    """One point on one engine, its corpus emptied first; one row per request."""
+def run_point(engine, reqs, prompts, load, decode, records_from_workers, *, profile: bool = False):
+    """One point on one engine, its corpus emptied first: (one row per request, the worker's timed calls). With
+    `profile` the worker times every call of the model runner's phases during the point (`worker.StepTimer`, with
+    each step's scheduled tokens and admitted and finished requests); else the second list is empty."""
     vllm_engine = engine.engine
     vllm_engine.collective_rpc("hqlab_corpus_reset")
     if engine.setting.uses_adapter:
         engine.take_adapter_records()
     engine.raw = []
     records_from_workers(vllm_engine.collective_rpc("hqlab_take_corpus_log"))  # nothing from before the reset
+    if profile and not vllm_engine.collective_rpc("hqlab_profile_start")[0]:
+        raise RuntimeError("--profile: the worker has no model runner to time")
     t0 = time.perf_counter()
     if load == 1:
         gens, rids = [], []
@@ -320,6 +331,7 @@ def run_point(engine, reqs, prompts, load, decode, records_from_workers) -> list
         gens, _ = engine.generate_concurrent(prompts, decode, [r.name for r in reqs], in_flight=load)
         rids = [f"{r.name}-{engine._counter}-{i}" for i, r in enumerate(reqs)]
     wall = time.perf_counter() - t0
+    timed = vllm_engine.collective_rpc("hqlab_profile_stop")[0] if profile else []
     corpus_log = records_from_workers(vllm_engine.collective_rpc("hqlab_take_corpus_log"))
     seq_of = {}
     for entry in corpus_log:
@@ -348,7 +360,7 @@ def run_point(engine, reqs, prompts, load, decode, records_from_workers) -> list
                      "corpus_seq": int(entry.get("seq", -1)), "corpus_doc_len": int(entry.get("length", -1)),
                      "corpus_output_len": int(entry.get("output_len", -1)), "point_wall_s": wall,
                      "steps": json.dumps(steps)})
-    return rows
+    return rows, timed
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -501,7 +513,7 @@ def summary(points: Any) -> None:
 
 
 PLAN_KEYS = {"configs": "config", "workloads": "workload", "loads": "load", "requests": "requests",
-             "repeats": "repeats", "budget_s": "budget_s"}
+             "repeats": "repeats", "budget_s": "budget_s", "capture": "capture", "profile": "profile"}
 
 
 def apply_plan(args: argparse.Namespace) -> None:
@@ -552,6 +564,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="a JSON plan (benchmarks/plans/corpus_*.json): its configs, workloads, loads, requests, "
                         "repeats and budget_s fill in what the command line leaves out")
     b.add_argument("--gpu-memory", type=float, default=0.85, help="GPU memory fraction shared by the engines")
+    b.add_argument("--capture", type=int, default=None,
+                   help="CUDA graphs for steps of up to this many tokens, every engine (default: k + 1 a request; "
+                        "a step that admits a request runs its prompt too, so above that it runs without graphs)")
+    b.add_argument("--profile", action="store_true", default=None,
+                   help="time the worker's phases during every point (worker.StepTimer) into "
+                        "$OUT/vllm_corpus_<tag>.phases.parquet")
     b.add_argument("--dry-run", action="store_true", help="print the plan, start no engine (CPU)")
     f = sub.add_parser("finish", help="CPU: raw rows -> results and per-request parquets, with the replay check")
     f.add_argument("raw", nargs="+")

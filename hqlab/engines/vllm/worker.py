@@ -17,21 +17,41 @@ from hqlab.engines.vllm.gpu_lookup import GpuLookupSpeculator
 EXTENSION_PATH = "hqlab.engines.vllm.worker.HqlabWorkerExtension"  # vLLM imports it by this name in the worker
 
 
+STEP_FACTS = ("tokens", "requests", "new_requests", "finished_requests")
+
+
+def step_facts(scheduler_output: Any) -> dict[str, int]:
+    """What vLLM's scheduler gave a step, read from the `SchedulerOutput` that `execute_model` receives: tokens
+    scheduled, requests, requests new this step (their prefill runs in it) and requests finished since the last
+    step. Every key is -1 for a call that took no scheduler output (`sample_tokens`, `propose`), so the timer's rows
+    share one schema."""
+    if not hasattr(scheduler_output, "total_num_scheduled_tokens"):
+        return dict.fromkeys(STEP_FACTS, -1)
+    return {"tokens": int(scheduler_output.total_num_scheduled_tokens),
+            "requests": len(scheduler_output.num_scheduled_tokens),
+            "new_requests": len(scheduler_output.scheduled_new_reqs),
+            "finished_requests": len(scheduler_output.finished_req_ids)}
+
+
 class StepTimer:
     """Where a step's time goes inside vLLM's worker: host time and GPU span of the model runner's
     `execute_model` (inputs + forward), `sample_tokens` (sampling, bookkeeping and, on V2, the speculator) and the
-    proposer's `propose`, per call. GPU spans come from CUDA events (no synchronisation while decoding); they are
+    proposer's `propose`, per call, with what the scheduler gave the step (`step_facts`: its tokens, requests and
+    the requests it admitted or finished). GPU spans come from CUDA events (no synchronisation while decoding); they are
     read once, in `stop`. Installed on one runner instance (instance attributes shadow its methods), removed by
     `stop`."""
 
-    PHASES = (("execute_model", None), ("sample_tokens", None), ("propose", "drafter"), ("propose", "speculator"))
+    # (method, the runner's attribute that holds it; None: the runner's own). The corpus's `corpus_step` runs inside
+    # `execute_model` (vLLM's `finish_requests`), so its time is part of that phase's too.
+    PHASES = (("execute_model", None), ("sample_tokens", None), ("propose", "drafter"), ("propose", "speculator"),
+              ("corpus_step", "speculator"))
 
     def __init__(self, runner: Any) -> None:
         self.runner, self.calls, self.installed = runner, [], []
         for name, holder in self.PHASES:
             owner = runner if holder is None else getattr(runner, holder, None)
             if owner is not None and hasattr(owner, name):
-                self._wrap(owner, name, name if holder is None else f"propose ({holder})")
+                self._wrap(owner, name, name if holder is None else f"{name} ({holder})")
 
     def _wrap(self, owner: Any, name: str, phase: str) -> None:
         import torch
@@ -45,7 +65,8 @@ class StepTimer:
             out = original(*args, **kwargs)
             t1 = time.perf_counter()
             end.record()
-            self.calls.append((phase, t0, t1, start, end))
+            facts = step_facts(args[0] if args else kwargs.get("scheduler_output"))
+            self.calls.append((phase, t0, t1, start, end, facts))
             return out
 
         setattr(owner, name, timed)
@@ -61,8 +82,8 @@ class StepTimer:
             return []
         base_t, base_ev = self.calls[0][1], self.calls[0][3]
         return [{"phase": phase, "host_start_ms": 1e3 * (t0 - base_t), "host_ms": 1e3 * (t1 - t0),
-                 "gpu_start_ms": base_ev.elapsed_time(start), "gpu_ms": start.elapsed_time(end)}
-                for phase, t0, t1, start, end in self.calls]
+                 "gpu_start_ms": base_ev.elapsed_time(start), "gpu_ms": start.elapsed_time(end), **facts}
+                for phase, t0, t1, start, end, facts in self.calls]
 
 
 class HqlabWorkerExtension:
@@ -108,4 +129,4 @@ class HqlabWorkerExtension:
         return timer.stop() if timer is not None else []
 
 
-__all__ = ["HqlabWorkerExtension", "StepTimer", "EXTENSION_PATH"]
+__all__ = ["HqlabWorkerExtension", "StepTimer", "EXTENSION_PATH", "step_facts"]
