@@ -405,6 +405,25 @@ def without_corpus(config: str, labels: set[str]) -> str | None:
     return next((label for label in sorted(labels) if label != "none" and parse_spec(label) == want), None)
 
 
+SLOW_STEP = 3.0  # a step interval this many times the point's median is a slow one (an admission, a stall)
+
+
+def step_intervals(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The point's step intervals as its requests saw them (the time between a request's consecutive steps, from
+    the front end's clock): their median in ms, the share of intervals over SLOW_STEP x that median, and the share
+    of the requests' decode time those slow intervals took. With many requests in flight the slow ones are mostly
+    steps that admit a request: its prompt runs in them (docs/corpus.md, run c4)."""
+    import numpy as np
+
+    gaps = np.concatenate([np.diff([s["t_end"] for s in json.loads(r["steps"])]) for r in rows] or [np.zeros(0)])
+    if gaps.size == 0:
+        return {"step_ms_median": float("nan"), "slow_step_share": float("nan"), "slow_time_share": float("nan")}
+    median = float(np.median(gaps))
+    slow = gaps > SLOW_STEP * median
+    return {"step_ms_median": 1e3 * median, "slow_step_share": float(slow.mean()),
+            "slow_time_share": float(gaps[slow].sum() / gaps.sum()) if gaps.sum() > 0 else float("nan")}
+
+
 def point_rows(raw: list[dict[str, Any]], run: str) -> list[dict[str, Any]]:
     """One result row per (config, workload, load, repeat)."""
     from collections import defaultdict
@@ -436,6 +455,7 @@ def point_rows(raw: list[dict[str, Any]], run: str) -> list[dict[str, Any]]:
                "tokens_per_step": sum(s["emitted"] for s in steps) / len(steps) if steps else float("nan"),
                "corpus_step_share": (sum(s["source"] == "corpus" for s in steps) / len(steps)) if steps else 0.0,
                "greedy_equal_none": not diverged, "diverged": ", ".join(diverged)}
+        row.update(step_intervals(rs))
         row.update(check_rows(rs, config))
         out.append(row)
     rate_of = {(r["config"], r["workload"], r["load"], r["repeat"]): r["decode_tok_s"] for r in out}

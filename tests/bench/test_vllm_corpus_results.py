@@ -297,6 +297,23 @@ def test_run_c3_the_batch_job_clears_the_bar_one_at_a_time_not_with_8_in_flight(
     assert later["stream_hi"] < 1.2  # 1.67x the tokens a step, at most 1.2x the decode rate
 
 
+
+def test_run_c3_with_8_in_flight_slow_steps_take_half_the_time(c3):
+    """docs/corpus.md, run c3, from the front end's clock: one at a time a request's steps are even (under 1 % of
+    them over 3x the median); with 8 in flight the slow ones, about one per request admitted, take a third of
+    `none`'s decode time and about half of the speculating configs' (45 % without the corpus, 56 % with it), whose
+    requests finish in fewer steps while every admission costs as much. The median step is longer with the corpus
+    (~4.2 against ~3.4 ms): more tokens a step."""
+    points, _ = c3
+    by = {(r["config"], r["load"], r["repeat"]): r for r in points.iter_rows(named=True)}
+    assert all(r["slow_step_share"] < 0.01 for (_, load, _), r in by.items() if load == 1)
+    for repeat in range(3):
+        none, lookup, corpus = (by[(c, 8, repeat)] for c in ("none", BASE, CORPUS))
+        assert 0.3 < none["slow_time_share"] < 0.36
+        assert 0.42 < lookup["slow_time_share"] < 0.47 and 0.55 < corpus["slow_time_share"] < 0.58
+        assert lookup["step_ms_median"] < corpus["step_ms_median"]
+        assert 4.0 < corpus["step_ms_median"] < 4.4 and 3.2 < lookup["step_ms_median"] < 3.6
+
 def test_waves_split_at_the_load_and_pair_each_corpus_config_with_its_base():
     """Two requests at 2 in flight, then two more: the first two are the first wave; tokens per step pool the steps
     of all repeats, the stream rate is decoded tokens over decode time per repeat."""
