@@ -74,6 +74,24 @@ def test_a_host_given_some_parts_unpacks_the_files_they_complete(tmp_path):
     assert pack_parts.unpack(arrived, tmp_path / "out", only={"large.gguf"})[0].read_bytes() == files[2].read_bytes()
 
 
+
+def test_a_call_for_one_model_stages_only_the_wheels_and_that_model_s_parts(tmp_path):
+    """`vllm_host.py parts --model NAME`: the parts of every wheel and of the named model's GGUF, and no other; staged
+    alone they complete exactly those files. An unknown model is named with what the manifest carries."""
+    pack_parts = _pack_parts()
+    files = _random_files(tmp_path, {"x.whl": 1_500_000, "m-small-q4.gguf": 3_000_000,
+                                     "m-large-q4.gguf": 2_700_000}, seed=3)
+    manifest = pack_parts.pack(files, tmp_path / "parts", 1 << 20)
+    need = pack_parts.parts_for_models(manifest, ["m-large"])
+    # bytes: the wheel [0, 1.43 MiB), the small model [1.43, 4.29), the large [4.29, 6.86)
+    assert need == ["part-000.bin", "part-001.bin", "part-004.bin", "part-005.bin", "part-006.bin"]
+    assert pack_parts.parts_for_models(manifest, ["m-small"]) == [f"part-00{i}.bin" for i in range(5)]
+    arrived = tmp_path / "arrived"
+    pack_parts.stash(tmp_path / "parts" / "manifest.json", [tmp_path / "parts" / n for n in need], arrived)
+    assert pack_parts.complete_files(arrived) == {"x.whl", "m-large-q4.gguf"}
+    with pytest.raises(pack_parts.PartsError, match="no GGUF of 'm-s' in the manifest .*m-small-q4.gguf"):
+        pack_parts.parts_for_models(manifest, ["m-s"])  # a name is matched up to a dash, never as a bare prefix
+
 def test_parts_are_sized_to_travel_beside_this_working_tree():
     """A call to the GPU host carries the working tree plus one part: the automatic part size must fit, and the tree
     must leave room for parts worth the calls (it grows with every committed result)."""

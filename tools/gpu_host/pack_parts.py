@@ -142,6 +142,21 @@ def parts_of(manifest: dict, entry: dict) -> list[str]:
     return [part_name(i) for i in range(first, last + 1)]
 
 
+def parts_for_models(manifest: dict, models: list[str]) -> list[str]:
+    """The parts a host needs for every wheel and the named models' GGUFs (a model's file name starts with its
+    registry name and a dash, e.g. qwen2.5-coder-1.5b-instruct-q4_k_m.gguf), in order: a call that needs one model
+    stages these and skips the other models' parts."""
+    files = manifest["files"]
+    wanted = [e for e in files if e["name"].endswith(".whl")]
+    for model in models:
+        found = [e for e in files if e["name"].endswith(".gguf") and e["name"].startswith(f"{model}-")]
+        if not found:
+            have = ", ".join(e["name"] for e in files if e["name"].endswith(".gguf")) or "none"
+            raise PartsError(f"no GGUF of {model!r} in the manifest (it carries: {have})")
+        wanted += found
+    return sorted({name for e in wanted for name in parts_of(manifest, e)})
+
+
 def complete_files(parts_dir: Path) -> set[str]:
     """The files of the manifest in `parts_dir` whose parts have all arrived (a host may get only some models)."""
     manifest = read_manifest(parts_dir / MANIFEST)

@@ -5,7 +5,9 @@
        wheel to what an H200 running a dense model loads, takes each model's GGUF from the hqlab cache and packs all
        of it into checksummed parts under .parts/ (tools/gpu_host/pack_parts.py); prints the host commands.
   2. host, one call per part:  python3 tools/gpu_host/vllm_host.py stash .parts/part-NNN.bin
-       checks the carried part against the manifest and keeps it in the host's work folder (GPU_WORK).
+       checks the carried part against the manifest and keeps it in the host's work folder (GPU_WORK). A call that
+       needs one model stages only the wheels' and that model's parts: `vllm_host.py parts --model NAME` (here)
+       lists them (the 1.5B alone: 21 of 28 parts).
   3. host:  python3 tools/gpu_host/vllm_host.py run -- python3 benchmarks/vllm_gpu.py bench ...
        reassembles and checks every file, installs the wheels into GPU_WORK/site (with hqlab's vLLM plugin entry
        point and the hqlab_kernels name, as `pip install -e .` would), converts the GGUFs (hqlab.models) once per
@@ -340,12 +342,25 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="GPU: unpack and install once, then run COMMAND in that environment")
     r.add_argument("--log", default="gpu_host.log", help="log file under $OUT")
     r.add_argument("command", nargs=argparse.REMAINDER)
+    q = sub.add_parser("parts", help="here: the parts a GPU call needs for the wheels and the named models, as "
+                                      "stash commands")
+    q.add_argument("--model", action="append", required=True, help="an offline model name (repeatable)")
     sub.add_parser("park", help="here: move the committed results and figures out of the travelling tree")
     sub.add_parser("unpark", help="here: move them back")
     args = ap.parse_args(argv)
     if args.cmd in ("park", "unpark"):
         moved = park() if args.cmd == "park" else unpark()
         log(f"{args.cmd}: {', '.join(moved) or 'nothing'}; the tree now carries {tree_mib():.1f} MiB")
+        return 0
+    if args.cmd == "parts":
+        from tools.gpu_host.pack_parts import PartsError, parts_for_models, read_manifest
+
+        try:
+            names = parts_for_models(read_manifest(PARTS / "manifest.json"), args.model)
+        except PartsError as e:
+            raise SystemExit(str(e)) from None
+        for name in names:
+            print(f"python3 tools/gpu_host/vllm_host.py stash .parts/{name}")
         return 0
     if args.cmd == "prepare":
         prepare(args)
