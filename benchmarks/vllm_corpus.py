@@ -6,14 +6,17 @@ it and against no speculation, on the corpus workloads and prose, one request at
           python3 benchmarks/vllm_corpus.py bench --tag c1
     (on a CUDA machine with vLLM 0.26.0 and hqlab installed: python3 benchmarks/vllm_corpus.py bench --tag c1)
     writes $OUT/vllm_corpus_<tag>.parquet (one row per request of every point measured, rewritten after every
-    point) and $OUT/vllm_corpus_<tag>.json (machine, versions, settings, the plan, what vLLM chose per engine).
+    point) and $OUT/vllm_corpus_<tag>.json (machine, versions, settings, the plan, what vLLM chose per engine);
+    with --profile also $OUT/vllm_corpus_<tag>.phases.parquet (the worker's timed calls, `worker.StepTimer`).
   CPU (here):
       python benchmarks/vllm_corpus.py finish RETURNED/vllm_corpus_c1.parquet --run c1
     writes data/results/vllm_corpus_h200.parquet (one row per point: decode tok/s, tokens/step, the ratios to the
     same lookup without the corpus and to `none`, greedy outputs against `none`, the replay's exactness) and
     data/results/vllm_corpus_h200.requests.parquet (one row per request: config, workload, load, repeat, request
     order, corpus insertion number, prompt and output ids, per-step history length, corpus documents, emitted and
-    accepted counts); `--append` keeps the other runs already there.
+    accepted counts); `--append` keeps the other runs already there. Where a .phases.parquet lies beside the raw
+    file, also data/results/vllm_corpus_h200.admissions.parquet (per point, the steps that admit a request against
+    those that only decode: `hqlab.bench.engine_steps`).
   Plan only (CPU, no vLLM engine): python benchmarks/vllm_corpus.py bench --tag c1 --dry-run
 
 What runs. Three engines of Qwen2.5-Coder-1.5B-Instruct (`hqlab.models.prepare("qwen2.5-coder-1.5b")`), one per
@@ -411,8 +414,8 @@ SLOW_STEP = 3.0  # a step interval this many times the point's median is a slow 
 def step_intervals(rows: list[dict[str, Any]]) -> dict[str, float]:
     """The point's step intervals as its requests saw them (the time between a request's consecutive steps, from
     the front end's clock): their median in ms, the share of intervals over SLOW_STEP x that median, and the share
-    of the requests' decode time those slow intervals took. With many requests in flight the slow ones are mostly
-    steps that admit a request: its prompt runs in them (docs/corpus.md, run c4)."""
+    of the requests' decode time those slow intervals took. With many requests in flight the slow ones come about
+    once per request admitted (docs/corpus.md, "Where the time goes with 8 in flight")."""
     import numpy as np
 
     gaps = np.concatenate([np.diff([s["t_end"] for s in json.loads(r["steps"])]) for r in rows] or [np.zeros(0)])
@@ -509,7 +512,28 @@ def finish(args: argparse.Namespace) -> int:
     requests.write_parquet(req_out)
     summary(points.filter(pl.col("run") == args.run))
     print(f"wrote {out} ({points.height} points) and {req_out} ({requests.height} requests)")
+    timed = [p for p in (Path(raw_path).with_suffix(".phases.parquet") for raw_path in args.raw) if p.exists()]
+    if timed:
+        admissions_out = write_admissions(timed, out.with_suffix(".admissions.parquet"), args.run,
+                                          append=args.append)
+        print(f"wrote {admissions_out} (the profiled points' steps that admit a request against those that decode)")
     return 0
+
+
+def write_admissions(phases: list[Path], out: Path, run: str, *, append: bool) -> Path:
+    """A `--profile` run's timed calls -> one row per point: its steps that admit a request against those that only
+    decode (`hqlab.bench.engine_steps.admissions`), tagged with the run; `append` keeps the other runs in `out`."""
+    import polars as pl
+
+    from hqlab.bench.engine_steps import admissions, engine_steps
+
+    table = admissions(engine_steps(pl.concat([pl.read_parquet(p) for p in phases], how="diagonal_relaxed")))
+    table = table.with_columns(pl.lit(run).alias("run"))
+    if append and out.exists():
+        table = pl.concat([pl.read_parquet(out).filter(pl.col("run") != run), table], how="diagonal_relaxed")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    table.write_parquet(out)
+    return out
 
 
 def _step_columns(steps: list[dict[str, Any]]) -> dict[str, list]:
@@ -538,8 +562,8 @@ PLAN_KEYS = {"configs": "config", "workloads": "workload", "loads": "load", "req
 
 def apply_plan(args: argparse.Namespace) -> None:
     """Fill the bench arguments the command line left unset from `--plan` (a JSON object: `configs` a list of
-    specs or {label: spec}, `workloads`, `loads`, `requests` as the flags take them, `repeats`, `budget_s`; other
-    keys, such as `why`, are notes), then the defaults (2 repeats, 330 s)."""
+    specs or {label: spec}, `workloads`, `loads`, `requests` as the flags take them, `repeats`, `budget_s`,
+    `capture`, `profile`; other keys, such as `why`, are notes), then the defaults (2 repeats, 330 s)."""
     plan: dict[str, Any] = {}
     if args.plan:
         path = Path(args.plan) if Path(args.plan).is_absolute() else ROOT / args.plan
@@ -585,8 +609,8 @@ def main(argv: list[str] | None = None) -> int:
                         "repeats and budget_s fill in what the command line leaves out")
     b.add_argument("--gpu-memory", type=float, default=0.85, help="GPU memory fraction shared by the engines")
     b.add_argument("--capture", type=int, default=None,
-                   help="CUDA graphs for steps of up to this many tokens, every engine (default: k + 1 a request; "
-                        "a step that admits a request runs its prompt too, so above that it runs without graphs)")
+                   help="CUDA graphs for steps of up to this many tokens, every engine (default: max(32, requests "
+                        "x (k + 1)); a step that admits a request carries its prompt too, so it may run without)")
     b.add_argument("--profile", action="store_true", default=None,
                    help="time the worker's phases during every point (worker.StepTimer) into "
                         "$OUT/vllm_corpus_<tag>.phases.parquet")

@@ -57,3 +57,25 @@ def test_admissions_split_a_point_s_time_by_the_kind_of_step():
 def test_rows_without_step_facts_are_refused_by_name():
     with pytest.raises(ValueError, match="missing .*new_requests"):
         engine_steps(_calls().drop("new_requests"))
+
+
+def test_finish_writes_a_profiled_run_s_admissions_beside_the_other_runs(tmp_path):
+    """benchmarks/vllm_corpus.py `finish` reads a `--profile` run's .phases.parquet through `write_admissions`:
+    one row per point, tagged with its run; writing the run again replaces its rows and keeps the others."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_corpus.py"
+    spec = importlib.util.spec_from_file_location("vllm_corpus_bench", path)
+    vllm_corpus = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(vllm_corpus)
+
+    phases = tmp_path / "vllm_corpus_c9.phases.parquet"
+    _calls().write_parquet(phases)
+    out = tmp_path / "vllm_corpus_h200.admissions.parquet"
+    vllm_corpus.write_admissions([phases], out, "c8", append=False)
+    vllm_corpus.write_admissions([phases], out, "c9", append=True)
+    vllm_corpus.write_admissions([phases], out, "c9", append=True)
+    table = pl.read_parquet(out)
+    assert table["run"].to_list() == ["c8", "c9"] and table["admitting_steps"].to_list() == [1, 1]
