@@ -55,6 +55,7 @@ results_dir = "data/results"
 from pathlib import Path
 
 import altair as alt
+from IPython.display import display
 import polars as pl
 
 from hqlab import plots
@@ -267,6 +268,23 @@ chart
 # %%
 by_wave.select("source", "workload", "load", "requests", "base_tokens_per_step", "tokens_per_step",
                "tokens_per_step_ratio", "stream", "stream_lo", "stream_hi")
+
+# %% [markdown]
+# ### Where the time goes with 8 in flight
+# The share of the requests' decode time spent in slow steps (over 3× the point's median step, from the front end's
+# clock): with 8 in flight about one per request admitted, each holding up the others. Dot: median of the repeats,
+# bar: their range. Runs that kept their step intervals (`finish` since c3).
+
+# %%
+slow = corpus_report.slow_steps(pl.read_parquet(vllm_file).filter(pl.col("run").is_in(vllm_runs_compared)))
+if slow.height:
+    slow_view = slow.with_columns(pl.format("{}, {} in flight", "workload", "load").alias("point"),
+                                  pl.format("{}: {}", "run", "who").alias("config in run"))
+    chart = plots.ranges(slow_view, "point", "slow", "slow_lo", "slow_hi", "config in run",
+                         y_title="share of decode time in slow steps")
+    plots.save(chart, figures / "corpus_admissions.svg")
+    display(chart)
+slow.drop("config")
 
 # %% [markdown]
 # ## Which GPU setting would clear the bar? Replayed over run c1's own outputs

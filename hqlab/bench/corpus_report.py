@@ -147,4 +147,23 @@ def waves(requests: pl.DataFrame) -> pl.DataFrame:
     return out.sort("run", "config", "workload", "load", "wave")
 
 
-__all__ = ["BAR", "BAR_AS", "has_corpus", "without_corpus", "corpus_pairs", "label", "speedups", "greedy_differences", "waves"]
+def slow_steps(points: pl.DataFrame) -> pl.DataFrame:
+    """Per (run, workload, load, config) of the points that kept their step intervals (`finish`'s
+    `slow_time_share`, `step_ms_median`): the share of the requests' decode time spent in slow steps (over 3x the
+    point's median: with many in flight, about one per request admitted) and the median step, each as the median
+    over repeats with its range; `who` names the config in a few words ("none", "k=15", "k=15, corpus ...")."""
+    if "slow_time_share" not in points.columns:
+        return pl.DataFrame()
+    kept = points.filter(pl.col("slow_time_share").is_not_null() & pl.col("slow_time_share").is_not_nan())
+    return (kept.group_by("run", "workload", "load", "config", maintain_order=True)
+            .agg(pl.col("slow_time_share").median().alias("slow"), pl.col("slow_time_share").min().alias("slow_lo"),
+                 pl.col("slow_time_share").max().alias("slow_hi"), pl.col("step_ms_median").median().alias("step_ms"),
+                 pl.col("step_ms_median").min().alias("step_ms_lo"), pl.col("step_ms_median").max().alias("step_ms_hi"),
+                 pl.len().alias("repeats"))
+            .with_columns(pl.col("config").map_elements(lambda c: "none" if c == "none" else label(c),
+                                                        return_dtype=pl.String).alias("who"))
+            .sort("run", "workload", "load", "step_ms"))
+
+
+__all__ = ["BAR", "BAR_AS", "has_corpus", "without_corpus", "corpus_pairs", "label", "speedups", "greedy_differences",
+           "waves", "slow_steps"]

@@ -313,6 +313,12 @@ def test_run_c3_with_8_in_flight_slow_steps_take_half_the_time(c3):
         assert 0.42 < lookup["slow_time_share"] < 0.47 and 0.55 < corpus["slow_time_share"] < 0.58
         assert lookup["step_ms_median"] < corpus["step_ms_median"]
         assert 4.0 < corpus["step_ms_median"] < 4.4 and 3.2 < lookup["step_ms_median"] < 3.6
+    # the notebook's figure (corpus_admissions.svg) reads the same through `slow_steps`: medians and ranges over repeats
+    got = {(r["load"], r["who"]): r for r in cr.slow_steps(points).iter_rows(named=True)}
+    assert {who for _, who in got} == {"none", "k=15", cr.label(CORPUS)} and {r["repeats"] for r in got.values()} == {3}
+    assert got[(8, "none")]["slow"] < got[(8, "k=15")]["slow"] < got[(8, cr.label(CORPUS))]["slow"]
+    assert got[(8, "k=15")]["slow_lo"] > 0.42 and got[(8, cr.label(CORPUS))]["slow_hi"] < 0.58
+    assert cr.slow_steps(pl.read_parquet(POINTS).filter(pl.col("run") == "c1")).height == 0  # c1 kept no intervals
 
 def test_waves_split_at_the_load_and_pair_each_corpus_config_with_its_base():
     """Two requests at 2 in flight, then two more: the first two are the first wave; tokens per step pool the steps
