@@ -43,7 +43,8 @@ def engine_steps(phases: pl.DataFrame) -> pl.DataFrame:
             by_phase = by_phase.with_columns(pl.lit(0.0).alias(column))
     return (execute.join(by_phase, on=[*POINT, "step"])
             .sort([*POINT, "step"])
-            .with_columns((pl.col("host_start_ms").shift(-1).over(POINT) - pl.col("host_start_ms")).alias("interval_ms"),
+            .with_columns((pl.col("host_start_ms").shift(-1).over(POINT) - pl.col("host_start_ms"))
+                          .alias("interval_ms"),
                           pl.col("sample_host_ms", "propose_host_ms", "corpus_step_host_ms").fill_null(0.0))
             .select(*POINT, "step", "interval_ms", "execute_host_ms", "execute_gpu_ms", "sample_host_ms",
                     "propose_host_ms", "corpus_step_host_ms", "tokens", "requests", "new_requests",
