@@ -411,14 +411,14 @@ def without_corpus(config: str, labels: set[str]) -> str | None:
 SLOW_STEP = 3.0  # a step interval this many times the point's median is a slow one (an admission, a stall)
 
 
-def step_intervals(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """The point's step intervals as its requests saw them (the time between a request's consecutive steps, from
-    the front end's clock): their median in ms, the share of intervals over SLOW_STEP x that median, and the share
-    of the requests' decode time those slow intervals took. With many requests in flight the slow ones come about
+def step_intervals(steps_per_request: list[list[dict[str, Any]]]) -> dict[str, float]:
+    """The point's step intervals as its requests saw them (from each request's parsed steps: the time between its
+    consecutive steps on the front end's clock): their median in ms, the share of intervals over SLOW_STEP x that
+    median, and the share of the requests' decode time those slow intervals took. With many requests in flight the slow ones come about
     once per request admitted (docs/corpus.md, "Where the time goes with 8 in flight")."""
     import numpy as np
 
-    gaps = np.concatenate([np.diff([s["t_end"] for s in json.loads(r["steps"])]) for r in rows] or [np.zeros(0)])
+    gaps = np.concatenate([np.diff([s["t_end"] for s in steps]) for steps in steps_per_request] or [np.zeros(0)])
     if gaps.size == 0:
         return {"step_ms_median": float("nan"), "slow_step_share": float("nan"), "slow_time_share": float("nan")}
     median = float(np.median(gaps))
@@ -440,7 +440,8 @@ def point_rows(raw: list[dict[str, Any]], run: str) -> list[dict[str, Any]]:
     for (config, workload, load, repeat), rs in sorted(points.items(), key=lambda kv: (kv[0][1], kv[0][2],
                                                                                         kv[0][3], kv[0][0])):
         tokens = sum(len(r["output_ids"]) for r in rs)
-        steps = [s for r in rs for s in json.loads(r["steps"])]
+        per_request = [json.loads(r["steps"]) for r in rs]
+        steps = [s for request_steps in per_request for s in request_steps]
         if load == 1:
             span = sum(max(r["t_last"] - r["ttft_s"], 0.0) for r in rs)
             rate = sum(max(len(r["output_ids"]) - 1, 0) for r in rs) / span if span > 0 else float("nan")
@@ -458,7 +459,7 @@ def point_rows(raw: list[dict[str, Any]], run: str) -> list[dict[str, Any]]:
                "tokens_per_step": sum(s["emitted"] for s in steps) / len(steps) if steps else float("nan"),
                "corpus_step_share": (sum(s["source"] == "corpus" for s in steps) / len(steps)) if steps else 0.0,
                "greedy_equal_none": not diverged, "diverged": ", ".join(diverged)}
-        row.update(step_intervals(rs))
+        row.update(step_intervals(per_request))
         row.update(check_rows(rs, config))
         out.append(row)
     rate_of = {(r["config"], r["workload"], r["load"], r["repeat"]): r["decode_tok_s"] for r in out}
