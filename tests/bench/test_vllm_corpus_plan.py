@@ -70,3 +70,27 @@ def test_the_command_line_wins_over_the_plan(bench, tmp_path, capsys):
     plan.write_text(json.dumps({"loads": 8}))
     with pytest.raises(SystemExit, match="loads must be a list"):
         bench.main(["bench", "--tag", "t", "--plan", str(plan), "--dry-run"])
+
+
+def test_the_c4_plans_differ_in_what_they_set_out_to_test(bench, capsys):
+    """Plans c4a/c4b (#42, docs/corpus.md "admissions"): the same points back to back on one machine, CUDA graphs up
+    to 1,024 tokens in c4b alone, the worker's phases timed in both; c4c is c4b cut to the batch job at 8 in flight
+    with the lookup's ratio pair. Every plan runs as planned (--dry-run) and pairs its corpus configs with their
+    lookup without the corpus."""
+    plans = {tag: json.loads(PLAN.with_name(f"corpus_{tag}.json").read_text()) for tag in ("c4a", "c4b", "c4c")}
+    a, b, c = plans["c4a"], plans["c4b"], plans["c4c"]
+    assert b["capture"] == c["capture"] == 1024 and "capture" not in a
+    assert {k: v for k, v in a.items() if k not in ("why", "command", "finish")} == {
+        k: v for k, v in b.items() if k not in ("why", "command", "finish", "capture")}
+    assert a["profile"] and b["profile"] and c["profile"]
+    assert c["loads"] == [8] and c["requests"] == ["corpus_batch:8=153"]
+    assert c["configs"] == {k: b["configs"][k] for k in ("lookup-k15", "corpus-c1")}
+    for tag, plan in plans.items():
+        assert f"--tag {tag} --plan benchmarks/plans/corpus_{tag}.json" in plan["command"]
+        assert bench.main(["bench", "--tag", tag, "--plan", str(PLAN.with_name(f"corpus_{tag}.json")),
+                           "--dry-run"]) == 0
+        out = capsys.readouterr().out
+        assert f"(budget {plan['budget_s']} s)" in out
+        configs = list(plan["configs"].values())
+        corpus = [x for x in configs if "corpus=" in x]
+        assert corpus and all(bench.without_corpus(x, set(configs)) in configs for x in corpus), tag
