@@ -414,8 +414,8 @@ SLOW_STEP = 3.0  # a step interval this many times the point's median is a slow 
 def step_intervals(steps_per_request: list[list[dict[str, Any]]]) -> dict[str, float]:
     """The point's step intervals as its requests saw them (from each request's parsed steps: the time between its
     consecutive steps on the front end's clock): their median in ms, the share of intervals over SLOW_STEP x that
-    median, and the share of the requests' decode time those slow intervals took. With many requests in flight the slow ones come about
-    once per request admitted (docs/corpus.md, "Where the time goes with 8 in flight")."""
+    median, and the share of the requests' decode time those slow intervals took. With many requests in flight the
+    slow ones come about once per request admitted (docs/corpus.md, "Where the time goes with 8 in flight")."""
     import numpy as np
 
     gaps = np.concatenate([np.diff([s["t_end"] for s in steps]) for steps in steps_per_request] or [np.zeros(0)])
