@@ -333,6 +333,7 @@ def test_run_c3_the_first_token_is_a_fixed_cost(c3):
         assert row["n"] == 72 and abs(row["r"]) < 0.11 and 29 < row["ms"] < 35
         assert row["longest"] > 2.5 * row["shortest"]
 
+
 def test_waves_split_at_the_load_and_pair_each_corpus_config_with_its_base():
     """Two requests at 2 in flight, then two more: the first two are the first wave; tokens per step pool the steps
     of all repeats, the stream rate is decoded tokens over decode time per repeat."""

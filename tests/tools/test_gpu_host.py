@@ -74,7 +74,6 @@ def test_a_host_given_some_parts_unpacks_the_files_they_complete(tmp_path):
     assert pack_parts.unpack(arrived, tmp_path / "out", only={"large.gguf"})[0].read_bytes() == files[2].read_bytes()
 
 
-
 def test_a_call_for_one_model_stages_only_the_wheels_and_that_model_s_parts(tmp_path):
     """`vllm_host.py parts --model NAME`: the parts of every wheel and of the named model's GGUF, and no other; staged
     alone they complete exactly those files. An unknown model is named with what the manifest carries."""
@@ -91,6 +90,7 @@ def test_a_call_for_one_model_stages_only_the_wheels_and_that_model_s_parts(tmp_
     assert pack_parts.complete_files(arrived) == {"x.whl", "m-large-q4.gguf"}
     with pytest.raises(pack_parts.PartsError, match="no GGUF of 'm-s' in the manifest .*m-small-q4.gguf"):
         pack_parts.parts_for_models(manifest, ["m-s"])  # a name is matched up to a dash, never as a bare prefix
+
 
 def test_parts_are_sized_to_travel_beside_this_working_tree():
     """A call to the GPU host carries the working tree plus one part: the automatic part size must fit, and the tree
