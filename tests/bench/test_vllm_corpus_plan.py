@@ -75,16 +75,19 @@ def test_the_command_line_wins_over_the_plan(bench, tmp_path, capsys):
 def test_the_c4_plans_differ_in_what_they_set_out_to_test(bench, capsys):
     """Plans c4a/c4b (#42, docs/corpus.md "admissions"): the same points back to back on one machine, CUDA graphs up
     to 1,024 tokens in c4b alone, the worker's phases timed in both; c4c is c4b cut to the batch job at 8 in flight
-    with the lookup's ratio pair. Every plan runs as planned (--dry-run) and pairs its corpus configs with their
-    lookup without the corpus."""
-    plans = {tag: json.loads(PLAN.with_name(f"corpus_{tag}.json").read_text()) for tag in ("c4a", "c4b", "c4c")}
-    a, b, c = plans["c4a"], plans["c4b"], plans["c4c"]
+    with the lookup's ratio pair, and c4d is c4c at the default capture size (its partner on a card other than c3's).
+    Every plan runs as planned (--dry-run) and pairs its corpus configs with their lookup without the corpus."""
+    tags = ("c4a", "c4b", "c4c", "c4d")
+    plans = {tag: json.loads(PLAN.with_name(f"corpus_{tag}.json").read_text()) for tag in tags}
+    a, b, c, d = plans["c4a"], plans["c4b"], plans["c4c"], plans["c4d"]
     assert b["capture"] == c["capture"] == 1024 and "capture" not in a
     assert {k: v for k, v in a.items() if k not in ("why", "command", "finish")} == {
         k: v for k, v in b.items() if k not in ("why", "command", "finish", "capture")}
     assert a["profile"] and b["profile"] and c["profile"]
     assert c["loads"] == [8] and c["requests"] == ["corpus_batch:8=153"]
     assert c["configs"] == {k: b["configs"][k] for k in ("lookup-k15", "corpus-c1")}
+    assert "capture" not in d and {k: v for k, v in d.items() if k not in ("why", "command", "finish")} == {
+        k: v for k, v in c.items() if k not in ("why", "command", "finish", "capture")}
     for tag, plan in plans.items():
         assert f"--tag {tag} --plan benchmarks/plans/corpus_{tag}.json" in plan["command"]
         assert bench.main(["bench", "--tag", tag, "--plan", str(PLAN.with_name(f"corpus_{tag}.json")),
