@@ -610,8 +610,8 @@ def main(argv: list[str] | None = None) -> int:
                         "repeats and budget_s fill in what the command line leaves out")
     b.add_argument("--gpu-memory", type=float, default=0.85, help="GPU memory fraction shared by the engines")
     b.add_argument("--capture", type=int, default=None,
-                   help="CUDA graphs for steps of up to this many tokens, every engine (default: max(32, requests "
-                        "x (k + 1)); a step that admits a request carries its prompt too, so it may run without)")
+                   help="CUDA graphs for steps of up to this many tokens, every engine (default: the served "
+                        "configs', hqlab.engines.vllm.serving.capture_size: max(1024, requests x (k + 1)))")
     b.add_argument("--profile", action="store_true", default=None,
                    help="time the worker's phases during every point (worker.StepTimer) into "
                         "$OUT/vllm_corpus_<tag>.phases.parquet")

@@ -55,8 +55,8 @@ class VLLMOptions:
     dtype: str = "bfloat16"
     max_model_len: int = 4096
     max_num_seqs: int = 8  # requests run one at a time: small batch limits keep engine start-up short
-    # CUDA graphs up to this many tokens per step; 0: enough for max_num_seqs requests verifying k + 1 each (at
-    # least 32), so no config falls back to eager steps at the batch sizes it runs
+    # CUDA graphs up to this many tokens per step; 0: serving.capture_size, room for an admitted prompt beside
+    # max_num_seqs requests verifying k + 1 each, the same as a served config
     max_cudagraph_capture_size: int = 0
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = False
@@ -91,7 +91,9 @@ class VLLMOptions:
 
     def capture_size(self, k: int) -> int:
         """Largest step (in tokens) captured in a CUDA graph for a config drafting up to k tokens."""
-        return self.max_cudagraph_capture_size or max(32, self.max_num_seqs * (k + 1))
+        from hqlab.engines.vllm.serving import capture_size
+
+        return self.max_cudagraph_capture_size or capture_size(self.max_num_seqs, k)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,18 @@ from hqlab.engines.vllm import fault, gpu_fused, gpu_lookup
 
 SERVED = ("none", gpu_lookup.NAME, gpu_fused.NAME)  # what the server path runs
 
+# A step that admits a request carries its whole prompt (a few hundred tokens) beside the running requests' verify
+# blocks. vLLM's default capture size (sized for one position a request) sends such a step through eager kernels,
+# which on the corpus's batch job at 8 in flight made an admitting step cost 16-22 ms instead of 9-10 ms
+# (docs/corpus.md): speculative configs capture CUDA graphs for steps of up to this many tokens.
+ADMIT_CAPTURE = 1024
+
+
+def capture_size(max_num_seqs: int, k: int) -> int:
+    """Largest step (in tokens) captured in a CUDA graph for a speculative config drafting up to k tokens: room for
+    a prompt beside the batch (ADMIT_CAPTURE), and for every request verifying k + 1 positions."""
+    return max(ADMIT_CAPTURE, max_num_seqs * (k + 1))
+
 
 def engine_configs(spec: str, *, planted_fault: str | None = None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """(speculative_config, additional_config) of vLLM's engine for one served config; `planted_fault` plants a
@@ -47,9 +59,8 @@ def engine_configs(spec: str, *, planted_fault: str | None = None) -> tuple[dict
 
 
 def vllm_args(spec: str, *, max_num_seqs: int = 32, planted_fault: str | None = None) -> list[str]:
-    """The `vllm serve` flags one config adds: its speculative and additional configs, and CUDA graphs large enough
-    for `max_num_seqs` requests verifying k + 1 positions each (vLLM's default capture size is sized for one
-    position a request)."""
+    """The `vllm serve` flags one config adds: its speculative and additional configs, and CUDA graphs for steps of
+    up to `capture_size` tokens (vLLM's default capture size is sized for one position a request)."""
     speculative, extra = engine_configs(spec, planted_fault=planted_fault)
     if speculative is None:
         return []
@@ -57,7 +68,7 @@ def vllm_args(spec: str, *, max_num_seqs: int = 32, planted_fault: str | None = 
     compact = {"separators": (",", ":")}
     return ["--speculative-config", json.dumps(speculative, **compact),
             "--additional-config", json.dumps(extra, **compact),
-            "--compilation-config", json.dumps({"max_cudagraph_capture_size": max(32, max_num_seqs * (k + 1))},
+            "--compilation-config", json.dumps({"max_cudagraph_capture_size": capture_size(max_num_seqs, k)},
                                                **compact)]
 
 
