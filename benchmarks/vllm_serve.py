@@ -194,6 +194,7 @@ def together(args: argparse.Namespace) -> int:
         args.batch1_config += [named[n] for n in plan.get("batch1", [])]
         args.sample_config += [named[n] for n in plan.get("sample", [])]
         args.point += plan["points"]
+        args.allow_short = args.allow_short or bool(plan.get("allow_short"))  # plans written before the rule
     if not args.config or not args.point:
         raise SystemExit("name the configs and points (--config/--point or --plan)")
     work = Path(args.work or Path(tempfile.gettempdir()) / "hqlab-serve" / args.tag)
@@ -212,6 +213,9 @@ def together(args: argparse.Namespace) -> int:
     data = work / "datasets"
     data.mkdir(exist_ok=True)
     points = [parse_point(p) for p in args.point]
+    if not args.allow_short:  # refused before any server starts: a short point's ratio is ramp-up and drain
+        for point, _ in points:
+            point.require_waves()
     for name in sorted({p.dataset for p, _ in points}):
         with open(data / f"{name}.jsonl", "w") as f:
             for text in dataset_prompts(name, tokenizer):
@@ -345,7 +349,7 @@ def short(spec: str) -> str:
 def finish(args: argparse.Namespace) -> int:
     import polars as pl
 
-    from hqlab.bench.serve import SERVE_COLUMNS, server_log_facts
+    from hqlab.bench.serve import SERVE_COLUMNS, STEADY_COLUMNS, server_log_facts
     from hqlab.io import replace_runs, write_atomic
 
     def write_parquet(frame: "pl.DataFrame", path: Path) -> None:
@@ -357,7 +361,7 @@ def finish(args: argparse.Namespace) -> int:
     if not rows:
         raise SystemExit(f"no vllm_serve_*.jsonl rows under {src}")
     frame = pl.DataFrame(rows)
-    frame = frame.select(SERVE_COLUMNS + (["repeat"] if "repeat" in frame.columns else []))
+    frame = frame.select(SERVE_COLUMNS + [c for c in ["repeat", *STEADY_COLUMNS] if c in frame.columns])
     # the model runner each server used, as its own log says (a served config's log names its spec)
     runners, eager = {}, {}
     for name, text in server_logs(src):
@@ -443,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--budget-s", type=float, default=560, help="start no load point after this many seconds")
     t.add_argument("--allow-eager", action="store_true", help="measure a server whose drafting step failed to "
                    "capture in CUDA graphs (default: its load points are skipped)")
+    t.add_argument("--allow-short", action="store_true", help="run points of fewer than 10 waves (prompts < 10 x "
+                   "concurrency; default: refused, since ramp-up and drain dominate them)")
     t.add_argument("--work", default=None)
     f = sub.add_parser("finish", help="CPU: the returned files -> data/results", allow_abbrev=False)
     f.add_argument("returned")

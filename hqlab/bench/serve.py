@@ -36,6 +36,13 @@ SERVE_COLUMNS = ["run", "config", "dataset", "temperature", "max_concurrency", "
                  "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms",
                  "median_e2el_ms", "p99_e2el_ms", "acceptance_length", "acceptance_rate",
                  "per_position_acceptance", "model", "machine", "vllm_version", "git_commit"]
+# what a load point measured in steady state (`steady_state`), in rows of runs that saved vLLM's per-request detail
+STEADY_COLUMNS = ["waves", "failed", "steady_window_s", "steady_output_tokens", "steady_output_throughput"]
+
+# A load point runs at least this many waves (prompts >= MIN_WAVES x max_concurrency): ramp-up (every slot's prompt
+# at once) and drain (the last requests alone, where a load-dependent width such as batch_k=.../0 speculates again)
+# then weigh at most about a wave in ten, and the steady-state window (`steady_state`) excludes them altogether.
+MIN_WAVES = 10
 
 
 @dataclass(frozen=True)
@@ -56,9 +63,22 @@ class LoadPoint:
             raise ConfigError(f"num_prompts ({self.num_prompts}) must be >= max_concurrency "
                               f"({self.max_concurrency}), else the load never reaches its level")
 
+    @property
+    def waves(self) -> float:
+        """How many times over each concurrency slot is refilled: prompts ÷ max_concurrency."""
+        return self.num_prompts / self.max_concurrency
+
+    def require_waves(self, minimum: int = MIN_WAVES) -> "LoadPoint":
+        """This point, if it runs at least `minimum` waves; else a ConfigError that says how many prompts it needs."""
+        if self.num_prompts < minimum * self.max_concurrency:
+            raise ConfigError(f"{self.dataset} at {self.max_concurrency} in flight: {self.num_prompts} prompts are "
+                              f"{self.waves:.1f} waves; a point that measures needs >= {minimum} waves "
+                              f"({minimum * self.max_concurrency} prompts), else ramp-up and drain dominate")
+        return self
+
 
 def load_points(datasets: Sequence[str], temperatures: Sequence[float], concurrencies: Sequence[int], *,
-                prompts_per_slot: int = 2, min_prompts: int = 8) -> list[LoadPoint]:
+                prompts_per_slot: int = MIN_WAVES, min_prompts: int = 12) -> list[LoadPoint]:
     """Every (dataset, temperature, concurrency), with enough prompts that each concurrency slot runs
     `prompts_per_slot` requests (at least `min_prompts`)."""
     return [LoadPoint(d, float(t), int(c), max(min_prompts, prompts_per_slot * int(c)))
@@ -168,7 +188,7 @@ def bench_args(base_url: str, served_model: str, tokenizer: str, dataset_path: s
             "--request-rate", "inf", "--temperature", str(point.temperature), "--top-p", "1.0", "--seed", str(seed),
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--num-warmups", str(min(2, point.max_concurrency)), "--disable-tqdm",
-            "--save-result", "--result-dir", str(result_dir), "--result-filename", result_file]
+            "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", result_file]
 
 
 def bench_namespace(args: list[str]) -> Any:
@@ -198,6 +218,9 @@ def load_row(result: dict[str, Any], *, run: str, config: str, point: LoadPoint,
         return float(value) if value is not None else float("nan")
 
     per_pos = result.get("spec_decode_per_position_acceptance_rates") or []
+    steady = (steady_state(result["start_times"], result["ttfts"], result["itls"], result["output_lens"])
+              if all(result.get(k) for k in ("start_times", "ttfts", "itls", "output_lens"))
+              else {"window_s": float("nan"), "tokens": float("nan"), "throughput": float("nan")})
     return {"run": run, "config": config, "dataset": point.dataset, "temperature": point.temperature,
             "max_concurrency": point.max_concurrency, "num_prompts": point.num_prompts,
             "completed": int(result.get("completed", 0)), "output_throughput": num("output_throughput"),
@@ -207,7 +230,33 @@ def load_row(result: dict[str, Any], *, run: str, config: str, point: LoadPoint,
             "acceptance_length": num("spec_decode_acceptance_length"),
             "acceptance_rate": num("spec_decode_acceptance_rate") / 100.0,
             "per_position_acceptance": [float(x) for x in per_pos], "model": model, "machine": machine,
-            "vllm_version": vllm_version, "git_commit": git_commit}
+            "vllm_version": vllm_version, "git_commit": git_commit,
+            "waves": point.waves, "failed": int(result.get("failed", 0) or 0),
+            "steady_window_s": steady["window_s"], "steady_output_tokens": steady["tokens"],
+            "steady_output_throughput": steady["throughput"]}
+
+
+def steady_state(start_times: Sequence[float], ttfts: Sequence[float], itls: Sequence[Sequence[float]],
+                 output_lens: Sequence[int]) -> dict[str, float]:
+    """Output tokens per second while the load held its level: between the first request's end (every slot has then
+    been busy since the start, and requests start as others end) and the last request's start (from then on fewer
+    remain in flight). Ramp-up and drain are left out. A request's tokens are placed at its streamed chunks (the first
+    at its first token, each later one an inter-chunk gap after the previous), its output spread evenly over them: a
+    chunk is one engine step's output for that request, so this is exact where every step emits the same number of
+    tokens and an estimate where speculation makes them vary. `window_s` is NaN where the window is empty (a point
+    with a single wave)."""
+    import numpy as np
+
+    if not (len(start_times) == len(ttfts) == len(itls) == len(output_lens)) or not start_times:
+        raise ValueError(f"steady_state needs one start time, first-token time, chunk gaps and output length per "
+                         f"request (got {len(start_times)}, {len(ttfts)}, {len(itls)}, {len(output_lens)})")
+    chunks = [float(s) + float(t) + np.concatenate([[0.0], np.cumsum(np.asarray(gaps, dtype=float))])
+              for s, t, gaps in zip(start_times, ttfts, itls)]
+    begin, end = min(c[-1] for c in chunks), max(float(s) for s in start_times)
+    if end <= begin:
+        return {"window_s": float("nan"), "tokens": float("nan"), "throughput": float("nan")}
+    tokens = sum(n * float(np.count_nonzero((c >= begin) & (c < end))) / len(c) for c, n in zip(chunks, output_lens))
+    return {"window_s": end - begin, "tokens": tokens, "throughput": tokens / (end - begin)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -353,9 +402,10 @@ def same_distribution(per_position: Sequence[dict[str, Any]], alpha: float = 0.0
     return min(r["p"] for r in per_position) * len(per_position) >= alpha
 
 
-def speedup_table(rows: Any, reference: str = "none") -> Any:
-    """Output throughput of each config ÷ the reference config's, per (dataset, temperature, max_concurrency) of
-    the same run (a polars frame of `SERVE_COLUMNS` rows -> one row per group and config with `ratio`).
+def speedup_table(rows: Any, reference: str = "none", metric: str = "output_throughput") -> Any:
+    """`metric` (output throughput; `steady_output_throughput` for the steady-state window) of each config ÷ the
+    reference config's, per (dataset, temperature, max_concurrency) of the same run (a polars frame of
+    `SERVE_COLUMNS` rows -> one row per group and config with `ratio`).
 
     A run with repeats (column `repeat`) divides each repeat by the reference's same repeat (measured minutes
     apart, so a drift of the host's speed touches both alike) and reports the median ratio, its range
@@ -365,12 +415,13 @@ def speedup_table(rows: Any, reference: str = "none") -> Any:
     keys = ["run", "dataset", "temperature", "max_concurrency"]
     repeat = pl.col("repeat").fill_null(0) if "repeat" in rows.columns else pl.lit(0)
     rows = rows.with_columns(repeat.cast(pl.Int64).alias("repeat"))
-    ref = rows.filter(pl.col("config") == reference).select(
-        keys + ["repeat", pl.col("output_throughput").alias("ref")])
+    if metric not in rows.columns:
+        raise ValueError(f"no column {metric!r} to compare (columns: {', '.join(rows.columns)})")
+    ref = rows.filter(pl.col("config") == reference).select(keys + ["repeat", pl.col(metric).alias("ref")])
     if ref.is_empty():
         raise ValueError(f"no {reference!r} rows to divide by")
     per = (rows.join(ref, on=keys + ["repeat"], how="inner")
-           .with_columns((pl.col("output_throughput") / pl.col("ref")).alias("ratio")))
+           .with_columns((pl.col(metric) / pl.col("ref")).alias("ratio")))
     group = keys + ["config"]
     numeric = [c for c, t in per.schema.items() if t.is_numeric() and c not in group + ["repeat"]]
     other = [c for c in per.columns if c not in numeric and c not in group + ["repeat"]]

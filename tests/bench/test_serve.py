@@ -46,12 +46,44 @@ def test_lengths_count_and_rare_tokens_pool():
         serve.distribution_test([], b, positions=1)
 
 
-def test_load_points_keep_every_concurrency_slot_busy():
+def test_load_points_run_ten_waves_and_shorter_points_are_refused():
     points = serve.load_points(["chat"], [0.0, 0.7], [1, 32])
-    assert [(p.temperature, p.max_concurrency, p.num_prompts) for p in points] == [(0.0, 1, 8), (0.0, 32, 64),
-                                                                                  (0.7, 1, 8), (0.7, 32, 64)]
+    assert [(p.temperature, p.max_concurrency, p.num_prompts) for p in points] == [(0.0, 1, 12), (0.0, 32, 320),
+                                                                                  (0.7, 1, 12), (0.7, 32, 320)]
+    assert all(p.require_waves() is p for p in points)
     with pytest.raises(ConfigError, match="never reaches"):
         serve.LoadPoint("chat", 0.0, 32, 8)
+    with pytest.raises(ConfigError, match=r"2\.0 waves.*>= 10 waves \(320 prompts\)"):
+        serve.LoadPoint("chat", 0.0, 32, 64).require_waves()
+
+
+def fixed_rate_load(slots: int, requests: int, tokens: int, step_s: float) -> dict[str, list]:
+    """What `vllm bench serve --save-detailed` returns for an engine whose every step takes `step_s` and emits one
+    token per running request, with `slots` requests in flight: each slot runs its requests back to back."""
+    start, ttft, itl, lens = [], [], [], []
+    for r in range(requests):
+        start.append((r // slots) * tokens * step_s)
+        ttft.append(step_s)
+        itl.append([step_s] * (tokens - 1))
+        lens.append(tokens)
+    return {"start_times": start, "ttfts": ttft, "itls": itl, "output_lens": lens}
+
+
+def test_steady_state_measures_the_held_load_and_leaves_ramp_and_drain_out():
+    # 8 slots, one token each per 2 ms step: 4,000 tok/s while the load holds
+    load = fixed_rate_load(slots=8, requests=80, tokens=50, step_s=0.002)
+    steady = serve.steady_state(**load)
+    assert steady["throughput"] == pytest.approx(8 / 0.002, rel=0.03)
+    assert steady["window_s"] == pytest.approx(8 * 50 * 0.002, rel=0.01)  # ten waves, less the first and the last
+    # a drain tail (the last wave's two slowest requests running on alone) lowers the whole-run rate, not the window's
+    tail = fixed_rate_load(slots=8, requests=80, tokens=50, step_s=0.002)
+    for r in (78, 79):
+        tail["itls"][r] = [0.002] * 48 + [0.5]  # the last token half a second late
+    steady_tail = serve.steady_state(**tail)
+    assert steady_tail["throughput"] == pytest.approx(steady["throughput"], rel=0.01)
+    with pytest.raises(ValueError, match="one start time"):
+        serve.steady_state([0.0], [0.1], [], [3])
+    assert np.isnan(serve.steady_state(**fixed_rate_load(slots=8, requests=8, tokens=5, step_s=0.01))["window_s"])
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Every committed serving plan (benchmarks/plans/serve_*.json) is one the GPU host can run: each config is a valid spec,
-each point a valid load point, and the configs it samples or runs at one request only are among its configs. A
-plan that fails here would fail only after the GPU host's start-up and staging, the scarcest minutes."""
+each point a valid load point of at least 10 waves (unless the plan predates that rule and says `allow_short`), and
+the configs it samples or runs at one request only are among its configs. A plan that fails here would fail only
+after the GPU host's start-up and staging, the scarcest minutes."""
 
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ def test_plan_is_runnable(path):
     for name in plan.get("batch1", []) + plan.get("sample", []):
         assert name in configs, f"{path.name}: {name!r} is not one of its configs"
     for point in plan["points"]:
-        parse_point(point)
+        load, _ = parse_point(point)
+        if not plan.get("allow_short"):  # plans written since points must measure: >= 10 waves each
+            load.require_waves()
 
 
 def test_the_benchmark_refuses_an_abbreviated_option(capsys):
