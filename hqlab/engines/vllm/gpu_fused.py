@@ -207,9 +207,9 @@ class GpuFusedSpeculator(V2Speculator):
                 break
             except RuntimeError as e:  # a driver without nested conditional nodes: then the nodes side by side
                 self.graphs.clear()
-                then = "capturing them side by side" if nested else "it runs eagerly"
-                warnings.warn(f"{NAME}: capturing the drafting step{' (nested nodes)' if nested else ''} failed ({e}); "
-                              f"{then}", RuntimeWarning, stacklevel=2)
+                what, then = ("the drafter's nodes inside one IF node", "capturing them side by side") if nested \
+                    else ("the drafting step", "it runs eagerly")
+                warnings.warn(f"{NAME}: capturing {what} failed ({e}); {then}", RuntimeWarning, stacklevel=2)
         if self.config.prefill_graph:
             self.prompts.capture(self.device)
         self._slots_host, self._fresh_known_false = None, self.max_num_reqs  # capturing wrote `slots`, `fresh`
