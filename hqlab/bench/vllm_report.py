@@ -157,8 +157,9 @@ def host_level_correlation(per_request: pl.DataFrame, *, min_steps: int = 5) -> 
 
 def host_probe(results: pl.DataFrame, runs: list[str]) -> pl.DataFrame:
     """Each request run alone in `runs` with its CPU speed probe (`host_unit_ms`: ms of a fixed piece of Python on
-    the engine core's CPU, just before and after the request; runs made with the since-removed `--pin-threads`) next to its wall time per
-    decode step, 1000 * tokens_per_step / decode_tok_s. Requests without a probe (older runs) are left out."""
+    the engine core's CPU, just before and after the request; runs made with the since-removed `--pin-threads`) next
+    to its wall time per decode step, 1000 * tokens_per_step / decode_tok_s. Requests without a probe are left
+    out."""
     if "host_unit_ms" not in results.columns:
         raise ConfigError("these results have no host_unit_ms column (runs before the CPU speed probe)")
     alone = results.filter(pl.col("run").is_in(runs) & (pl.col("concurrency") == 1)

@@ -2,7 +2,7 @@
 
 Why: a drafting step replays from one CUDA graph, and which of its parts should run (the drafter's pass, a narrow or
 a wide catch-up) is known only on the device, from the lookup the same graph just ran. Deciding on the host means
-reading the device first (a wait) or deciding from stale copies (the host-proven skip, `gpu_fused`'s `skip`). An IF
+reading the device first (a wait) or deciding from stale copies (gpu-fused's retired host-proven skip did). An IF
 node lets the graph decide: a one-thread kernel sets the node's condition from the flag, and the node runs its body
 graph only when the condition is set. Measured on the H200
 (`experiments/conditional_graph_node/cuda_conditional_probe.py`): a replay costs 0.022 ms with a 24-kernel body

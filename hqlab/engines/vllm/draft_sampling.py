@@ -17,7 +17,7 @@ Exactness needs the drafter's token to be independent of the target's randomness
 counter-based hash of (the slot's own seed, a step counter, the vocabulary index), never from vLLM's per-request
 streams. It is plain integer arithmetic on tensors, so it runs the same on the CPU and the GPU, inside CUDA graphs
 (the counter is a device tensor the step advances), and draws fresh noise at every replay. Which positions carry q
-must not depend on the token drawn there; `gpu_fused.GpuFusedConfig` therefore allows this mode only where the
+must not depend on the token drawn there; `gpu_fused_config.GpuFusedConfig` therefore allows this mode only where the
 fusion rule's head decision ignores the drafter's token (draft_block=1, agree=0, rule=threshold).
 
 Greedy requests (temperature 0) get the drafter's argmax as before; the rejection sampler ignores their draft logits.

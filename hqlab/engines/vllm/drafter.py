@@ -32,7 +32,9 @@ H200, a quarter of a pass); prompt chunks (more query rows than one tile holds) 
 Triton kernels around the attention (`hqlab_kernels.drafter_layers`: norm + q/k/v + rotary + the cache write, the
 output projection + residual, norm + gate/up + SwiGLU, the down projection + residual) instead of ~14 cuBLAS and
 elementwise kernels: such a pass is bound by kernel count, not bytes. Larger calls (prompt chunks) take the torch
-path. Both write the same cache layout, so they mix freely from call to call.
+path. Both write the same cache layout, so they mix freely from call to call. `gpu_fused` always drafts with both
+Triton paths; `layers="torch"` and the other attentions in a drafting pass are the tests' reference (and what the
+CPU tests run with the real drafter, where the Triton interpreter would take minutes).
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ class GpuFusedSpeculator(V2Speculator):
         self._body_pool: Any = None  # the conditional bodies' memory pool (made at capture)
         self._warming = False  # a warm-up runs every conditional body once, as the capture records them
         self.drafting_steps = self.off_steps = 0  # plain counters: steps drafted, steps at width 0
-        self.draft_logits: torch.Tensor | None = None  # what vLLM's V2 runner reads from a speculator, with the next two
+        self.draft_logits: torch.Tensor | None = None  # what vLLM's V2 runner reads, with the next two
         self.supports_mm_inputs = False
         self.model = torch.nn.Module()
 

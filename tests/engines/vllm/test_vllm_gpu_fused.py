@@ -192,8 +192,8 @@ SERVED = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compile=true,sch
 @pytest.mark.parametrize("key, value, instead", [
     ("skip", "2", "device_skip=true"), ("skip_on", "head", "device_skip=true"), ("nmin_alone", "1", "drop it"),
     ("catch_up", "bounded", "reads what it missed at the next step that needs its token"),
-    ("graphs", "false", "enforce_eager"), ("layers", "torch", "Triton layers"), ("attention", "auto", "Triton attention"),
-    ("attention", "sdpa", "Triton attention"), ("splits", "1", "drop it"), ("plan_once", "true", "drop it"),
+    ("graphs", "false", "enforce_eager"), ("layers", "torch", "Triton layers"),
+    ("attention", "auto", "Triton attention"), ("attention", "sdpa", "Triton attention"), ("splits", "1", "drop it"), ("plan_once", "true", "drop it"),
     ("compile_mode", "max-autotune-no-cudagraphs", "compile=true")])
 def test_retired_settings_are_refused_saying_why_and_what_to_use_instead(key, value, instead):
     """The host-proven skip, the bounded catch-up, the eager drafting step, the torch drafting passes and the
