@@ -269,6 +269,11 @@ def test_a_burst_can_mix_named_categories_and_ids():
         burst_group(prompts, 4, ["copy", "qa"])
 
 
+# Where the drafter's Triton kernels run: the GPU where there is one, else the CPU under Triton's interpreter (which
+# tests/conftest.py turns on only on machines without a GPU)
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def test_a_drafter_with_another_vocabulary_is_refused():
     from vllm.config import DeviceConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
 
@@ -280,7 +285,7 @@ def test_a_drafter_with_another_vocabulary_is_refused():
                         additional_config={"hqlab_proposer": SPEC})
     object.__setattr__(config, "model_config", SimpleNamespace(max_model_len=256, get_vocab_size=lambda: 32000,
                                                                dtype=torch.float32))
-    speculator = GpuFusedSpeculator(config, device="cpu")
+    speculator = GpuFusedSpeculator(config, device=KERNEL_DEVICE)
     with pytest.raises(ConfigError, match="vocabulary of 151936 rows and the target 32000"):
         speculator.load_drafter()
     assert speculator.drafter is None
@@ -332,7 +337,7 @@ def test_the_drafter_loads_with_its_drafting_passes_in_triton_kernels(tmp_path):
     save_file(weights, str(tmp_path / "model.safetensors"))
     for spec_text in ("gpu-fused:k=3,draft_block=2,nmax=4", "gpu-fused:k=3,draft_block=2,nmax=4,layers=triton"):
         speculator = GpuFusedSpeculator.standalone(fused_config(spec_text), max_num_reqs=2, max_model_len=600, pad=0,
-                                                   device="cpu", dtype=torch.float32)
+                                                   device=KERNEL_DEVICE, dtype=torch.float32)
         assert len(speculator.buckets) > 1  # before a drafter: the masked path's ladder of lengths
         speculator.load_drafter(str(tmp_path))
         assert speculator.drafter.layer_kernels is drafter_layers
