@@ -7,7 +7,7 @@ the whole step's graph, and a torch.profiler table of the whole step's kernels o
       python3 benchmarks/fused_pass_kernels.py [--tag a] [--config SPEC ...] [--tiles SWEEP.json]
   writes $OUT/fused_pass_kernels_<tag>.json and prints one JSON row per (config, history) and the kernel table.
 
-  With --prefill: instead, the drafter's eager prompt prefill (`GpuFusedSpeculator._prefill`, what a new request
+  With --prefill: instead, the drafter's eager prompt prefill (`drafter_prompts.PromptReader.read`, what a new request
   costs the fused speculator before its first token; served, `gpu-fused` answered it ~20 ms after `none`), wall
   time per prompt length with the served config's layers as they are (`prefill_chunk` 1,024: one torch-path call)
   and in 64-token chunks (each through the Triton layers), the same without torch.compile's wrappers
@@ -69,10 +69,10 @@ def prefill(tag: str, out: Path, repeats: int = 7) -> None:
         chunk = spec.config.prefill_chunk
 
         def once(length: int, name: str) -> float:
-            spec.owner.pop(0, None)  # a new request in slot 0: the prefill starts from its first token
+            spec.prompts.owner.pop(0, None)  # a new request in slot 0: the prefill starts from its first token
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            spec._prefill(name, 0, length, done=True)
+            spec.prompts.read(name, 0, length, done=True)
             torch.cuda.synchronize()
             return (time.perf_counter() - t0) * 1e3
 
@@ -158,7 +158,7 @@ def main() -> None:
         spec.fresh[:n] = False
         slots = spec.slots[:n]
         for history in HISTORIES:
-            bucket = next(b for b in spec.buckets if b >= history + spec.width + spec.block)
+            bucket = next(b for b in spec.buckets if b >= history + spec.wide_width + spec.block)
             total.fill_(history)
             key = next(k for k in spec.graphs if k[0] == n and k[1] == bucket)
 
@@ -174,9 +174,9 @@ def main() -> None:
 
             def catch_up() -> None:
                 spec.dlen[:n] = history - 3
-                spec._catch_up(n, bucket, spec.q)
+                spec._last_pass(n, bucket, spec.narrow_width)
 
-            row = {"config": spec_text, "n": n, "history": history, "attn_len": bucket, "width": spec.q,
+            row = {"config": spec_text, "n": n, "history": history, "attn_len": bucket, "width": spec.narrow_width,
                    "step_ms": cuda_ms(whole, 50),
                    "lookup_ms": graph_ms(lambda: spec.matcher(all_ids.view(-1), spec.row_offsets[slots], lengths)),
                    "catch_up_pass_ms": graph_ms(catch_up),
@@ -185,7 +185,7 @@ def main() -> None:
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
         history = 2048
-        bucket = next(b for b in spec.buckets if b >= history + spec.width + spec.block)
+        bucket = next(b for b in spec.buckets if b >= history + spec.wide_width + spec.block)
         total.fill_(history)
         key = next(k for k in spec.graphs if k[0] == n and k[1] == bucket)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

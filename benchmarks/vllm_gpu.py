@@ -19,9 +19,6 @@
     drafter on the CPU) and compares tokens/step with vLLM's, per prompt.
 
 --sustained adds the whole suite with --concurrency requests kept in flight (a closed loop, as a server sees it).
---pin-threads pins each engine's busy host thread (the engine core's) to a CPU of its own after the warm-up and times
-a fixed piece of Python on that CPU around every timed request (`host_unit_ms`: the host's speed, which changes in
-episodes of seconds on the lent H200; docs/vllm.md).
 --interleave starts every config's engine at once and runs each prompt on all of them in turn, so the ratios
 compare runs seconds apart (a host-bound step drifts by tens of percent over minutes); its first try on the H200
 stalled after the first prompt (data/results/vllm_gpu_h200_i.log), so engine processes now start with spawn: run s
@@ -81,7 +78,7 @@ def bench(args: argparse.Namespace) -> int:
     log("prompt tokens: " + ", ".join(f"{pid} {len(ids)}" for pid, _, ids in encoded))
     options = hv.VLLMOptions(model=folder, max_num_seqs=max(8, args.concurrency),
                              tensor_parallel_size=args.tensor_parallel_size,
-                             pipeline_parallel_size=args.pipeline_parallel_size, pin_threads=args.pin_threads)
+                             pipeline_parallel_size=args.pipeline_parallel_size)
     decode = DecodeConfig(max_new_tokens=args.max_new_tokens)
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
@@ -112,15 +109,12 @@ def bench(args: argparse.Namespace) -> int:
                 "doc_tokens": args.doc_tokens,
                 "suite": args.suite, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
                 "concurrency": args.concurrency, "tensor_parallel_size": args.tensor_parallel_size,
-                "pipeline_parallel_size": args.pipeline_parallel_size, "pin_threads": args.pin_threads,
-                "parallel_start": args.parallel_start, "engines": described}
+                "pipeline_parallel_size": args.pipeline_parallel_size, "parallel_start": args.parallel_start,
+                "engines": described}
         tmp = meta_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(meta) + "\n")
         os.replace(tmp, meta_path)
 
-    if args.interleave and args.pin_threads:
-        raise SystemExit("--pin-threads pins one engine's busy threads; with --interleave several engines share the "
-                         "machine's cores: pick one of the two")
     if args.interleave:  # every engine alive at once, runs interleaved request by request
         import dataclasses
         import faulthandler
@@ -312,8 +306,6 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--parallel-start", action="store_true",
                    help="with --interleave: build every engine at the same time (each with a 4 GiB KV cache), "
                         "then warm them up one at a time")
-    b.add_argument("--pin-threads", action="store_true",
-                   help="pin the busy host threads to cores of their own after each engine's warm-up")
     b.add_argument("--skip-reference", action="store_true", help="leave out `none` (an earlier call ran it)")
     b.add_argument("--fail-fast", action="store_true", help="stop at the first failing config")
     f = sub.add_parser("finish", help="CPU: raw runs -> results parquet (+ steps, phases)")

@@ -68,7 +68,7 @@ CONTEXTS = (1024, 8192, 32768)
 BATCHES = (1, 8, 32)
 K = 31
 LADDER = "1:31/2:15/3:7/4:3/5:1/0"  # a batch size per width, so vLLM captures every width's graphs
-FUSED_LADDER = "1:31/2:15/3:7/4:3/1"  # gpu-fused without device_skip takes no width 0 (width 1 is `none` anyway)
+FUSED_LADDER = "1:31/2:15/3:7/4:3/1"  # ends at width 1, as when gpu-fused without device_skip took no width 0
 LOOKUP = f"gpu-lookup:nmin=1,nmax=32,k={K},policy=earliest,batch_k={LADDER}"
 # the served fused config (docs/serving.md) without device_skip: with random weights the lookup matches the
 # model's degenerate output, and device_skip would then skip the very drafter pass being measured

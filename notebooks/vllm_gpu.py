@@ -163,7 +163,7 @@ chart
 # ### Is it where the threads run? The probe
 #
 # `experiments/host_two_speeds/vllm_host_threads.py` ran the suite twice on one engine per config, sampled which host threads were
-# busy and where (`hqlab.engines.vllm.affinity`), pinned the one busy thread (the engine core's) to a CPU of its
+# busy and where (`experiments/host_two_speeds/affinity.py`), pinned the one busy thread (the engine core's) to a CPU of its
 # own, and ran the suite twice more on the same engine.
 
 # %%

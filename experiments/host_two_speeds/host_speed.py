@@ -21,8 +21,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hqlab.engines.vllm.affinity import python_unit  # noqa: E402  (the fixed workload; imports no vLLM)
+from affinity import python_unit  # noqa: E402  (the fixed workload beside this file; imports no vLLM)
 
 
 def worker(cpu: int, seconds: float, start: float, out: mp.Queue) -> None:

@@ -3,7 +3,7 @@
 At batch 1 the 0.5B's decode step is host-bound, and its cost is bimodal per request: the profiled worker phases
 all slow by the same factor, as a thread does when a busy sibling shares its core. This probe runs the suite on one
 engine per config, samples which threads of the front end and the engine core are busy and on which CPUs they ran
-(`hqlab.engines.vllm.affinity.ThreadSampler`), then pins the busy threads to cores of their own
+(`affinity.ThreadSampler`, beside this file), then pins the busy threads to cores of their own
 (`affinity.pin_busy`) and runs the suite again on the same engine. Its answer on the lent H200 (pinning leaves both
 speeds; the CPU itself has two) is in docs/vllm.md, "The host has two speeds".
 
@@ -27,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # affinity.py
 
 
 def log(msg: str) -> None:
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from hqlab import models
     from hqlab.config import DecodeConfig
     from hqlab.engines import vllm as hv
-    from hqlab.engines.vllm import affinity
+    import affinity
     from hqlab.workloads import load_workload
 
     out = Path(os.environ.get("OUT", "out"))

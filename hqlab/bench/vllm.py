@@ -131,7 +131,7 @@ def fused_replay_check(runs: Sequence[Run], prompts: Sequence[tuple[str, str, li
     own drafter.)"""
     from dataclasses import fields
 
-    from hqlab.engines.vllm.gpu_fused import NAME, fused_config
+    from hqlab.engines.vllm.gpu_fused import NAME, recorded_rules
     from hqlab.proposers.fused import FusedConfig
     from hqlab.replay.teacher import replay_fused_grid
     from hqlab.replay.traces import Trace
@@ -139,7 +139,7 @@ def fused_replay_check(runs: Sequence[Run], prompts: Sequence[tuple[str, str, li
     ids = {pid: (category, tokens) for pid, category, tokens in prompts}
     rows = []
     for config in dict.fromkeys(r.config for r in runs if r.config.startswith(NAME + ":")):
-        c = fused_config(config)
+        c = recorded_rules(config)  # the spec as it ran, retired keys included
         # every rule setting of the lab's proposer (skip included); the drafter's own keys are the replay's
         keys = {f.name: getattr(c, f.name) for f in fields(FusedConfig) if f.name not in DRAFTER_KEYS}
         spec = "fused:" + ",".join(f"{k}={v}" for k, v in keys.items())

@@ -157,8 +157,9 @@ def host_level_correlation(per_request: pl.DataFrame, *, min_steps: int = 5) -> 
 
 def host_probe(results: pl.DataFrame, runs: list[str]) -> pl.DataFrame:
     """Each request run alone in `runs` with its CPU speed probe (`host_unit_ms`: ms of a fixed piece of Python on
-    the engine core's CPU, just before and after the request; runs with `--pin-threads`) next to its wall time per
-    decode step, 1000 * tokens_per_step / decode_tok_s. Requests without a probe (older runs) are left out."""
+    the engine core's CPU, just before and after the request; runs made with the since-removed `--pin-threads`) next
+    to its wall time per decode step, 1000 * tokens_per_step / decode_tok_s. Requests without a probe are left
+    out."""
     if "host_unit_ms" not in results.columns:
         raise ConfigError("these results have no host_unit_ms column (runs before the CPU speed probe)")
     alone = results.filter(pl.col("run").is_in(runs) & (pl.col("concurrency") == 1)
@@ -354,12 +355,12 @@ def burst_blocks(steps: pl.DataFrame, run: str) -> pl.DataFrame:
     proposal is the block clipped to what lookup and drafter filled, so the share counts long steps that filled
     more than the short block: the same measure in both loads. Configs with `schedule=long` or `short` are left out
     (every block is k, or the short block, by setting)."""
-    from hqlab.engines.vllm.gpu_fused import fused_config
+    from hqlab.engines.vllm.gpu_fused import recorded_rules
 
     mine = steps.filter((pl.col("run") == run) & pl.col("config").str.starts_with("gpu-fused"))
     rows = []
     for config in mine["config"].unique(maintain_order=True).to_list():
-        settings = fused_config(config)
+        settings = recorded_rules(config)  # the spec as it ran, retired keys included
         if settings.schedule != "adaptive":
             continue
         of = mine.filter(pl.col("config") == config).with_columns(

@@ -34,8 +34,8 @@ class Run:
     concurrency: int = 1  # requests submitted together (1: one at a time)
     batch_wall_s: float = math.nan  # wall time of the whole concurrent batch this run was part of
     load: str = "alone"  # "alone", "burst" (all submitted at once) or "sustained" (`concurrency` kept in flight)
-    # ms per `affinity.python_unit` on the engine core's CPU, measured before and after the request (mean; NaN
-    # unless the run pinned its threads): how fast the host ran Python around this request
+    # ms of a fixed piece of Python on the engine core's CPU around the request, kept for the runs that probed it
+    # (the probe was removed: experiments/host_two_speeds); NaN for every run since
     host_unit_ms: float = math.nan
 
 
@@ -100,13 +100,6 @@ def run_setting(options: VLLMOptions, setting: EngineSetting, prompts: Sequence[
         description = engine.describe()
         if prompts:  # first requests pay for lazy compilation and allocator growth
             engine.generate(prompts[0][2], decode=DecodeConfig(max_new_tokens=32), request="warmup")
-        if prompts and options.pin_threads:
-            description["pins"] = _pin_busy_threads(engine, prompts[0][2])
-            busy = list(description["pins"]["busy"].values())
-            if busy:  # the busiest thread is the engine core's (the front end waits on it)
-                from hqlab.engines.vllm import affinity
-
-                engine.speed_probe = affinity.CpuSpeedProbe(busy[0][0])
         if setting.label == "none" and decode.greedy:
             for pid, category, ids in prompts:
                 runs.append(Run(setting.label, pid, category, -1, engine.generate(ids, decode=decode, request=pid,
@@ -117,10 +110,7 @@ def run_setting(options: VLLMOptions, setting: EngineSetting, prompts: Sequence[
             for pid, category, ids in prompts:
                 if bar is not None:
                     bar.set_postfix_str(f"{setting.label} · {pid} · pass {r + 1}")
-                before = engine.host_speed()
-                generation = engine.generate(ids, decode=decode, request=pid)
-                speed = (before + engine.host_speed()) / 2
-                runs.append(Run(setting.label, pid, category, r, generation, host_unit_ms=speed))
+                runs.append(Run(setting.label, pid, category, r, engine.generate(ids, decode=decode, request=pid)))
                 if bar is not None:
                     bar.update()
         for r in range(repeats if group else 0):
@@ -135,26 +125,8 @@ def run_setting(options: VLLMOptions, setting: EngineSetting, prompts: Sequence[
         if profile:
             description["profile"] = _profiled(engine, prompts, decode)
     finally:
-        if engine.speed_probe is not None:
-            engine.speed_probe.close()
         engine.close()
-        if options.pin_threads:
-            from hqlab.engines.vllm import affinity
-
-            affinity.unpin()  # the next engine's processes start from this thread and would inherit its one CPU
     return runs, description
-
-
-def _pin_busy_threads(engine: "VLLMEngine", prompt_ids: Sequence[int]) -> dict[str, Any]:
-    """Samples the host threads over one request and pins the busy ones to cores of their own."""
-    import os
-
-    from hqlab.engines.vllm import affinity
-
-    pids = [os.getpid(), *affinity.children(os.getpid())]
-    with affinity.ThreadSampler(pids) as sampled:
-        engine.generate(prompt_ids, decode=DecodeConfig(max_new_tokens=128), request="pin")
-    return affinity.pin_busy(pids, sampled)
 
 
 def interleaved_order(n_engines: int, n_items: int) -> list[tuple[int, int]]:

@@ -178,7 +178,7 @@ def _write_bench(cmd: list[str], out: Path) -> None:
                                          "gpu_ms": PASS_MS}]} for pid, cat, _ in PROMPTS]
     meta = {"machine": MACHINE, "versions": {"vllm": "0.26.0"}, "model": model, "dtype": "bfloat16",
             "doc_tokens": 2000, "suite": "all", "max_new_tokens": 32, "repeats": 2, "concurrency": 0,
-            "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "pin_threads": False, "parallel_start": True,
+            "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "parallel_start": True,
             "engines": engines}
     (out / f"vllm_gpu_{tag}.json").write_text(json.dumps(meta) + "\n")
 

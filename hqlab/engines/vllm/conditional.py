@@ -2,7 +2,7 @@
 
 Why: a drafting step replays from one CUDA graph, and which of its parts should run (the drafter's pass, a narrow or
 a wide catch-up) is known only on the device, from the lookup the same graph just ran. Deciding on the host means
-reading the device first (a wait) or deciding from stale copies (the host-proven skip, `gpu_fused`'s `skip`). An IF
+reading the device first (a wait) or deciding from stale copies (gpu-fused's retired host-proven skip did). An IF
 node lets the graph decide: a one-thread kernel sets the node's condition from the flag, and the node runs its body
 graph only when the condition is set. Measured on the H200
 (`experiments/conditional_graph_node/cuda_conditional_probe.py`): a replay costs 0.022 ms with a 24-kernel body
@@ -132,28 +132,34 @@ def run_while(flag: torch.Tensor, body: Callable[[], None], *, pool: Any = None,
     _conditional(flag, body, pool=pool, always=always, loop=True)
 
 
+def _run_eagerly(flag: torch.Tensor, body: Callable[[], None], *, always: bool, loop: bool) -> None:
+    """`run_if` and `run_while` outside a capture: `body` where the flag says (a host read), or once whatever the
+    flag in a warm-up (`always`)."""
+    if always and flag.device.type == "cuda":  # a warm-up: on the stream the body will be captured on
+        # and load the condition-setting kernel now: loading a module while a stream captures is not allowed
+        set_if_kernel(flag.device.index if flag.device.index is not None else torch.cuda.current_device())
+        current, side = torch.cuda.current_stream(flag.device), side_stream(flag.device, _DEPTH[0])
+        side.wait_stream(current)
+        with torch.cuda.stream(side), _inside():
+            body()
+        current.wait_stream(side)
+    elif always:
+        with _inside():
+            body()
+    else:
+        while bool(flag.item()):
+            with _inside():
+                body()
+            if not loop:
+                break
+
+
 def _conditional(flag: torch.Tensor, body: Callable[[], None], *, pool: Any, always: bool, loop: bool) -> None:
     if flag.numel() != 1 or flag.dtype != torch.int32:
         name = "run_while" if loop else "run_if"
         raise ValueError(f"{name} needs a one-element int32 flag (got {flag.dtype}, {flag.numel()} elements)")
     if not capturing(flag):
-        if always and flag.device.type == "cuda":  # a warm-up: on the stream the body will be captured on
-            # and load the condition-setting kernel now: loading a module while a stream captures is not allowed
-            set_if_kernel(flag.device.index if flag.device.index is not None else torch.cuda.current_device())
-            current, side = torch.cuda.current_stream(flag.device), side_stream(flag.device, _DEPTH[0])
-            side.wait_stream(current)
-            with torch.cuda.stream(side), _inside():
-                body()
-            current.wait_stream(side)
-        elif always:
-            with _inside():
-                body()
-        else:
-            while bool(flag.item()):
-                with _inside():
-                    body()
-                if not loop:
-                    break
+        _run_eagerly(flag, body, always=always, loop=loop)
         return
     from cuda.bindings import runtime as rt
 

@@ -32,7 +32,9 @@ H200, a quarter of a pass); prompt chunks (more query rows than one tile holds) 
 Triton kernels around the attention (`hqlab_kernels.drafter_layers`: norm + q/k/v + rotary + the cache write, the
 output projection + residual, norm + gate/up + SwiGLU, the down projection + residual) instead of ~14 cuBLAS and
 elementwise kernels: such a pass is bound by kernel count, not bytes. Larger calls (prompt chunks) take the torch
-path. Both write the same cache layout, so they mix freely from call to call.
+path. Both write the same cache layout, so they mix freely from call to call. `gpu_fused` always drafts with both
+Triton paths; `layers="torch"` and the other attentions in a drafting pass are the tests' reference (and what the
+CPU tests run with the real drafter, where the Triton interpreter would take minutes).
 """
 
 from __future__ import annotations
@@ -146,12 +148,35 @@ class StaticQwen2:
         self.n_layers = int(config["num_hidden_layers"])
         self.eps = float(config.get("rms_norm_eps", 1e-6))
         self.vocab = int(config["vocab_size"])
+        self._load_weights(weights)
+        shape = (self.n_layers, self.slots * self.blocks, BLOCK, self.kv_heads, self.head_dim)
+        self.k_cache = torch.zeros(shape, device=self.device, dtype=dtype)
+        self.v_cache = torch.zeros(shape, device=self.device, dtype=dtype)
+        self._setup_kernels(attention, int(config["intermediate_size"]))
+        # Rotary tables in float32 for every position the cache can hold (transformers computes them in float32
+        # and casts to the activations' dtype).
         theta = float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        inv = 1.0 / theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=self.device)
+                              / self.head_dim)
+        freqs = torch.outer(torch.arange(self.max_len, dtype=torch.float32, device=self.device), inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        # What runs between two attentions (layer i's output projection and MLP, layer i+1's norm, q/k/v and
+        # rotary embedding) is a pure function of its inputs: `compile=True` lets torch.compile fuse its
+        # elementwise work across the layer boundary (a pass is launch-bound at small batch: kernels, not bytes).
+        self._pre, self._mid, self._post = self._pre_impl, self._mid_impl, self._post_impl
+        if compile:
+            self._pre = torch.compile(self._pre_impl, dynamic=True)
+            self._mid = torch.compile(self._mid_impl, dynamic=True)
+            self._post = torch.compile(self._post_impl, dynamic=True)
+
+    def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """The checkpoint's tensors on this device and dtype, q/k/v and gate/up fused into one matrix each."""
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
                 raise ConfigError(f"StaticQwen2: the checkpoint has no tensor {name!r} (not a Qwen2 causal LM?)")
-            return weights[name].to(device=self.device, dtype=dtype)
+            return weights[name].to(device=self.device, dtype=self.dtype)
 
         self.embed = w("model.embed_tokens.weight")
         self.lm_head = w("lm_head.weight") if "lm_head.weight" in weights else self.embed  # tied checkpoints
@@ -169,9 +194,10 @@ class StaticQwen2:
                 "gate_up_w": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
                 "down_w": w(p + "mlp.down_proj.weight"),
             })
-        shape = (self.n_layers, self.slots * self.blocks, BLOCK, self.kv_heads, self.head_dim)
-        self.k_cache = torch.zeros(shape, device=self.device, dtype=dtype)
-        self.v_cache = torch.zeros(shape, device=self.device, dtype=dtype)
+
+    def _setup_kernels(self, attention: str, intermediate: int) -> None:
+        """The attention of each kind of call (FlashAttention, the Triton kernel of the drafting passes, or the masked
+        sdpa path) and the scratch the Triton kernels need."""
         # the Triton layers' scratch for split reductions (kernel TILES with split_k > 1), sized once for the table
         # as it stands now: the passes captured in CUDA graphs reuse it
         self.workspace = None
@@ -179,10 +205,10 @@ class StaticQwen2:
             max_split = max(t.split_k for t in self.layer_kernels.TILES.values())
             if max_split > 1:
                 self.workspace = self.layer_kernels.Workspace.for_layer(
-                    hidden=self.hidden, inter=int(config["intermediate_size"]),
+                    hidden=self.hidden, inter=intermediate,
                     qkv_rows=(self.heads + 2 * self.kv_heads) * self.head_dim, max_rows=TRITON_MAX_ROWS,
                     max_split=max_split, device=self.device)
-        half = dtype in (torch.bfloat16, torch.float16)  # FlashAttention's dtypes
+        half = self.dtype in (torch.bfloat16, torch.float16)  # FlashAttention's dtypes
         self.flash = _flash_attention(self.device, self.head_dim) \
             if attention in ("auto", "flash", "triton") and half else None
         # the Triton attention of the drafting passes, its scratch sized for every slot at once and its most splits
@@ -194,23 +220,8 @@ class StaticQwen2:
                 self.attention_kernel.MAX_SPLITS, self.head_dim, self.device)
         if attention == "flash" and self.flash is None:
             raise ConfigError("StaticQwen2: attention='flash' needs vLLM's FlashAttention on a CUDA device and a "
-                              f"bf16 or fp16 model (got {self.device}, {dtype})")
+                              f"bf16 or fp16 model (got {self.device}, {self.dtype})")
         self.write_cache = _cache_writer(self.device) if self.flash is not None else None
-        # Rotary tables in float32 for every position the cache can hold (transformers computes them in float32
-        # and casts to the activations' dtype).
-        inv = 1.0 / theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=self.device)
-                              / self.head_dim)
-        freqs = torch.outer(torch.arange(self.max_len, dtype=torch.float32, device=self.device), inv)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
-        # What runs between two attentions (layer i's output projection and MLP, layer i+1's norm, q/k/v and
-        # rotary embedding) is a pure function of its inputs: `compile=True` lets torch.compile fuse its
-        # elementwise work across the layer boundary (a pass is launch-bound at small batch: kernels, not bytes).
-        self._pre, self._mid, self._post = self._pre_impl, self._mid_impl, self._post_impl
-        if compile:
-            self._pre = torch.compile(self._pre_impl, dynamic=True)
-            self._mid = torch.compile(self._mid_impl, dynamic=True)
-            self._post = torch.compile(self._post_impl, dynamic=True)
 
     @classmethod
     def load(cls, folder: str | Path, *, slots: int, max_len: int, device: str | torch.device = "cpu",

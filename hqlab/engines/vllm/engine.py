@@ -64,9 +64,6 @@ class VLLMOptions:
     seed: int = 0
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    # pin the busy host threads (the engine core's) to cores of their own after the warm-up and probe that CPU's
-    # speed around every timed request (hqlab.engines.vllm.affinity; docs/vllm.md, "The host has two speeds")
-    pin_threads: bool = False
     # KV cache per engine, in bytes; 0: vLLM sizes it from gpu_memory_utilization after profiling the memory the
     # model takes. Set, vLLM skips that profiling, which engines starting at the same time would corrupt (each counts
     # the others' allocations as its own): `hqlab.bench.vllm_runs.run_interleaved(parallel_start=True)` sets it
@@ -351,12 +348,6 @@ class VLLMEngine:
         stat_loggers = [_stat_logger_factory(self._stats), *([serial_prometheus_logger()] if started_together else [])]
         self.engine = LLMEngine.from_engine_args(engine_args(options, setting), stat_loggers=stat_loggers)
         self._counter = 0
-        # an affinity.CpuSpeedProbe on the engine core's CPU (`hqlab.bench.vllm_runs.run_setting` sets it)
-        self.speed_probe: Any = None
-
-    def host_speed(self) -> float:
-        """ms per `affinity.python_unit` on the engine core's CPU right now (NaN without a probe)."""
-        return self.speed_probe.measure() if self.speed_probe is not None else math.nan
 
     def describe(self) -> dict[str, Any]:
         """What vLLM chose for this engine (recorded next to the numbers)."""
@@ -476,6 +467,12 @@ class VLLMEngine:
                     finish[out.request_id] = "eos" if completion.finish_reason == "stop" else "length"
             submit(done if in_flight else 0)
         wall = time.perf_counter() - t0
+        return self._generations(rids, prompts, events, outputs, finish, wall), wall
+
+    def _generations(self, rids: dict[str, str], prompts: Sequence[Sequence[int]],
+                     events: dict[str, list[StepEvent]], outputs: dict[str, list[int]], finish: dict[str, str],
+                     wall: float) -> list[Generation]:
+        """`generate_concurrent`'s generations, in the order given, each with its own step records."""
         adapter = self.take_adapter_records() if self.setting.uses_adapter else []
         gens = []
         for rid, ids in zip(rids, prompts):
@@ -487,7 +484,7 @@ class VLLMEngine:
             gens.append(Generation(request=rids[rid], prompt_len=len(ids), output_ids=outputs[rid],
                                    finish=finish[rid], ttft_s=ttft, total_s=events[rid][-1].t if events[rid] else wall,
                                    t_last=t_last, records=records))
-        return gens, wall
+        return gens
 
     def profile(self, prompt_ids: Sequence[int], decode: DecodeConfig, request: str = "profile") -> dict[str, Any]:
         """One request with the worker's phases timed (`worker.StepTimer`): the generation (its step records carry

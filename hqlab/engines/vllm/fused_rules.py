@@ -84,6 +84,48 @@ def agree_count_tensors(draft_tokens: torch.Tensor, lookup_tokens: torch.Tensor,
     return ((~same).cumsum(dim=1) == 0).sum(dim=1, dtype=torch.int32)
 
 
+def _check_fuse_inputs(draft_tokens: torch.Tensor, lookup_tokens: torch.Tensor, lookup_valid: torch.Tensor,
+                       match_len: torch.Tensor, config: FusionConfig, out: FusedTensors | None) -> None:
+    """`fuse_tensors`' shape checks (shapes are host-known: no device value is read)."""
+    batch, k = lookup_tokens.shape
+    head_len = min(config.draft_block, k)
+    if draft_tokens.dim() != 2 or tuple(draft_tokens.shape) != (batch, head_len):
+        raise ValueError(f"draft_tokens must be [B, min(draft_block, k)] = [{batch}, {head_len}], "
+                         f"got {tuple(draft_tokens.shape)}")
+    if tuple(lookup_valid.shape) != (batch,) or tuple(match_len.shape) != (batch,):
+        raise ValueError(f"lookup_valid and match_len must be [B] = [{batch}], got {tuple(lookup_valid.shape)} "
+                         f"and {tuple(match_len.shape)}")
+    if config.rule not in ("threshold", "score"):  # FusionConfig refuses others; a new rule must be added here
+        raise NotImplementedError(f"fuse_tensors implements the 'threshold' and 'score' rules, not {config.rule!r}")
+    if out is not None and (out.tokens.shape[0] < batch or out.tokens.shape[1] != k):
+        raise ValueError(f"out holds [{out.tokens.shape[0]}, {out.tokens.shape[1]}] blocks, need at least "
+                         f"[{batch}, {k}]")
+
+
+def _decide(config: FusionConfig, match_len: torch.Tensor, valid: torch.Tensor, agreed: torch.Tensor,
+            dv: torch.Tensor, head_len: int, supplied: torch.Tensor, in_head: torch.Tensor,
+            lookup_score: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """`fuse_tensors`' decisions per row: (head taken, tail taken, the fused block's length, [B, k] the positions
+    holding a lookup token before the block is cut)."""
+    if config.rule == "threshold":
+        head_taken = (match_len >= config.nstrong) | ((match_len >= config.nmin) & (agreed >= config.agree))
+        if config.nmin_alone > 0:  # a step without any drafter token
+            head_taken = head_taken | ((dv == 0) & (match_len >= config.nmin_alone))
+        tail_taken = (match_len >= config.nmin_tail) & (head_taken | (agreed == head_len))
+        n_proposed = torch.where(tail_taken, valid.clamp(min=head_len), head_len)
+        # the head ends where nobody filled it (after the lookup's or the drafter's tokens, whichever is longer)
+        filled = torch.where(head_taken, torch.maximum(valid.clamp(max=head_len), dv), dv)
+        n_proposed = torch.where(filled < head_len, filled, n_proposed)
+        lookup_at = supplied & torch.where(in_head, head_taken[:, None], tail_taken[:, None])
+    else:  # Arctic's score rule: the lookup's whole draft or the drafter's, nothing mixed
+        score = valid if lookup_score is None else lookup_score
+        keep_lookup = score >= head_len
+        head_taken = tail_taken = keep_lookup
+        n_proposed = torch.where(keep_lookup, valid, dv)
+        lookup_at = supplied & keep_lookup[:, None]
+    return head_taken, tail_taken, n_proposed, lookup_at
+
+
 def fuse_tensors(
     draft_tokens: torch.Tensor,
     lookup_tokens: torch.Tensor,
@@ -109,20 +151,9 @@ def fuse_tensors(
     draft_valid:   [B] int, head positions the drafter supplied per row (0 = a step that skipped the drafter);
                    None: the whole head, as in the reference.
     """
+    _check_fuse_inputs(draft_tokens, lookup_tokens, lookup_valid, match_len, config, out)
     batch, k = lookup_tokens.shape
     head_len = min(config.draft_block, k)
-    if draft_tokens.dim() != 2 or tuple(draft_tokens.shape) != (batch, head_len):
-        raise ValueError(f"draft_tokens must be [B, min(draft_block, k)] = [{batch}, {head_len}], "
-                         f"got {tuple(draft_tokens.shape)}")
-    if tuple(lookup_valid.shape) != (batch,) or tuple(match_len.shape) != (batch,):
-        raise ValueError(f"lookup_valid and match_len must be [B] = [{batch}], got {tuple(lookup_valid.shape)} "
-                         f"and {tuple(match_len.shape)}")
-    if config.rule not in ("threshold", "score"):  # FusionConfig refuses others; a new rule must be added here
-        raise NotImplementedError(f"fuse_tensors implements the 'threshold' and 'score' rules, not {config.rule!r}")
-    if out is not None and (out.tokens.shape[0] < batch or out.tokens.shape[1] != k):
-        raise ValueError(f"out holds [{out.tokens.shape[0]}, {out.tokens.shape[1]}] blocks, need at least "
-                         f"[{batch}, {k}]")
-
     valid = lookup_valid
     positions = torch.arange(k, device=lookup_tokens.device)
     in_head = positions < head_len  # [k]
@@ -131,22 +162,8 @@ def fuse_tensors(
     dv = torch.full_like(valid, head_len) if draft_valid is None else draft_valid.to(valid.dtype)
     agreed = torch.minimum(agreed, dv)  # only positions the drafter supplied can agree
 
-    if config.rule == "threshold":
-        head_taken = (match_len >= config.nstrong) | ((match_len >= config.nmin) & (agreed >= config.agree))
-        if config.nmin_alone > 0:  # a step without any drafter token
-            head_taken = head_taken | ((dv == 0) & (match_len >= config.nmin_alone))
-        tail_taken = (match_len >= config.nmin_tail) & (head_taken | (agreed == head_len))
-        n_proposed = torch.where(tail_taken, valid.clamp(min=head_len), head_len)
-        # the head ends where nobody filled it (after the lookup's or the drafter's tokens, whichever is longer)
-        filled = torch.where(head_taken, torch.maximum(valid.clamp(max=head_len), dv), dv)
-        n_proposed = torch.where(filled < head_len, filled, n_proposed)
-        lookup_at = supplied & torch.where(in_head, head_taken[:, None], tail_taken[:, None])
-    else:  # Arctic's score rule: the lookup's whole draft or the drafter's, nothing mixed
-        score = valid if lookup_score is None else lookup_score
-        keep_lookup = score >= head_len
-        head_taken = tail_taken = keep_lookup
-        n_proposed = torch.where(keep_lookup, valid, dv)
-        lookup_at = supplied & keep_lookup[:, None]
+    head_taken, tail_taken, n_proposed, lookup_at = _decide(config, match_len, valid, agreed, dv, head_len,
+                                                            supplied, in_head, lookup_score)
     take_flag = (match_len >= config.longmin) & (valid > config.draft_block) & tail_taken
 
     proposed = positions < n_proposed[:, None]

@@ -33,7 +33,6 @@ from hqlab.config import require
 from hqlab.engines.vllm.fused_rules import (SOURCE_NONE, FusedTensors, ScheduleTensors, fuse_tensors,
                                             schedule_step_tensors, step_unanimous_tensors)
 from hqlab.proposers.fused import FusedConfig
-from hqlab.rules.fusion import SOURCE_LOOKUP
 
 
 class FusedStep:
@@ -51,9 +50,8 @@ class FusedStep:
     n_proposed: [max_num_reqs] int32, the fused block's length before clipping (`len(Fused.tokens)`).
     take_flag, head_taken, tail_taken: [max_num_reqs] bool, the fusion decisions (False for a row that does not
                 sample).
-    draft_valid: [max_num_reqs] int32, head positions taken from the drafter this step (the reference's
-                `extra["drafted"]`): 0 on a step `skip` spares, draft_block otherwise, 0 for a row that does not
-                sample.
+    draft_valid: [max_num_reqs] int32, head positions the drafter supplied this step (the reference's
+                `extra["drafted"]`): draft_block, 0 for a row that does not sample.
 
     `state` is the scheduler state per request slot ([max_num_reqs] each, `ScheduleTensors`, views).
     """
@@ -63,6 +61,10 @@ class FusedStep:
         require(max_num_reqs >= 1, f"fused step: max_num_reqs must be >= 1 (got {max_num_reqs}); it is the number "
                                    f"of request slots")
         require(pad_token >= 0, f"fused step: pad_token must be a token id >= 0 (got {pad_token})")
+        # the lab proposer's `skip` spares the drafter on steps chosen from earlier steps' marks; inside vLLM the
+        # device decides at the step itself (gpu_fused_config.RETIRED["skip"]), so this twin has no skip marks
+        require(config.skip == 0, f"fused step: skip={config.skip} is the lab proposer's host-proven drafter skip, "
+                                  f"which the vLLM step does not run (use gpu-fused's device_skip)")
         self.config = config
         self.k = config.k
         self.max_num_reqs = max_num_reqs
@@ -82,10 +84,6 @@ class FusedStep:
         self.block_len = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         self.num_tokens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         self._positions = torch.arange(config.k, device=device)
-        # `skip`: per slot (and the scratch row) the last `skip` steps' marks, oldest first, and how many are real
-        lag = max(config.skip, 1)
-        self._marks = torch.zeros(max_num_reqs + 1, lag, dtype=torch.bool, device=device)
-        self._marked = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=device)
         self.draft_valid = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         # `compile`: the rule is ~100 small tensor operations a step, each its own kernel inside a captured graph;
         # torch.compile fuses them into a few (one graph, no break). The same operations, so the same decisions
@@ -125,19 +123,8 @@ class FusedStep:
         emitted = torch.where(fresh, 0, num_sampled)
         # rows that do not sample go to the scratch row: their slot may be padding (-1) or shared with a real row
         index = torch.where(active, slots.to(torch.int64), self.max_num_reqs)
-
-        c = self.config
-        head_len = min(c.draft_block, c.k)
-        # the reference's `_skips`: the step `skip` steps ago met `skip_on` (a fresh request has no such step)
-        if self.config.skip:
-            marks = self._marks[index].masked_fill(fresh[:, None], False)
-            marked = self._marked[index].masked_fill(fresh, 0)
-            skipping = active & (marked >= c.skip) & marks[:, 0]
-            draft_valid = torch.where(skipping, 0, head_len).to(torch.int32)
-        else:
-            draft_valid = torch.full_like(num_sampled, head_len, dtype=torch.int32)
         fused = fuse_tensors(draft_tokens, lookup_tokens, lookup_valid, match_len, self.fusion,
-                             pad_token=self.pad_token, out=self._fused, draft_valid=draft_valid)
+                             pad_token=self.pad_token, out=self._fused)
         before = self._state.select(index)
         before = ScheduleTensors(before.run.masked_fill(fresh, 0), before.hold.masked_fill(fresh, 0),
                                  before.long.masked_fill(fresh, False), before.pending.masked_fill(fresh, False))
@@ -146,16 +133,8 @@ class FusedStep:
         else:
             after, block_len = schedule_step_tensors(before, fused.take_flag, emitted, self.schedule, active)
         self._state.assign(index, after)
-        # this step's mark, from the unclipped fused block and the block length, as the reference's
-        if self.config.skip:
-            if self.config.skip_on == "long":
-                mark = (block_len == c.k) & (c.k > c.draft_block)
-            else:
-                lookup_head = (fused.sources[:, :head_len] == SOURCE_LOOKUP).all(dim=1)
-                mark = fused.head_taken & (fused.n_proposed >= head_len) & lookup_head
-            self._marks[index] = torch.cat([marks[:, 1:], (mark & active)[:, None]], dim=1)
-            self._marked[index] = (marked + 1).clamp(max=c.skip)
-        self.draft_valid[:n].copy_(draft_valid.masked_fill(~active, 0))
+        head_len = min(self.config.draft_block, self.k)
+        self.draft_valid[:n].copy_(torch.full_like(num_sampled, head_len, dtype=torch.int32).masked_fill(~active, 0))
 
         # clip: a prefix of the fused block (fuse_tensors already padded past n_proposed); block_len 0 clears a row
         # that does not sample

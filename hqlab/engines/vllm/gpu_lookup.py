@@ -46,9 +46,9 @@ import torch
 from hqlab.config import ConfigError, LookupConfig, require, resolve_spec
 from hqlab.engines.vllm import batch_k
 from hqlab.rules.corpus import CHOICE_POLICIES, CorpusConfig
-from hqlab.engines.vllm.speculator import (PAD_KEY, RECORD_KEY, SPEC_KEY, RecordRing, RequestState, V2Speculator,
-                                           bind_histories, custom_class_config, gpu_spec, is_custom_class, pad_token,
-                                           recording, refuse_retired)
+from hqlab.engines.vllm.speculator import (PAD_KEY, RECORD_KEY, SPEC_KEY, RecordRing, RequestState, Retired,
+                                           V2Speculator, bind_histories, custom_class_config, gpu_spec,
+                                           is_custom_class, pad_token, recording, refuse_retired)
 from hqlab.trace import Source
 
 NAME = "gpu-lookup"  # the config name in `hqlab bench --engine vllm`
@@ -102,17 +102,18 @@ class GpuLookupConfig(LookupConfig):
         return CorpusConfig(tokens=self.corpus, docs=self.corpus_docs, policy=self.corpus_policy,
                             prompts=self.corpus_prompts)
 
-# Keys measured as no gain and removed, with the vLLM scheduler patches they needed; a spec naming one fails with
-# where to read why.
-_STALE = ("a request's width read a step late through the step's output: every class slower than the fixed width "
-          "(run e: chat 0.63x none against 1.21x, 0.53x throughput with eight requests)")
-RETIRED = {"width": "width=stale, " + _STALE, "min_valid": "the threshold of width=stale, " + _STALE}
+# Keys measured as no gain and removed, with the vLLM scheduler patches they needed; a spec naming one fails with why.
+_STALE = ("a request's width read a step late through the step's output ran every class slower than the fixed "
+          "width: chat at 0.63x none against 1.21x, 0.53x the throughput with eight requests")
+_FIXED = "every request verifies the same width (k, or batch_k's width for the step's batch size)"
+RETIRED = {"width": Retired(_STALE, f"drop it: {_FIXED}"),
+           "min_valid": Retired(f"the threshold of width=stale, which {_STALE}", f"drop it: {_FIXED}")}
 
 
 def lookup_config(spec: str) -> GpuLookupConfig:
     """The settings of a `gpu-lookup:...` (or `lookup:...`) spec, validated (a retired key is an error that says
     so)."""
-    refuse_retired(spec, RETIRED, NAME)
+    spec = refuse_retired(spec, RETIRED, NAME)
     unknown = f"{{spec!r}} is not a {NAME} spec (expected '{NAME}:nmin=..,nmax=..,k=..,policy=..')"
     return resolve_spec(spec, {NAME: GpuLookupConfig, "lookup": GpuLookupConfig}, unknown=unknown,
                         context=f"proposer {NAME!r}")[1]

@@ -70,13 +70,27 @@ def pad_token(vllm_config: Any) -> int:
     return pad
 
 
-def refuse_retired(spec: str, retired: dict[str, str], name: str) -> None:
-    """Raise ConfigError when `spec` names a key measurement retired (`retired`: key -> what measured it)."""
-    _, values = parse_spec(spec)
-    for key in values:
-        if key in retired:
-            raise ConfigError(f"{name}: {key!r} was retired after measurement showed no gain ({retired[key]}); "
-                              f"docs/journal/ has the runs and why, and the code is in git history")
+@dataclass(frozen=True)
+class Retired:
+    """A spec key a speculator no longer takes: why it went and what to use instead. `keeps`: the one value that
+    names what runs now, still accepted (and dropped) so that a spec naming it parses; "" where none does."""
+
+    why: str
+    instead: str
+    keeps: str = ""
+
+
+def refuse_retired(spec: str, retired: dict[str, Retired], name: str) -> str:
+    """`spec` without the retired keys it names at their `keeps` value; ConfigError, saying why the key went and what
+    to use instead, for a retired key at any other value."""
+    head, values = parse_spec(spec)
+    for key, value in values.items():
+        gone = retired.get(key)
+        if gone is not None and value.lower() != gone.keeps:
+            raise ConfigError(f"{name}: '{key}' was retired ({gone.why}); {gone.instead} (docs/journal/ has the "
+                              f"measurements, git history the code)")
+    kept = [f"{k}={v}" for k, v in values.items() if k not in retired]
+    return f"{head}:{','.join(kept)}" if kept else head
 
 
 def gpu_spec(vllm_config: Any, device: Any, class_path: str, parse: Callable[[str], Any]) -> tuple[str, Any]:
@@ -157,7 +171,7 @@ class RecordRing:
 
 
 __all__ = ["SPEC_KEY", "RECORD_KEY", "PAD_KEY", "ENV_VAR", "proposer_spec", "recording", "is_custom_class",
-           "pad_token", "refuse_retired", "gpu_spec", "RequestState", "bind_histories", "RecordRing"]
+           "pad_token", "Retired", "refuse_retired", "gpu_spec", "RequestState", "bind_histories", "RecordRing"]
 
 
 class V2Speculator:

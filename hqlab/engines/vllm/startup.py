@@ -2,7 +2,7 @@
 `hqlab.bench.vllm_runs`).
 
 Why: each engine takes ~60 s (0.5B) to ~100 s (1.5B) to start on the H200, most of it in its own processes, so an
-interleaved call of five engines spent 8 of its 10 minutes starting them one after another (run fi1). Here the
+interleaved call of five engines spent 8 of its 10 minutes starting them one after another. Here the
 engines are built at once, one thread each (`start_engines_together`), after what must not run in several threads
 at once has run in the calling one (`prepare_parallel_start`), each with an explicit KV cache, and with vLLM's
 Prometheus registrations taking turns (`engine.serial_prometheus_logger`, which an engine built with
@@ -32,9 +32,7 @@ if TYPE_CHECKING:
 # hqlab's plugin, which patches vLLM's classes, and the model cache draft models are converted into (both done
 # once in the calling thread first, `prepare_parallel_start`, as are vLLM's first imports: two threads importing
 # the same modules for the first time can meet a circular import half done); and fork, which in a process with
-# other threads can copy a held lock into the child: engine processes start with spawn. `hqlab.engines.vllm.affinity`
-# is not involved: an engine is pinned, if at all, after its warm-up (`run_setting`), never while it is built,
-# and `run_interleaved` pins nothing.
+# other threads can copy a held lock into the child: engine processes start with spawn.
 #
 # GPU memory: each worker measures free GPU memory before and after its profile run and takes every change for
 # its own (v1/worker/gpu_worker.py:484-545), so engines starting together would size their KV caches from each
@@ -42,7 +40,7 @@ if TYPE_CHECKING:
 # check at start that free memory >= gpu_memory_utilization x total (v1/worker/utils.py:425-445, called at
 # gpu_worker.py:388-389): the engines' shares sum to the options' total (<= 0.95), so it holds while no engine
 # takes more than its share. With the KV cache below an engine of the 1.5B model takes about 10 GiB (4 GiB of KV,
-# 3.4 GiB of weights, 0.5 GiB of activations, up to 1.3 GiB of CUDA graphs, data/results/vllm_fused_h200_fh1.log,
+# 3.4 GiB of weights, 0.5 GiB of activations, up to 1.3 GiB of CUDA graphs, as vLLM logged them on an H200,
 # plus the CUDA context and a fused drafter's own weights and cache), well under a share of 0.85 / 5 of an H200
 # (24 GiB).
 

@@ -41,8 +41,8 @@ def _fused_tests():
 
 
 _fused = _fused_tests()
-INTERPRETER_ONLY, drive, skip_requests, tiny_qwen2 = (_fused.INTERPRETER_ONLY, _fused.drive, _fused.skip_requests,
-                                                      _fused.tiny_qwen2)
+INTERPRETER_ONLY, drive, copy_and_prose, tiny_qwen2 = (_fused.INTERPRETER_ONLY, _fused.drive,
+                                                       _fused.copy_and_prose, _fused.tiny_qwen2)
 
 BASE = "gpu-fused:k=7,draft_block=1,nmax=8,schedule=long,nmin_tail=1,device_skip=true"
 
@@ -90,7 +90,7 @@ def test_settings_where_q_would_not_be_the_proposal_are_refused(spec):
 
 def run(spec_text: str, temperature: float | None, device: str = "cpu",
         graphs: bool = False) -> tuple[list, list, GpuFusedSpeculator]:
-    """skip_requests through a speculator (prose in slot 0, copy in slot 1); per step the drafts and, with
+    """copy_and_prose through a speculator (prose in slot 0, copy in slot 1); per step the drafts and, with
     draft_sample=probabilistic, a copy of the draft logits and sources of the step's rows (read after the step: with
     `graphs` the step is replayed from its captured graph)."""
     from types import SimpleNamespace
@@ -101,9 +101,8 @@ def run(spec_text: str, temperature: float | None, device: str = "cpu",
     ids = torch.zeros(2, 480, dtype=torch.int32, device=device)
     total = torch.zeros(2, dtype=torch.int32, device=device)
     spec.bind(ids, total)
-    spec.drafter = tiny_qwen2(2, spec.cache_len, device=device)
+    spec.attach_drafter(tiny_qwen2(2, spec.cache_len, device=device))
     if spec.draws:
-        spec._allocate_draft_logits(spec.drafter.vocab)
         spec.bind_sampling(torch.full((2,), float(temperature), device=device))
     if graphs:
         spec.init_cudagraph_manager(SimpleNamespace(name="FULL"))
@@ -121,7 +120,7 @@ def run(spec_text: str, temperature: float | None, device: str = "cpu",
                                                                 spec.num_sampled[:m])))
         return out
     spec.step = watched
-    steps = drive(spec, skip_requests(), {"copy": 1, "prose": 0}, ids, total, config.k)
+    steps = drive(spec, copy_and_prose(), {"copy": 1, "prose": 0}, ids, total, config.k)
     return steps, seen, spec
 
 
@@ -202,7 +201,7 @@ def test_the_drafted_distribution_is_the_drafters_own_at_the_temperature():
     slots, out, sources, logits, num_sampled = seen[0]
     row = slots.tolist().index(0)  # slot 0 holds prose; at its first step the drafter read its prompt and first token
     assert int(sources[row, 0]) == SOURCE_DRAFT
-    reqs = skip_requests()
+    reqs = copy_and_prose()
     prompt, target = reqs["prose"]
     fresh = tiny_qwen2(1, spec.cache_len)
     tokens = torch.tensor([prompt + target[:1]])

@@ -27,7 +27,9 @@ pytest.importorskip("vllm", reason="the vllm extra is not installed (make setup 
 from hqlab.config import ConfigError  # noqa: E402
 from hqlab.engines.vllm import gpu_fused, plugin  # noqa: E402
 from hqlab.engines.vllm.engine import setting_for  # noqa: E402
-from hqlab.engines.vllm.gpu_fused import SKIP_RUN, GpuFusedSpeculator, fused_config  # noqa: E402
+from hqlab.engines.vllm.drafter_flags import WIDE_STEPS  # noqa: E402
+from hqlab.engines.vllm.drafter_prompts import PREFILL_ROWS  # noqa: E402
+from hqlab.engines.vllm.gpu_fused import GpuFusedSpeculator, fused_config  # noqa: E402
 from hqlab.proposers.fused import FusedConfig, FusedProposer  # noqa: E402
 from hqlab.rules.fusion import SOURCE_DRAFT, SOURCE_LOOKUP  # noqa: E402
 
@@ -73,20 +75,25 @@ INTERPRETER_ONLY = ("runs the suffix-match kernel in Triton's interpreter on CPU
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason=INTERPRETER_ONLY)
-@pytest.mark.parametrize("settings", ["draft_block=3", "draft_block=3,skip=1,skip_on=head",
-                                      "draft_block=1,schedule=long,nmin_tail=1,skip=2,skip_on=head"],
-                         ids=["every-step", "skip", "one-pass-long-block"])
+@pytest.mark.parametrize("settings", ["draft_block=3", "draft_block=1,schedule=long,nmin_tail=1,device_skip=true"],
+                         ids=["every-step", "one-pass-long-block-device-skip"])
 def test_fused_blocks_equal_the_reference_step_for_step(tokenizer, settings):
     # a short head (at most 3 drafter passes per step) keeps the two 0.5B drafters' CPU time to about a minute
-    config = fused_config(f"gpu-fused:k=7,nmax=32,policy=earliest,dtype=float32,device=cpu,{settings}")
+    from hqlab import models
+    from hqlab.engines.vllm.drafter import StaticQwen2
+
+    config = fused_config(f"gpu-fused:k=7,nmax=32,policy=earliest,{settings}")
     spec = GpuFusedSpeculator.standalone(config, max_num_reqs=SLOTS, max_model_len=WIDTH, pad=VOCAB - 1,
                                          device="cpu", dtype=torch.float32, record=True)
-    reference = FusedProposer(FusedConfig(**{f: getattr(config, f) for f in FusedConfig.__dataclass_fields__}))
+    rules = {f: getattr(config, f) for f in FusedConfig.__dataclass_fields__}
+    reference = FusedProposer(FusedConfig(**{**rules, "dtype": "float32", "device": "cpu"}))
     rng = np.random.default_rng(0)
     ids = torch.from_numpy(rng.integers(0, 1000, size=(SLOTS, WIDTH)).astype(np.int32))  # reused-slot garbage
     total = torch.zeros(SLOTS, dtype=torch.int32)
     spec.bind(ids, total)
-    spec.load_drafter()
+    # the real drafter on its torch reference paths (the Triton ones would run in the interpreter for minutes)
+    spec.attach_drafter(StaticQwen2.load(models.prepare(config.model), slots=SLOTS, max_len=spec.cache_len,
+                                         dtype=torch.float32))
 
     reqs = requests(tokenizer)
     slot_of = {"copy": 2, "prose": 0}
@@ -144,13 +151,11 @@ def test_fused_blocks_equal_the_reference_step_for_step(tokenizer, settings):
     records = spec.take_records()
     assert compared >= 8 and SOURCE_DRAFT in sources and SOURCE_LOOKUP in sources  # both proposers exercised
     assert any(r["block"] == config.k for r in records)  # the copy request reached the long block
-    if config.skip:  # and skipped its drafter on some steps, as the reference did
-        assert any(r["draft_valid"] == 0 and r["request"] == "copy" for r in records)
     assert state["copy"]["computed"] > len(reqs["copy"][0]) + 25  # and its long blocks were accepted
-    # the drafter's own tokens, head first, as the replay takes them: draft_block of them on a step that ran its
-    # head, none on a drafter-free step, and the block's token wherever the block took the drafter's
+    # the drafter's own tokens, head first, as the replay takes them: draft_block of them on a step that ran the
+    # drafter, none on a step without it, and the block's token wherever the block took the drafter's
     for r in records:
-        assert len(r["drafter_tokens"]) == {"full": config.draft_block, "lookup": 0}.get(r["drafter"], 1), r
+        assert len(r["drafter_tokens"]) == (config.draft_block if r["drafter_passes"] > 0 else 0), r
         for i, (token, source) in enumerate(zip(r["tokens"], r["sources"])):
             if source == SOURCE_DRAFT:
                 assert token == r["drafter_tokens"][i], r
@@ -170,12 +175,9 @@ def test_spec_and_engine_setting():
         fused_config("gpu-fused:temperature=0.5")
     with pytest.raises(ConfigError, match="vocab"):
         fused_config("gpu-fused:vocab=some.json")
-    # `skip` as in the lab's fused proposer, validated the same way
-    assert (fused_config("gpu-fused:skip=2,skip_on=head").skip, fused_config("gpu-fused:skip=2").skip_on) == (2, "long")
-    with pytest.raises(ConfigError, match="skip must be 0"):
-        fused_config("gpu-fused:skip=9")
-    with pytest.raises(ConfigError, match="skip_on must be one of"):
-        fused_config("gpu-fused:skip=2,skip_on=always")
+    for key, value in (("dtype", "float32"), ("device", "cpu")):  # the target's, inside vLLM
+        with pytest.raises(ConfigError, match=f"the drafter runs on the target's {key}|in the target's {key}"):
+            fused_config(f"gpu-fused:{key}={value}")
     # how many prompt tokens the drafter reads per call: a host-side setting, not a rule of the lab's proposer
     assert fused_config("gpu-fused:prefill_chunk=2048").prefill_chunk == 2048
     assert fused_config("gpu-fused:k=7").prefill_chunk == gpu_fused.PREFILL_CHUNK
@@ -183,18 +185,52 @@ def test_spec_and_engine_setting():
         fused_config("gpu-fused:prefill_chunk=0")
 
 
-@pytest.mark.parametrize("key, value", [("splits", "1"), ("plan_once", "true"),
-                                        ("compile_mode", "max-autotune-no-cudagraphs")])
-def test_the_drafters_retired_kernel_settings_are_refused_with_where_to_read_why(key, value):
-    """splits, plan_once and compile_mode were measured as no gain (runs fc, fk2) and removed: a spec naming one,
-    with any value, fails before an engine starts and says why; the same spec without it is fine."""
-    spec = "gpu-fused:k=15,draft_block=2,nmax=32"
+SERVED = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,"
+          "compile_rule=true,device_skip=true,layers=triton,attention=triton,batch_k=1:15/4:7/0,prefill_graph=1024")
+
+
+@pytest.mark.parametrize("key, value, instead", [
+    ("skip", "2", "device_skip=true"), ("skip_on", "head", "device_skip=true"), ("nmin_alone", "1", "drop it"),
+    ("catch_up", "bounded", "reads what it missed at the next step that needs its token"),
+    ("graphs", "false", "enforce_eager"), ("layers", "torch", "Triton layers"),
+    ("attention", "auto", "Triton attention"), ("attention", "sdpa", "Triton attention"), ("splits", "1", "drop it"), ("plan_once", "true", "drop it"),
+    ("compile_mode", "max-autotune-no-cudagraphs", "compile=true")])
+def test_retired_settings_are_refused_saying_why_and_what_to_use_instead(key, value, instead):
+    """The host-proven skip, the bounded catch-up, the eager drafting step, the torch drafting passes and the
+    FlashAttention settings were retired: a spec naming one fails before an engine starts, says why it went and what
+    to use instead; the same spec without it is fine."""
+    spec = "gpu-fused:k=15,draft_block=1,nmax=32"
     assert fused_config(spec).k == 15
-    with pytest.raises(ConfigError, match=rf"gpu-fused: '{key}' was retired after measurement showed no gain "
-                                          r"\(.*run.*fc.*\); docs/journal/"):
+    with pytest.raises(ConfigError, match=rf"gpu-fused: '{key}' was retired \(.+\); .*{instead}.*docs/journal/"):
         fused_config(f"{spec},{key}={value}")
     with pytest.raises(ConfigError, match=f"'{key}' was retired"):
         setting_for(f"{spec},{key}={value}")
+
+
+def test_the_served_spec_parses_and_keys_naming_what_always_runs_are_accepted():
+    """The served spec names layers=triton and attention=triton, which now always run: accepted, as are skip=0,
+    nmin_alone=0, catch_up=lazy and graphs=true, each giving the config without the key."""
+    served = fused_config(SERVED)
+    assert (served.k, served.draft_block, served.device_skip, served.batch_k, served.prefill_graph) == (
+        15, 1, True, "1:15/4:7/0", 1024)
+    assert served == fused_config(SERVED.replace(",layers=triton,attention=triton", ""))
+    base = "gpu-fused:k=15,draft_block=1,nmax=32"
+    for kept in ("skip=0", "nmin_alone=0", "catch_up=lazy", "graphs=true", "layers=triton", "attention=triton"):
+        assert fused_config(f"{base},{kept}") == fused_config(base), kept
+    assert gpu_fused.speculative_config(SERVED)["num_speculative_tokens_per_batch_size"][-1][-1] == 0
+    with pytest.raises(ConfigError, match="'skip' was retired"):  # built directly, not parsed
+        gpu_fused.GpuFusedConfig(k=15, draft_block=1, skip=2)
+
+
+def test_recorded_runs_keep_their_rule_settings_whatever_retired_keys_they_name():
+    """A recorded run's spec (results keep the spec as it ran) gives the lab proposer's settings for the replay,
+    the host-proven skip included, though gpu-fused no longer parses it."""
+    recorded = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,skip=2,"
+                "skip_on=head,nmin_alone=1,compile_rule=true,catch_up=bounded,layers=torch")
+    rules = gpu_fused.recorded_rules(recorded)
+    assert (rules.k, rules.skip, rules.skip_on, rules.nmin_alone, rules.schedule) == (15, 2, "head", 1, "long")
+    with pytest.raises(ConfigError, match="'skip' was retired"):
+        fused_config(recorded)
 
 
 def test_the_plugin_puts_gpu_fused_on_model_runner_v2_with_async_scheduling():
@@ -233,6 +269,11 @@ def test_a_burst_can_mix_named_categories_and_ids():
         burst_group(prompts, 4, ["copy", "qa"])
 
 
+# Where the drafter's Triton kernels run: the GPU where there is one, else the CPU under Triton's interpreter (which
+# tests/conftest.py turns on only on machines without a GPU)
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def test_a_drafter_with_another_vocabulary_is_refused():
     from vllm.config import DeviceConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
 
@@ -244,7 +285,7 @@ def test_a_drafter_with_another_vocabulary_is_refused():
                         additional_config={"hqlab_proposer": SPEC})
     object.__setattr__(config, "model_config", SimpleNamespace(max_model_len=256, get_vocab_size=lambda: 32000,
                                                                dtype=torch.float32))
-    speculator = GpuFusedSpeculator(config, device="cpu")
+    speculator = GpuFusedSpeculator(config, device=KERNEL_DEVICE)
     with pytest.raises(ConfigError, match="vocabulary of 151936 rows and the target 32000"):
         speculator.load_drafter()
     assert speculator.drafter is None
@@ -283,35 +324,25 @@ def tiny_qwen2_weights() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     return cfg, weights
 
 
-def test_the_gpu_fused_spec_takes_layers_and_attention_and_passes_them_to_the_drafter(tmp_path):
-    """`layers` and `attention` are validated with the spec and reach the drafter `load_drafter` builds (its Triton
-    kernels: tests/kernels/test_drafter_layers.py and test_drafter_attention.py)."""
+def test_the_drafter_loads_with_its_drafting_passes_in_triton_kernels(tmp_path):
+    """`load_drafter` builds the drafter with the Triton layers and attention of the drafting passes (their kernels:
+    tests/kernels/test_drafter_layers.py and test_drafter_attention.py), whatever the spec: the torch paths are the
+    tests' reference and the prompt chunks' path only. One graph per batch size then serves every length."""
     from safetensors.torch import save_file
 
-    from hqlab_kernels import drafter_layers
+    from hqlab_kernels import drafter_attention, drafter_layers
 
-    assert fused_config("gpu-fused:k=15,draft_block=2").layers == "torch"
-    config = fused_config("gpu-fused:k=3,draft_block=2,nmax=4,layers=triton")
-    assert config.layers == "triton"
-    with pytest.raises(ConfigError, match="layers must be one of torch, triton") as err:
-        fused_config("gpu-fused:k=15,layers=bogus")
-    assert "'bogus'" in str(err.value)
     cfg, weights = tiny_qwen2_weights()
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen2"}))
     save_file(weights, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ConfigError, match="attention must be one of auto, flash, sdpa, triton"):
-        fused_config("gpu-fused:k=15,attention=fa4")
-    with_attention = fused_config("gpu-fused:k=3,draft_block=2,nmax=4,layers=triton,attention=triton")
-    assert with_attention.attention == "triton"
-    plain = fused_config("gpu-fused:k=3,draft_block=2,nmax=4")
-    for spec_config, kernels, attention in ((config, drafter_layers, False), (plain, None, False),
-                                            (with_attention, drafter_layers, True)):
-        speculator = GpuFusedSpeculator.standalone(spec_config, max_num_reqs=2, max_model_len=32, pad=0,
-                                                   device="cpu", dtype=torch.float32)
+    for spec_text in ("gpu-fused:k=3,draft_block=2,nmax=4", "gpu-fused:k=3,draft_block=2,nmax=4,layers=triton"):
+        speculator = GpuFusedSpeculator.standalone(fused_config(spec_text), max_num_reqs=2, max_model_len=600, pad=0,
+                                                   device=KERNEL_DEVICE, dtype=torch.float32)
+        assert len(speculator.buckets) > 1  # before a drafter: the masked path's ladder of lengths
         speculator.load_drafter(str(tmp_path))
-        assert speculator.drafter.layer_kernels is kernels
-        assert (speculator.drafter.attention_kernel is not None) == attention
-        assert speculator.buckets == [speculator.cache_len] if attention else len(speculator.buckets) >= 1
+        assert speculator.drafter.layer_kernels is drafter_layers
+        assert speculator.drafter.attention_kernel is drafter_attention
+        assert speculator.buckets == [speculator.cache_len]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's FlashAttention needs a CUDA device")
@@ -351,12 +382,12 @@ def test_the_drafter_prefill_never_waits_for_the_gpu():
                                          pad=63, device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(0, 60, (2, spec.max_model_len), dtype=torch.int32, device="cuda")
     spec.bind(ids, torch.zeros(2, dtype=torch.int32, device="cuda"))
-    spec.drafter = tiny_qwen2(2, spec.cache_len, device="cuda", dtype=torch.bfloat16)
-    spec._prefill("warm", 1, 40, done=True)  # first calls may allocate or compile
+    spec.attach_drafter(tiny_qwen2(2, spec.cache_len, device="cuda", dtype=torch.bfloat16))
+    spec.prompts.read("warm", 1, 40, done=True)  # first calls may allocate or compile
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        spec._prefill("a", 1, gpu_fused.PREFILL_CHUNK + 40, done=True)
+        spec.prompts.read("a", 1, gpu_fused.PREFILL_CHUNK + 40, done=True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
@@ -376,16 +407,16 @@ def test_the_captured_prompt_pass_reads_prompts_as_the_eager_calls_do_on_the_gpu
         ids = torch.randint(0, 60, (2, spec.max_model_len), dtype=torch.int32, device="cuda",
                             generator=torch.Generator("cuda").manual_seed(4))
         spec.bind(ids, torch.zeros(2, dtype=torch.int32, device="cuda"))
-        spec.drafter = tiny_qwen2(2, spec.cache_len, device="cuda", dtype=torch.float32, attention="sdpa")
+        spec.attach_drafter(tiny_qwen2(2, spec.cache_len, device="cuda", dtype=torch.float32, attention="sdpa"))
         spec.use_graphs = True
         spec.capture()
-        assert (spec.prefill_graph is not None) == bool(bound)
+        assert (spec.prompts.graph is not None) == bool(bound)
         for length in (5, 64, 100, 200):
-            spec.owner.pop(1, None)  # a new request in slot 1
+            spec.prompts.owner.pop(1, None)  # a new request in slot 1
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                spec._prefill(f"r{length}", 1, length, done=True)
+                spec.prompts.read(f"r{length}", 1, length, done=True)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             nxt = ids[1, length:length + 2].long()[None]
@@ -405,7 +436,7 @@ def test_the_prefill_chunk_changes_the_calls_not_what_the_drafter_knows():
         spec = GpuFusedSpeculator.standalone(config, max_num_reqs=1, max_model_len=64, pad=63, device="cpu",
                                              dtype=torch.float32)
         spec.bind(ids, torch.full((1,), 40, dtype=torch.int32))
-        spec.drafter = tiny_qwen2(1, spec.cache_len)  # seeded: the same weights for both
+        spec.attach_drafter(tiny_qwen2(1, spec.cache_len))  # seeded: the same weights for both
         feed, seen = spec.drafter.hidden_states, []
 
         def counted(*args, feed=feed, seen=seen, **kwargs):
@@ -413,7 +444,7 @@ def test_the_prefill_chunk_changes_the_calls_not_what_the_drafter_knows():
             return feed(*args, **kwargs)
 
         spec.drafter.hidden_states = counted
-        spec._prefill("a", 0, 40, done=True)
+        spec.prompts.read("a", 0, 40, done=True)
         calls.append(list(seen))  # (the logits below feed one more token)
         logits.append(spec.drafter.logits(torch.tensor([0]), ids[0, 39:40].long()[None], torch.tensor([39]),
                                           torch.tensor([0]), 64))
@@ -426,7 +457,7 @@ def test_the_captured_prompt_pass_pads_past_the_prompt_and_the_next_pass_overwri
     100 with whatever the history row holds) leaves the drafter as one eager call does: the same logits for the next
     three tokens fed from position 100 (which overwrite the padding), float32 on the CPU. Prompts longer than the
     bound, or whose padded passes would run past the row, take the eager calls."""
-    width, rows = 160, gpu_fused.PREFILL_ROWS
+    width, rows = 160, PREFILL_ROWS
     ids = torch.randint(0, 63, (1, width), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
     logits, calls = {}, {}
     for name, spec_text, prompt in (("eager", "prefill_graph=0", 100), ("graph", "prefill_graph=128", 100),
@@ -435,7 +466,7 @@ def test_the_captured_prompt_pass_pads_past_the_prompt_and_the_next_pass_overwri
         spec = GpuFusedSpeculator.standalone(config, max_num_reqs=1, max_model_len=width, pad=63, device="cpu",
                                              dtype=torch.float32)
         spec.bind(ids, torch.full((1,), prompt, dtype=torch.int32))
-        spec.drafter = tiny_qwen2(1, spec.cache_len)
+        spec.attach_drafter(tiny_qwen2(1, spec.cache_len))
         feed, seen = spec.drafter.hidden_states, []
 
         def counted(*args, feed=feed, seen=seen, **kwargs):
@@ -443,7 +474,7 @@ def test_the_captured_prompt_pass_pads_past_the_prompt_and_the_next_pass_overwri
             return feed(*args, **kwargs)
 
         spec.drafter.hidden_states = counted
-        spec._prefill("a", 0, prompt, done=True)
+        spec.prompts.read("a", 0, prompt, done=True)
         calls[name] = list(seen)
         assert int(spec.dlen[0]) == prompt
         nxt = ids[0, prompt:prompt + 3].long()[None]
@@ -463,24 +494,24 @@ def test_a_prompt_resumed_in_a_slot_another_request_used_is_prefilled_again():
                                          dtype=torch.float32)
     ids = torch.randint(0, 63, (2, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
     spec.bind(ids, torch.full((2,), 40, dtype=torch.int32))
-    spec.drafter = tiny_qwen2(2, spec.cache_len)
+    spec.attach_drafter(tiny_qwen2(2, spec.cache_len))
     row = lambda slot, upto: spec.drafter.logits(  # noqa: E731 - the drafter's next-token logits after `upto`
         torch.tensor([slot]), ids[slot, upto - 1:upto].long()[None], torch.tensor([upto - 1]),
         torch.tensor([0]), 64)
-    spec._prefill("a", 0, 20, done=False)
-    spec._prefill("b", 0, 30, done=False)  # another request takes slot 0
-    spec._prefill("a", 0, 40, done=True)  # "a" again: must not trust the row for its first 20 tokens
+    spec.prompts.read("a", 0, 20, done=False)
+    spec.prompts.read("b", 0, 30, done=False)  # another request takes slot 0
+    spec.prompts.read("a", 0, 40, done=True)  # "a" again: must not trust the row for its first 20 tokens
     again = row(0, 40)
     fresh = tiny_qwen2(2, spec.cache_len)
     fresh.hidden_states(torch.tensor([0]), ids[0, :40].long()[None], torch.tensor([0]), 40)
     want = fresh.logits(torch.tensor([0]), ids[0, 39:40].long()[None], torch.tensor([39]), torch.tensor([0]), 64)
     assert torch.allclose(again, want, atol=1e-5)
-    spec._prefill("c", 1, 20, done=False)  # an undisturbed request continues from its own chunk
-    spec._prefill("c", 1, 40, done=True)
+    spec.prompts.read("c", 1, 20, done=False)  # an undisturbed request continues from its own chunk
+    spec.prompts.read("c", 1, 40, done=True)
     fresh.hidden_states(torch.tensor([1]), ids[1, :40].long()[None], torch.tensor([0]), 40)
     want = fresh.logits(torch.tensor([1]), ids[1, 39:40].long()[None], torch.tensor([39]), torch.tensor([0]), 64)
     assert torch.allclose(row(1, 40), want, atol=1e-5)
-    assert "a" not in spec.prefilled and "c" not in spec.prefilled  # finished prompts are forgotten
+    assert "a" not in spec.prompts.read_upto and "c" not in spec.prompts.read_upto  # finished prompts: forgotten
 
 
 def drive(spec: GpuFusedSpeculator, reqs: dict[str, tuple[list[int], list[int]]], slot_of: dict[str, int],
@@ -528,7 +559,7 @@ def by_step(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return steps
 
 
-def skip_requests() -> dict[str, tuple[list[int], list[int]]]:
+def copy_and_prose() -> dict[str, tuple[list[int], list[int]]]:
     """Tiny-vocabulary requests (prompt, the target's output): "copy" copies 170 tokens of a passage in its prompt
     with one foreign token after the first 80 (the copy breaks and resumes), then stops copying (the drafter runs
     again after drafter-free steps); "prose" is short and never copies."""
@@ -545,13 +576,13 @@ def test_a_step_copies_slots_and_fresh_marks_only_when_they_change():
     """Each CUDA call is host time on the step's critical path, so a decode step whose batch is the one before copies
     neither its slots nor its (all False) fresh marks; whatever the batch does (grows, shrinks, reorders, a request
     samples its first token), the device buffers the drafting step reads hold what the host passed."""
-    config = fused_config("gpu-fused:k=3,draft_block=1,nmax=8,skip=2,skip_on=head")
+    config = fused_config("gpu-fused:k=3,draft_block=1,nmax=8")
     spec = GpuFusedSpeculator.standalone(config, max_num_reqs=4, max_model_len=256, pad=63, device="cpu",
                                          dtype=torch.float32)
     ids = torch.from_numpy(np.random.default_rng(1).integers(0, 60, size=(4, 256)).astype(np.int32))
     total = torch.full((4,), 40, dtype=torch.int32)
     spec.bind(ids, total)
-    spec.drafter = tiny_qwen2(4, spec.cache_len)
+    spec.attach_drafter(tiny_qwen2(4, spec.cache_len))
     # (slots, which rows sampled their first token) per step: fresh requests, steady decode, a new request joins,
     # the batch reorders, shrinks, then repeats itself
     batches = [([0, 1], [True, True]), ([0, 1], [False, False]), ([0, 1], [False, False]),
@@ -568,9 +599,9 @@ def test_a_step_copies_slots_and_fresh_marks_only_when_they_change():
                   np.where(fresh_np, 40, 4), np.full(n, 40), np.where(fresh_np, 0, total[slots_np].numpy() - 2))
         assert spec.slots[:n].tolist() == slots
         assert spec.fresh[:n].tolist() == fresh
-        assert not spec.fresh[:spec._fresh_clear].any()  # the rows the host counts on being False are False
+        assert not spec.fresh[:spec._fresh_known_false].any()  # the rows the host counts on being False are
         kept.append(spec._slots_host)
-        turns.append(spec._fresh_turn)
+        turns.append(spec._fresh_ring_index)
     # the unchanged batches reused the slots already on the device: no new copy was made for them
     assert [kept[i] is kept[i - 1] for i in range(1, len(batches))] == [
         True, True, False, True, False, False, True, False, True]
@@ -579,77 +610,23 @@ def test_a_step_copies_slots_and_fresh_marks_only_when_they_change():
     assert copied == [0, 1, 3, 4, 8, 9]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason=INTERPRETER_ONLY)
-@pytest.mark.parametrize("skip, skip_on", [(1, "head"), (2, "head"), (2, "long")])
-def test_drafter_free_steps_change_no_draft(skip, skip_on):
-    """With `skip`, the host runs the drafter-free graph kinds only where every row skips the drafter: each step's
-    drafts equal those of the same speculator made to run every drafter pass, while the copying request's steps
-    mostly run without the drafter (and with the catch-up pass after SKIP_RUN of them)."""
-    reqs = skip_requests()
-    slot_of = {"copy": 1, "prose": 0}
-    config = fused_config(f"gpu-fused:k=7,draft_block=3,nmax=8,skip={skip},skip_on={skip_on}")
-
-    def late(spec: GpuFusedSpeculator) -> Any:
-        """The host sees the marks one copy late, as when the newest copy has not arrived (a GPU ahead of it)."""
-        def newest() -> Any:
-            arrived = sorted((x for x in spec._snapshots if x["step"] >= 0), key=lambda x: -x["step"])
-            return arrived[1] if len(arrived) > 1 else None
-        return newest
-
-    runs = []
-    for how in ("choose", "every-pass", "late"):
-        spec = GpuFusedSpeculator.standalone(config, max_num_reqs=2, max_model_len=480, pad=63, device="cpu",
-                                             dtype=torch.float32, record=True)
-        ids, total = torch.zeros(2, 480, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
-        spec.bind(ids, total)
-        spec.drafter = tiny_qwen2(2, spec.cache_len)
-        if how == "every-pass":
-            spec._choose_kind = lambda *args: "full"  # every drafter pass, every step: the drafts to match
-        elif how == "late":
-            spec._newest_snapshot = late(spec)
-        steps = drive(spec, reqs, slot_of, ids, total, config.k)
-        runs.append((steps, spec.steps_by_kind, spec.take_records()))
-    (fast, kinds, records), (slow, slow_kinds, _), (lagging, late_kinds, late_records) = runs
-    assert fast == slow == lagging
-    # a copy one step old proves a skip only with a lag of 2 or more: it then still saves passes
-    assert (late_kinds["lookup"] > 0) == (skip >= 2)
-    if skip >= 2:  # ... and the host then decides as the device: every step where the device skips every row
-        missed = [step for step in by_step(late_records)
-                  if all(r["draft_valid"] == 0 for r in step) and step[0]["drafter"] == "full"]
-        assert not missed, f"{len(missed)} steps ran the drafter though the device skipped every row"
-    assert slow_kinds["lookup"] == slow_kinds["catch_up"] == 0
-    skipped = [r for r in records if r["draft_valid"] == 0 and r["request"] == "copy"]
-    assert skipped, "the copy request never skipped the drafter"
-    assert kinds["lookup"] > SKIP_RUN and kinds["full"] > 0 and kinds["catch_up"] > 0  # every kind ran
-    # drafter-free kinds only where the device decided that every sampling row skips
-    for r in records:
-        if r["drafter"] != "full":
-            assert r["draft_valid"] == 0, r
-        # the passes and catch-up width each step ran, as the engine's step records carry them
-        assert (r["drafter_passes"], r["drafter_width"] > 0) == {
-            "full": (config.draft_block, True), "catch_up": (1, True), "lookup": (0, False)}[r["drafter"]], r
-    assert {r["drafter_width"] for r in records} == {0, config.k + 1, (config.k + 1) * (SKIP_RUN + 1)}
-
-
 def device_skip_runs(device: str, dtype: torch.dtype, attention: str = "sdpa", graphs: bool = False,
-                     catch_ups: tuple[str, ...] = ("lazy",), nest: bool = True) -> list[Any]:
-    """The copy and prose requests through `device_skip` (one run per `catch_ups` entry) and through the same config
-    without it (every step runs the drafter's pass, last): per run, the config, each step's drafts per request and
-    the records. `nest=False`: the conditional nodes side by side instead of inside one IF node."""
-    reqs = skip_requests()
+                     nested: bool = True) -> list[Any]:
+    """The copy and prose requests through `device_skip` and through the same config without it (every step runs
+    the drafter's pass): per run, the config, each step's drafts per request and the records. `nested=False`: the
+    conditional nodes side by side instead of inside one IF node."""
+    reqs = copy_and_prose()
     runs = []
     base = "gpu-fused:k=7,draft_block=1,nmax=8,schedule=long,nmin_tail=1"
-    for spec_text in [f"{base},device_skip=true,catch_up={c}" for c in catch_ups] + [base]:
+    for spec_text in (f"{base},device_skip=true", base):
         config = fused_config(spec_text)
         spec = GpuFusedSpeculator.standalone(config, max_num_reqs=2, max_model_len=480, pad=63, device=device,
                                              dtype=dtype, record=True)
         ids = torch.zeros(2, 480, dtype=torch.int32, device=device)
         total = torch.zeros(2, dtype=torch.int32, device=device)
         spec.bind(ids, total)
-        spec.drafter = tiny_qwen2(2, spec.cache_len, device=device, dtype=dtype, attention=attention)
-        if attention == "flash":
-            spec.buckets = [spec.cache_len]  # as load_drafter sets it for FlashAttention
-        spec._nest = nest
+        spec.attach_drafter(tiny_qwen2(2, spec.cache_len, device=device, dtype=dtype, attention=attention))
+        spec.nested_nodes = nested
         if graphs:
             spec.init_cudagraph_manager(SimpleNamespace(name="FULL"))
             with warnings.catch_warnings(record=True) as seen:
@@ -664,18 +641,17 @@ def device_skip_runs(device: str, dtype: torch.dtype, attention: str = "sdpa", g
 
 
 def check_device_skip_records(config: Any, records: list[dict[str, Any]]) -> None:
-    """The device skipped the drafter's pass only on steps where every row's block is the lookup's whatever the
-    drafter says, did skip on the copy, and caught up with the wide pass after skipped steps: with
-    `catch_up=bounded` after at most SKIP_RUN skipped steps in a row, one pass each step; with `catch_up=lazy` only
-    where the lookup did not decide, after more skipped steps than one wide pass feeds (a loop of passes)."""
-    q, wide = config.k + 1, (config.k + 1) * (SKIP_RUN + 1)
+    """The device skipped the drafter only on steps where every row's block is the lookup's whatever the drafter
+    says, did skip on the copy, ran it only where the lookup did not decide, and caught up after skipped steps with
+    narrow and wide passes, after more skipped steps than one wide pass feeds in a loop of them."""
+    narrow, wide = config.k + 1, (config.k + 1) * WIDE_STEPS
     steps = by_step(records)
     skipped = [step for step in steps if step[0]["drafter_passes"] == 0]
     assert skipped, "the device never skipped the drafter's pass"
     for step in skipped:
         assert all(r["match_len"] >= config.nstrong and r["lookup_valid"] >= 1 and r["head_taken"] for r in step), step
-    assert {r["drafter_width"] for r in records} == {0, q, wide}  # none, narrow and wide passes all ran
-    assert all(r["drafter"] == "device" and (r["drafter_passes"] > 0) == (r["drafter_width"] > 0) for r in records)
+    assert {r["drafter_width"] for r in records} == {0, narrow, wide}  # none, narrow and wide passes all ran
+    assert all((r["drafter_passes"] > 0) == (r["drafter_width"] > 0) for r in records)
     # the drafter's own token (draft_block=1) is recorded where it ran, and is the head wherever the block took it
     for r in records:
         assert len(r["drafter_tokens"]) == (1 if r["drafter_passes"] > 0 else 0), r
@@ -685,107 +661,59 @@ def check_device_skip_records(config: Any, records: list[dict[str, Any]]) -> Non
     for step in steps:
         run = run + 1 if step[0]["drafter_passes"] == 0 else 0
         longest = max(longest, run)
-        if config.catch_up == "lazy" and step[0]["drafter_passes"] > 0:  # the drafter ran because it was needed
+        if step[0]["drafter_passes"] > 0:  # the drafter ran because it was needed
             assert not all(r["match_len"] >= config.nstrong and r["lookup_valid"] >= 1 for r in step), step
-    passes = {r["drafter_passes"] for r in records}
-    if config.catch_up == "bounded":  # the wide pass bounds how far a drafter lags: one pass a step
-        assert longest <= SKIP_RUN and passes == {0, 1}
-    else:  # the copy's drafter lagged more than one wide pass feeds, and caught up in a loop of them
-        assert longest > SKIP_RUN and max(passes) >= 2
+    # the copy's drafter lagged more than one wide pass feeds, and caught up in a loop of them
+    assert longest > WIDE_STEPS - 1 and max(r["drafter_passes"] for r in records) >= 2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason=INTERPRETER_ONLY)
 def test_the_device_skip_changes_no_draft():
-    """`device_skip`: the drafting step skips the drafter's pass where the lookup alone decides every row's block,
-    deciding on the device; each step's drafts equal those of the same config running the pass every step, and the
-    records show it skipped on the copy, only at strong matches, and caught up with the wide pass."""
-    *skipping, (_, slow, every) = device_skip_runs("cpu", torch.float32, catch_ups=gpu_fused.CATCH_UPS)
-    for config, fast, records in skipping:
-        assert fast == slow, config.catch_up
-        check_device_skip_records(config, records)
-        assert len(records) == len(every)
+    """`device_skip`: the drafting step skips the drafter where the lookup alone decides every row's block, deciding
+    on the device; each step's drafts equal those of the same config running the drafter every step, and the records
+    show it skipped on the copy, only at strong matches, and caught up with the narrow, wide and looped passes."""
+    (config, fast, records), (_, slow, every) = device_skip_runs("cpu", torch.float32)
+    assert fast == slow
+    check_device_skip_records(config, records)
+    assert len(records) == len(every)
     assert all(r["drafter_passes"] == 1 for r in every)  # the config without it: a pass every step
     # where the skipping config ran its drafter, its head token is the every-pass config's (float32)
-    for config, _, records in skipping:
-        ran = [(r["drafter_tokens"], e["drafter_tokens"]) for r, e in zip(records, every) if r["drafter_tokens"]]
-        assert ran and all(a == b for a, b in ran), config.catch_up
+    ran = [(r["drafter_tokens"], e["drafter_tokens"]) for r, e in zip(records, every) if r["drafter_tokens"]]
+    assert ran and all(a == b for a, b in ran)
 
 
 def test_the_device_skip_is_refused_where_it_would_change_decisions():
-    for bad, why in (("draft_block=3", "draft_block=1"), ("rule=score", "threshold"), ("skip=2", "skip=2")):
+    for bad, why in (("draft_block=3", "draft_block=1"), ("rule=score", "threshold")):
         with pytest.raises(ConfigError, match=why):
             fused_config(f"gpu-fused:k=7,draft_block=1,nmax=8,device_skip=true,{bad}")
     assert fused_config("gpu-fused:k=7,draft_block=1,device_skip=true").device_skip
-    assert fused_config("gpu-fused:k=7,draft_block=1,device_skip=true").catch_up == "lazy"  # the default
-    assert fused_config("gpu-fused:k=7,draft_block=1,device_skip=true,catch_up=bounded").catch_up == "bounded"
-    with pytest.raises(ConfigError, match="catch_up must be one of lazy, bounded"):
-        fused_config("gpu-fused:k=7,draft_block=1,device_skip=true,catch_up=eager")
+    assert not fused_config("gpu-fused:k=7,draft_block=3,device_skip=false").device_skip  # the every-pass reference
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("dtype, attention, nest", [(torch.float32, "sdpa", True), (torch.bfloat16, "flash", True),
-                                                    (torch.float32, "sdpa", False)])
-def test_the_device_skip_in_cuda_graphs_changes_no_draft(dtype, attention, nest):
+@pytest.mark.parametrize("dtype, attention, nested", [(torch.float32, "sdpa", True), (torch.bfloat16, "flash", True),
+                                                      (torch.float32, "sdpa", False)])
+def test_the_device_skip_in_cuda_graphs_changes_no_draft(dtype, attention, nested):
     """The same with the drafting step captured in CUDA graphs: the loop of wide passes sits behind a WHILE node
     and the last pass behind IF nodes, all inside one IF node (`nest`; else side by side), set by the step's own
-    lookup. In float32 the drafts equal those of the every-pass run; in bf16 only the records' decisions are checked
-    (the wide pass's rounding can flip near-tied argmaxes of a random-weight drafter, as for the host-proven
-    skip)."""
-    *skipping, (_, slow, _) = device_skip_runs("cuda", dtype, attention, graphs=True, catch_ups=gpu_fused.CATCH_UPS,
-                                               nest=nest)
-    for config, fast, records in skipping:
-        if dtype == torch.float32:
-            assert fast == slow, config.catch_up
-        assert len(fast) == len(slow)
-        check_device_skip_records(config, records)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("dtype, attention", [(torch.float32, "sdpa"), (torch.bfloat16, "flash")])
-def test_drafter_free_graphs_change_no_draft_on_the_gpu(dtype, attention):
-    """The same comparison with every kind of drafting step captured in CUDA graphs (a tiny random-weight drafter):
-    the host learns the skip marks through asynchronous copies, so it may choose the drafter-free graphs later than
-    on the CPU, but never where a row drafts.
-
-    In float32 the drafts must equal those of the every-pass run. In bf16 they are not compared: on the H200 one
-    step in 48 differed (two head tokens after the copy ended), where the CPU run, in bf16 too, has none. The likely
-    cause is rounding: after drafter-free steps the catch-up pass feeds 8 steps' positions at once where the
-    every-pass run feeds them one step at a time, and the GPU's matrix products may round a row differently with
-    the number of rows, which flips near-tied argmaxes of a random-weight model. The real drafter's runs are checked
-    against the replay instead (`benchmarks/vllm_gpu.py replay`: run `fd` agreed with skipping as without)."""
-    reqs = skip_requests()
-    config = fused_config("gpu-fused:k=7,draft_block=3,nmax=8,skip=2,skip_on=head")
-    runs = []
-    for choose in (True, False):
-        spec = GpuFusedSpeculator.standalone(config, max_num_reqs=2, max_model_len=480, pad=63, device="cuda",
-                                             dtype=dtype, record=True)
-        ids = torch.zeros(2, 480, dtype=torch.int32, device="cuda")
-        total = torch.zeros(2, dtype=torch.int32, device="cuda")
-        spec.bind(ids, total)
-        spec.drafter = tiny_qwen2(2, spec.cache_len, device="cuda", dtype=dtype, attention=attention)
-        if attention == "flash":
-            spec.buckets = [spec.cache_len]  # as load_drafter sets it for FlashAttention
-        spec.init_cudagraph_manager(SimpleNamespace(name="FULL"))
-        spec.capture()
-        assert {kind for _, _, kind, _ in spec.graphs} == set(gpu_fused.KINDS)
-        if not choose:
-            spec._choose_kind = lambda *args: "full"
-        steps = drive(spec, reqs, {"copy": 1, "prose": 0}, ids, total, config.k)
-        runs.append((steps, spec.steps_by_kind, spec.take_records()))
-    (fast, kinds, records), (slow, _, _) = runs
+    lookup. In float32 the drafts equal those of the every-pass run; in bf16 only the records' decisions are checked:
+    a wide pass feeds 8 steps' positions at once where the every-pass run feeds them a step at a time, and the GPU's
+    matrix products may round a row differently with the number of rows, which flips near-tied argmaxes of a
+    random-weight drafter."""
+    (config, fast, records), (_, slow, _) = device_skip_runs("cuda", dtype, attention, graphs=True, nested=nested)
     if dtype == torch.float32:
         assert fast == slow
     assert len(fast) == len(slow)
-    assert kinds["lookup"] > 0 and kinds["catch_up"] > 0
-    assert all(r["draft_valid"] == 0 for r in records if r["drafter"] != "full")
-    assert {r["drafter_passes"] for r in records} <= {0, 1, config.draft_block}
+    check_device_skip_records(config, records)
 
 
-def test_the_device_skip_flags_decide_as_their_definition_compiled_or_not():
-    """`device_flags`, `advanced_flags` and `final_flags` (what `device_skip` runs of the drafter) against their
-    definition in plain Python on random batches, eager and through torch.compile (`compile_rule`)."""
-    q, width, nstrong = 8, 64, 2
-    rules = (gpu_fused.device_flags, gpu_fused.advanced_flags, gpu_fused.final_flags)
+def test_the_drafter_flags_decide_as_their_definition_compiled_or_not():
+    """`drafter_flags.at_start`, `after_loop_pass` and `before_last_pass` (what a drafting step runs of the drafter)
+    against their definition in plain Python on random batches, eager and through torch.compile (`compile_rule`)."""
+    from hqlab.engines.vllm import drafter_flags as df
+
+    narrow, wide, nstrong = 8, 64, 2
+    rules = (df.at_start, df.after_loop_pass, df.before_last_pass)
     compiled = tuple(torch.compile(f, dynamic=None) for f in rules)
     rng = np.random.default_rng(5)
     for trial in range(40):
@@ -797,18 +725,20 @@ def test_the_device_skip_flags_decide_as_their_definition_compiled_or_not():
         match_len = torch.from_numpy(rng.integers(0, 4, m).astype(np.int32))
         valid = torch.from_numpy(rng.integers(0, 3, m).astype(np.int32))
         lag = [int(total_len[s]) - int(dlen[s]) if n > 0 else 0 for s, n in zip(slots.tolist(), ns.tolist())]
-        for lazy in (True, False):
-            decided = [ml >= nstrong and v >= 1 and (lazy or lg + q <= width)
-                       for ml, v, lg in zip(match_len.tolist(), valid.tolist(), lag)]
+        for lookup_decides in (True, False):
+            decided = [lookup_decides and ml >= nstrong and v >= 1 for ml, v in zip(match_len.tolist(), valid.tolist())]
             need = int(not all(n <= 0 or d for n, d in zip(ns.tolist(), decided)))
-            want = [need, int(need and max(lag) > width), 0, 0, 0, 0]
+            want = [need, int(need and max(lag) > wide), 0, 0, 0, 0]
             for first in (rules[0], compiled[0]):
-                got = first(total_len, dlen, slots, ns, match_len, valid, nstrong, q, width, lazy)
-                assert got.tolist() == want, (trial, lazy)
+                got = first(total_len, dlen, slots, ns, match_len, valid, nstrong, lookup_decides, wide)
+                assert got.tolist() == want, (trial, lookup_decides)
         flags = torch.tensor([1, 1, 0, 0, 0, 2], dtype=torch.int32)
-        for advanced, final in (rules[1:], compiled[1:]):
-            assert advanced(flags, total_len, dlen, slots, ns, width).tolist() == [1, int(max(lag) > width), 0, 0, 0, 3]
-            narrow = int(max(lag) <= q)
-            want = [1, 1, narrow, 1 - narrow, q if narrow else width, 3]
-            assert final(flags, total_len, dlen, slots, ns, q, width).tolist() == want, trial
-            assert final(flags * 0, total_len, dlen, slots, ns, q, width).tolist() == [0] * 6  # no need: no pass
+        for after_loop_pass, before_last_pass in (rules[1:], compiled[1:]):
+            assert after_loop_pass(flags, total_len, dlen, slots, ns, wide).tolist() == [1, int(max(lag) > wide), 0,
+                                                                                          0, 0, 3]
+            is_narrow = int(max(lag) <= narrow)
+            for head in (1, 3):
+                want = [1, 1, is_narrow, 1 - is_narrow, narrow if is_narrow else wide, 2 + head]
+                assert before_last_pass(flags, total_len, dlen, slots, ns, narrow, wide, head).tolist() == want, trial
+            # not needed: no pass
+            assert before_last_pass(flags * 0, total_len, dlen, slots, ns, narrow, wide, 3).tolist() == [0] * 6

@@ -297,11 +297,11 @@ def test_captured_drafting_equals_eager_drafting_on_the_gpu():
 
 @pytest.mark.parametrize("retired", ["width=stale", "width=fixed", "min_valid=3"])
 def test_the_retired_width_settings_are_refused_with_where_to_read_why(retired):
-    """width=stale (with min_valid) was measured slower than the fixed width (run e) and removed with the vLLM
-    scheduler patches it needed: a spec naming either key fails before an engine starts and says why."""
+    """width=stale (with min_valid) was measured slower than the fixed width and removed with the vLLM scheduler
+    patches it needed: a spec naming either key fails before an engine starts, says why and what to do instead."""
     assert gpu_lookup.lookup_config("gpu-lookup:nmin=2,nmax=8,k=6").k == 6
-    with pytest.raises(ConfigError, match=r"gpu-lookup: '(width|min_valid)' was retired after measurement showed no "
-                                          r"gain \(.*run e.*\); docs/journal/"):
+    with pytest.raises(ConfigError, match=r"gpu-lookup: '(width|min_valid)' was retired \(.*slower than the fixed "
+                                          r"width.*\); drop it: every request verifies the same width.*docs/journal/"):
         gpu_lookup.lookup_config(f"gpu-lookup:nmin=2,nmax=8,k=6,{retired}")
     with pytest.raises(ConfigError, match="was retired"):
         setting_for(f"gpu-lookup:k=6,{retired}")

@@ -88,11 +88,15 @@ def test_bad_batch_schedules_say_what_to_fix(value, match):
         batch_k.parse(value, 15)
 
 
-def test_fused_turns_drafting_off_only_with_the_lazy_catch_up():
-    with pytest.raises(ConfigError, match="device_skip=true with catch_up=lazy"):
-        gpu_fused.fused_config("gpu-fused:k=15,draft_block=1,batch_k=4:15/0")
-    gpu_fused.fused_config("gpu-fused:k=15,draft_block=1,batch_k=4:15/3")  # no zero: any config
+def test_fused_takes_a_width_of_zero_with_or_without_the_device_skip():
+    """At width 0 no drafting step runs and the drafter catches up when drafting resumes, whatever skips it between:
+    any gpu-fused config may turn drafting off under load."""
+    for spec in ("gpu-fused:k=15,draft_block=1,batch_k=4:15/0", "gpu-fused:k=15,draft_block=3,batch_k=4:15/0",
+                 "gpu-fused:k=15,draft_block=1,batch_k=4:15/3"):
+        assert gpu_fused.fused_config(spec).batch_k == spec.rpartition("=")[2]
     assert gpu_fused.fused_config(FUSED).batch_k == "1:15/16:7/0"
+    with pytest.raises(ConfigError, match=r"\[0, k=15\]"):
+        gpu_fused.fused_config("gpu-fused:k=15,draft_block=1,batch_k=4:16/0")
 
 
 def test_the_lookup_skips_its_drafting_where_the_next_step_verifies_nothing():
@@ -175,11 +179,13 @@ def test_the_load_benchmarks_flags_are_vllm_bench_serves_own():
     assert ns.metric_percentiles == "50,99" and ns.base_url == "http://127.0.0.1:8321"
 
 
-def test_fused_drafting_off_under_load_reads_nothing_then_catches_up():
+@pytest.mark.parametrize("settings", ["draft_block=1,schedule=long,nmin_tail=1,device_skip=true",
+                                      "draft_block=3"], ids=["device-skip", "every-step"])
+def test_fused_drafting_off_under_load_reads_nothing_then_catches_up(settings):
     """gpu-fused with `batch_k=1:7/0`: while two requests run, the next step verifies nothing, so the speculator runs
-    no drafter call at all, not even the prompts' prefill; once one request is left, drafting resumes, the deferred
-    prompt is read and the lazy catch-up reads the tokens emitted meanwhile, so the drafter then knows the request's
-    history as a drafter fed it from the start does."""
+    no drafter call at all, not even the prompts' prefill; once one request is left, drafting resumes, the prompt
+    noted meanwhile is read and the catch-up reads the tokens emitted meanwhile, so the drafter then knows the
+    request's history as a drafter fed it from the start does; with or without the device skip."""
     import importlib.util
     import sys
     from pathlib import Path
@@ -188,35 +194,34 @@ def test_fused_drafting_off_under_load_reads_nothing_then_catches_up():
     where = importlib.util.spec_from_file_location("_fused_tests", Path(__file__).with_name("test_vllm_gpu_fused.py"))
     fused_tests = sys.modules.setdefault("_fused_tests", importlib.util.module_from_spec(where))
     where.loader.exec_module(fused_tests)
-    drive, skip_requests, tiny_qwen2 = fused_tests.drive, fused_tests.skip_requests, fused_tests.tiny_qwen2
+    drive, copy_and_prose, tiny_qwen2 = fused_tests.drive, fused_tests.copy_and_prose, fused_tests.tiny_qwen2
 
-    config = gpu_fused.fused_config("gpu-fused:k=7,draft_block=1,nmax=8,schedule=long,nmin_tail=1,"
-                                    "device_skip=true,batch_k=1:7/0")
+    config = gpu_fused.fused_config(f"gpu-fused:k=7,nmax=8,{settings},batch_k=1:7/0")
     spec = gpu_fused.GpuFusedSpeculator.standalone(config, max_num_reqs=2, max_model_len=480, pad=63, device="cpu",
                                                    dtype=torch.float32, record=True)
     ids, total = torch.zeros(2, 480, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
     spec.bind(ids, total)
-    spec.drafter = tiny_qwen2(2, spec.cache_len)
-    calls: list[int] = []  # the step (steps_by_kind counts so far) of every drafter call
+    spec.attach_drafter(tiny_qwen2(2, spec.cache_len))
+    calls: list[int] = []  # the step (steps so far, drafted or not) of every drafter call
     for name in ("hidden_states", "extend"):
         original = getattr(spec.drafter, name)
 
         def counted(*args, original=original, **kwargs):
-            calls.append(sum(spec.steps_by_kind.values()))
+            calls.append(spec.drafting_steps + spec.off_steps)
             return original(*args, **kwargs)
 
         setattr(spec.drafter, name, counted)
-    steps = drive(spec, skip_requests(), {"copy": 1, "prose": 0}, ids, total, config.k)
+    steps = drive(spec, copy_and_prose(), {"copy": 1, "prose": 0}, ids, total, config.k)
     both = sum(1 for s in steps if len(s) == 2)
-    assert both > 0 and spec.steps_by_kind["off"] == both  # every two-request step was off ...
+    assert both > 0 and spec.off_steps == both  # every two-request step was off ...
     assert not [c for c in calls if c < both]  # ... and called the drafter nothing
-    assert spec.steps_by_kind["device"] == len(steps) - both > 0 and calls  # then it drafted for "copy" alone
-    # "copy"'s prompt, deferred while off, was read when it drafted again; "prose" finished under load: never read
-    assert list(spec._deferred) == [0] and spec._deferred[0][0] == "prose"
+    assert spec.drafting_steps == len(steps) - both > 0 and calls  # then it drafted for "copy" alone
+    # "copy"'s prompt, noted while off, was read when it drafted again; "prose" finished under load: never read
+    assert list(spec.prompts.unread) == [0] and spec.prompts.unread[0][0] == "prose"
     # the drafter's cache for "copy" holds its history up to what it has read: the same next-token logits as a
     # drafter fed that history in one call
     d = int(spec.dlen[1])
-    assert d > len(skip_requests()["copy"][0])  # past the prompt: the catch-up read generated tokens too
+    assert d > len(copy_and_prose()["copy"][0])  # past the prompt: the catch-up read generated tokens too
     got = spec.drafter.logits(torch.tensor([1]), ids[1, d - 1:d].long()[None], torch.tensor([d - 1]),
                               torch.tensor([0]), spec.cache_len)
     fresh = tiny_qwen2(2, spec.cache_len)

@@ -1,13 +1,18 @@
-"""Host-thread sampling and pinning (hqlab.engines.vllm.affinity): real threads of this process, the real sysfs."""
+"""Host-thread sampling and pinning (`affinity.py` beside this file): real threads of this process, the real sysfs."""
 
 import os
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from hqlab.config import ConfigError
-from hqlab.engines.vllm import affinity
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import affinity  # noqa: E402  (the probe's module, beside this file)
 
 
 def test_cpu_lists_parse_as_the_kernel_writes_them():

@@ -7,7 +7,9 @@ CPUs; `apply_pins` applies a plan with `os.sched_setaffinity` (per thread id). O
 remove the step's two speeds: the machine's CPU itself runs Python at two speeds (docs/vllm.md, "The host has two
 speeds"), which `CpuSpeedProbe` measures on one CPU between requests.
 
-Only /proc and /sys are read: nothing here imports vLLM, and the plan is a pure function (tests/engines/test_affinity.py).
+Only /proc and /sys are read: nothing here imports vLLM, and the plan is a pure function (test_affinity.py beside
+this file: `python -m pytest experiments/host_two_speeds`). The probes of this folder import it from here; it was
+hqlab.engines.vllm.affinity while the benchmark could pin threads (`bench --pin-threads`, since removed).
 """
 
 from __future__ import annotations
