@@ -1,0 +1,349 @@
+"""The goodput controller (`hqlab.rules.goodput`) replayed over recorded greedy outputs, one request or many
+concurrent ones, and priced with the same step costs it decides with.
+
+`replay_engine` plays vLLM 0.26's engine core with asynchronous scheduling over a set of requests: all of them queued
+at the start, at most `concurrency` running (vLLM's max_num_seqs; a finished request's slot goes to the next in the
+queue), and the engine core's batch queue of two (`EngineCore.step_with_batch_queue`: schedule step n + 1, then
+process step n's output). Each `schedule()` call
+- first lets the policy fix a width (the goodput controller reads every running request, and the waiting ones the
+  step will admit, as the scheduler knows them: its history, its last verify outcome);
+- schedules the step: a request admitted now runs its prefill (one token), every other verifies the width fixed at
+  the previous call (vLLM's placeholders), and a request that finished in the step still in flight is scheduled
+  once more, its output dropped;
+- and the width fixed now goes to the next step, as vLLM looks it up by this step's batch size.
+The drafts of a verify step are the lookup's over the request's whole history before the step (the GPU speculator
+drafts at the end of the step before), so under greedy decoding every step follows from the recorded output exactly:
+`lookup_acceptance` holds, for every output position, how many of the lookup's k drafts the output confirms, and a
+width w accepts the first min(that, w) of them (the lookup's proposal at width w is the prefix of its proposal at k).
+tests/engines/vllm/test_vllm_goodput.py drives vLLM's own AsyncScheduler and checks it fixes these widths.
+
+`price` turns a run's steps into time with `StepCosts` (each step at its batch size and width; prefills are priced
+as decode steps: their prompt's compute is the same in every config and is left out). `compare` prices the
+controller against `none` (every step plain), every fixed width and a `batch_k` table on the same requests.
+`step_costs_from_grid` builds `StepCosts` from the committed vLLM step-cost grid (`hqlab.replay.scale`'s format).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import polars as pl
+
+from hqlab.config import ConfigError, LookupConfig, require
+from hqlab.engines.vllm import batch_k
+from hqlab.replay.traces import Trace
+from hqlab.rules.goodput import Cell, GoodputConfig, GoodputController, RequestFeatures, StepCosts
+from hqlab.rules.lookup import suffix_match
+
+POLICIES = ("none", "fixed", "table", "goodput")
+
+
+def lookup_acceptance(trace: Trace, lookup: LookupConfig) -> np.ndarray:
+    """For each output position p (p output tokens known, index 0 unused: the prefill), how many of the lookup's
+    k drafts from that history the output confirms, capped so that the step stays inside the output."""
+    out = np.asarray(trace.output_ids, dtype=np.int64)
+    history = np.concatenate([np.asarray(trace.prompt_ids, dtype=np.int64), out])
+    prompt = len(trace.prompt_ids)
+    accepted = np.zeros(len(out), dtype=np.int64)
+    for p in range(1, len(out)):
+        room = min(lookup.k, len(out) - p - 1)
+        if room <= 0:
+            continue
+        m = suffix_match(history[:prompt + p], nmin=lookup.nmin, nmax=lookup.nmax, k=room, search=lookup.search,
+                         policy=lookup.policy, full=lookup.full)
+        agree = m.tokens == out[p:p + len(m.tokens)]
+        accepted[p] = int(np.argmin(np.append(agree, False)))
+    return accepted
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How the engine fixes each step's width: `none` (every step plain), `fixed` (`width` at every batch size),
+    `table` (a `batch_k` value: the width by batch size) or `goodput` (the controller, choosing among `widths`)."""
+
+    name: str
+    width: int = 0
+    table: str = ""
+    widths: tuple[int, ...] = ()
+    goodput: GoodputConfig | None = None
+
+    def __post_init__(self) -> None:
+        require(self.name in POLICIES, f"policy must be one of {POLICIES} (got {self.name!r})")
+        require(self.width >= 0, f"a fixed width is >= 0 drafts (got {self.width})")
+        require(self.name != "table" or bool(self.table), "a table policy needs a batch_k value, e.g. 1:15/4:7/0")
+        require(self.name != "goodput" or (self.goodput is not None and 0 in self.widths),
+                "a goodput policy needs its GoodputConfig and candidate widths including 0")
+
+    @property
+    def label(self) -> str:
+        return {"none": "none", "fixed": f"fixed {self.width}", "table": f"batch_k={self.table}",
+                "goodput": "goodput"}[self.name]
+
+    @staticmethod
+    def none() -> "Policy":
+        return Policy("none")
+
+    @staticmethod
+    def fixed(width: int) -> "Policy":
+        return Policy("fixed", width=width)
+
+    @staticmethod
+    def batch_table(value: str) -> "Policy":
+        return Policy("table", table=value)
+
+    @staticmethod
+    def controller(widths: Sequence[int], config: GoodputConfig | None = None) -> "Policy":
+        return Policy("goodput", widths=tuple(sorted(set(widths) | {0})), goodput=config or GoodputConfig())
+
+
+def captured_widths(value: str, k: int) -> tuple[int, ...]:
+    """The widths with captured CUDA graphs for a `batch_k` value ("" = k everywhere): its widths plus 0."""
+    entries = batch_k.parse(value, k) if value else [(batch_k.MAX_BATCH, k)]
+    return tuple(sorted({w for _, w in entries} | {0}))
+
+
+@dataclass
+class Decision:
+    """One `schedule()` call of the controller (empty steps' calls included, as the hook runs at each): the cells of
+    the requests it priced, and the width it fixed."""
+
+    index: int
+    counts: dict[Cell, int]
+    width: int
+
+
+@dataclass
+class EngineRun:
+    """A replayed engine run. Per step: its batch size, the width its verifying requests verified (0 for a step of
+    prefills only), how many requests ran their prefill, the tokens it emitted, and the width fixed at its
+    `schedule()` call for the next step. Per request: the width and emitted tokens of each of its steps whose output
+    counted (its prefill first). `decisions` and `outcomes` ((index of the first decision that saw it, cell,
+    drafted, accepted)) log the controller's inputs."""
+
+    policy: Policy
+    concurrency: int
+    batch: list[int] = field(default_factory=list)
+    width: list[int] = field(default_factory=list)
+    prefills: list[int] = field(default_factory=list)
+    emitted: list[int] = field(default_factory=list)
+    fixed: list[int] = field(default_factory=list)
+    request_widths: list[list[int]] = field(default_factory=list)
+    request_emitted: list[list[int]] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
+    outcomes: list[tuple[int, Cell, int, int]] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return int(sum(self.emitted))
+
+
+class _Known:
+    """A request's prompt and first `n` output tokens as one sequence, without copying them (a ladder reads only
+    what it has not seen)."""
+
+    def __init__(self, prompt: list[int], out: list[int], n: int) -> None:
+        self.prompt, self.out, self.n = prompt, out, min(n, len(out))
+
+    def __len__(self) -> int:
+        return len(self.prompt) + self.n
+
+    def __getitem__(self, part: slice) -> list[int]:
+        start = part.start or 0
+        p = len(self.prompt)
+        return self.prompt[start:] + self.out[max(start - p, 0):self.n]
+
+
+def _fixes(policy: Policy, table: list[int] | None, controller: GoodputController | None, cells: dict[int, Cell],
+           batch: int) -> int:
+    """The width a schedule call fixes for the next step: a table is looked up at the batch size of the step being
+    scheduled, as vLLM does; the controller decides from the cells of every running request and those the step
+    admits, as the scheduler hook reads them."""
+    if policy.name == "none":
+        return 0
+    if policy.name == "fixed":
+        return policy.width
+    if policy.name == "table":
+        assert table is not None
+        return table[min(max(batch, 1), len(table) - 1)]
+    assert controller is not None
+    return controller.decide(cells.values()) if cells else 0
+
+
+def replay_engine(traces: Sequence[Trace], lookup: LookupConfig, policy: Policy, *, concurrency: int,
+                  costs: StepCosts | None = None, acceptance: Sequence[np.ndarray] | None = None) -> EngineRun:
+    """The steps of `traces` (one request each, queued in order) served by vLLM's engine core under `policy`, at
+    most `concurrency` at once. `costs` are the controller's step costs (needed for `goodput`); `acceptance` the
+    requests' `lookup_acceptance` when the caller has them already.
+
+    The controller reads each request's history as the scheduler has it, `GoodputConfig.behind` steps old: 3 is
+    vLLM's asynchronous scheduling; 2 and 1 let it read the output of the step in flight, and of the step being
+    scheduled too (what no vLLM scheduler knows: the planted bug the vLLM test must catch)."""
+    require(concurrency >= 1, f"concurrency must be >= 1 request (got {concurrency})")
+    require(all(len(t.output_ids) >= 1 for t in traces), "every trace needs an output to replay")
+    accept = list(acceptance) if acceptance is not None else [lookup_acceptance(t, lookup) for t in traces]
+    require(len(accept) == len(traces), "acceptance must hold one array per trace")
+    widest = max(policy.width, max(policy.widths, default=0))
+    require(widest <= lookup.k, f"width {widest} is wider than the lookup's k={lookup.k}")
+    controller = None
+    if policy.name == "goodput":
+        require(costs is not None, "the goodput policy needs the step costs it decides with")
+        assert policy.goodput is not None and costs is not None
+        require(policy.goodput.behind <= 3, f"the replay models vLLM's asynchronous scheduling, 3 steps behind at "
+                                            f"most (got behind={policy.goodput.behind})")
+        controller = GoodputController(policy.goodput, policy.widths, costs)
+    config = policy.goodput
+    table = batch_k.dense(batch_k.parse(policy.table, lookup.k), concurrency, lookup.k) if policy.table else None
+    run = EngineRun(policy, concurrency, request_widths=[[] for _ in traces], request_emitted=[[] for _ in traces])
+    outs = [list(t.output_ids) for t in traces]
+    prompts = [list(t.prompt_ids) for t in traces]
+    features = {i: RequestFeatures(config) for i in range(len(traces))} if config is not None else {}
+    pos = [0] * len(traces)  # output tokens the scheduler has processed
+    ahead = [0] * len(traces)  # output tokens once every step scheduled so far is processed
+    waiting, running = deque(range(len(traces))), []
+    # scheduled steps not yet processed: (step index, {request: (width, emitted, accepted); emitted 0 = dropped},
+    # the cells that fixed its width)
+    queue: deque = deque()
+    next_width, last_cells = 0, {}
+
+    def outcome(r: int, w: int) -> tuple[int, int]:
+        """(emitted, accepted) of request r's next scheduled step at width w (-1: its prefill); 0 emitted when the
+        step is scheduled after the request's last token (vLLM drops its output)."""
+        if ahead[r] >= len(outs[r]):
+            return 0, 0
+        accepted = 0 if w < 0 else min(int(accept[r][ahead[r]]), w)
+        ahead[r] += accepted + 1
+        return accepted + 1, accepted
+
+    def process(index: int, step: dict[int, tuple[int, int, int]], cells: dict[int, Cell]) -> None:
+        for r, (w, emitted, accepted) in step.items():
+            if emitted == 0:
+                continue
+            if controller is not None and w > 0:
+                controller.observe(cells[r], w, accepted)
+                features[r].last_accepted = accepted
+                run.outcomes.append((len(run.decisions), cells[r], w, accepted))
+            run.request_widths[r].append(max(w, 0))
+            run.request_emitted[r].append(emitted)
+            run.emitted[index] += emitted
+            pos[r] += emitted
+            if pos[r] >= len(outs[r]):
+                running.remove(r)
+
+    while waiting or running or queue:
+        if waiting or running:  # a schedule() call; the hook runs first, even when the step comes out empty
+            admitted = [waiting[i] for i in range(min(concurrency - len(running), len(waiting)))]
+            # vLLM skips a running request whose step in flight is sure to complete it (one more token reaches
+            # max_tokens); the request keeps its slot until that output is processed
+            in_flight = queue[-1][1] if queue else {}
+            decoding = [r for r in running if not (r in in_flight and pos[r] + 1 >= len(outs[r]))]
+            known = {r: pos[r] for r in running + admitted}  # output tokens the scheduler has processed
+            if config is not None and config.behind == 2:  # also the step in flight's
+                known = {r: ahead[r] for r in known}
+            step = {r: (next_width, *outcome(r, next_width)) for r in decoding}
+            step.update({r: (-1, *outcome(r, -1)) for r in admitted})
+            if config is not None and config.behind == 1:  # also the step being scheduled's
+                known = {r: ahead[r] for r in known}
+            cells = {r: features[r].cell(config, _Known(prompts[r], outs[r], n))
+                     for r, n in known.items()} if config is not None else {}
+            width = _fixes(policy, table, controller, cells, len(step))
+            if controller is not None:
+                counts: dict[Cell, int] = {}
+                for c in cells.values():
+                    counts[c] = counts.get(c, 0) + 1
+                run.decisions.append(Decision(len(run.decisions), counts, width))
+            if step:  # vLLM runs (and fixes the next width by) only steps with tokens to compute
+                for _ in admitted:
+                    waiting.popleft()
+                running.extend(admitted)
+                run.batch.append(len(step))
+                run.width.append(next_width if len(admitted) < len(step) else 0)
+                run.prefills.append(len(admitted))
+                run.emitted.append(0)
+                run.fixed.append(width)
+                queue.append((len(run.batch) - 1, step, last_cells))
+                next_width, last_cells = width, cells
+                if len(queue) < 2:
+                    continue
+        process(*queue.popleft())
+    return run
+
+
+def price(run: EngineRun, costs: StepCosts) -> dict[str, float]:
+    """A run's predicted time and speed: each step at its batch size and width."""
+    time_ms = sum(costs.at(b, w) for b, w in zip(run.batch, run.width))
+    extrapolated = sum(1 for b in run.batch if not costs.measured(b))
+    return {"tokens": run.tokens, "steps": len(run.batch), "time_ms": time_ms,
+            "tok_s": run.tokens / time_ms * 1e3, "tokens_per_step": run.tokens / len(run.batch),
+            "mean_batch": float(np.mean(run.batch)), "spec_share": float(np.mean([w > 0 for w in run.width])),
+            "extrapolated_share": extrapolated / len(run.batch)}
+
+
+def requests_for(traces: Sequence[Trace], count: int) -> list[Trace]:
+    """`count` requests cycling through `traces` in order (a load point of several waves from a small set)."""
+    require(len(traces) >= 1 and count >= 1, "need at least one trace and one request")
+    return [traces[i % len(traces)] for i in range(count)]
+
+
+def compare(traces: Sequence[Trace], lookup: LookupConfig, costs: StepCosts, *, concurrency: int, batch_k_value: str,
+            config: GoodputConfig | None = None, waves: int = 10, workload: str = "",
+            acceptance: dict[int, np.ndarray] | None = None) -> pl.DataFrame:
+    """One row per policy (none, each captured width fixed, the `batch_k` table, the controller) on the same
+    requests: at least `waves` × `concurrency` of them, cycling through `traces`. `speedup` is tok/s over none's,
+    `vs_best_fixed` over the fastest fixed width's (none included)."""
+    requests = requests_for(traces, max(len(traces), waves * concurrency))
+    cache = acceptance if acceptance is not None else {}
+    accept = []
+    for t in requests:
+        if id(t) not in cache:
+            cache[id(t)] = lookup_acceptance(t, lookup)
+        accept.append(cache[id(t)])
+    widths = captured_widths(batch_k_value, lookup.k)
+    policies = [Policy.none()] + [Policy.fixed(w) for w in widths if w > 0] + \
+        [Policy.batch_table(batch_k_value), Policy.controller(widths, config)]
+    rows = []
+    for policy in policies:
+        run = replay_engine(requests, lookup, policy, concurrency=concurrency, costs=costs, acceptance=accept)
+        rows.append({"workload": workload, "concurrency": concurrency, "requests": len(requests),
+                     "policy": policy.label, **price(run, costs)})
+    frame = pl.DataFrame(rows)
+    none = frame.filter(pl.col("policy") == "none")["tok_s"][0]
+    best = frame.filter(pl.col("policy").str.starts_with("fixed") | (pl.col("policy") == "none"))["tok_s"].max()
+    return frame.with_columns(speedup=pl.col("tok_s") / none, vs_best_fixed=pl.col("tok_s") / best)
+
+
+def step_costs_from_grid(grid: pl.DataFrame, shape: str, *, config: str = "gpu-lookup", context: int = 1024,
+                         quant: str = "bf16") -> StepCosts:
+    """`StepCosts` from the vLLM step-cost grid (`hqlab.replay.scale.STEP_COST_SCHEMA`): the rows of one shape,
+    config, quantisation and context, from the one run that measured the most batch sizes there (a table mixing runs
+    would mix hosts and engine modes). The grid's verify width v is v - 1 drafts; the median step is taken, as the
+    grid's runs without a mean have it."""
+    rows = grid.filter((pl.col("shape") == shape) & (pl.col("config") == config) & (pl.col("quant") == quant)
+                       & (pl.col("context") == context))
+    if rows.is_empty():
+        raise ConfigError(f"the step-cost grid has no {shape} {config} {quant} rows at context {context}")
+    per_run = rows.group_by("run").agg(pl.col("batch").n_unique().alias("batches")).sort("batches", "run",
+                                                                                           descending=[True, False])
+    if per_run.height > 1 and per_run["batches"][0] == per_run["batches"][1]:
+        raise ConfigError(f"runs {per_run['run'].to_list()[:2]} measured as many batch sizes of {shape} at context "
+                          f"{context}: filter the grid to one run first")
+    run = per_run["run"][0]
+    rows = rows.filter(pl.col("run") == run).sort("batch", "width")
+    batches = sorted(rows["batch"].unique().to_list())
+    widths = sorted(rows["width"].unique().to_list())
+    ms = []
+    for b in batches:
+        at = dict(rows.filter(pl.col("batch") == b).select("width", "step_ms").iter_rows())
+        missing = [w for w in widths if w not in at]
+        if missing:
+            raise ConfigError(f"the step-cost grid's run {run!r} lacks widths {missing} of {shape} at batch {b}")
+        ms.append(tuple(at[w] for w in widths))
+    machine = rows["machine"][0].split(",")[0] if "machine" in rows.columns else ""
+    return StepCosts(tuple(batches), tuple(w - 1 for w in widths), tuple(ms),
+                     source=f"vLLM step-cost grid: {shape}, {config}, {quant}, context {context}, {machine}")
+
+
+__all__ = ["lookup_acceptance", "Policy", "captured_widths", "Decision", "EngineRun", "replay_engine", "price",
+           "requests_for", "compare", "step_costs_from_grid", "POLICIES"]

@@ -1,0 +1,116 @@
+"""The goodput controller on vLLM's own asynchronous scheduler, on the CPU: with the plugin installed, the widths
+vLLM's scheduler fixes step after step, for one request and for several concurrent ones, are the replay's
+(`hqlab.replay.goodput.replay_engine`), and a controller that reads the history vLLM has not processed yet fails.
+
+The scheduler is vLLM 0.26's `AsyncScheduler` built from a real config of the 0.5B (model runner V2, asynchronous
+scheduling, the plugin's patches), as in test_vllm_gate.py; so is the worker's part, played by the recorded greedy
+outputs and the lookup's acceptance over them (the lookup drafts from the whole history before the step, as
+`GpuLookupSpeculator` does on the GPU, so a width w accepts the first min(w, accepted at k) drafts). The engine
+core's order is vLLM's batch queue (`EngineCore.step_with_batch_queue`): schedule step n + 1, then process step
+n's output, through the scheduler's own `update_from_output` (which the plugin wraps to show the controller each
+outcome)."""
+
+from __future__ import annotations
+
+from collections import deque
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vllm extra is not installed (make setup-vllm)")
+
+import torch  # noqa: E402
+
+from hqlab import models  # noqa: E402
+from hqlab.config import ConfigError  # noqa: E402
+from hqlab.engines.vllm import gpu_lookup, plugin  # noqa: E402
+from hqlab.engines.vllm.goodput import SchedulerGoodput  # noqa: E402
+from hqlab.replay.goodput import Policy, captured_widths, lookup_acceptance, replay_engine  # noqa: E402
+from hqlab.replay.traces import load_traces  # noqa: E402
+from hqlab.rules.goodput import DEFAULT_STEP_COSTS, GoodputConfig  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[3] / "data" / "results"
+LOOKUP = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,batch_k=1:15/4:7/0"
+
+
+def scheduler_for(spec: str, max_len: int, max_num_seqs: int):
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    plugin.register()
+    budget = max_len * max_num_seqs  # every waiting request fits the step that admits it: no chunked prefill
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(models.prepare("qwen2.5-coder-0.5b")), dtype="float32",
+                                 max_model_len=max_len),
+        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_len,
+                                         max_num_batched_tokens=budget, is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=16, enable_prefix_caching=False),
+        speculative_config=SpeculativeConfig(**gpu_lookup.speculative_config(spec)),
+        device_config=DeviceConfig("cpu"), additional_config={gpu_lookup.SPEC_KEY: spec})
+    assert config.scheduler_config.async_scheduling  # the plugin's: as vLLM does for EAGLE
+    blocks = 16384
+    config.cache_config.num_gpu_blocks = blocks
+    kv = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=1,
+                                                      dtype=torch.float32))])
+    return AsyncScheduler(vllm_config=config, kv_cache_config=kv, log_stats=False,
+                          structured_output_manager=StructuredOutputManager(config), block_size=16)
+
+
+def serve(spec: str, traces, accept, concurrency: int):
+    """Serve `traces` (request i is trace i) through vLLM's scheduler with `concurrency` slots: per step the batch
+    size and the width its verifying requests verified, and per request the width and tokens of each step whose
+    output counted."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    longest = max(len(t.prompt_ids) + len(t.output_ids) for t in traces)
+    scheduler = scheduler_for(spec, longest + 64, concurrency)
+    for i, t in enumerate(traces):
+        scheduler.add_request(Request(request_id=str(i), prompt_token_ids=list(t.prompt_ids), pooling_params=None,
+                                      sampling_params=SamplingParams(max_tokens=len(t.output_ids), temperature=0,
+                                                                     ignore_eos=True)))
+    pos = [0] * len(traces)
+    batch, width = [], []
+    request_widths, request_emitted = [[] for _ in traces], [[] for _ in traces]
+
+    def run(step) -> ModelRunnerOutput:  # the worker
+        ids = list(step.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            r = int(rid)
+            out = traces[r].output_ids
+            w = len(step.scheduled_spec_decode_tokens.get(rid, ()))
+            if pos[r] >= len(out):  # scheduled before the scheduler saw the request finish: vLLM drops these
+                sampled.append([out[-1]])
+                continue
+            n = 1 if pos[r] == 0 else min(int(accept[r][pos[r]]), w) + 1
+            sampled.append(list(out[pos[r]:pos[r] + n]))
+            request_widths[r].append(w)
+            request_emitted[r].append(n)
+            pos[r] += n
+        return ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
+                                 sampled_token_ids=sampled)
+
+    queue: deque = deque()
+    while scheduler.has_requests() or queue:
+        if scheduler.has_requests():
+            step = scheduler.schedule()
+            if step.total_num_scheduled_tokens > 0:
+                batch.append(len(step.num_scheduled_tokens))
+                widths = {len(v) for v in step.scheduled_spec_decode_tokens.values()}
+                assert len(widths) <= 1  # one width a step
+                decoding = len(step.num_scheduled_tokens) > len(step.scheduled_new_reqs)
+                width.append(widths.pop() if widths else 0)
+                assert decoding or width[-1] == 0
+                queue.appendleft(step)
+                if len(queue) < 2:
+                    continue
+        if queue:
+            step = queue.pop()
+            scheduler.update_from_output(step, run(step))
+    assert pos == [len(t.output_ids) for t in traces]
+    return scheduler, batch, width, request_widths, request_emitted
