@@ -249,7 +249,7 @@ def replay_engine(traces: Sequence[Trace], lookup: LookupConfig, policy: Policy,
             cells = {r: features[r].cell(config, _Known(prompts[r], outs[r], n))
                      for r, n in known.items()} if config is not None else {}
             width = _fixes(policy, table, controller, cells, len(step))
-            if controller is not None:
+            if controller is not None and cells:
                 counts: dict[Cell, int] = {}
                 for c in cells.values():
                     counts[c] = counts.get(c, 0) + 1

@@ -404,12 +404,15 @@ class GoodputController:
         self.calibration = Calibration(self.config, self.widths[-1])
 
     def decide(self, cells: Iterable[Cell]) -> int:
-        """The width of a step whose requests fall in `cells` (one per request)."""
+        """The width of a step whose requests fall in `cells` (one per request); 0 and no change of state for a
+        step of no requests (vLLM calls its scheduler once more with nothing to run, to report finished requests)."""
         counts: dict[Cell, int] = {}
         for cell in cells:
             counts[cell] = counts.get(cell, 0) + 1
+        if not counts:
+            return 0
         width = choose_width(counts, self.calibration, self.widths, self.costs)
-        if width > 0 or not counts:
+        if width > 0:
             self.plain_run = 0
             return width
         self.plain_run += 1

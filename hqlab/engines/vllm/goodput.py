@@ -41,17 +41,19 @@ from hqlab.rules.goodput import Cell, GoodputConfig, GoodputController, RequestF
 PENDING_LIMIT = 16  # scheduler outputs whose outcome is awaited; more means some were never processed (empty steps)
 
 
-def captured(table: list[int]) -> tuple[int, ...]:
-    """The widths with captured graphs for vLLM's width table (index = batch size): its widths plus 0."""
-    return tuple(sorted(set(int(w) for w in table[1:]) | {0}))
+def captured(vllm_config: Any) -> tuple[int, ...]:
+    """The widths vLLM captured full CUDA graphs for: those of its `num_speculative_tokens_per_batch_size` schedule
+    (every width of it, at every batch size it captures, whatever max_num_seqs cuts from the width table), plus 0."""
+    schedule = getattr(vllm_config.speculative_config, "num_speculative_tokens_per_batch_size", None) or []
+    return tuple(sorted({int(entry[2]) for entry in schedule} | {0}))
 
 
 class SchedulerGoodput:
     """The controller for one vLLM scheduler: per-request features, the calibration, and the table it hands vLLM."""
 
-    def __init__(self, config: GoodputConfig, costs: StepCosts, table: list[int]) -> None:
+    def __init__(self, config: GoodputConfig, costs: StepCosts, table: list[int], widths: tuple[int, ...]) -> None:
         self.config = config
-        self.widths = captured(table)
+        self.widths = tuple(sorted(set(widths) | {0}))
         self.controller = GoodputController(config, self.widths, costs)
         self.tables = {w: [w] * len(table) for w in self.widths}  # what vLLM looks up: one width at every batch size
         self.features: dict[str, RequestFeatures] = {}
@@ -61,9 +63,10 @@ class SchedulerGoodput:
         self.steps_by_width = {w: 0 for w in self.widths}  # plain counters: widths fixed so far
 
     @classmethod
-    def from_spec(cls, name: str, table: list[int]) -> "SchedulerGoodput":
-        """The hook of a `goodput=NAME` knob: the default step costs or a StepCosts JSON file, default settings."""
-        return cls(GoodputConfig(), step_costs(name), table)
+    def from_spec(cls, name: str, table: list[int], vllm_config: Any) -> "SchedulerGoodput":
+        """The hook of a `goodput=NAME` knob for vLLM's width table `table`: the default step costs or a StepCosts
+        JSON file, default settings, the widths vLLM captured graphs for."""
+        return cls(GoodputConfig(), step_costs(name), table, captured(vllm_config))
 
     def _state(self, request: Any) -> RequestFeatures:
         state = self.features.get(request.request_id)
@@ -81,7 +84,8 @@ class SchedulerGoodput:
         width = self.controller.decide(cells.values())
         scheduler.dynamic_sd_lookup = self.tables[width]
         self._cells = cells
-        self.steps_by_width[width] += 1
+        if cells:
+            self.steps_by_width[width] += 1
 
     def after_schedule(self, scheduler_output: Any) -> None:
         """The step just scheduled verifies the width fixed at the previous call that scheduled a step: keep that

@@ -235,7 +235,7 @@ def _gate(scheduler: Any) -> Any:
                 if lookup.goodput:
                     from hqlab.engines.vllm.goodput import SchedulerGoodput
 
-                    found = SchedulerGoodput.from_spec(lookup.goodput, table)
+                    found = SchedulerGoodput.from_spec(lookup.goodput, table, config)
                 else:
                     from hqlab.engines.vllm.gate import SchedulerGate
 

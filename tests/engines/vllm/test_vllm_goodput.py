@@ -27,7 +27,7 @@ from hqlab.engines.vllm import gpu_lookup, plugin  # noqa: E402
 from hqlab.engines.vllm.goodput import SchedulerGoodput  # noqa: E402
 from hqlab.replay.goodput import Policy, captured_widths, lookup_acceptance, replay_engine  # noqa: E402
 from hqlab.replay.traces import load_traces  # noqa: E402
-from hqlab.rules.goodput import DEFAULT_STEP_COSTS, GoodputConfig  # noqa: E402
+from hqlab.rules.goodput import DEFAULT_STEP_COSTS, GoodputConfig, StepCosts  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[3] / "data" / "results"
 LOOKUP = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,batch_k=1:15/4:7/0"
@@ -114,3 +114,88 @@ def serve(spec: str, traces, accept, concurrency: int):
             scheduler.update_from_output(step, run(step))
     assert pos == [len(t.output_ids) for t in traces]
     return scheduler, batch, width, request_widths, request_emitted
+
+
+# Step costs under which each of the three captured widths is the best for some steps of these requests (the
+# default costs, nearly flat in the width, make nearly every step 15 wide): the knob's JSON form.
+STEEP = StepCosts((1, 4), (0, 7, 15), ((3.0, 4.2, 5.4), (3.3, 5.0, 6.6)), source="a test's: wide steps dear")
+
+
+@pytest.fixture(scope="module")
+def traces():
+    picked = {t.category: t for t in load_traces(RESULTS / "traces_0.5b_all_128.parquet")}
+    prose = [t for t in load_traces(RESULTS / "traces_0.5b_corpus_128.parquet") if t.category == "prose"]
+    return [picked["chat"], picked["copy"], picked["qa"], prose[0], prose[1]]
+
+
+@pytest.fixture(scope="module")
+def steep_costs(tmp_path_factory):
+    return STEEP.to_json(tmp_path_factory.mktemp("costs") / "steep.json")
+
+
+def served_and_replayed(spec: str, traces, concurrency: int, costs, behind: int = 3):
+    lookup = gpu_lookup.lookup_config(spec)
+    accept = [lookup_acceptance(t, lookup) for t in traces]
+    served = serve(spec, traces, accept, concurrency)
+    policy = Policy.controller(captured_widths(lookup.batch_k, lookup.k), GoodputConfig(behind=behind))
+    return served, replay_engine(traces, lookup, policy, concurrency=concurrency, costs=costs, acceptance=accept)
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+@pytest.mark.parametrize("costs", ["default", "steep"])
+def test_vllms_scheduler_fixes_the_widths_the_replay_predicts(traces, steep_costs, costs, concurrency):
+    name, table = ("default", DEFAULT_STEP_COSTS) if costs == "default" else (str(steep_costs), STEEP)
+    (scheduler, batch, width, request_widths, request_emitted), replayed = served_and_replayed(
+        f"{LOOKUP},goodput={name}", traces, concurrency, table)
+    assert batch == replayed.batch
+    assert width == replayed.width
+    assert request_widths == replayed.request_widths
+    assert request_emitted == replayed.request_emitted
+    hook = plugin._gate(scheduler)
+    assert isinstance(hook, SchedulerGoodput) and hook.widths == (0, 7, 15)
+    assert sum(hook.steps_by_width.values()) == len(replayed.decisions)  # one decision a schedule() call
+    assert hook.controller.calibration.observed == len(replayed.outcomes)
+    if costs == "steep":  # the check is not a constant: every captured width verifies some decoding step
+        assert {w for w, p, b in zip(width, replayed.prefills, batch) if p < b} == {0, 7, 15}
+
+
+@pytest.mark.parametrize("behind", [2, 1])
+def test_a_controller_reading_outputs_vllm_has_not_processed_is_caught(traces, steep_costs, behind):
+    """The planted bug: a replay whose controller reads the output of the step in flight (behind 2), or of the step
+    being scheduled too (behind 1), instead of the history three steps old that vLLM's scheduler has."""
+    (_, _, width, request_widths, _), replayed = served_and_replayed(f"{LOOKUP},goodput={steep_costs}", traces, 3,
+                                                                     STEEP, behind=behind)
+    assert width != replayed.width and request_widths != replayed.request_widths
+
+
+def test_the_knob_gets_plain_step_graphs_and_a_speculator_that_always_drafts():
+    spec = f"{LOOKUP},goodput=default"
+    assert gpu_lookup.speculative_config(spec)["num_speculative_tokens_per_batch_size"] == \
+        gpu_lookup.speculative_config(LOOKUP)["num_speculative_tokens_per_batch_size"]  # already reaches 0
+    bare = gpu_lookup.speculative_config("gpu-lookup:nmin=1,nmax=32,k=15,goodput=default")
+    assert [w for _, _, w in bare["num_speculative_tokens_per_batch_size"]] == [15, 0]  # graphs for plain steps
+    scheduler = scheduler_for(spec, 256, 4)
+    assert gpu_lookup.GpuLookupSpeculator(scheduler.vllm_config, "cpu").k_table is None  # any width at any batch
+    plain = scheduler_for(LOOKUP, 256, 4)
+    assert gpu_lookup.GpuLookupSpeculator(plain.vllm_config, "cpu").k_table[1:] == [15, 7, 7, 7]
+
+
+def test_a_bad_goodput_knob_says_what_to_fix(tmp_path):
+    with pytest.raises(ConfigError, match="keep one"):
+        gpu_lookup.lookup_config(f"{LOOKUP},gate=2,goodput=default")
+    with pytest.raises(ConfigError, match="does not exist"):
+        gpu_lookup.lookup_config(f"{LOOKUP},goodput={tmp_path / 'missing.json'}")
+    with pytest.raises(ConfigError, match="goodput=default or goodput=PATH.json"):
+        gpu_lookup.lookup_config(f"{LOOKUP},goodput=fast")
+    (tmp_path / "bad.json").write_text('{"batches": [1], "widths": [7], "ms": [[3.0]]}')
+    with pytest.raises(ConfigError, match="must start at 0"):
+        gpu_lookup.lookup_config(f"{LOOKUP},goodput={tmp_path / 'bad.json'}")
+    narrow = StepCosts((1,), (0, 7), ((3.0, 3.2),)).to_json(tmp_path / "narrow.json")
+    scheduler = scheduler_for(f"{LOOKUP},goodput={narrow}", 256, 4)
+    with pytest.raises(ConfigError, match="wider than the step costs measure"):
+        scheduler.schedule()
+    forced = scheduler_for(f"{LOOKUP},goodput=default", 256, 4)
+    with pytest.raises(ConfigError, match="drop gate"):
+        from types import SimpleNamespace
+
+        plugin.set_width(SimpleNamespace(scheduler=forced, model_executor=None), 3)
