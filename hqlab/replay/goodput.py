@@ -35,7 +35,7 @@ import polars as pl
 from hqlab.config import ConfigError, LookupConfig, require
 from hqlab.engines.vllm import batch_k
 from hqlab.replay.traces import Trace
-from hqlab.rules.goodput import Cell, GoodputConfig, GoodputController, RequestFeatures, StepCosts
+from hqlab.rules.goodput import Cell, GoodputConfig, GoodputController, MatchLadder, StepCosts
 from hqlab.rules.lookup import suffix_match
 
 POLICIES = ("none", "fixed", "table", "goodput")
@@ -57,6 +57,42 @@ def lookup_acceptance(trace: Trace, lookup: LookupConfig) -> np.ndarray:
         agree = m.tokens == out[p:p + len(m.tokens)]
         accepted[p] = int(np.argmin(np.append(agree, False)))
     return accepted
+
+
+def ladder_buckets(trace: Trace, edges: Sequence[int]) -> np.ndarray:
+    """The match ladder's bucket (`hqlab.rules.goodput.MatchLadder`) after the prompt and each output prefix: index n
+    is the bucket of the prompt and the first n output tokens (what a request's features read when the scheduler has
+    processed n of its tokens)."""
+    ladder = MatchLadder(edges)
+    out = np.zeros(len(trace.output_ids) + 1, dtype=np.int64)
+    out[0] = ladder.extend(trace.prompt_ids)
+    for n, token in enumerate(trace.output_ids, start=1):
+        out[n] = ladder.extend((token,))
+    return out
+
+
+class TraceTables:
+    """What the replay reads of each trace, computed once per trace and shared by every policy and load replayed
+    over it: the lookup's acceptance at each output position (`lookup_acceptance`) and the ladder's buckets
+    (`ladder_buckets`). Keyed by the trace object."""
+
+    def __init__(self, lookup: LookupConfig) -> None:
+        self.lookup = lookup
+        self._accept: dict[int, tuple[Trace, np.ndarray]] = {}
+        self._buckets: dict[tuple[int, tuple[int, ...]], tuple[Trace, np.ndarray]] = {}
+
+    def acceptance(self, trace: Trace) -> np.ndarray:
+        found = self._accept.get(id(trace))
+        if found is None or found[0] is not trace:
+            found = self._accept[id(trace)] = (trace, lookup_acceptance(trace, self.lookup))
+        return found[1]
+
+    def buckets(self, trace: Trace, edges: Sequence[int]) -> np.ndarray:
+        key = (id(trace), tuple(edges))
+        found = self._buckets.get(key)
+        if found is None or found[0] is not trace:
+            found = self._buckets[key] = (trace, ladder_buckets(trace, edges))
+        return found[1]
 
 
 @dataclass(frozen=True)
@@ -140,22 +176,6 @@ class EngineRun:
         return int(sum(self.emitted))
 
 
-class _Known:
-    """A request's prompt and first `n` output tokens as one sequence, without copying them (a ladder reads only
-    what it has not seen)."""
-
-    def __init__(self, prompt: list[int], out: list[int], n: int) -> None:
-        self.prompt, self.out, self.n = prompt, out, min(n, len(out))
-
-    def __len__(self) -> int:
-        return len(self.prompt) + self.n
-
-    def __getitem__(self, part: slice) -> list[int]:
-        start = part.start or 0
-        p = len(self.prompt)
-        return self.prompt[start:] + self.out[max(start - p, 0):self.n]
-
-
 def _fixes(policy: Policy, table: list[int] | None, controller: GoodputController | None, cells: dict[int, Cell],
            batch: int) -> int:
     """The width a schedule call fixes for the next step: a table is looked up at the batch size of the step being
@@ -173,18 +193,19 @@ def _fixes(policy: Policy, table: list[int] | None, controller: GoodputControlle
 
 
 def replay_engine(traces: Sequence[Trace], lookup: LookupConfig, policy: Policy, *, concurrency: int,
-                  costs: StepCosts | None = None, acceptance: Sequence[np.ndarray] | None = None) -> EngineRun:
+                  costs: StepCosts | None = None, tables: TraceTables | None = None) -> EngineRun:
     """The steps of `traces` (one request each, queued in order) served by vLLM's engine core under `policy`, at
-    most `concurrency` at once. `costs` are the controller's step costs (needed for `goodput`); `acceptance` the
-    requests' `lookup_acceptance` when the caller has them already.
+    most `concurrency` at once. `costs` are the controller's step costs (needed for `goodput`); `tables` what the
+    replay reads of each trace, when the caller keeps them across replays.
 
     The controller reads each request's history as the scheduler has it, `GoodputConfig.behind` steps old: 3 is
     vLLM's asynchronous scheduling; 2 and 1 let it read the output of the step in flight, and of the step being
     scheduled too (what no vLLM scheduler knows: the planted bug the vLLM test must catch)."""
     require(concurrency >= 1, f"concurrency must be >= 1 request (got {concurrency})")
     require(all(len(t.output_ids) >= 1 for t in traces), "every trace needs an output to replay")
-    accept = list(acceptance) if acceptance is not None else [lookup_acceptance(t, lookup) for t in traces]
-    require(len(accept) == len(traces), "acceptance must hold one array per trace")
+    tables = tables if tables is not None else TraceTables(lookup)
+    require(tables.lookup == lookup, "the trace tables were computed for another lookup config")
+    accept = [tables.acceptance(t) for t in traces]
     widest = max(policy.width, max(policy.widths, default=0))
     require(widest <= lookup.k, f"width {widest} is wider than the lookup's k={lookup.k}")
     controller = None
@@ -198,8 +219,8 @@ def replay_engine(traces: Sequence[Trace], lookup: LookupConfig, policy: Policy,
     table = batch_k.dense(batch_k.parse(policy.table, lookup.k), concurrency, lookup.k) if policy.table else None
     run = EngineRun(policy, concurrency, request_widths=[[] for _ in traces], request_emitted=[[] for _ in traces])
     outs = [list(t.output_ids) for t in traces]
-    prompts = [list(t.prompt_ids) for t in traces]
-    features = {i: RequestFeatures(config) for i in range(len(traces))} if config is not None else {}
+    buckets = [tables.buckets(t, config.match_edges) for t in traces] if config is not None else []
+    last_accepted: list[int | None] = [None] * len(traces)  # drafts accepted in the last verify step processed
     pos = [0] * len(traces)  # output tokens the scheduler has processed
     ahead = [0] * len(traces)  # output tokens once every step scheduled so far is processed
     waiting, running = deque(range(len(traces))), []
@@ -223,7 +244,7 @@ def replay_engine(traces: Sequence[Trace], lookup: LookupConfig, policy: Policy,
                 continue
             if controller is not None and w > 0:
                 controller.observe(cells[r], w, accepted)
-                features[r].last_accepted = accepted
+                last_accepted[r] = accepted
                 run.outcomes.append((len(run.decisions), cells[r], w, accepted))
             run.request_widths[r].append(max(w, 0))
             run.request_emitted[r].append(emitted)
@@ -246,7 +267,7 @@ def replay_engine(traces: Sequence[Trace], lookup: LookupConfig, policy: Policy,
             step.update({r: (-1, *outcome(r, -1)) for r in admitted})
             if config is not None and config.behind == 1:  # also the step being scheduled's
                 known = {r: ahead[r] for r in known}
-            cells = {r: features[r].cell(config, _Known(prompts[r], outs[r], n))
+            cells = {r: config.cell(int(buckets[r][min(n, len(outs[r]))]), last_accepted[r])
                      for r, n in known.items()} if config is not None else {}
             width = _fixes(policy, table, controller, cells, len(step))
             if controller is not None and cells:
@@ -289,23 +310,18 @@ def requests_for(traces: Sequence[Trace], count: int) -> list[Trace]:
 
 def compare(traces: Sequence[Trace], lookup: LookupConfig, costs: StepCosts, *, concurrency: int, batch_k_value: str,
             config: GoodputConfig | None = None, waves: int = 10, workload: str = "",
-            acceptance: dict[int, np.ndarray] | None = None) -> pl.DataFrame:
+            tables: TraceTables | None = None) -> pl.DataFrame:
     """One row per policy (none, each captured width fixed, the `batch_k` table, the controller) on the same
     requests: at least `waves` × `concurrency` of them, cycling through `traces`. `speedup` is tok/s over none's,
     `vs_best_fixed` over the fastest fixed width's (none included)."""
     requests = requests_for(traces, max(len(traces), waves * concurrency))
-    cache = acceptance if acceptance is not None else {}
-    accept = []
-    for t in requests:
-        if id(t) not in cache:
-            cache[id(t)] = lookup_acceptance(t, lookup)
-        accept.append(cache[id(t)])
+    tables = tables if tables is not None else TraceTables(lookup)
     widths = captured_widths(batch_k_value, lookup.k)
     policies = [Policy.none()] + [Policy.fixed(w) for w in widths if w > 0] + \
         [Policy.batch_table(batch_k_value), Policy.controller(widths, config)]
     rows = []
     for policy in policies:
-        run = replay_engine(requests, lookup, policy, concurrency=concurrency, costs=costs, acceptance=accept)
+        run = replay_engine(requests, lookup, policy, concurrency=concurrency, costs=costs, tables=tables)
         rows.append({"workload": workload, "concurrency": concurrency, "requests": len(requests),
                      "policy": policy.label, **price(run, costs)})
     frame = pl.DataFrame(rows)
@@ -345,5 +361,5 @@ def step_costs_from_grid(grid: pl.DataFrame, shape: str, *, config: str = "gpu-l
                      source=f"vLLM step-cost grid: {shape}, {config}, {quant}, context {context}, {machine}")
 
 
-__all__ = ["lookup_acceptance", "Policy", "captured_widths", "Decision", "EngineRun", "replay_engine", "price",
+__all__ = ["lookup_acceptance", "ladder_buckets", "TraceTables", "Policy", "captured_widths", "Decision", "EngineRun", "replay_engine", "price",
            "requests_for", "compare", "step_costs_from_grid", "POLICIES"]

@@ -28,17 +28,21 @@ history `behind` steps old, `hqlab.rules.gate.ASYNC_BEHIND`, as the gate reads i
 The three buckets make a request's *cell*. Per cell and draft position i the rule keeps how often position i was
 verified with the drafts before it accepted (`reached`) and how often it was then accepted (`hits`), from the
 outcomes the scheduler has seen (`Calibration.observe`: drafted and accepted counts per request per step). The
-conditional acceptance of position i is shrunk towards the pool of all cells, itself shrunk towards `prior`:
+conditional acceptance of position i is shrunk towards the pool of all cells, itself shrunk towards a prior:
 
-    q_pool(i) = (hits_all(i) + w · prior(i)) / (reached_all(i) + w),   q_cell(i) = (hits(i) + w · q_pool(i)) / (reached(i) + w)
+    q_pool(i) = (hits_all(i) + w · prior(i)) / (reached_all(i) + w)
+    q_cell(i) = (hits(i) + w · q_pool(i)) / (reached(i) + w)
 
-with w = `prior_weight` and prior(i) = `prior_first` for the first draft, `prior_next` for the others, and P_r(first i accepted) = q(1) · ... · q(i). Counts are integers updated in the order the
-scheduler processes outputs, so the replay reproduces every decision; a step's sum over requests is taken per cell
-in a fixed order, so it does not depend on the order of the requests either.
+with w = `prior_weight`, prior(1) = `prior_first`, prior(i > 1) = `prior_next`, and P_r(first i accepted) =
+q(1) · ... · q(i). Counts are integers updated in the order the scheduler processes outputs, so the replay
+reproduces every decision; a step's sum over requests is taken per cell in a fixed order, so it does not depend on
+the order of the requests either.
 
 A width of 0 is observed as nothing: a cell whose requests are never verified learns nothing more, and keeps what
 it learnt. Requests of a step share its width, so a cell predicted low still learns whenever other requests make the
-step wide.
+step wide; and after `explore_every` plain steps in a row the controller verifies the best width other than 0 once,
+so that estimates that turned low on a few early outcomes can recover (without it, one request of chat at batch 1
+stopped speculating for good after a dozen rejected first drafts).
 
 Pure, typed, deterministic; no vLLM import, no numpy in the decision path (the hook runs it every step).
 """
@@ -247,9 +251,10 @@ class GoodputConfig:
     speculator that reports one (empty: unused). prior_first, prior_next: the acceptance of the first draft, and of
     each later one given the drafts before it were accepted, before any outcome is seen: lookup drafts come in runs
     (in the 0.5B's corpus traces, replayed at k = 15: 0.20 for the first, 0.54 for the second given the first, then
-    0.80-0.95). prior_weight: how many outcomes the prior (and, for a cell, the pool of all cells) weighs. explore_every: after this many plain steps in a row, a step verifies the best width
-    other than 0 (0: never), because a plain step observes nothing and estimates that turned low early would
-    otherwise stay low for good. behind: how many steps old the scheduler's history is (3 under vLLM's asynchronous
+    0.80-0.95). prior_weight: how many outcomes the prior (and, for a cell, the pool of all cells) weighs.
+    explore_every: after this many plain steps in a row, a step verifies the best width other than 0 (0: never),
+    because a plain step observes nothing and estimates that turned low early would otherwise stay low for good.
+    behind: how many steps old the scheduler's history is (3 under vLLM's asynchronous
     scheduling); used by the replay, the vLLM hook gets it by construction."""
 
     match_edges: tuple[int, ...] = (1, 2, 4, 8, 16, 32)

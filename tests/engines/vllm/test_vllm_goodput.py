@@ -25,7 +25,7 @@ from hqlab import models  # noqa: E402
 from hqlab.config import ConfigError  # noqa: E402
 from hqlab.engines.vllm import gpu_lookup, plugin  # noqa: E402
 from hqlab.engines.vllm.goodput import SchedulerGoodput  # noqa: E402
-from hqlab.replay.goodput import Policy, captured_widths, lookup_acceptance, replay_engine  # noqa: E402
+from hqlab.replay.goodput import Policy, TraceTables, captured_widths, replay_engine  # noqa: E402
 from hqlab.replay.traces import load_traces  # noqa: E402
 from hqlab.rules.goodput import DEFAULT_STEP_COSTS, GoodputConfig, StepCosts  # noqa: E402
 
@@ -59,7 +59,7 @@ def scheduler_for(spec: str, max_len: int, max_num_seqs: int):
                           structured_output_manager=StructuredOutputManager(config), block_size=16)
 
 
-def serve(spec: str, traces, accept, concurrency: int):
+def serve(spec: str, traces, tables: TraceTables, concurrency: int):
     """Serve `traces` (request i is trace i) through vLLM's scheduler with `concurrency` slots: per step the batch
     size and the width its verifying requests verified, and per request the width and tokens of each step whose
     output counted."""
@@ -73,6 +73,7 @@ def serve(spec: str, traces, accept, concurrency: int):
         scheduler.add_request(Request(request_id=str(i), prompt_token_ids=list(t.prompt_ids), pooling_params=None,
                                       sampling_params=SamplingParams(max_tokens=len(t.output_ids), temperature=0,
                                                                      ignore_eos=True)))
+    accept = [tables.acceptance(t) for t in traces]
     pos = [0] * len(traces)
     batch, width = [], []
     request_widths, request_emitted = [[] for _ in traces], [[] for _ in traces]
@@ -116,9 +117,10 @@ def serve(spec: str, traces, accept, concurrency: int):
     return scheduler, batch, width, request_widths, request_emitted
 
 
-# Step costs under which each of the three captured widths is the best for some steps of these requests (the
-# default costs, nearly flat in the width, make nearly every step 15 wide): the knob's JSON form.
-STEEP = StepCosts((1, 4), (0, 7, 15), ((3.0, 4.2, 5.4), (3.3, 5.0, 6.6)), source="a test's: wide steps dear")
+# Step costs under which each of the three captured widths is the best for some steps of these requests, and the
+# controller once explores after a run of plain steps (the default costs, nearly flat in the width, make nearly every
+# step 15 wide): the knob's JSON form.
+STEEP = StepCosts((1, 4), (0, 7, 15), ((3.0, 5.4, 7.2), (3.3, 6.0, 8.0)), source="a test's: wide steps dear")
 
 
 @pytest.fixture(scope="module")
@@ -135,10 +137,10 @@ def steep_costs(tmp_path_factory):
 
 def served_and_replayed(spec: str, traces, concurrency: int, costs, behind: int = 3):
     lookup = gpu_lookup.lookup_config(spec)
-    accept = [lookup_acceptance(t, lookup) for t in traces]
-    served = serve(spec, traces, accept, concurrency)
+    tables = TraceTables(lookup)
+    served = serve(spec, traces, tables, concurrency)
     policy = Policy.controller(captured_widths(lookup.batch_k, lookup.k), GoodputConfig(behind=behind))
-    return served, replay_engine(traces, lookup, policy, concurrency=concurrency, costs=costs, acceptance=accept)
+    return served, replay_engine(traces, lookup, policy, concurrency=concurrency, costs=costs, tables=tables)
 
 
 @pytest.mark.parametrize("concurrency", [1, 3])
@@ -157,6 +159,7 @@ def test_vllms_scheduler_fixes_the_widths_the_replay_predicts(traces, steep_cost
     assert hook.controller.calibration.observed == len(replayed.outcomes)
     if costs == "steep":  # the check is not a constant: every captured width verifies some decoding step
         assert {w for w, p, b in zip(width, replayed.prefills, batch) if p < b} == {0, 7, 15}
+        assert hook.controller.explored >= 1
 
 
 @pytest.mark.parametrize("behind", [2, 1])
