@@ -324,10 +324,11 @@ def compare(traces: Sequence[Trace], lookup: LookupConfig, costs: StepCosts, *, 
         run = replay_engine(requests, lookup, policy, concurrency=concurrency, costs=costs, tables=tables)
         rows.append({"workload": workload, "concurrency": concurrency, "requests": len(requests),
                      "policy": policy.label, **price(run, costs)})
-    frame = pl.DataFrame(rows)
-    none = frame.filter(pl.col("policy") == "none")["tok_s"][0]
-    best = frame.filter(pl.col("policy").str.starts_with("fixed") | (pl.col("policy") == "none"))["tok_s"].max()
-    return frame.with_columns(speedup=pl.col("tok_s") / none, vs_best_fixed=pl.col("tok_s") / best)
+    none = rows[0]["tok_s"]
+    best = max(r["tok_s"] for r, p in zip(rows, policies) if p.name in ("none", "fixed"))
+    for row in rows:  # in Python: a frame divides by a scalar through its reciprocal, and x / x would not be 1
+        row["speedup"], row["vs_best_fixed"] = row["tok_s"] / none, row["tok_s"] / best
+    return pl.DataFrame(rows)
 
 
 def step_costs_from_grid(grid: pl.DataFrame, shape: str, *, config: str = "gpu-lookup", context: int = 1024,
