@@ -331,6 +331,17 @@ def compare(traces: Sequence[Trace], lookup: LookupConfig, costs: StepCosts, *, 
     return pl.DataFrame(rows)
 
 
+def dearer_widths(costs: StepCosts, factor: float) -> StepCosts:
+    """What-if step costs: each width's excess over a plain step of the same batch multiplied by `factor` (1 returns
+    `costs` itself). A served speculative step cost 1.22-1.59x a plain one at one request (docs/serving.md) where
+    the step-cost grid has 1.15x: factors 2 and 4 span that range."""
+    require(factor > 0, f"factor must be > 0 (got {factor})")
+    if factor == 1:
+        return costs
+    ms = tuple(tuple(row[0] + factor * (x - row[0]) for x in row) for row in costs.ms)
+    return StepCosts(costs.batches, costs.widths, ms, source=f"{costs.source}; width excess x{factor:g}")
+
+
 def step_costs_from_grid(grid: pl.DataFrame, shape: str, *, config: str = "gpu-lookup", context: int = 1024,
                          quant: str = "bf16") -> StepCosts:
     """`StepCosts` from the vLLM step-cost grid (`hqlab.replay.scale.STEP_COST_SCHEMA`): the rows of one shape,
@@ -362,5 +373,5 @@ def step_costs_from_grid(grid: pl.DataFrame, shape: str, *, config: str = "gpu-l
                      source=f"vLLM step-cost grid: {shape}, {config}, {quant}, context {context}, {machine}")
 
 
-__all__ = ["lookup_acceptance", "ladder_buckets", "TraceTables", "Policy", "captured_widths", "Decision", "EngineRun", "replay_engine", "price",
-           "requests_for", "compare", "step_costs_from_grid", "POLICIES"]
+__all__ = ["lookup_acceptance", "ladder_buckets", "TraceTables", "Policy", "captured_widths", "Decision", "EngineRun",
+           "replay_engine", "price", "requests_for", "compare", "dearer_widths", "step_costs_from_grid", "POLICIES"]
