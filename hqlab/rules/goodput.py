@@ -40,9 +40,11 @@ the order of the requests either.
 
 A width of 0 is observed as nothing: a cell whose requests are never verified learns nothing more, and keeps what
 it learnt. Requests of a step share its width, so a cell predicted low still learns whenever other requests make the
-step wide; and after `explore_every` plain steps in a row the controller verifies the best width other than 0 once,
-so that estimates that turned low on a few early outcomes can recover (without it, one request of chat at batch 1
-stopped speculating for good after a dozen rejected first drafts).
+step wide. Two rules explore on top of the choice: after `explore_every` plain steps in a row the controller verifies
+the best width other than 0 once, so that estimates that turned low on a few early outcomes can recover (without
+it, one request of chat at batch 1 stopped speculating for good after a dozen rejected first drafts); and a step with
+a request in a cell never verified verifies too (`explore_new_cells`), so that a rare cell (a long match: a copy
+starting after prose) is not judged by the pool of all the others.
 
 Pure, typed, deterministic; no vLLM import, no numpy in the decision path (the hook runs it every step).
 """
@@ -210,25 +212,29 @@ class MatchLadder:
 
     def extend(self, tokens: Iterable[int]) -> int:
         """Append `tokens`; return `bucket` for the sequence so far."""
-        edges, seen, tail = self.edges, self._seen, self._tail
+        edges, seen = self.edges, self._seen
+        tail = self._tail
         longest = edges[-1]
+        pairs = tuple(zip(edges, seen))
+        bucket = self.bucket
         for token in tokens:
             tail.append(int(token))
             if len(tail) > longest:
                 del tail[0]
             self.length += 1
+            grams = tuple(tail)
+            n = len(grams)
             bucket = 0
-            n = len(tail)
-            for i, e in enumerate(edges):
+            for e, grams_seen in pairs:
                 if e > n:
                     break
-                gram = tuple(tail[n - e:])
-                if gram in seen[i]:
-                    bucket = i + 1  # matched at e implies matched at every shorter edge
+                gram = grams[n - e:]
+                if gram in grams_seen:
+                    bucket += 1  # matched at e implies matched at every shorter edge
                 else:
-                    seen[i].add(gram)
-            self.bucket = bucket
-        return self.bucket
+                    grams_seen.add(gram)
+        self.bucket = bucket
+        return bucket
 
     def catch_up(self, history: Sequence[int]) -> int:
         """Append what `history` holds past the tokens already seen (the history only ever grows)."""
@@ -254,16 +260,19 @@ class GoodputConfig:
     0.80-0.95). prior_weight: how many outcomes the prior (and, for a cell, the pool of all cells) weighs.
     explore_every: after this many plain steps in a row, a step verifies the best width other than 0 (0: never),
     because a plain step observes nothing and estimates that turned low early would otherwise stay low for good.
+    explore_new_cells: a step that would be plain verifies the best other width while one of its requests is in a
+    cell never verified yet (its estimate is the pool's, mostly other kinds of text: a copy starting among prose).
     behind: how many steps old the scheduler's history is (3 under vLLM's asynchronous
     scheduling); used by the replay, the vLLM hook gets it by construction."""
 
-    match_edges: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    match_edges: tuple[int, ...] = (2, 8, 32)
     accept_edges: tuple[int, ...] = (1, 2, 4, 8)
     confidence_edges: tuple[float, ...] = ()
     prior_first: float = 0.2
     prior_next: float = 0.8
-    prior_weight: float = 8.0
+    prior_weight: float = 16.0
     explore_every: int = 16
+    explore_new_cells: bool = True
     behind: int = ASYNC_BEHIND
 
     def __post_init__(self) -> None:
@@ -422,7 +431,8 @@ class GoodputController:
             return width
         self.plain_run += 1
         every = self.config.explore_every
-        if every and self.plain_run >= every and len(self.widths) > 1:
+        unseen = self.config.explore_new_cells and any(c not in self.calibration.reached for c in counts)
+        if (unseen or (every and self.plain_run >= every)) and len(self.widths) > 1:
             self.plain_run = 0
             self.explored += 1
             return choose_width(counts, self.calibration, self.widths[1:], self.costs)

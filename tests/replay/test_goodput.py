@@ -49,8 +49,8 @@ def test_a_fixed_width_at_one_request_is_the_lookup_replay_step_for_step(workloa
 def brute_force_widths(run, widths, costs, config):
     """Each decision recomputed from its definition: the outcomes seen before it, counted per cell and position,
     the shrunk conditional acceptances, their products, the expected tokens of the step's requests per width over
-    the step's cost; the best width (ties to the narrower), or after `explore_every` plain decisions the best other
-    than 0."""
+    the step's cost; the best width (ties to the narrower), or the best other than 0 after `explore_every` plain
+    decisions or when a request's cell has no outcome yet."""
     top = max(widths)
     out, plain, used = [], 0, 0
     pool_reached, pool_hits = np.zeros(top + 1), np.zeros(top + 1)
@@ -84,7 +84,7 @@ def brute_force_widths(run, widths, costs, config):
         best = max(widths, key=lambda v: (rate[v], -v))
         if best == 0:
             plain += 1
-            if plain >= config.explore_every:
+            if plain >= config.explore_every or any(c not in reached for c in decision.counts):
                 plain, best = 0, max(widths[1:], key=lambda v: (rate[v], -v))
         else:
             plain = 0

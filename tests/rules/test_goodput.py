@@ -108,14 +108,18 @@ def test_a_copy_verifies_the_widest_width_where_prose_verifies_none():
     assert len(run.request_widths[4]) > 10 and set(run.request_widths[4][1 + behind:]) == {15}
 
 
-def test_exploration_verifies_once_after_a_run_of_plain_steps():
+def test_exploration_verifies_after_a_run_of_plain_steps_and_for_a_cell_never_verified():
     dear = StepCosts((1,), (0, 15), ((1.0, 100.0),))
-    controller = GoodputController(GoodputConfig(explore_every=4), (0, 15), dear)
+    controller = GoodputController(GoodputConfig(explore_every=4, explore_new_cells=False), (0, 15), dear)
     assert [controller.decide([CELL]) for _ in range(9)] == [0, 0, 0, 15, 0, 0, 0, 15, 0]
     assert controller.explored == 2
     assert controller.decide([]) == 0 and controller.plain_run == 1  # no requests: no decision, no change
-    never = GoodputController(GoodputConfig(explore_every=0), (0, 15), dear)
+    never = GoodputController(GoodputConfig(explore_every=0, explore_new_cells=False), (0, 15), dear)
     assert {never.decide([CELL]) for _ in range(40)} == {0}
+    new = GoodputController(GoodputConfig(explore_every=0), (0, 15), dear)
+    assert [new.decide([CELL]) for _ in range(3)] == [15, 15, 15]  # until the cell has an outcome
+    new.observe(CELL, 15, 0)
+    assert new.decide([CELL]) == 0 and new.decide([CELL, (2, 0, 0)]) == 15
 
 
 def test_request_features_follow_a_growing_history_and_say_when_it_shrinks():
