@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                 row = frame.filter(pl.col("policy") == "goodput").row(0, named=True)
                 print(f"x{factor:g} {name:5s} {load:3d}: goodput {row['speedup']:.3f}x none, "
                       f"{row['vs_best_fixed']:.4f}x best fixed", flush=True)
-    out = pl.concat(frames).with_columns(pl.lit(SPEC).alias("spec"), pl.lit(provenance.git_commit()).alias("git_commit"))
+    out = pl.concat(frames).with_columns(pl.lit(SPEC).alias("spec"),
+                                         pl.lit(provenance.git_commit()).alias("git_commit"))
     out.write_parquet(args.out)
     print(f"wrote {args.out} ({out.height} rows)")
     return 0

@@ -41,10 +41,10 @@ the order of the requests either.
 A width of 0 is observed as nothing: a cell whose requests are never verified learns nothing more, and keeps what
 it learnt. Requests of a step share its width, so a cell predicted low still learns whenever other requests make the
 step wide. Two rules explore on top of the choice: after `explore_every` plain steps in a row the controller verifies
-the best width other than 0 once, so that estimates that turned low on a few early outcomes can recover (without
-it, one request of chat at batch 1 stopped speculating for good after a dozen rejected first drafts); and a step with
-a request in a cell never verified verifies too (`explore_new_cells`), so that a rare cell (a long match: a copy
-starting after prose) is not judged by the pool of all the others.
+the best width other than 0 once, so that estimates that turned low on a few early outcomes can recover; and a step
+with a request in a cell never verified verifies too (`explore_new_cells`), so that a rare cell (a long match: a
+copy starting after prose) is not judged by the pool of all the others. Without either, with wide steps dear, the
+replay of the 1.5B's prose and chat stopped speculating for good (tests/replay/test_goodput.py, docs/goodput.md).
 
 Pure, typed, deterministic; no vLLM import, no numpy in the decision path (the hook runs it every step).
 """
