@@ -205,7 +205,6 @@ def replay_engine(traces: Sequence[Trace], lookup: LookupConfig, policy: Policy,
     require(all(len(t.output_ids) >= 1 for t in traces), "every trace needs an output to replay")
     tables = tables if tables is not None else TraceTables(lookup)
     require(tables.lookup == lookup, "the trace tables were computed for another lookup config")
-    accept = [tables.acceptance(t) for t in traces]
     widest = max(policy.width, max(policy.widths, default=0))
     require(widest <= lookup.k, f"width {widest} is wider than the lookup's k={lookup.k}")
     controller = None
@@ -215,81 +214,106 @@ def replay_engine(traces: Sequence[Trace], lookup: LookupConfig, policy: Policy,
         require(policy.goodput.behind <= 3, f"the replay models vLLM's asynchronous scheduling, 3 steps behind at "
                                             f"most (got behind={policy.goodput.behind})")
         controller = GoodputController(policy.goodput, policy.widths, costs)
-    config = policy.goodput
     table = batch_k.dense(batch_k.parse(policy.table, lookup.k), concurrency, lookup.k) if policy.table else None
-    run = EngineRun(policy, concurrency, request_widths=[[] for _ in traces], request_emitted=[[] for _ in traces])
-    outs = [list(t.output_ids) for t in traces]
-    buckets = [tables.buckets(t, config.match_edges) for t in traces] if config is not None else []
-    last_accepted: list[int | None] = [None] * len(traces)  # drafts accepted in the last verify step processed
-    pos = [0] * len(traces)  # output tokens the scheduler has processed
-    ahead = [0] * len(traces)  # output tokens once every step scheduled so far is processed
-    waiting, running = deque(range(len(traces))), []
-    # scheduled steps not yet processed: (step index, {request: (width, emitted, accepted); emitted 0 = dropped},
-    # the cells that fixed its width)
-    queue: deque = deque()
-    next_width, last_cells = 0, {}
+    return _EngineLoop(traces, tables, policy, concurrency, controller, table).run()
 
-    def outcome(r: int, w: int) -> tuple[int, int]:
+
+class _EngineLoop:
+    """vLLM's engine core over the requests: schedule a step, then process the step before it (a queue of two)."""
+
+    def __init__(self, traces: Sequence[Trace], tables: TraceTables, policy: Policy, concurrency: int,
+                 controller: GoodputController | None, table: list[int] | None) -> None:
+        self.policy, self.concurrency, self.controller, self.table = policy, concurrency, controller, table
+        self.config = policy.goodput if controller is not None else None
+        self.out = EngineRun(policy, concurrency, request_widths=[[] for _ in traces],
+                             request_emitted=[[] for _ in traces])
+        self.lengths = [len(t.output_ids) for t in traces]
+        self.accept = [tables.acceptance(t) for t in traces]
+        self.buckets = [tables.buckets(t, self.config.match_edges) for t in traces] if self.config else []
+        self.last_accepted: list[int | None] = [None] * len(traces)  # drafts accepted, last verify step processed
+        self.pos = [0] * len(traces)  # output tokens the scheduler has processed
+        self.ahead = [0] * len(traces)  # output tokens once every step scheduled so far is processed
+        self.waiting, self.running = deque(range(len(traces))), []
+        # scheduled steps not yet processed: (step index, {request: (width (-1: prefill), emitted (0: dropped),
+        # accepted)}, the cells that fixed its width)
+        self.queue: deque = deque()
+        self.next_width, self.last_cells = 0, {}
+
+    def run(self) -> EngineRun:
+        while self.waiting or self.running or self.queue:
+            if (self.waiting or self.running) and self.schedule() and len(self.queue) < 2:
+                continue
+            self.process(*self.queue.popleft())
+        return self.out
+
+    def outcome(self, r: int, w: int) -> tuple[int, int]:
         """(emitted, accepted) of request r's next scheduled step at width w (-1: its prefill); 0 emitted when the
         step is scheduled after the request's last token (vLLM drops its output)."""
-        if ahead[r] >= len(outs[r]):
+        if self.ahead[r] >= self.lengths[r]:
             return 0, 0
-        accepted = 0 if w < 0 else min(int(accept[r][ahead[r]]), w)
-        ahead[r] += accepted + 1
+        accepted = 0 if w < 0 else min(int(self.accept[r][self.ahead[r]]), w)
+        self.ahead[r] += accepted + 1
         return accepted + 1, accepted
 
-    def process(index: int, step: dict[int, tuple[int, int, int]], cells: dict[int, Cell]) -> None:
+    def cells(self, requests: list[int], in_flight_done: list[int]) -> dict[int, Cell]:
+        """The requests' cells from the history the controller reads: what the scheduler has processed (behind 3),
+        also the step in flight's output (`in_flight_done`, behind 2), or the step just scheduled's too (behind 1)."""
+        if self.config is None:
+            return {}
+        lag = self.config.behind
+        known = self.pos if lag == 3 else in_flight_done if lag == 2 else self.ahead
+        return {r: self.config.cell(int(self.buckets[r][min(known[r], self.lengths[r])]), self.last_accepted[r])
+                for r in requests}
+
+    def schedule(self) -> bool:
+        """One `schedule()` call: the policy fixes the next width (the hook runs even when the step comes out
+        empty), then the step is queued if it has tokens to compute; whether it was."""
+        admitted = [self.waiting[i] for i in range(min(self.concurrency - len(self.running), len(self.waiting)))]
+        # vLLM skips a running request whose step in flight is sure to complete it (one more token reaches
+        # max_tokens); the request keeps its slot until that output is processed
+        in_flight = self.queue[-1][1] if self.queue else {}
+        decoding = [r for r in self.running if not (r in in_flight and self.pos[r] + 1 >= self.lengths[r])]
+        in_flight_done = list(self.ahead)
+        step = {r: (self.next_width, *self.outcome(r, self.next_width)) for r in decoding}
+        step.update({r: (-1, *self.outcome(r, -1)) for r in admitted})
+        cells = self.cells(self.running + admitted, in_flight_done)
+        width = _fixes(self.policy, self.table, self.controller, cells, len(step))
+        if self.controller is not None and cells:
+            counts: dict[Cell, int] = {}
+            for c in cells.values():
+                counts[c] = counts.get(c, 0) + 1
+            self.out.decisions.append(Decision(len(self.out.decisions), counts, width))
+        if not step:  # vLLM runs (and fixes the next width by) only steps with tokens to compute
+            return False
+        for _ in admitted:
+            self.waiting.popleft()
+        self.running.extend(admitted)
+        out = self.out
+        out.batch.append(len(step))
+        out.width.append(self.next_width if len(admitted) < len(step) else 0)
+        out.prefills.append(len(admitted))
+        out.emitted.append(0)
+        out.fixed.append(width)
+        self.queue.append((len(out.batch) - 1, step, self.last_cells))
+        self.next_width, self.last_cells = width, cells
+        return True
+
+    def process(self, index: int, step: dict[int, tuple[int, int, int]], cells: dict[int, Cell]) -> None:
+        """The scheduler processes a step's output: tokens, the controller's outcomes, finished requests freed."""
+        out = self.out
         for r, (w, emitted, accepted) in step.items():
             if emitted == 0:
                 continue
-            if controller is not None and w > 0:
-                controller.observe(cells[r], w, accepted)
-                last_accepted[r] = accepted
-                run.outcomes.append((len(run.decisions), cells[r], w, accepted))
-            run.request_widths[r].append(max(w, 0))
-            run.request_emitted[r].append(emitted)
-            run.emitted[index] += emitted
-            pos[r] += emitted
-            if pos[r] >= len(outs[r]):
-                running.remove(r)
-
-    while waiting or running or queue:
-        if waiting or running:  # a schedule() call; the hook runs first, even when the step comes out empty
-            admitted = [waiting[i] for i in range(min(concurrency - len(running), len(waiting)))]
-            # vLLM skips a running request whose step in flight is sure to complete it (one more token reaches
-            # max_tokens); the request keeps its slot until that output is processed
-            in_flight = queue[-1][1] if queue else {}
-            decoding = [r for r in running if not (r in in_flight and pos[r] + 1 >= len(outs[r]))]
-            known = {r: pos[r] for r in running + admitted}  # output tokens the scheduler has processed
-            if config is not None and config.behind == 2:  # also the step in flight's
-                known = {r: ahead[r] for r in known}
-            step = {r: (next_width, *outcome(r, next_width)) for r in decoding}
-            step.update({r: (-1, *outcome(r, -1)) for r in admitted})
-            if config is not None and config.behind == 1:  # also the step being scheduled's
-                known = {r: ahead[r] for r in known}
-            cells = {r: config.cell(int(buckets[r][min(n, len(outs[r]))]), last_accepted[r])
-                     for r, n in known.items()} if config is not None else {}
-            width = _fixes(policy, table, controller, cells, len(step))
-            if controller is not None and cells:
-                counts: dict[Cell, int] = {}
-                for c in cells.values():
-                    counts[c] = counts.get(c, 0) + 1
-                run.decisions.append(Decision(len(run.decisions), counts, width))
-            if step:  # vLLM runs (and fixes the next width by) only steps with tokens to compute
-                for _ in admitted:
-                    waiting.popleft()
-                running.extend(admitted)
-                run.batch.append(len(step))
-                run.width.append(next_width if len(admitted) < len(step) else 0)
-                run.prefills.append(len(admitted))
-                run.emitted.append(0)
-                run.fixed.append(width)
-                queue.append((len(run.batch) - 1, step, last_cells))
-                next_width, last_cells = width, cells
-                if len(queue) < 2:
-                    continue
-        process(*queue.popleft())
-    return run
+            if self.controller is not None and w > 0:
+                self.controller.observe(cells[r], w, accepted)
+                self.last_accepted[r] = accepted
+                out.outcomes.append((len(out.decisions), cells[r], w, accepted))
+            out.request_widths[r].append(max(w, 0))
+            out.request_emitted[r].append(emitted)
+            out.emitted[index] += emitted
+            self.pos[r] += emitted
+            if self.pos[r] >= self.lengths[r]:
+                self.running.remove(r)
 
 
 def price(run: EngineRun, costs: StepCosts) -> dict[str, float]:
