@@ -67,6 +67,12 @@ class SchedulerGate:
             scheduler.dynamic_sd_lookup = self.zeros
             self.closed_steps += 1
 
+    def after_schedule(self, scheduler_output: Any) -> None:
+        """Nothing: the gate keeps no state per step (the goodput hook, `goodput.SchedulerGoodput`, does)."""
+
+    def observe(self, scheduler: Any, scheduler_output: Any, runner_output: Any) -> None:
+        """Nothing: the gate learns nothing from outcomes (the goodput hook does)."""
+
     def forget(self, request_id: str) -> None:
         """vLLM frees the request: drop its gate."""
         self.states.pop(request_id, None)

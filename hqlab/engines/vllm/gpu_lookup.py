@@ -46,6 +46,7 @@ import torch
 from hqlab.config import ConfigError, LookupConfig, require, resolve_spec
 from hqlab.engines.vllm import batch_k
 from hqlab.rules.corpus import CHOICE_POLICIES, CorpusConfig
+from hqlab.rules.goodput import step_costs
 from hqlab.engines.vllm.speculator import (PAD_KEY, RECORD_KEY, SPEC_KEY, RecordRing, RequestState, Retired,
                                            V2Speculator, bind_histories, custom_class_config, gpu_spec,
                                            is_custom_class, pad_token, recording, refuse_retired)
@@ -75,6 +76,9 @@ class GpuLookupConfig(LookupConfig):
     # The speculation gate (`hqlab.rules.gate`): a step verifies drafts only when some request's history, as the
     # scheduler knows it, ends in `gate` tokens seen earlier in it; 0 = speculate on every step.
     gate: int = 0
+    # The goodput controller (`hqlab.rules.goodput`): each step verifies the captured width (batch_k's widths and 0)
+    # with the most expected tokens per ms, priced by step costs: "default" or a StepCosts JSON file; "" = off.
+    goodput: str = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -82,6 +86,9 @@ class GpuLookupConfig(LookupConfig):
             batch_k.parse(self.batch_k, self.k)
         require(self.gate >= 0, f"gate is the match length (tokens) a step needs to speculate, 0 for no gate "
                                 f"(got {self.gate})")
+        if self.goodput:
+            require(not self.gate, "gate and goodput both set each step's width: keep one (goodput generalises gate)")
+            step_costs(self.goodput)  # a missing or malformed costs file fails here, with what to fix
         require(self.corpus >= 0, f"corpus is the most tokens the corpus keeps, 0 for none (got {self.corpus})")
         require(self.corpus_policy in CHOICE_POLICIES,
                 f"corpus_policy must be one of {CHOICE_POLICIES} (got {self.corpus_policy!r})")
@@ -122,7 +129,8 @@ def lookup_config(spec: str) -> GpuLookupConfig:
 def speculative_config(spec: str) -> dict[str, Any]:
     """vLLM's `speculative_config` for a `gpu-lookup` spec (`speculator.custom_class_config`)."""
     config = lookup_config(spec)
-    return custom_class_config(CLASS_PATH, config.k, config.batch_k, plain_steps=config.gate > 0)
+    plain_steps = config.gate > 0 or bool(config.goodput)  # steps that verify nothing need their CUDA graphs
+    return custom_class_config(CLASS_PATH, config.k, config.batch_k, plain_steps=plain_steps)
 
 
 def is_gpu_lookup(speculative_config: Any) -> bool:
@@ -223,7 +231,10 @@ class GpuLookupSpeculator(V2Speculator):
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.pad = pad_token(vllm_config)
         self._setup(record=recording(vllm_config))
-        self.k_table = batch_k.table_for(vllm_config, self.config.batch_k, self.k, plain_steps=self.config.gate > 0)
+        self.k_table = batch_k.table_for(vllm_config, self.config.batch_k, self.k,
+                                         plain_steps=self.config.gate > 0 or bool(self.config.goodput))
+        if self.config.goodput:  # the controller may give any captured width at any batch size: always draft
+            self.k_table = None
 
     @classmethod
     def standalone(cls, config: LookupConfig, *, max_num_reqs: int, max_model_len: int, pad: int,

@@ -17,7 +17,9 @@ For the step-cost benchmark it adds one utility method to vLLM's engine core, `h
 which fixes the verify width of every later step; nothing calls it unless a client asks.
 
 For a `gpu-lookup` with the speculation gate (`gate=G`) the scheduler sets each step's verify width from the
-lookup's match state before it schedules (`hqlab.engines.vllm.gate`, patched in `_patch_scheduler`).
+lookup's match state before it schedules (`hqlab.engines.vllm.gate`, patched in `_patch_scheduler`); with the goodput
+controller (`goodput=default`) from expected tokens per ms, learning from each step's outcome
+(`hqlab.engines.vllm.goodput`).
 
 For a `gpu-lookup` with a corpus (`corpus=N`) it also carries finished requests to the speculator
 (`_patch_scheduler`): vLLM's scheduler notes each freed request's prompt and output ids and attaches them to
@@ -213,8 +215,9 @@ def _attach_freed(scheduler: Any, scheduler_output: Any) -> None:
 
 
 def _gate(scheduler: Any) -> Any:
-    """This scheduler's speculation gate (`gate.SchedulerGate`), None unless the config is a gpu-lookup with
-    `gate=G` (read once per scheduler)."""
+    """This scheduler's width hook: the speculation gate (`gate.SchedulerGate`) for a gpu-lookup with `gate=G`,
+    the goodput controller (`goodput.SchedulerGoodput`) for one with `goodput=...`, else None (read once per
+    scheduler)."""
     if "_hqlab_gate" not in scheduler.__dict__:
         from hqlab.engines.vllm.gpu_lookup import is_gpu_lookup, lookup_config
         from hqlab.engines.vllm.speculator import proposer_spec
@@ -222,16 +225,21 @@ def _gate(scheduler: Any) -> Any:
         found = None
         config = scheduler.vllm_config
         if is_gpu_lookup(getattr(config, "speculative_config", None)):
-            min_match = lookup_config(proposer_spec(config)).gate
-            if min_match:
-                from hqlab.engines.vllm.gate import SchedulerGate
-
+            lookup = lookup_config(proposer_spec(config))
+            if lookup.gate or lookup.goodput:
                 table = getattr(scheduler, "dynamic_sd_lookup", None)
                 if table is None:
-                    raise ConfigError("gate needs vLLM's num_speculative_tokens_per_batch_size schedule (with a "
-                                      "width-0 range): build the speculative config with gpu_lookup's "
+                    raise ConfigError("gate and goodput need vLLM's num_speculative_tokens_per_batch_size schedule "
+                                      "(with a width-0 range): build the speculative config with gpu_lookup's "
                                       "speculative_config(spec)")
-                found = SchedulerGate(min_match, table)
+                if lookup.goodput:
+                    from hqlab.engines.vllm.goodput import SchedulerGoodput
+
+                    found = SchedulerGoodput.from_spec(lookup.goodput, table, config)
+                else:
+                    from hqlab.engines.vllm.gate import SchedulerGate
+
+                    found = SchedulerGate(lookup.gate, table)
         scheduler.__dict__["_hqlab_gate"] = found
     return scheduler.__dict__["_hqlab_gate"]
 
@@ -246,9 +254,10 @@ def _deliver(runner: Any, scheduler_output: Any) -> None:
 
 
 def _patch_scheduler() -> None:
-    """Scheduler (in every process that may schedule): the gate sets the width table before each `schedule()`;
-    `_note_freed` when it frees a request (and the gate forgets it), `_attach_freed` to each scheduler output (the
-    runner's half is `_patch_corpus_runner`, patched in the worker with the binding)."""
+    """Scheduler (in every process that may schedule): the gate or the goodput controller sets the width table
+    before each `schedule()` (and the controller sees each step's outcome before `update_from_output`); `_note_freed`
+    when it frees a request (and the hook forgets it), `_attach_freed` to each scheduler output (the runner's half is
+    `_patch_corpus_runner`, patched in the worker with the binding)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     def free(original: Callable) -> Callable:
@@ -266,12 +275,23 @@ def _patch_scheduler() -> None:
             if gate is not None:
                 gate.before_schedule(self)
             out = original(self, *args, **kwargs)
+            if gate is not None:
+                gate.after_schedule(out)
             _attach_freed(self, out)
             return out
         return schedule
 
+    def update(original: Callable) -> Callable:
+        def update_from_output(self: Any, scheduler_output: Any, runner_output: Any, *args: Any, **kwargs: Any) -> Any:
+            gate = _gate(self)
+            if gate is not None:  # before vLLM frees the requests that finish in this output
+                gate.observe(self, scheduler_output, runner_output)
+            return original(self, scheduler_output, runner_output, *args, **kwargs)
+        return update_from_output
+
     _wrap(Scheduler, "_free_request", free)
     _wrap(Scheduler, "schedule", schedule)
+    _wrap(Scheduler, "update_from_output", update)
 
 
 def _patch_corpus_runner() -> None:
@@ -300,7 +320,8 @@ def set_width(core: Any, width: int) -> int:
 
     scheduler = core.scheduler
     if _gate(scheduler) is not None:
-        raise ConfigError("a forced width and the speculation gate both set the scheduler's width table: drop gate")
+        raise ConfigError("a forced width and the speculation gate (or goodput) both set the scheduler's width "
+                          "table: drop gate (or goodput)")
     table = scheduler.dynamic_sd_lookup
     if table is None:
         raise ConfigError("vLLM built no per-batch-size width table (no batch_k in the spec): the width cannot be set")

@@ -1,0 +1,72 @@
+"""The goodput controller against no speculation, every fixed width and the served `batch_k` table, replayed over
+the committed 1.5B traces by load and priced with the committed step costs (#62).
+
+    python benchmarks/goodput_replay.py           # -> data/results/goodput_replay.parquet (~1 min, CPU)
+
+Workloads: chat and prose (data/results/traces_1.5b_prose_chat_256.parquet), labd (traces_1.5b_labd_160.parquet);
+greedy outputs, so every step is exact (`hqlab.replay.goodput.replay_engine`: vLLM's engine core with asynchronous
+scheduling, all requests queued, at most `concurrency` running). Each point runs ten waves (10 × concurrency
+requests, cycling through the workload's traces; at one request every trace once). Step costs: the committed
+step-cost grid, H100 (`hqlab.rules.goodput.DEFAULT_STEP_COSTS`; batches above 8 extrapolated), and what-if costs
+with each width's excess over a plain step doubled and quadrupled (`dearer_widths`: the served range of
+docs/serving.md). The controller decides with the costs it is priced with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+RESULTS = ROOT / "data" / "results"
+OUT = RESULTS / "goodput_replay.parquet"
+SPEC = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,batch_k=1:15/4:7/0"  # the served lookup's widths
+LOADS = (1, 8, 16, 32, 64)
+FACTORS = (1.0, 2.0, 4.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import polars as pl
+
+    from hqlab import provenance
+    from hqlab.config import LookupConfig
+    from hqlab.engines.vllm.gpu_lookup import lookup_config
+    from hqlab.replay import goodput as rg
+    from hqlab.replay.traces import load_traces
+    from hqlab.rules.goodput import DEFAULT_STEP_COSTS
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--waves", type=int, default=10)
+    args = ap.parse_args(argv)
+    spec = lookup_config(SPEC)
+    lookup = LookupConfig(nmin=spec.nmin, nmax=spec.nmax, k=spec.k, policy=spec.policy)
+    chat_prose = load_traces(RESULTS / "traces_1.5b_prose_chat_256.parquet")
+    workloads = {"chat": [t for t in chat_prose if t.category == "chat"],
+                 "prose": [t for t in chat_prose if t.category == "prose"],
+                 "labd": load_traces(RESULTS / "traces_1.5b_labd_160.parquet")}
+    tables = rg.TraceTables(lookup)
+    frames = []
+    for factor in FACTORS:
+        costs = rg.dearer_widths(DEFAULT_STEP_COSTS, factor)
+        for name, traces in workloads.items():
+            for load in LOADS:
+                frame = rg.compare(traces, lookup, costs, concurrency=load, batch_k_value=spec.batch_k,
+                                   workload=name, waves=args.waves, tables=tables)
+                frames.append(frame.with_columns(pl.lit(factor).alias("width_cost_factor"),
+                                                 pl.lit(costs.source).alias("step_costs")))
+                row = frame.filter(pl.col("policy") == "goodput").row(0, named=True)
+                print(f"x{factor:g} {name:5s} {load:3d}: goodput {row['speedup']:.3f}x none, "
+                      f"{row['vs_best_fixed']:.4f}x best fixed", flush=True)
+    out = pl.concat(frames).with_columns(pl.lit(SPEC).alias("spec"),
+                                         pl.lit(provenance.git_commit()).alias("git_commit"))
+    out.write_parquet(args.out)
+    print(f"wrote {args.out} ({out.height} rows)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

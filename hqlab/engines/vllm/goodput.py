@@ -1,0 +1,127 @@
+"""The goodput controller inside vLLM's scheduler: each step verifies the width, among those with captured CUDA
+graphs, that maximises expected emitted tokens per second (`hqlab.rules.goodput`, the rule;
+`gpu-lookup:...,goodput=default` or `goodput=PATH.json`, the knob).
+
+Where it acts. As the speculation gate does (`hqlab.engines.vllm.gate`): vLLM 0.26's scheduler looks up, at every
+`schedule()`, the width the requests verify at their next step in `dynamic_sd_lookup` by the step's batch size.
+`SchedulerGoodput.before_schedule` runs just before each `schedule()` and points `dynamic_sd_lookup` at a table that
+gives every batch size the width the controller chose. The candidate widths are those of the spec's `batch_k`
+schedule plus 0 (vLLM captured a full CUDA graph for each of them at every batch size it captures:
+`batch_k.with_plain_steps`), so every step keeps its graph.
+
+What it reads, all on the host:
+- the requests the step will run: every running request, and the waiting ones it may admit (as many as there are
+  free slots, first in queue order), each with its `all_token_ids` (prompt and the outputs the scheduler has
+  processed: three steps old under asynchronous scheduling, `hqlab.rules.gate.ASYNC_BEHIND`), fed to one
+  `RequestFeatures` per request;
+- the outcome of each verify step, when vLLM's scheduler processes it (`observe`, called by the plugin before
+  `update_from_output`): the drafts the step verified (`scheduled_spec_decode_tokens`) and the tokens it emitted,
+  fed to the calibration with the cell the request had when that width was fixed. Which cells fixed a step's width
+  travels with the step: `after_schedule` keys them by the scheduler output.
+Nothing is read from the GPU; the replay (`hqlab.replay.goodput.replay_engine`) reproduces every decision, and
+tests/engines/vllm/test_vllm_goodput.py drives vLLM's own scheduler to check it, step for step.
+
+The drafts are unchanged: the GPU speculator drafts k positions every step from the full current history (with
+goodput it never skips drafting, since any captured width may come at any batch size), and a step verifies the
+first `width` of them.
+
+gpu-fused: the rule takes a drafter-confidence feature (`GoodputConfig.confidence_edges`), but its speculator
+keeps the drafter's confidence on the GPU; this hook passes none, and gpu-fused has no goodput knob yet.
+
+Nothing here imports vLLM; the plugin (`plugin._patch_scheduler`) calls it.
+"""
+
+from __future__ import annotations
+
+from itertools import islice
+from typing import Any
+
+from hqlab.rules.goodput import Cell, GoodputConfig, GoodputController, RequestFeatures, StepCosts, step_costs
+
+PENDING_LIMIT = 16  # scheduler outputs whose outcome is awaited; more means some were never processed (empty steps)
+
+
+def captured(vllm_config: Any) -> tuple[int, ...]:
+    """The widths vLLM captured full CUDA graphs for: those of its `num_speculative_tokens_per_batch_size` schedule
+    (every width of it, at every batch size it captures, whatever max_num_seqs cuts from the width table), plus 0."""
+    schedule = getattr(vllm_config.speculative_config, "num_speculative_tokens_per_batch_size", None) or []
+    return tuple(sorted({int(entry[2]) for entry in schedule} | {0}))
+
+
+class SchedulerGoodput:
+    """The controller for one vLLM scheduler: per-request features, the calibration, and the table it hands vLLM."""
+
+    def __init__(self, config: GoodputConfig, costs: StepCosts, table: list[int], widths: tuple[int, ...]) -> None:
+        self.config = config
+        self.widths = tuple(sorted(set(widths) | {0}))
+        self.controller = GoodputController(config, self.widths, costs)
+        self.tables = {w: [w] * len(table) for w in self.widths}  # what vLLM looks up: one width at every batch size
+        self.features: dict[str, RequestFeatures] = {}
+        self._cells: dict[str, Cell] = {}  # cells of this call's candidates: they fix the next step's width
+        self._last: dict[str, Cell] = {}  # cells that fixed the width of the step the next schedule() makes
+        self._pending: dict[int, tuple[Any, dict[str, Cell]]] = {}  # id(scheduler output) -> (it, its cells)
+        self.steps_by_width = {w: 0 for w in self.widths}  # plain counters: widths fixed so far
+
+    @classmethod
+    def from_spec(cls, name: str, table: list[int], vllm_config: Any) -> "SchedulerGoodput":
+        """The hook of a `goodput=NAME` knob for vLLM's width table `table`: the default step costs or a StepCosts
+        JSON file, default settings, the widths vLLM captured graphs for."""
+        return cls(GoodputConfig(), step_costs(name), table, captured(vllm_config))
+
+    def _state(self, request: Any) -> RequestFeatures:
+        state = self.features.get(request.request_id)
+        if state is None or len(request.all_token_ids) < state.ladder.length:  # new, or rewound by vLLM
+            state = self.features[request.request_id] = RequestFeatures(self.config)
+        return state
+
+    def before_schedule(self, scheduler: Any) -> None:
+        """Fix the width of the step after the one `schedule()` is about to make, from that step's requests."""
+        running = list(scheduler.running)
+        free = max(0, int(scheduler.max_num_running_reqs) - len(running))
+        cells = {}
+        for request in running + list(islice(scheduler.waiting, free)):
+            cells[request.request_id] = self._state(request).cell(self.config, request.all_token_ids)
+        width = self.controller.decide(cells.values())
+        scheduler.dynamic_sd_lookup = self.tables[width]
+        self._cells = cells
+        if cells:
+            self.steps_by_width[width] += 1
+
+    def after_schedule(self, scheduler_output: Any) -> None:
+        """The step just scheduled verifies the width fixed at the previous call that scheduled a step: keep that
+        call's cells with it. A call that scheduled nothing fixed nothing (vLLM gives its width to no request)."""
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return
+        if len(self._pending) >= PENDING_LIMIT:
+            self._pending.pop(next(iter(self._pending)))
+        self._pending[id(scheduler_output)] = (scheduler_output, self._last)
+        self._last = self._cells
+
+    def observe(self, scheduler: Any, scheduler_output: Any, runner_output: Any) -> None:
+        """A step's outcome, as vLLM's scheduler is about to process it: per verifying request, drafts verified and
+        accepted. Requests already finished (scheduled once more before their finish was known) are skipped, as
+        vLLM drops their tokens."""
+        entry = self._pending.pop(id(scheduler_output), None)
+        if entry is None or entry[0] is not scheduler_output:
+            return
+        cells = entry[1]
+        sampled = runner_output.sampled_token_ids
+        index = runner_output.req_id_to_index
+        for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            request = scheduler.requests.get(rid)
+            at = index.get(rid)
+            if not drafts or rid not in cells or request is None or request.is_finished() or at is None \
+                    or not sampled or not sampled[at]:
+                continue
+            accepted = min(len(sampled[at]) - 1, len(drafts))
+            self.controller.observe(cells[rid], len(drafts), accepted)
+            state = self.features.get(rid)
+            if state is not None:
+                state.last_accepted = accepted
+
+    def forget(self, request_id: str) -> None:
+        """vLLM frees the request: drop its features."""
+        self.features.pop(request_id, None)
+
+
+__all__ = ["SchedulerGoodput", "captured", "PENDING_LIMIT"]

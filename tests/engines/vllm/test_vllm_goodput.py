@@ -1,0 +1,204 @@
+"""The goodput controller on vLLM's own asynchronous scheduler, on the CPU: with the plugin installed, the widths
+vLLM's scheduler fixes step after step, for one request and for several concurrent ones, are the replay's
+(`hqlab.replay.goodput.replay_engine`), and a controller that reads the history vLLM has not processed yet fails.
+
+The scheduler is vLLM 0.26's `AsyncScheduler` built from a real config of the 0.5B (model runner V2, asynchronous
+scheduling, the plugin's patches), as in test_vllm_gate.py; so is the worker's part, played by the recorded greedy
+outputs and the lookup's acceptance over them (the lookup drafts from the whole history before the step, as
+`GpuLookupSpeculator` does on the GPU, so a width w accepts the first min(w, accepted at k) drafts). The engine
+core's order is vLLM's batch queue (`EngineCore.step_with_batch_queue`): schedule step n + 1, then process step
+n's output, through the scheduler's own `update_from_output` (which the plugin wraps to show the controller each
+outcome)."""
+
+from __future__ import annotations
+
+from collections import deque
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vllm extra is not installed (make setup-vllm)")
+
+import torch  # noqa: E402
+
+from hqlab import models  # noqa: E402
+from hqlab.config import ConfigError  # noqa: E402
+from hqlab.engines.vllm import gpu_lookup, plugin  # noqa: E402
+from hqlab.engines.vllm.goodput import SchedulerGoodput  # noqa: E402
+from hqlab.replay.goodput import Policy, TraceTables, captured_widths, replay_engine  # noqa: E402
+from hqlab.replay.traces import load_traces  # noqa: E402
+from hqlab.rules.goodput import DEFAULT_STEP_COSTS, GoodputConfig, StepCosts  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[3] / "data" / "results"
+LOOKUP = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,batch_k=1:15/4:7/0"
+
+
+def scheduler_for(spec: str, max_len: int, max_num_seqs: int):
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    plugin.register()
+    budget = max_len * max_num_seqs  # every waiting request fits the step that admits it: no chunked prefill
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(models.prepare("qwen2.5-coder-0.5b")), dtype="float32",
+                                 max_model_len=max_len),
+        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_len,
+                                         max_num_batched_tokens=budget, is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=16, enable_prefix_caching=False),
+        speculative_config=SpeculativeConfig(**gpu_lookup.speculative_config(spec)),
+        device_config=DeviceConfig("cpu"), additional_config={gpu_lookup.SPEC_KEY: spec})
+    assert config.scheduler_config.async_scheduling  # the plugin's: as vLLM does for EAGLE
+    blocks = 16384
+    config.cache_config.num_gpu_blocks = blocks
+    kv = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=1,
+                                                      dtype=torch.float32))])
+    return AsyncScheduler(vllm_config=config, kv_cache_config=kv, log_stats=False,
+                          structured_output_manager=StructuredOutputManager(config), block_size=16)
+
+
+def serve(spec: str, traces, tables: TraceTables, concurrency: int):
+    """Serve `traces` (request i is trace i) through vLLM's scheduler with `concurrency` slots: per step the batch
+    size and the width its verifying requests verified, and per request the width and tokens of each step whose
+    output counted."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    longest = max(len(t.prompt_ids) + len(t.output_ids) for t in traces)
+    scheduler = scheduler_for(spec, longest + 64, concurrency)
+    for i, t in enumerate(traces):
+        scheduler.add_request(Request(request_id=str(i), prompt_token_ids=list(t.prompt_ids), pooling_params=None,
+                                      sampling_params=SamplingParams(max_tokens=len(t.output_ids), temperature=0,
+                                                                     ignore_eos=True)))
+    accept = [tables.acceptance(t) for t in traces]
+    pos = [0] * len(traces)
+    batch, width = [], []
+    request_widths, request_emitted = [[] for _ in traces], [[] for _ in traces]
+
+    def run(step) -> ModelRunnerOutput:  # the worker
+        ids = list(step.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            r = int(rid)
+            out = traces[r].output_ids
+            w = len(step.scheduled_spec_decode_tokens.get(rid, ()))
+            if pos[r] >= len(out):  # scheduled before the scheduler saw the request finish: vLLM drops these
+                sampled.append([out[-1]])
+                continue
+            n = 1 if pos[r] == 0 else min(int(accept[r][pos[r]]), w) + 1
+            sampled.append(list(out[pos[r]:pos[r] + n]))
+            request_widths[r].append(w)
+            request_emitted[r].append(n)
+            pos[r] += n
+        return ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
+                                 sampled_token_ids=sampled)
+
+    queue: deque = deque()
+    while scheduler.has_requests() or queue:
+        if scheduler.has_requests():
+            step = scheduler.schedule()
+            if step.total_num_scheduled_tokens > 0:
+                batch.append(len(step.num_scheduled_tokens))
+                widths = {len(v) for v in step.scheduled_spec_decode_tokens.values()}
+                assert len(widths) <= 1  # one width a step
+                decoding = len(step.num_scheduled_tokens) > len(step.scheduled_new_reqs)
+                width.append(widths.pop() if widths else 0)
+                assert decoding or width[-1] == 0
+                queue.appendleft(step)
+                if len(queue) < 2:
+                    continue
+        if queue:
+            step = queue.pop()
+            scheduler.update_from_output(step, run(step))
+    assert pos == [len(t.output_ids) for t in traces]
+    return scheduler, batch, width, request_widths, request_emitted
+
+
+# Step costs under which each of the three captured widths is the best for some steps of these requests, and the
+# controller once explores after a run of plain steps (the default costs, nearly flat in the width, make nearly every
+# step 15 wide): the knob's JSON form.
+STEEP = StepCosts((1, 4), (0, 7, 15), ((3.0, 5.4, 7.2), (3.3, 6.0, 8.0)), source="a test's: wide steps dear")
+
+
+@pytest.fixture(scope="module")
+def traces():
+    picked = {t.category: t for t in load_traces(RESULTS / "traces_0.5b_all_128.parquet")}
+    prose = [t for t in load_traces(RESULTS / "traces_0.5b_corpus_128.parquet") if t.category == "prose"]
+    return [picked["chat"], picked["copy"], picked["qa"], prose[0], prose[1]]
+
+
+@pytest.fixture(scope="module")
+def steep_costs(tmp_path_factory):
+    return STEEP.to_json(tmp_path_factory.mktemp("costs") / "steep.json")
+
+
+def served_and_replayed(spec: str, traces, concurrency: int, costs, behind: int = 3):
+    lookup = gpu_lookup.lookup_config(spec)
+    tables = TraceTables(lookup)
+    served = serve(spec, traces, tables, concurrency)
+    policy = Policy.controller(captured_widths(lookup.batch_k, lookup.k), GoodputConfig(behind=behind))
+    return served, replay_engine(traces, lookup, policy, concurrency=concurrency, costs=costs, tables=tables)
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+@pytest.mark.parametrize("costs", ["default", "steep"])
+def test_vllms_scheduler_fixes_the_widths_the_replay_predicts(traces, steep_costs, costs, concurrency):
+    name, table = ("default", DEFAULT_STEP_COSTS) if costs == "default" else (str(steep_costs), STEEP)
+    (scheduler, batch, width, request_widths, request_emitted), replayed = served_and_replayed(
+        f"{LOOKUP},goodput={name}", traces, concurrency, table)
+    assert batch == replayed.batch
+    assert width == replayed.width
+    assert request_widths == replayed.request_widths
+    assert request_emitted == replayed.request_emitted
+    hook = plugin._gate(scheduler)
+    assert isinstance(hook, SchedulerGoodput) and hook.widths == (0, 7, 15)
+    assert sum(hook.steps_by_width.values()) == len(replayed.decisions)  # one decision a schedule() call
+    assert hook.controller.calibration.observed == len(replayed.outcomes)
+    if costs == "steep":  # the check is not a constant: every captured width verifies some decoding step
+        assert {w for w, p, b in zip(width, replayed.prefills, batch) if p < b} == {0, 7, 15}
+        assert hook.controller.explored >= 1
+
+
+@pytest.mark.parametrize("behind", [2, 1])
+def test_a_controller_reading_outputs_vllm_has_not_processed_is_caught(traces, steep_costs, behind):
+    """The planted bug: a replay whose controller reads the output of the step in flight (behind 2), or of the step
+    being scheduled too (behind 1), instead of the history three steps old that vLLM's scheduler has."""
+    (_, _, width, request_widths, _), replayed = served_and_replayed(f"{LOOKUP},goodput={steep_costs}", traces, 3,
+                                                                     STEEP, behind=behind)
+    assert width != replayed.width and request_widths != replayed.request_widths
+
+
+def test_the_knob_gets_plain_step_graphs_and_a_speculator_that_always_drafts():
+    spec = f"{LOOKUP},goodput=default"
+    assert gpu_lookup.speculative_config(spec)["num_speculative_tokens_per_batch_size"] == \
+        gpu_lookup.speculative_config(LOOKUP)["num_speculative_tokens_per_batch_size"]  # already reaches 0
+    bare = gpu_lookup.speculative_config("gpu-lookup:nmin=1,nmax=32,k=15,goodput=default")
+    assert [w for _, _, w in bare["num_speculative_tokens_per_batch_size"]] == [15, 0]  # graphs for plain steps
+    scheduler = scheduler_for(spec, 256, 4)
+    assert gpu_lookup.GpuLookupSpeculator(scheduler.vllm_config, "cpu").k_table is None  # any width at any batch
+    plain = scheduler_for(LOOKUP, 256, 4)
+    assert gpu_lookup.GpuLookupSpeculator(plain.vllm_config, "cpu").k_table[1:] == [15, 7, 7, 7]
+
+
+def test_a_bad_goodput_knob_says_what_to_fix(tmp_path):
+    with pytest.raises(ConfigError, match="keep one"):
+        gpu_lookup.lookup_config(f"{LOOKUP},gate=2,goodput=default")
+    with pytest.raises(ConfigError, match="does not exist"):
+        gpu_lookup.lookup_config(f"{LOOKUP},goodput={tmp_path / 'missing.json'}")
+    with pytest.raises(ConfigError, match="goodput=default or goodput=PATH.json"):
+        gpu_lookup.lookup_config(f"{LOOKUP},goodput=fast")
+    (tmp_path / "bad.json").write_text('{"batches": [1], "widths": [7], "ms": [[3.0]]}')
+    with pytest.raises(ConfigError, match="must start at 0"):
+        gpu_lookup.lookup_config(f"{LOOKUP},goodput={tmp_path / 'bad.json'}")
+    narrow = StepCosts((1,), (0, 7), ((3.0, 3.2),)).to_json(tmp_path / "narrow.json")
+    scheduler = scheduler_for(f"{LOOKUP},goodput={narrow}", 256, 4)
+    with pytest.raises(ConfigError, match="wider than the step costs measure"):
+        scheduler.schedule()
+    forced = scheduler_for(f"{LOOKUP},goodput=default", 256, 4)
+    with pytest.raises(ConfigError, match="drop gate"):
+        from types import SimpleNamespace
+
+        plugin.set_width(SimpleNamespace(scheduler=forced, model_executor=None), 3)
