@@ -448,6 +448,8 @@ def short_config(config: str) -> str:
 
     if config == "none":
         return "none"
+    if config.startswith("none:"):  # a plain server with the speculative configs' capture size
+        return f"none capture={parse_spec(config)[1]['capture']}"
     spec, bracket, fault = config.partition(" [")
     name, values = parse_spec(spec)
     block = f" block={values['draft_block']}" if values.get("draft_block", "1") != "1" else ""

@@ -13,6 +13,7 @@ import pytest
 from benchmarks.vllm_serve import parse_point
 from hqlab.engines.vllm.gpu_fused import fused_config
 from hqlab.engines.vllm.gpu_lookup import lookup_config
+from hqlab.engines.vllm.serving import engine_configs
 
 # the serving plans (the corpus benchmark's plans are tested by test_vllm_corpus_plan.py)
 PLANS = sorted((Path(__file__).resolve().parents[2] / "benchmarks" / "plans").glob("serve_*.json"))
@@ -25,7 +26,9 @@ def test_plan_is_runnable(path):
     configs = plan["configs"]
     assert "none" in configs.values()  # every group needs its reference
     for spec in configs.values():
-        if spec != "none":
+        if spec.startswith("none"):
+            engine_configs(spec)
+        else:
             (fused_config if spec.startswith("gpu-fused") else lookup_config)(spec)
     for name in plan.get("batch1", []) + plan.get("sample", []):
         assert name in configs, f"{path.name}: {name!r} is not one of its configs"

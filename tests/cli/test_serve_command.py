@@ -29,3 +29,16 @@ def test_none_and_a_bad_schedule(capsys):
     assert main(["serve-command", "m", "gpu-lookup:k=7,batch_k=9:16/0"]) == 2
     err = capsys.readouterr().err
     assert "width 16 must be in [0, k=7]" in err and err.count("\n") == 1
+
+
+def test_none_with_the_speculative_configs_capture_size(capsys):
+    """`none:capture=N`: a plain server with CUDA graphs up to N tokens, the control that isolates speculation from
+    the capture size speculative configs get; anything else after `none:` is refused with a one-line error."""
+    assert main(["serve-command", "m", "none:capture=1024"]) == 0
+    argv = shlex.split(capsys.readouterr().out)
+    assert argv[argv.index("--compilation-config") + 1] == '{"max_cudagraph_capture_size":1024}'
+    assert "--speculative-config" not in argv
+    for bad, says in (("none:capture=0", ">= 1 token"), ("none:capture=big", "whole number"),
+                      ("none:k=3", "one key, capture=N")):
+        assert main(["serve-command", "m", bad]) == 2
+        assert says in capsys.readouterr().err

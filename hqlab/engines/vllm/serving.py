@@ -33,13 +33,30 @@ def capture_size(max_num_seqs: int, k: int) -> int:
     return max(ADMIT_CAPTURE, max_num_seqs * (k + 1))
 
 
+def none_capture(spec: str) -> int:
+    """The capture size a `none` spec asks for: 0 (vLLM's default) for `none`, N for `none:capture=N`, the control
+    that gives a plain server the speculative configs' CUDA graphs (so a comparison isolates speculation)."""
+    name, values = parse_spec(spec)
+    if name != "none":
+        raise ConfigError(f"none_capture takes a 'none' spec (got {spec!r})")
+    unknown = sorted(set(values) - {"capture"})
+    if unknown:
+        raise ConfigError(f"'none' takes one key, capture=N (got {', '.join(unknown)} in {spec!r})")
+    try:
+        capture = int(values.get("capture", "0"))
+    except ValueError:
+        raise ConfigError(f"none:capture must be a whole number of tokens (got {values['capture']!r})") from None
+    if capture < 0 or capture == 0 and "capture" in values:
+        raise ConfigError(f"none:capture must be >= 1 token (got {capture}); plain `none` keeps vLLM's default")
+    return capture
+
+
 def engine_configs(spec: str, *, planted_fault: str | None = None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """(speculative_config, additional_config) of vLLM's engine for one served config; `planted_fault` plants a
     verification bug (`fault.py`) in a test server."""
     name, values = parse_spec(spec)
     if name == "none":
-        if values:
-            raise ConfigError(f"'none' takes no keys (got {spec!r})")
+        none_capture(spec)  # its one key is vLLM's compilation config, not a speculator's
         if planted_fault:
             raise ConfigError("a planted fault needs a speculator to plant it in")
         return None, {}
@@ -62,10 +79,11 @@ def vllm_args(spec: str, *, max_num_seqs: int = 32, planted_fault: str | None = 
     """The `vllm serve` flags one config adds: its speculative and additional configs, and CUDA graphs for steps of
     up to `capture_size` tokens (vLLM's default capture size is sized for one position a request)."""
     speculative, extra = engine_configs(spec, planted_fault=planted_fault)
-    if speculative is None:
-        return []
-    k = int(speculative["num_speculative_tokens"])
     compact = {"separators": (",", ":")}
+    if speculative is None:
+        capture = none_capture(spec)
+        return ["--compilation-config", json.dumps({"max_cudagraph_capture_size": capture}, **compact)] if capture else []
+    k = int(speculative["num_speculative_tokens"])
     return ["--speculative-config", json.dumps(speculative, **compact),
             "--additional-config", json.dumps(extra, **compact),
             "--compilation-config", json.dumps({"max_cudagraph_capture_size": capture_size(max_num_seqs, k)},
