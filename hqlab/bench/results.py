@@ -27,9 +27,10 @@ import gzip
 import json
 import re
 import shutil
+import sys
 from datetime import date as _date
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import polars as pl
 
@@ -73,6 +74,35 @@ def log_header(text: str) -> tuple[str | None, str | None]:
         if found:
             return found.group(1), found.group(2)
     return None, None
+
+
+def run_logs(paths: Iterable[str | Path], script: str) -> tuple[dict[str, Path], dict[str, Any]]:
+    """The logs a GPU host returned with a run, as `write_run` files, and what the run's own log says of it: the log
+    whose header runs `script` (e.g. "benchmarks/vllm_serve.py") becomes run.log and gives run.json its command and
+    date; the others (set-up, tests) keep their names."""
+    files: dict[str, Path] = {}
+    info: dict[str, Any] = {}
+    for path in sorted(Path(p) for p in paths):
+        text = gzip.open(path, "rt", errors="replace").read(4000) if path.suffix == ".gz" else \
+            path.read_text(errors="replace")[:4000]
+        command, day = log_header(text)
+        if not info and command is not None and script in command:
+            files["run.log"] = path
+            info = {"command": command, "date": day, "date_from": "log"}
+        else:
+            files[path.name.removesuffix(".gz")] = path
+    return files, info
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command this process runs, as run.json records it: `python <script> <args>`, the script relative to the
+    checkout where it lies inside it."""
+    argv = list(sys.argv if argv is None else argv)
+    if argv:
+        script = Path(argv[0]).resolve()
+        if script.is_relative_to(REPO):
+            argv[0] = str(script.relative_to(REPO))
+    return " ".join(["python", *argv])
 
 
 def _index_path(root: str | Path | None) -> Path:
@@ -238,6 +268,7 @@ def write_index(root: str | Path | None = None) -> Path:
     return write_atomic(_index_path(root), lambda tmp: tmp.write_text(body))
 
 
-__all__ = ["RESULTS", "RUN_FIELDS", "LOG_GZIP_BYTES", "MissingRun", "results_dir", "card_of", "log_header", "index",
+__all__ = ["RESULTS", "RUN_FIELDS", "LOG_GZIP_BYTES", "MissingRun", "results_dir", "card_of", "log_header",
+           "run_logs", "command_line", "index",
            "studies", "runs", "run_info", "run_path", "run_file", "read_text", "load", "write_parquet", "write_run",
            "remove_run", "build_index", "write_index"]

@@ -1,6 +1,6 @@
 """Corpus settings swept over a vLLM run's own recorded outputs, priced with that run's measured step times (#42).
 
-A vLLM corpus run (`benchmarks/vllm_corpus.py`, rows in data/results/vllm_corpus_h200.requests.parquet) records every
+A vLLM corpus run (`benchmarks/vllm_corpus.py`, its requests in data/results/corpus/<run>/requests.parquet) records every
 request's prompt and greedy output. Under greedy decoding the outputs do not depend on what is drafted, so the
 replay (`hqlab.replay.corpus`) predicts exactly how many tokens every verify step of *another* corpus setting would
 emit over the same outputs (for the run's own setting it matched all of vLLM's steps). What the replay cannot see
@@ -17,7 +17,7 @@ is time; this module prices the replayed steps with the run's own clocks:
   time over their replayed iterations, prefill included on average) plus the same `b` per iteration for the live
   corpus (the kernel's grid spans the batch, so its time is taken not to grow with it: an assumption).
 - Another k: the verify width k + 1 scales the iteration cost by the relative cost of that width at the same batch
-  in a step-cost grid of the same model shape (data/results/seed_scale_h100.parquet: vLLM steps of the 1.5B shape
+  in a step-cost grid of the same model shape (data/results/seed_scale/<run>/grid.parquet: vLLM steps of the 1.5B shape
   on an H100, widths 1-32). The corpus's ratio to the same setting without it is nearly blind to this (both verify
   k + 1 positions); its ratio to `none` is not.
 

@@ -2,7 +2,7 @@
 
 - the **verify step's cost** of Qwen2.5-shaped targets inside vLLM 0.26 with CUDA graphs, random weights, at verify
   widths, context lengths and batches of a grid (`benchmarks/vllm_step_cost.py`:
-  `data/results/seed_scale_<card>.parquet`), read here by piecewise-linear interpolation, in the width and in
+  the grid.parquet of data/results/seed_scale/<run>/), read here by piecewise-linear interpolation, in the width and in
   log(context);
 - **tokens per step** measured on real outputs: the step records of committed vLLM runs on the real 0.5B and 1.5B
   (a run's `.steps.parquet`), each step priced at the width it verified and the context it read.
