@@ -154,6 +154,11 @@ def run_file(study: str, run: str, name: str, root: str | Path | None = None) ->
                      f"(its files: {', '.join(entry['files'])})")
 
 
+def trace_files(sets: Iterable[str], root: str | Path | None = None) -> list[Path]:
+    """The files of trace sets committed as runs of the study `traces` (what `cached_traces(shipped=...)` takes)."""
+    return [run_file("traces", name, "traces.parquet", root) for name in sets]
+
+
 def read_text(study: str, run: str, name: str, root: str | Path | None = None) -> str:
     """A text file of a run (a log), gunzipped where it was committed gzipped."""
     path = run_file(study, run, name, root)
@@ -164,10 +169,11 @@ def read_text(study: str, run: str, name: str, root: str | Path | None = None) -
 
 
 def load(study: str, runs: Iterable[str] | str | None = None, kind: str = "rows", *, card: str | None = None,
-         root: str | Path | None = None) -> pl.DataFrame:
-    """The `kind` table (rows, steps, repeats, ...) of runs of a study, stacked in the index's order: the runs named
-    (each must have that table), or every run of the study (of `card`, if given) that has one. A table without a
-    `run` column gets one from its folder's name."""
+         having: bool = False, root: str | Path | None = None) -> pl.DataFrame:
+    """The `kind` table (rows, steps, repeats, ...) of runs of a study, stacked in the given order: the runs named
+    (each must have that table, unless `having`: then those of them that have it), or every run of the study (of
+    `card`, if given) that has one, in the index's order. A table without a `run` column gets one from its folder's
+    name."""
     entries = [r for r in index(root) if r["study"] == study]
     if not entries:
         raise MissingRun(f"no study {study!r} in {_index_path(root)} (studies: {', '.join(studies(root))})")
@@ -181,6 +187,8 @@ def load(study: str, runs: Iterable[str] | str | None = None, kind: str = "rows"
         wanted = [runs] if isinstance(runs, str) else list(runs)
         chosen = [run_info(study, run, root) for run in wanted]
         lacking = [r["run"] for r in chosen if name not in r["files"]]
+        if having and len(lacking) < len(chosen):
+            chosen, lacking = [r for r in chosen if name in r["files"]], []
         if lacking:
             raise MissingRun(f"run(s) {', '.join(lacking)} of study {study!r} have no {kind!r} table in "
                              f"{_index_path(root)}")
@@ -269,6 +277,5 @@ def write_index(root: str | Path | None = None) -> Path:
 
 
 __all__ = ["RESULTS", "RUN_FIELDS", "LOG_GZIP_BYTES", "MissingRun", "results_dir", "card_of", "log_header",
-           "run_logs", "command_line", "index",
-           "studies", "runs", "run_info", "run_path", "run_file", "read_text", "load", "write_parquet", "write_run",
-           "remove_run", "build_index", "write_index"]
+           "run_logs", "command_line", "index", "studies", "runs", "run_info", "run_path", "run_file", "trace_files",
+           "read_text", "load", "write_parquet", "write_run", "remove_run", "build_index", "write_index"]

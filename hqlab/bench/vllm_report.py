@@ -540,12 +540,13 @@ def tile_sweep(sweep: dict) -> pl.DataFrame:
 
 def load(study: str, runs: list[str] | None = None, root: str | Path | None = None) -> dict[str, pl.DataFrame]:
     """The rows ("results"), step records, repeats and, where runs were profiled, phases and profiled steps of a
-    study's runs (all of them, or `runs`), stacked; an empty frame for a kind no chosen run has."""
-    chosen = runs or results.runs(study, root=root)
-    out = {"results": results.load(study, chosen, root=root)}
+    study's runs (`runs`, or all that have rows), stacked; an empty frame for a kind no chosen run has."""
+    out = {"results": results.load(study, runs, root=root)}
     for part in ("phases", "profile_steps", "steps", "repeats"):
-        having = [r for r in chosen if f"{part}.parquet" in results.run_info(study, r, root)["files"]]
-        out[part] = results.load(study, having, part, root=root) if having else pl.DataFrame()
+        try:
+            out[part] = results.load(study, runs, part, having=True, root=root)
+        except results.MissingRun:  # no chosen run has this table
+            out[part] = pl.DataFrame()
     return out
 
 

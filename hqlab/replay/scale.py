@@ -20,14 +20,12 @@ Pure functions over polars frames; every bad input raises `ScaleError` saying wh
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import polars as pl
 
 from hqlab.config import ConfigError, parse_spec
-from hqlab.io import write_atomic
 
 STEP_COST_SCHEMA: dict[str, type[pl.DataType]] = {
     "run": pl.String, "shape": pl.String, "target_params_b": pl.Float64, "layers": pl.Int64, "hidden": pl.Int64,
@@ -597,12 +595,12 @@ def project(costs: pl.DataFrame, sources: Sequence[Traces], shapes: Sequence[str
     return pl.concat(frames).with_columns(pl.col("batch").cast(pl.Int64)).select(PROJECTION_COLUMNS)
 
 
-def write_projection(table: pl.DataFrame, path: str | Path) -> Path:
-    """Write the projection table (`project`) to `path` atomically; a table without every provenance column of
+def checked_projection(table: pl.DataFrame) -> pl.DataFrame:
+    """The projection table (`project`) as it may be kept: a table without every provenance column of
     `PROJECTION_COLUMNS`, or an empty one, is refused."""
     missing = [c for c in PROJECTION_COLUMNS if c not in table.columns]
     if missing:
         raise ScaleError(f"projection table: missing column(s) {', '.join(missing)}")
     if table.is_empty():
         raise ScaleError("projection table: no rows")
-    return write_atomic(Path(path), lambda tmp: table.write_parquet(tmp))
+    return table

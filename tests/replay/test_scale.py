@@ -273,13 +273,14 @@ def test_labels_and_kinds():
         scale.config_kind("vllm-draft:model=x,k=7")
 
 
-def test_write_projection_refuses_tables_without_provenance(tmp_path):
+def test_a_projection_without_provenance_or_rows_is_refused():
     costs = flat_fixture(FLAT, params=PARAMS)
     table = scale.project(costs, [_traces("gpu-lookup:k=3")], ["t"], [1])
-    path = scale.write_projection(table, tmp_path / "p.parquet")
-    assert pl.read_parquet(path).equals(table)
+    assert scale.checked_projection(table) is table
     with pytest.raises(scale.ScaleError, match="traces_commit"):
-        scale.write_projection(table.drop("traces_commit"), tmp_path / "q.parquet")
+        scale.checked_projection(table.drop("traces_commit"))
+    with pytest.raises(scale.ScaleError, match="no rows"):
+        scale.checked_projection(table.clear())
 
 
 # --- the committed runs ----------------------------------------------------------------------------------------
