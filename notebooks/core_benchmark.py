@@ -18,8 +18,8 @@
 #
 # By default this notebook re-plots the committed benchmark runs (`data/results/core/<tag>/`, written by
 # `benchmarks/bench_core.py` on the machine named in every row and in the run's run.json). With `rerun = True` it
-# first runs the benchmark here, on this machine, with the parameters below. `engine = "vllm"` runs the configs inside vLLM on a
-# CUDA GPU instead (`hqlab.bench.vllm`, docs/vllm.md; hqlab proposers through the custom_class adapter, and
+# first runs the benchmark here, on this machine, with the parameters below. `engine = "vllm"` runs the configs inside
+# vLLM on a CUDA GPU instead (`hqlab.bench.vllm`, docs/vllm.md; hqlab proposers through the custom_class adapter, and
 # vLLM's own `vllm-ngram` / `arctic-suffix`); its results have the same columns, so every cell below applies.
 
 # %% tags=["parameters"]

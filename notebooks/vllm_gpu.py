@@ -16,10 +16,10 @@
 # %% [markdown]
 # # hqlab's lookup inside vLLM's GPU step
 #
-# Re-plots the committed vLLM runs (`benchmarks/vllm_gpu.py`, the study vllm_gpu: machine and versions in every
-# row): hqlab's `gpu-lookup` speculator in vLLM's model runner V2 with asynchronous scheduling, next to `none`, hqlab's host-side
-# `custom_class` adapter and vLLM's `ngram` / `ngram_gpu`. Every ratio is taken inside one run (one GPU session,
-# its own `none`); tables give medians over runs. docs/vllm.md discusses them.
+# Re-plots the committed vLLM runs (`benchmarks/vllm_gpu.py`, the study vllm_gpu: machine and versions in every row):
+# hqlab's `gpu-lookup` speculator in vLLM's model runner V2 with asynchronous scheduling, next to `none`, hqlab's
+# host-side `custom_class` adapter and vLLM's `ngram` / `ngram_gpu`. Every ratio is taken inside one run (one GPU
+# session, its own `none`); tables give medians over runs. docs/vllm.md discusses them.
 
 # %% tags=["parameters"]
 figures_dir = "figures"
