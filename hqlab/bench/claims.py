@@ -287,6 +287,15 @@ def waves(data: RunData) -> pl.DataFrame:
     return _corpus_labels(corpus_report.waves(data.table("requests")))
 
 
+def sweep_ranking(data: RunData) -> pl.DataFrame:
+    """The swept GPU settings ranked by their worst margin over the issue's bars (`corpus_vllm.meets`), `rank` 1
+    first."""
+    from hqlab.replay import corpus_vllm
+
+    swept = data.table("rows").filter(pl.col("kind") == "sweep")
+    return corpus_vllm.meets(swept, corpus_report.BAR).with_row_index("rank", offset=1)
+
+
 def slow_steps(data: RunData) -> pl.DataFrame:
     return corpus_report.slow_steps(data.table("rows"))
 
@@ -387,7 +396,7 @@ VIEWS: dict[str, Callable[..., pl.DataFrame]] = {
         speedup_table, best_ratio, served_heads, sampling_verdicts, greedy_partings, greedy_texts, server_logs,
         step_costs, run_ratios, concurrency, fused_ratios, best_fused, cost_model_check, burst, burst_blocks, replay,
         same_steps, round_step_ms, round_ratios, gpu_phases, step_ms_by_passes, speculator_host_ms, corpus_speedups,
-        greedy_differences, waves, slow_steps, output_pairs, first_token, speedup_check, grid_points, validation,
+        greedy_differences, waves, sweep_ranking, slow_steps, output_pairs, first_token, speedup_check, grid_points, validation,
         checks, decode_validation)}
 
 

@@ -400,8 +400,8 @@ def replay_rows(replayed: pl.DataFrame, run: str, steps: pl.DataFrame | None = N
     """The lab's replay of `run` (`benchmarks/vllm_gpu.py replay`'s frame: per fused (config, prompt) the replay's
     tokens/step and `difference`, vLLM's ÷ the replay's - 1), with a `replay_run` column. With `rerun` (and the step
     records `steps`), a config whose replay is off in `run` takes `rerun`'s rows where `rerun` ran it again with the
-    same decisions at every step (`same_steps`): e.g. `fn3a`, whose records carry the drafter's whole block, for
-    `fn2`'s adaptive config, whose records carried its head token only."""
+    same decisions at every step (`same_steps`): a rerun whose records carry the drafter's whole block stands in for
+    a config whose records carried its head token only."""
     mine = replayed.filter(pl.col("run") == run).with_columns(pl.col("run").alias("replay_run"))
     if rerun is None:
         return mine

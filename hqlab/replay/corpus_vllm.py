@@ -9,8 +9,9 @@ is time; this module prices the replayed steps with the run's own clocks:
 - One request at a time (load 1): a verify step costs `a` ms (the lookup at the run's k: its requests' decode spans
   over their steps, pooled) plus `b` ms per 1,000 live corpus tokens (the corpus kernel scans the live slots:
   `kernels/corpus_match.py`): the corpus config's pooled span beyond `a` per step, over the live tokens its steps
-  searched. In run c1 this extra cost moved between repeats by more than its mean (per workload -0.13 to +0.32 ms a
-  step around a mean near +0.07 ms, 3 %), so `b` is an average, and a projected ratio carries that noise.
+  searched. In the first corpus run (data/results/corpus/c1/) this extra cost moved between repeats by more than its
+  mean (per workload -0.13 to +0.32 ms a step around a mean near +0.07 ms, 3 %), so `b` is an average, and a
+  projected ratio carries that noise.
 - B in flight (the benchmark's closed loop: B requests submitted, the next one as soon as one finishes, whatever
   its session): the replay's `lockstep` schedule with every request its own session, which reproduces the run's
   tokens/step within 1 %; a point's time is its iterations × the measured iteration cost (the lookup points' wall

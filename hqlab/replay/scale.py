@@ -35,7 +35,7 @@ STEP_COST_SCHEMA: dict[str, type[pl.DataType]] = {
     "git_commit": pl.String}
 # the configs the step-cost grid measures; "none" (optional, width 1): an engine without a speculator, which prices
 # `none` where the grid has it (else the lookup's width-1 step, which still runs the speculator and vLLM's
-# rejection sampler: run v1 priced `none` 5-9 % slow that way)
+# rejection sampler, which priced `none` 5-9 % slow on the first one-machine validation)
 STEP_CONFIGS = ("gpu-lookup", "gpu-fused", "none")
 KINDS = ("none", "gpu-lookup", "gpu-fused")  # the configs of a vLLM run this module can price
 OUTSIDE_CONTEXT = ("error", "clamp")
@@ -82,7 +82,7 @@ def check_step_costs(costs: pl.DataFrame) -> pl.DataFrame:
 def newest_points(costs: pl.DataFrame, runs: Sequence[str]) -> pl.DataFrame:
     """The rows of `runs` in `costs`, one per (shape, quant, config, width, context, batch): where several of the
     runs measured a point, the one named last keeps it (a later run re-measures points of an earlier one with more
-    steps, or replaces points that were not model steps: run s3c's 8k batch-8 width-32 points for run s3a's)."""
+    steps, or replaces points that were not model steps)."""
     if not runs:
         raise ScaleError("newest_points: name at least one run")
     if len(set(runs)) != len(runs):
