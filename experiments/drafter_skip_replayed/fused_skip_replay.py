@@ -3,12 +3,13 @@ run's own greedy outputs, with teacher-forced drafts of the real drafter on the 
 
   CPU (here):
       python experiments/drafter_skip_replayed/fused_skip_replay.py RETURNED/vllm_gpu_fb1.parquet --run skip
-  writes the run data/results/fused_skip_replay/<run>/ (rows.parquet; hqlab.bench.results). It reads the raw run (and its .json: model, suite, document length), takes `none`'s outputs (first repeat, alone;
-  every config's outputs equal them: the run is lossless), and replays the lab's `fused` proposer with the run's
-  gpu-fused settings (k=15, nmax=32, earliest match) at draft_block 2, 4 and 7, skipping the drafter after long-block
-  steps (skip_on=long, lag 0 = never to 3) or after steps whose head the lookup filled (skip_on=head, lag 1 and 2):
-  tokens/step and the share of steps that ran the drafter, per prompt. (The fusion notebook priced them with the run's
-  measured drafter pass, `vllm_report.skip_what_if`, since retired: the run history in the docs keeps the answer.)
+  writes the run data/results/fused_skip_replay/<run>/ (rows.parquet; hqlab.bench.results). It reads the raw run (and
+  its .json: model, suite, document length), takes `none`'s outputs (first repeat, alone; every config's outputs equal
+  them: the run is lossless), and replays the lab's `fused` proposer with the run's gpu-fused settings (k=15, nmax=32,
+  earliest match) at draft_block 2, 4 and 7, skipping the drafter after long-block steps (skip_on=long, lag 0 = never to
+  3) or after steps whose head the lookup filled (skip_on=head, lag 1 and 2): tokens/step and the share of steps that
+  ran the drafter, per prompt. (The fusion notebook priced them with the run's measured drafter pass,
+  `vllm_report.skip_what_if`, since retired: the run history in the docs keeps the answer.)
   --schedule long replays the same grid with the scheduler fixed to the long block (`schedule=long`): inside vLLM
   every step verifies k positions whatever the block (gpu-fused pads after it), so a block shorter than k saves no
   verify time there, and the lookup's tail fills positions an adaptive short block leaves to the pad.

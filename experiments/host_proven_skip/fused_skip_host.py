@@ -194,7 +194,8 @@ def fold(raw: Path, tag: str) -> None:
              .with_columns(pl.lit(data["device"]).alias("device"), pl.lit(data["base"]).alias("base"),
                            pl.lit(data["target_ms"]).alias("target_ms"), pl.lit(data["host_ms"]).alias("host_ms")))
     out = results.write_run("fused_skip_host", tag, card=results.card_of(data["device"]), tables={"rows": table},
-                            files={"raw.json": raw}, info={"benchmark": "experiments/host_proven_skip/fused_skip_host.py"})
+                            files={"raw.json": raw},
+                            info={"benchmark": "experiments/host_proven_skip/fused_skip_host.py"})
     print(table)
     print(f"wrote {out} (notebooks/fusion_benchmark.py plots it)")
 

@@ -396,8 +396,8 @@ VIEWS: dict[str, Callable[..., pl.DataFrame]] = {
         speedup_table, best_ratio, served_heads, sampling_verdicts, greedy_partings, greedy_texts, server_logs,
         step_costs, run_ratios, concurrency, fused_ratios, best_fused, cost_model_check, burst, burst_blocks, replay,
         same_steps, round_step_ms, round_ratios, gpu_phases, step_ms_by_passes, speculator_host_ms, corpus_speedups,
-        greedy_differences, waves, sweep_ranking, slow_steps, output_pairs, first_token, speedup_check, grid_points, validation,
-        checks, decode_validation)}
+        greedy_differences, waves, sweep_ranking, slow_steps, output_pairs, first_token, speedup_check, grid_points,
+        validation, checks, decode_validation)}
 
 
 # --- evaluation ---------------------------------------------------------------------------------------------------
@@ -473,7 +473,8 @@ def claims_of(study: str, run: str, root: str | Path | None = None) -> list[Clai
 
 def manifest(root: str | Path | None = None) -> list[tuple[str, str, Claim]]:
     """(study, run, claim) of every claim of every committed run, in the index's order."""
-    return [(r["study"], r["run"], claim) for r in results.index(root) for claim in claims_of(r["study"], r["run"], root)]
+    return [(r["study"], r["run"], claim) for r in results.index(root)
+            for claim in claims_of(r["study"], r["run"], root)]
 
 
 def check_run(study: str, run: str, root: str | Path | None = None) -> list[Verdict]:

@@ -1,10 +1,10 @@
 """Corpus settings swept over a vLLM run's own recorded outputs, priced with that run's measured step times (#42).
 
-A vLLM corpus run (`benchmarks/vllm_corpus.py`, its requests in data/results/corpus/<run>/requests.parquet) records every
-request's prompt and greedy output. Under greedy decoding the outputs do not depend on what is drafted, so the
-replay (`hqlab.replay.corpus`) predicts exactly how many tokens every verify step of *another* corpus setting would
-emit over the same outputs (for the run's own setting it matched all of vLLM's steps). What the replay cannot see
-is time; this module prices the replayed steps with the run's own clocks:
+A vLLM corpus run (`benchmarks/vllm_corpus.py`, its requests in data/results/corpus/<run>/requests.parquet) records
+every request's prompt and greedy output. Under greedy decoding the outputs do not depend on what is drafted, so the
+replay (`hqlab.replay.corpus`) predicts exactly how many tokens every verify step of *another* corpus setting would emit
+over the same outputs (for the run's own setting it matched all of vLLM's steps). What the replay cannot see is time;
+this module prices the replayed steps with the run's own clocks:
 
 - One request at a time (load 1): a verify step costs `a` ms (the lookup at the run's k: its requests' decode spans
   over their steps, pooled) plus `b` ms per 1,000 live corpus tokens (the corpus kernel scans the live slots:

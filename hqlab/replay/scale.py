@@ -1,11 +1,10 @@
 """Decode speed of large targets projected from two measurements (docs/seed-scale.md, #41):
 
 - the **verify step's cost** of Qwen2.5-shaped targets inside vLLM 0.26 with CUDA graphs, random weights, at verify
-  widths, context lengths and batches of a grid (`benchmarks/vllm_step_cost.py`:
-  the grid.parquet of data/results/seed_scale/<run>/), read here by piecewise-linear interpolation, in the width and in
-  log(context);
+  widths, context lengths and batches of a grid (`benchmarks/vllm_step_cost.py`: the grid.parquet of
+  data/results/seed_scale/<run>/), read here by piecewise-linear interpolation, in the width and in log(context);
 - **tokens per step** measured on real outputs: the step records of committed vLLM runs on the real 0.5B and 1.5B
-  (a run's `.steps.parquet`), each step priced at the width it verified and the context it read.
+  (a run's steps.parquet), each step priced at the width it verified and the context it read.
 
 A request's projected decode rate is its tokens ÷ the summed step costs of its steps; `none` is the same tokens at
 one token a step, each step the width-1 step of the same shape. `gpu-fused` on a target of any shape is that
