@@ -205,8 +205,6 @@ def concurrency(data: RunData) -> pl.DataFrame:
     return vllm_report.concurrency(data.table("rows"))
 
 
-def fused_ratios(data: RunData) -> pl.DataFrame:
-    return vllm_report.fused_ratios(data.table("rows"), data.run)
 
 
 def best_fused(data: RunData) -> pl.DataFrame:
@@ -251,16 +249,12 @@ def round_step_ms(data: RunData) -> pl.DataFrame:
     return vllm_report.round_step_ms(data.table("repeats"), data.run)
 
 
-def round_ratios(data: RunData, config: str, against: str = "gpu-lookup") -> pl.DataFrame:
-    return vllm_report.round_ratios(data.table("repeats"), data.run, config, against=against)
 
 
 def gpu_phases(data: RunData, category: str | None = None) -> pl.DataFrame:
     return vllm_report.gpu_phases(data.table("phases"), data.run, category=category)
 
 
-def step_ms_by_passes(data: RunData) -> pl.DataFrame:
-    return vllm_report.step_ms_by_passes(data.table("steps"), data.run)
 
 
 def speculator_host_ms(data: RunData) -> pl.DataFrame:
@@ -321,10 +315,6 @@ def first_token(data: RunData, load: int = 1) -> pl.DataFrame:
                  pl.corr(length, "ttft_s").alias("r")))
 
 
-def speedup_check(data: RunData) -> pl.DataFrame:
-    from hqlab.replay import scale
-
-    return scale.speedup_check(data.table("check"))
 
 
 def grid_points(data: RunData, with_runs: list[str] | None = None) -> pl.DataFrame:
@@ -394,10 +384,9 @@ SHAPES = {"05b": "qwen2.5-0.5b", "15b": "qwen2.5-1.5b"}  # a seed-scale decode r
 VIEWS: dict[str, Callable[..., pl.DataFrame]] = {
     f.__name__: f for f in (
         speedup_table, best_ratio, served_heads, sampling_verdicts, greedy_partings, greedy_texts, server_logs,
-        step_costs, run_ratios, concurrency, fused_ratios, best_fused, cost_model_check, burst, burst_blocks, replay,
-        same_steps, round_step_ms, round_ratios, gpu_phases, step_ms_by_passes, speculator_host_ms, corpus_speedups,
-        greedy_differences, waves, sweep_ranking, slow_steps, output_pairs, first_token, speedup_check, grid_points,
-        validation, checks, decode_validation)}
+        step_costs, run_ratios, concurrency, best_fused, cost_model_check, burst, burst_blocks, replay, same_steps,
+        round_step_ms, gpu_phases, speculator_host_ms, corpus_speedups, greedy_differences, waves, sweep_ranking,
+        slow_steps, output_pairs, first_token, grid_points, validation, checks, decode_validation)}
 
 
 # --- evaluation ---------------------------------------------------------------------------------------------------
