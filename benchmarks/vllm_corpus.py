@@ -509,7 +509,7 @@ def finish(args: argparse.Namespace) -> int:
     if timed:  # the profiled points' steps that admit a request against those that only decode
         phases = pl.concat([pl.read_parquet(p) for p in timed], how="diagonal_relaxed")
         tables |= {"phases": phases, "admissions": admissions_table(phases, args.run)}
-    returned = {p for raw_path in args.raw for p in Path(raw_path).parent.glob(f"*{args.run}*.log*")}
+    returned = {p for raw_path in args.raw for p in results.logs_of(Path(raw_path).parent, args.run)}
     logs, info = results.run_logs(returned, "benchmarks/vllm_corpus.py")
     card = args.card or (results.card_of(machine) if machine else None)
     if card is None:

@@ -236,8 +236,8 @@ def finish(args: argparse.Namespace) -> None:
 
     tables = finish_tables(args.raw, args.run, reference=args.reference, commit=args.commit)
     rows = tables["rows"]
-    returned = {log for path in args.raw for log in Path(path).parent.glob("*.log*")
-                if Path(path).stem.removeprefix("vllm_gpu_") in log.name}
+    returned = {log for path in args.raw
+                for log in results.logs_of(Path(path).parent, Path(path).stem.removeprefix("vllm_gpu_"))}
     logs, info = results.run_logs(returned, "benchmarks/vllm_gpu.py")
     runners = sorted({str(r).upper() for r in rows["vllm_runner"].drop_nulls()}) if "vllm_runner" in rows.columns \
         else []

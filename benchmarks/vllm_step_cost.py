@@ -457,7 +457,7 @@ def finish_run(returned: str | Path, tag: str, root: str | Path | None = None, *
     if len(cards) != 1:
         raise SystemExit(f"run {tag}'s rows under {src} come from {len(cards)} kinds of card ({cards}): step costs "
                          "of different cards never share a run")
-    logs, found = results.run_logs(src.glob(f"*{tag}*.log*"), "benchmarks/")
+    logs, found = results.run_logs(results.logs_of(src, tag), "benchmarks/")
     raw = {"grid.jsonl": src / f"seed_scale_{tag}.jsonl"} if (src / f"seed_scale_{tag}.jsonl").exists() else {}
     meta = {"commit": grid["git_commit"][0], "benchmark": "benchmarks/vllm_step_cost.py"} | found | (info or {})
     folder = results.write_run("seed_scale", tag, card=cards[0], tables={"grid": grid} | (tables or {}),

@@ -76,6 +76,13 @@ def log_header(text: str) -> tuple[str | None, str | None]:
     return None, None
 
 
+def logs_of(folder: str | Path, tag: str) -> list[Path]:
+    """The logs a GPU call returned for the call `tag` (`<anything>_<tag>.log`, or `.log.gz`): the name
+    tools/gpu_host/vllm_host.py run --log gives them."""
+    name = re.compile(rf"(.*_)?{re.escape(tag)}\.log(\.gz)?")
+    return sorted(p for p in Path(folder).glob("*.log*") if name.fullmatch(p.name))
+
+
 def run_logs(paths: Iterable[str | Path], script: str) -> tuple[dict[str, Path], dict[str, Any]]:
     """The logs a GPU host returned with a run, as `write_run` files, and what the run's own log says of it: the log
     whose header runs `script` (e.g. "benchmarks/vllm_serve.py") becomes run.log and gives run.json its command and
@@ -276,6 +283,6 @@ def write_index(root: str | Path | None = None) -> Path:
     return write_atomic(_index_path(root), lambda tmp: tmp.write_text(body))
 
 
-__all__ = ["RESULTS", "RUN_FIELDS", "LOG_GZIP_BYTES", "MissingRun", "results_dir", "card_of", "log_header",
+__all__ = ["RESULTS", "RUN_FIELDS", "LOG_GZIP_BYTES", "MissingRun", "results_dir", "card_of", "log_header", "logs_of",
            "run_logs", "command_line", "index", "studies", "runs", "run_info", "run_path", "run_file", "trace_files",
            "read_text", "load", "write_parquet", "write_run", "remove_run", "build_index", "write_index"]

@@ -83,7 +83,10 @@ def test_a_log_header_gives_the_command_and_the_day_it_ran(tmp_path):
     assert results.log_header("no header\n") == (None, None)
     (tmp_path / "setup.log").write_text("== python3 -m pytest -q tests  2026-12-08 09:00:00\n")
     (tmp_path / "vllm_serve_s9.log").write_text(text)
-    files, info = results.run_logs(sorted(tmp_path.glob("*.log")), "benchmarks/vllm_serve.py")
+    for other in ("vllm_serve_s99.log", "prepare_s9x.log", "s9.log.gz"):
+        (tmp_path / other).write_text("")
+    assert [p.name for p in results.logs_of(tmp_path, "s9")] == ["s9.log.gz", "vllm_serve_s9.log"]
+    files, info = results.run_logs([tmp_path / "setup.log", tmp_path / "vllm_serve_s9.log"], "benchmarks/vllm_serve.py")
     assert files == {"setup.log": tmp_path / "setup.log", "run.log": tmp_path / "vllm_serve_s9.log"}
     assert info == {"command": "python3 benchmarks/vllm_serve.py together --tag s9", "date": "2026-12-08",
                     "date_from": "log"}
