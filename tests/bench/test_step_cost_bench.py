@@ -114,7 +114,7 @@ def test_base_folder_builds_every_shape_without_the_model(tmp_path):
 
 
 def test_a_point_keeps_its_mean_beside_the_median_when_outputs_come_in_bursts():
-    """Run s3a's batch-8 width-32 points at 8k: some engine calls returned without a forward pass (p10 below a
+    """A committed grid's batch-8 width-32 points at 8k: some engine calls returned without a forward pass (p10 below a
     single request's step) and others carried two steps. The median of such intervals is not the step; their mean
     (the wall time over the steps) is, and the row keeps both."""
     args = argparse.Namespace(tag="t", shape="qwen2.5-14b", quant="bf16", engine="process", commit="abc")

@@ -95,7 +95,7 @@ def test_the_runs_own_setting_is_projected_near_what_it_measured(requests, price
 
 def test_the_oracle_walk_of_own_history_is_the_plain_lookup(requests, prices):
     """Walking `reuse_by_position`'s own-history acceptances step by step is the plain lookup's replay; the better
-    of both sources bounds the c1 setting's tokens per step from above."""
+    of both sources bounds the run's corpus setting's tokens per step from above."""
     traces = cv.point_traces(requests, workload="multiturn", load=1)
     pos = cv.reuse_by_position(traces)
     plain = cv.project(traces, rc.parse("corpus:nmin=1,nmax=32,k=15,tie=earliest,tokens=0"), prices)
