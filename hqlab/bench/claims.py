@@ -402,7 +402,15 @@ def frame_of(claim: Claim, data: RunData) -> pl.DataFrame:
     else:
         raise ClaimError(f"{claim.what!r}: no view and no table {claim.view!r} of run {data.study}/{data.run} "
                          f"(views: {', '.join(VIEWS)}; its files: {', '.join(data.info['files'])})")
-    return frame.sql(f"SELECT * FROM self WHERE {claim.filter}") if claim.filter else frame
+    return _sql(claim, frame, f"SELECT * FROM self WHERE {claim.filter}") if claim.filter else frame
+
+
+def _sql(claim: Claim, frame: pl.DataFrame, query: str) -> pl.DataFrame:
+    try:
+        return frame.sql(query)
+    except Exception as e:  # polars raises several kinds for bad SQL
+        raise ClaimError(f"{claim.what!r}: {query!r} does not run on the view {claim.view!r} "
+                         f"(columns: {', '.join(frame.columns)}): {str(e).splitlines()[0]}") from None
 
 
 def _value(value: Any) -> Any:
@@ -438,11 +446,7 @@ def check(claim: Claim, data: RunData) -> Verdict:
     keys = ", ".join(f'"{k}"' for k in claim.by)
     query = (f"SELECT {keys}, {claim.metric} AS value FROM self GROUP BY {keys}" if claim.by
              else f"SELECT {claim.metric} AS value FROM self")
-    try:
-        out = frame.sql(query)
-    except Exception as e:  # polars raises several kinds for bad SQL
-        raise ClaimError(f"{claim.what!r}: {query!r} does not run on the view {claim.view!r} "
-                         f"(columns: {', '.join(frame.columns)}): {str(e).splitlines()[0]}") from None
+    out = _sql(claim, frame, query)
     found = [({k: row[k] for k in claim.by}, _value(row["value"])) for row in out.iter_rows(named=True)]
     held = bool(found) and all(holds(claim.op, v, claim.value, claim.tol) for _, v in found)
     return Verdict(claim, held, found)

@@ -122,6 +122,8 @@ def test_a_claim_that_cannot_be_evaluated_is_refused_by_name(small):
         verdict(small, metric="count(*)", op="==", value=1, view="grid")
     with pytest.raises(claims.ClaimError, match="does not run on the view 'rows' \\(columns: group, x, ok, label"):
         verdict(small, metric="max(no_such_column)", op="==", value=1)
+    with pytest.raises(claims.ClaimError, match="WHERE no_such_column > 1' does not run on the view 'rows'"):
+        verdict(small, metric="count(*)", op="==", value=1, filter="no_such_column > 1")
 
 
 def test_claims_are_read_from_beside_the_run_and_a_bad_file_names_itself(small):
