@@ -7,9 +7,10 @@ Configs: no speculation (reference), hqlab lookup with HyperQwen's fused-setting
 suffix-length sweep's best standalone lookup (--standalone-from), hqlab's Spec-Bench PLD, and transformers' own
 prompt lookup (hf-pld k=10) timed by the same harness.
 
-Writes data/results/core_<tag>.parquet (+ .steps.parquet) and figures/core_<tag>_*.svg/png.
+Writes the run data/results/core/<tag>/ (rows.parquet, steps.parquet, run.json: hqlab.bench.results) and
+figures/core_<tag>_*.svg/png.
 Usage: python benchmarks/bench_core.py [--tag cpu] [--repeats 1] [--device auto] [--doc-tokens 2000]
-       [--standalone-from data/results/suffix_sweep.parquet]
+       [--standalone-from data/results/suffix_lengths/cpu/sweep.parquet]
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pathlib import Path
 
 import polars as pl
 
-from hqlab import bench
+from hqlab import bench, provenance
+from hqlab.bench import results as committed
 from hqlab.replay import sweep
 
 CONFIGS = ["lookup:nmin=6,nmax=12,k=15", "lookup:nmin=6,nmax=12,k=7", "pld:n=3,k=10", "hf-pld:k=10"]
@@ -49,7 +51,10 @@ def main() -> None:
     results, steps = bench.run_suites("hf", {suite: tokens[suite] for suite in args.suites.split(",")}, configs,
                                       model=args.model, device=args.device, doc_tokens=args.doc_tokens,
                                       repeats=args.repeats)
-    bench.write_results(Path("data/results") / f"core_{args.tag}.parquet", results, steps)
+    committed.write_run("core", args.tag, card=committed.card_of(results["machine"][0]),
+                        tables={"rows": results, "steps": steps},
+                        info={"commit": provenance.git_commit(), "command": committed.command_line(),
+                              "benchmark": "benchmarks/bench_core.py"})
     with pl.Config(tbl_rows=100, tbl_cols=20, tbl_width_chars=220):
         print(bench.summarize(results))
     print(results["machine"][0])

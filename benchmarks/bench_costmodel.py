@@ -8,8 +8,8 @@ predict, then measure live and compare.
 3. Measure: run the same configurations live on the engine (`hqlab.bench.run_bench`) and compare decode tok/s
    per request and per suite (tokens / summed time).
 
-Writes data/results/costmodel_<tag>.parquet (one row per configuration x request; with --repeats the live
-numbers are medians of the repeats) and data/results/costmodel_<tag>_grid.parquet (the calibration grid).
+Writes the run data/results/costmodel/<tag>/ (hqlab.bench.results): rows.parquet (one row per configuration x
+request; with --repeats the live numbers are medians of the repeats) and grid.parquet (the calibration grid).
 Usage: python benchmarks/bench_costmodel.py [--tag cpu] [--model qwen2.5-coder-0.5b] [--device cpu|cuda]
            [--suite labd] [--max-new-tokens 128] [--doc-tokens 1500] [--repeats 1] [--threads N]
 """
@@ -23,21 +23,22 @@ from pathlib import Path
 import polars as pl
 
 from hqlab import bench
+from hqlab.bench import results
 from hqlab.config import DecodeConfig
 from hqlab.engines.hf import HFEngine
-from hqlab.io import REPO, write_atomic
 from hqlab.proposers import make_proposer
-from hqlab.provenance import machine_description
+from hqlab.provenance import git_commit, machine_description
 from hqlab.replay import sweep
 from hqlab.replay.costmodel import CostModel, measure_step_times
 from hqlab.replay.traces import record_traces
 from hqlab.workloads import load_workload
+
 CONFIGS = ["lookup:nmin=6,nmax=12,k=15", "lookup:nmin=1,nmax=32,k=15,policy=earliest", "pld:n=3,k=10"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tag", default="cpu", help="names the outputs: costmodel_<tag>.parquet")
+    ap.add_argument("--tag", default="cpu", help="the run's name: data/results/costmodel/<tag>/")
     ap.add_argument("--model", default=None, help="model name or path (default: the embedded default)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--repeats", type=int, default=1, help="live runs per configuration and request (median)")
@@ -51,9 +52,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default). On a shared "
                     "machine one thread can be much faster than two: calibrate and run with the same setting")
-    ap.add_argument("--out", type=Path, default=None, help="default: data/results/costmodel_<tag>.parquet")
+    ap.add_argument("--results", type=Path, default=None, help="the results folder (default data/results)")
     args = ap.parse_args()
-    args.out = args.out or REPO / f"data/results/costmodel_{args.tag}.parquet"
     configs = args.configs or CONFIGS
     if args.threads:
         import torch
@@ -71,8 +71,7 @@ def main() -> None:
                               [int(x) for x in args.verify_lens.split(",")], repeats=args.rounds)
     cost = CostModel.fit(grid)
     print(cost.describe())
-    write_atomic(args.out.with_name(args.out.stem + "_grid.parquet"),
-                 lambda t: grid.with_columns(pl.lit(machine).alias("machine")).write_parquet(t))
+    grid = grid.with_columns(pl.lit(machine).alias("machine"))
 
     predicted = []
     for spec in configs:
@@ -90,7 +89,10 @@ def main() -> None:
         ((pl.col("new_tokens") - 1) / pl.col("pred_decode_s")).alias("predicted_tok_s"),
         pl.lit(os.getloadavg()[0]).alias("load_avg_1m"))
     rows = rows.with_columns((pl.col("predicted_tok_s") / pl.col("decode_tok_s") - 1).alias("tok_s_error"))
-    write_atomic(args.out, lambda t: rows.write_parquet(t))
+    folder = results.write_run("costmodel", args.tag, card=results.card_of(machine),
+                               tables={"rows": rows, "grid": grid}, root=args.results,
+                               info={"commit": git_commit(), "command": results.command_line(),
+                                     "benchmark": "benchmarks/bench_costmodel.py"})
     suite = (rows.group_by("config", maintain_order=True)
              .agg(((pl.col("new_tokens") - 1).sum() / ((pl.col("new_tokens") - 1) / pl.col("decode_tok_s")).sum())
                   .alias("measured_tok_s"),
@@ -100,7 +102,7 @@ def main() -> None:
         print(rows.select("config", "prompt_id", "divergence", "tokens_per_step", "tokens_per_step_replay",
                           "decode_tok_s", "predicted_tok_s", "tok_s_error"))
         print(suite)
-    print(f"wrote {args.out}")
+    print(f"wrote {folder}")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ no-speculation output:
 Then all prompts concurrently at batch 4: no speculation, fused adaptive per-request, fused adaptive unanimous
 (HyperQwen's batch rule), each checked against the batch-1 reference.
 
-Writes data/results/fusion_<tag>.parquet (+ .steps.parquet) and fusion_<tag>_batch.parquet (+ .steps);
-the figures come from notebooks/fusion.py.
+Writes the run data/results/fusion/<tag>/ (rows, steps, batch, batch_steps; hqlab.bench.results); the figures come
+from notebooks/fusion_benchmark.py.
 Usage: python benchmarks/bench_fusion.py [--tag cpu] [--device auto] [--doc-tokens 1500] [--new-tokens 160]
 """
 
@@ -34,18 +34,18 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=160)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--out-dir", type=Path, default=Path("data/results"))
+    ap.add_argument("--results", type=Path, default=None, help="the results folder (default data/results)")
     ap.add_argument("--skip-single", action="store_true", help="only the batch part")
     ap.add_argument("--skip-batch", action="store_true", help="only the single-request part")
     args = ap.parse_args()
 
-    frames = fusion_benchmark(args.tag, args.out_dir, target=args.target, drafter=args.drafter, device=args.device,
+    frames = fusion_benchmark(args.tag, args.results, target=args.target, drafter=args.drafter, device=args.device,
                               dtype=args.dtype, doc_tokens=args.doc_tokens, new_tokens=args.new_tokens,
                               repeats=args.repeats, batch=args.batch, single=not args.skip_single,
                               batched=not args.skip_batch)
     with pl.Config(tbl_rows=100, tbl_cols=20, tbl_width_chars=220):
         for name, results in frames.items():
-            print(bench.summarize(results) if not name.endswith("_batch") else results.select(
+            print(bench.summarize(results) if name == "rows" else results.select(
                 "config", "prompt_id", "tokens_per_step", "mean_block", "long_share", "batch_tok_s", "divergence"))
             print(results["machine"][0])
 

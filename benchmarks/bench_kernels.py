@@ -45,8 +45,9 @@ import numpy as np
 from hqlab.rules.lookup import suffix_match
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "data" / "results" / "kernels_h200.parquet"
-SWEEP_RESULTS = ROOT / "data" / "results" / "kernels_h200_sweep.parquet"
+# the committed run's tables (data/results/kernels/h200/, hqlab.bench.results): a GPU run rewrites them in place
+RESULTS = ROOT / "data" / "results" / "kernels" / "h200" / "rows.parquet"
+SWEEP_RESULTS = ROOT / "data" / "results" / "kernels" / "h200" / "sweep.parquet"
 FIGURE = ROOT / "figures" / "kernels_latency"
 
 SHAPES = [(b, n) for b in (1, 8, 64) for n in (4_096, 32_768, 131_072)] + [(1, 1_048_576)]

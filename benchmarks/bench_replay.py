@@ -1,7 +1,7 @@
 """Replay speed (issue acceptance): >= 1M target tokens/s per configuration for the lookup proposer, and a
 100-point sweep over 200k trace tokens in under a minute, on this machine.
 
-Traces: the committed trace set of the 0.5B (labd + chat suites, 128 new tokens; data/results/traces_*.parquet),
+Traces: the committed trace set of the 0.5B (labd + chat suites, 128 new tokens; data/results/traces/0.5b_all_128/),
 repeated under distinct request names until there are >= 200k target (output) tokens. The histories replayed
 include every prompt token (about 7 per output token here), and the replay sees each repeat as a separate request.
 
@@ -12,7 +12,7 @@ shared: the load average is recorded with every row):
   warm        one configuration on an index shared with earlier configurations (how a sweep runs)
   sweep       `hqlab.replay.sweep.sweep` over 100 lookup configurations, proposal cost timed and every step priced
 
-Writes data/results/replay_speed.parquet and figures/replay_speed.svg/png.
+Writes the run data/results/replay_speed/cpu/ (hqlab.bench.results) and figures/replay_speed.svg/png.
 Usage: python benchmarks/bench_replay.py [--tokens 200000] [--repeats 3] [--sweep-points 100]
 """
 
@@ -27,15 +27,16 @@ import numpy as np
 import polars as pl
 
 from hqlab import plots
-from hqlab.bench import part_path
-from hqlab.io import REPO, write_atomic
+from hqlab.bench import results
+from hqlab.io import REPO
 from hqlab.proposers import make_proposer
-from hqlab.provenance import cpu_name
+from hqlab.provenance import cpu_name, git_commit
 from hqlab.replay import fast as fastreplay
 from hqlab.replay import sweep
 from hqlab.replay.costmodel import CostModel
 from hqlab.replay.step import step_replay
 from hqlab.replay.traces import Trace, load_traces
+
 CONFIGS = ["lookup:nmin=6,nmax=12,k=15", "lookup:nmin=1,nmax=32,k=15,policy=earliest", "lookup:nmin=2,nmax=12,k=8",
            "pld:n=3,k=10"]
 
@@ -53,11 +54,11 @@ def timed(fn, repeats: int) -> tuple[float, float, object]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--traces", type=Path, default=REPO / "data/results/traces_0.5b_all_128.parquet")
+    ap.add_argument("--traces", type=Path, default=results.run_file("traces", "0.5b_all_128", "traces.parquet"))
     ap.add_argument("--tokens", type=int, default=200_000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sweep-points", type=int, default=100)
-    ap.add_argument("--out", type=Path, default=REPO / "data/results/replay_speed.parquet")
+    ap.add_argument("--results", type=Path, default=None, help="the results folder (default data/results)")
     ap.add_argument("--figure", type=Path, default=REPO / "figures/replay_speed.svg")
     args = ap.parse_args()
 
@@ -107,8 +108,7 @@ def main() -> None:
 
     specs = sweep.parse_grid("lookup:nmin=1|2|3|4|6|8,nmax=4|8|12|16|32,k=8|15,policy=recent|earliest")
     specs = specs[: args.sweep_points]
-    core = part_path(REPO / "data/results/core_cpu.parquet")
-    cost = CostModel.fit_steps(pl.read_parquet(core).filter(pl.col("config") != "hf-pld:k=10"))
+    cost = CostModel.fit_steps(results.load("core", "cpu", "steps").filter(pl.col("config") != "hf-pld:k=10"))
     wall, cpu, frame = timed(lambda: sweep.sweep(traces, specs, cost=cost, progress=False), 1)
     record("sweep", f"{len(specs)} lookup configurations", wall, cpu, target * len(specs),
            per_config_s=wall / len(specs))
@@ -116,9 +116,11 @@ def main() -> None:
           f"({wall / len(specs) * 1e3:.0f} ms per configuration, proposal timing and pricing included)")
 
     result = pl.DataFrame(rows)
-    write_atomic(args.out, lambda tmp: result.write_parquet(tmp))
+    folder = results.write_run("replay_speed", "cpu", card="cpu", tables={"rows": result}, root=args.results,
+                               info={"commit": git_commit(), "command": results.command_line(),
+                                     "benchmark": "benchmarks/bench_replay.py"})
     plots.save(speed_chart(result), args.figure)
-    print(f"wrote {args.out} and {args.figure}")
+    print(f"wrote {folder} and {args.figure}")
 
 
 def speed_chart(result: pl.DataFrame):

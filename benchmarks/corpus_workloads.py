@@ -5,7 +5,7 @@ assistant message is the 0.5B model's own greedy answer to the request before it
 generated in waves (all sessions' turn t, then turn t + 1), batched on the transformers engine, and written in that
 order, which is the order a client running every session at once sends them:
 
-    python benchmarks/corpus_workloads.py                 # all three, then data/results/traces_0.5b_corpus_128.parquet
+    python benchmarks/corpus_workloads.py                 # all three, then data/results/traces/0.5b_corpus_128/
     python benchmarks/corpus_workloads.py --dry-run       # the first wave's prompts and their token counts only
     python benchmarks/corpus_workloads.py --workloads prose   # traces of the control set (prose.jsonl) only
 
@@ -31,7 +31,8 @@ from hqlab.io import REPO, sha256_file, write_atomic
 from hqlab.workloads import DOCUMENT
 
 OUT_DIR = REPO / "data" / "workloads"
-TRACES = REPO / "data" / "results" / "traces_0.5b_corpus_128.parquet"
+TRACE_SET = "0.5b_corpus_128"  # the run of the study `traces` (hqlab.bench.results) that holds their traces
+TRACES = REPO / "data" / "results" / "traces" / TRACE_SET / "traces.parquet"
 META = OUT_DIR / "corpus_workloads.meta.json"
 WORKLOADS = ("multiturn", "template", "agent", "batch")
 CONTROLS = ("prose",)  # traces only: its request file is data/workloads/prose.jsonl
@@ -324,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from hqlab import models, provenance
+    from hqlab.bench import results
     from hqlab.config import DecodeConfig
     from hqlab.replay.traces import Trace, TraceOrigin, load_traces, save_traces, shipped_model
     from hqlab.workloads import encode_chat
@@ -376,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         traces = [t for t in load_traces(TRACES) if t.category not in which] + traces
     traces.sort(key=lambda t: (WORKLOADS + CONTROLS).index(t.category))
     save_traces(traces, TRACES, model=shipped_model(origin))
+    results.write_run("traces", TRACE_SET, card=results.card_of(origin.device),
+                      info={"commit": provenance.git_commit(), "command": results.command_line(),
+                            "benchmark": "benchmarks/corpus_workloads.py"})
     if not set(which) & set(WORKLOADS):  # a control's traces only: the workloads' record stays as it was
         print(f"wrote {TRACES.relative_to(REPO)} ({len(traces)} traces)")
         return 0

@@ -13,8 +13,8 @@ With `--draft-scales`, also the acceptance of a draft drawn at temperature x sca
 against its own tempered distribution) at the same positions: does drawing the drafter hotter or colder than the
 request bring it closer to the target?
 
-Writes data/results/draft_sampling_cpu.parquet (one row per dataset, prompt, temperature and answer position) and,
-with --draft-scales, data/results/draft_temperature_cpu.parquet (the same, per scale); the figures come from
+Writes the run data/results/draft_sampling/cpu/ (one row per dataset, prompt, temperature and answer position)
+and, with --draft-scales, data/results/draft_temperature/cpu/ (the same, per scale); the figures come from
 notebooks/serving.py.
 Usage: python benchmarks/draft_sampling_cpu.py [--prompts 6] [--new-tokens 96] [--temperature 0.7 ...]
            [--draft-scales 0.6,0.8,0.9,1,1.1,1.25]   (~15 min on 2 cores)
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hqlab import models  # noqa: E402
-from hqlab.io import write_atomic  # noqa: E402
+from hqlab.bench import results  # noqa: E402
 from hqlab.provenance import git_commit, machine_description  # noqa: E402
 from hqlab.replay.sampled_drafts import acceptance, draft_temperature_summary  # noqa: E402
 from hqlab.workloads import load_workload  # noqa: E402
@@ -52,8 +52,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--draft-scales", default="", help="comma-separated multipliers of the temperature to draw the "
                     "drafter at (1 is added: the others are compared with it)")
-    ap.add_argument("--out", type=Path, default=ROOT / "data" / "results" / "draft_sampling_cpu.parquet")
-    ap.add_argument("--scales-out", type=Path, default=ROOT / "data" / "results" / "draft_temperature_cpu.parquet")
+    ap.add_argument("--results", type=Path, default=None, help="the results folder (default data/results)")
     args = ap.parse_args()
     try:
         scales = sorted({1.0, *(float(x) for x in args.draft_scales.split(",") if x.strip())}) \
@@ -96,17 +95,19 @@ def main() -> None:
     provenance = dict(target=pl.lit(args.target), drafter=pl.lit(args.drafter),
                       machine=pl.lit(machine_description("cpu")), git_commit=pl.lit(git_commit()))
     rows = pl.concat(frames).with_columns(**provenance)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out, rows.write_parquet)
+    info = {"commit": git_commit(), "command": results.command_line(), "benchmark": "benchmarks/draft_sampling_cpu.py"}
+    folder = results.write_run("draft_sampling", "cpu", card="cpu", tables={"rows": rows}, info=info,
+                               root=args.results)
     if scale_frames:
         by_scale = pl.concat(scale_frames).with_columns(**provenance)
-        write_atomic(args.scales_out, by_scale.write_parquet)
+        scales_folder = results.write_run("draft_temperature", "cpu", card="cpu", tables={"rows": by_scale},
+                                          info=info, root=args.results)
         print(draft_temperature_summary(by_scale))
-        print(f"wrote {args.scales_out}")
+        print(f"wrote {scales_folder}")
     summary = rows.group_by("dataset", "temperature").agg(pl.col("greedy_draft", "sampled_draft").mean(),
                                                          pl.len().alias("positions")).sort("dataset", "temperature")
     print(summary)
-    print(f"wrote {args.out}")
+    print(f"wrote {folder}")
 
 
 if __name__ == "__main__":

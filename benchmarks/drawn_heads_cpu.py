@@ -15,7 +15,7 @@ is measured, not assumed. Tokens a step do not depend on the machine (up to floa
 Target Qwen2.5-Coder-1.5B-Instruct, drafter Qwen2.5-Coder-0.5B-Instruct, fp32, one request at a time, the serving
 benchmark's prose set (`data/workloads/prose.jsonl`, chat-templated), seeded sampling at the temperature.
 
-Writes data/results/drawn_heads_cpu.parquet (one row per config, prompt and verify step); the figure comes from
+Writes the run data/results/drawn_heads/cpu/ (one row per config, prompt and verify step); the figure comes from
 notebooks/serving.py.
 Usage: python benchmarks/drawn_heads_cpu.py [--prompts 12] [--new-tokens 96] [--temperature 0.7] [--heads 1,2,3]
        (~30 min on 2 cores)
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hqlab.config import DecodeConfig  # noqa: E402
-from hqlab.io import write_atomic  # noqa: E402
+from hqlab.bench import results  # noqa: E402
 from hqlab.provenance import git_commit, machine_description  # noqa: E402
 from hqlab.proposers import make_proposer  # noqa: E402
 from hqlab.replay.sampled_drafts import head_summary  # noqa: E402
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--heads", default="1,2,3", help="comma-separated drafter head lengths (draft_block)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=ROOT / "data" / "results" / "drawn_heads_cpu.parquet")
+    ap.add_argument("--results", type=Path, default=None, help="the results folder (default data/results)")
     args = ap.parse_args()
     if args.temperature <= 0:
         ap.error("--temperature must be > 0: greedy and drawn drafts differ only under sampling")
@@ -92,9 +92,11 @@ def main() -> None:
     rows = pl.concat(frames).with_columns(
         temperature=pl.lit(args.temperature), target=pl.lit(args.target), drafter=pl.lit(args.drafter),
         seed=pl.lit(args.seed), machine=pl.lit(machine_description("cpu")), git_commit=pl.lit(git_commit()))
-    write_atomic(args.out, rows.write_parquet)
+    folder = results.write_run("drawn_heads", "cpu", card="cpu", tables={"rows": rows}, root=args.results,
+                               info={"commit": git_commit(), "command": results.command_line(),
+                                     "benchmark": "benchmarks/drawn_heads_cpu.py"})
     print(head_summary(rows))
-    print(f"wrote {args.out}")
+    print(f"wrote {folder}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 is served, beside the 0.5B's shorter traces.
 
     python benchmarks/gate_traces.py            # records what the trace cache lacks (CPU: about half an hour)
-                                                # -> data/results/traces_1.5b_prose_chat_256.parquet
+                                                # -> data/results/traces/1.5b_prose_chat_256/
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-OUT = ROOT / "data" / "results" / "traces_1.5b_prose_chat_256.parquet"
+TRACE_SET = "1.5b_prose_chat_256"  # the run of the study `traces` (hqlab.bench.results) that holds them
 SUITES = (str(ROOT / "data" / "workloads" / "prose.jsonl"), "chat")
 
 
@@ -24,9 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="qwen2.5-coder-1.5b")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--out", default=str(OUT))
+    p.add_argument("--results", default=None, help="the results folder (default data/results)")
     args = p.parse_args(argv)
 
+    from hqlab import provenance
+    from hqlab.bench import results
     from hqlab.replay.traces import cached_traces, save_traces, shipped_model
 
     traces, engine = [], None
@@ -35,7 +37,11 @@ def main(argv: list[str] | None = None) -> int:
         traces += found.traces
         engine = found.engine or engine
         origin = found.origin
-    path = save_traces(traces, args.out, model=shipped_model(origin))
+    path = save_traces(traces, results.results_dir(args.results) / "traces" / TRACE_SET / "traces.parquet",
+                       model=shipped_model(origin))
+    results.write_run("traces", TRACE_SET, card=results.card_of(origin.device), root=args.results,
+                      info={"commit": provenance.git_commit(), "command": results.command_line(),
+                            "benchmark": "benchmarks/gate_traces.py"})
     print(f"{len(traces)} traces -> {path}")
     return 0
 

@@ -36,9 +36,9 @@ validation_<tag>.json (the plan, what ran, was cut or skipped, and why): five to
       python3 benchmarks/seed_scale_validation.py run --tag v1 --commit $(git rev-parse --short HEAD) --budget-s 520
   CPU (here):
       python benchmarks/seed_scale_validation.py finish RETURNED_DIR
-    -> data/results/seed_scale_<card>.parquet (the grid rows, run <tag>), data/results/seed_scale_validation_<card>
-    .parquet (+ .steps, .repeats, .phases: the decodes, runs <tag>_05b and <tag>_15b) and its .check.parquet (the
-    validation table), printing the (config, class) pairs within +-10 %.
+    -> data/results/seed_scale/<tag>/: grid.parquet (the grid rows), rows.parquet, steps.parquet, repeats.parquet,
+    phases.parquet (the decodes, runs <tag>_05b and <tag>_15b), check.parquet (the validation table) and the
+    returned files, printing the (config, class) pairs within +-10 %.
 """
 
 from __future__ import annotations
@@ -373,11 +373,12 @@ def show_plan(args: argparse.Namespace) -> int:
 
 
 def finish(args: argparse.Namespace) -> int:
+    """The returned dir of one validation call -> data/results/seed_scale/<tag>/: the grid (grid.parquet), the
+    decodes of both models (rows, steps, repeats, phases: runs <tag>_05b and <tag>_15b), the validation table
+    (check.parquet) and what the host returned as it came (hqlab.bench.results.write_run)."""
     import polars as pl
 
     from benchmarks import vllm_gpu
-    from hqlab.bench import part_path
-    from hqlab.io import replace_runs, write_atomic
     from hqlab.replay import scale
 
     src = Path(args.returned)
@@ -389,11 +390,8 @@ def finish(args: argparse.Namespace) -> int:
     for x in status["items"]:
         print(f"GPU side: {x['name']}: {x['status']}{' in %.0f s' % x['seconds'] if x['seconds'] else ''}"
               f"{' (' + x['why'] + ')' if x['why'] else ''}")
-    grid_path = grid_bench.finish_rows(src, args.grid_out)
-    costs = pl.read_parquet(grid_path).filter(pl.col("run") == tag)
-    card = grid_bench.card_of(costs["machine"][0])
-    out = Path(args.out or ROOT / "data" / "results" / f"seed_scale_validation_{card.lower()}.parquet")
-    runs = {}
+    costs = grid_bench.grid_rows(src)[tag]
+    runs, decodes, files = {}, [], {"validation.json": found[0]}
     for model, short in SHORT.items():
         raw = src / f"vllm_gpu_{tag}_{short}.parquet"
         if not raw.exists():
@@ -403,23 +401,26 @@ def finish(args: argparse.Namespace) -> int:
         if meta["machine"] not in set(costs["machine"]):
             raise SystemExit(f"{raw.name} decoded on {meta['machine']!r}, the grid rows of run {tag} were measured on "
                              f"{sorted(set(costs['machine']))}: not the same machine")
-        run_name = f"{tag}_{short}"
-        vllm_gpu.main(["finish", str(raw), "--out", str(out), "--run", run_name, "--append", "--commit", commit])
-        runs[model] = run_name
+        runs[model] = f"{tag}_{short}"
+        decodes.append(vllm_gpu.finish_tables([str(raw)], runs[model], commit=commit))
+        meta_path = raw.with_suffix(".json")
+        packed = meta_path.with_name(meta_path.name + ".gz")
+        files |= {f"raw_{short}.parquet": raw,
+                  **({f"raw_{short}.json": meta_path} if meta_path.exists() else {f"raw_{short}.json.gz": packed})}
     if not runs:
         raise SystemExit("no decodes to validate against")
-    results, steps = pl.read_parquet(out), pl.read_parquet(part_path(out, "steps"))
-    phases_path = part_path(out, "phases")
-    phases = pl.read_parquet(phases_path) if phases_path.exists() else None
-    repeats_path = part_path(out, "repeats")  # how far each pair's own repeats agree: where not, no model can
+    tables = {kind: pl.concat([d[kind] for d in decodes if kind in d], how="diagonal_relaxed")
+              for kind in ("rows", "steps", "repeats", "phases", "profile_steps") if any(kind in d for d in decodes)}
     priced, statistic = scale.decode_costs(costs)
     print(f"grid run {tag}: decodes priced with each point's {statistic} step")
-    table = scale.validate_runs(priced, steps, results, {run: SHAPE_OF[model] for model, run in runs.items()},
-                                phases=phases, repeats=pl.read_parquet(repeats_path) if repeats_path.exists() else None,
-                                say=print).with_columns(pl.lit(statistic).alias("cost_statistic"))
-    check = part_path(out, "check")  # every earlier run's rows stay; this run's replace its own
-    merged = replace_runs(pl.read_parquet(check) if check.exists() else None, table)
-    write_atomic(check, lambda tmp: merged.write_parquet(tmp))
+    table = scale.validate_runs(priced, tables["steps"], tables["rows"],
+                                {run: SHAPE_OF[model] for model, run in runs.items()}, phases=tables.get("phases"),
+                                repeats=tables.get("repeats"), say=print).with_columns(
+        pl.lit(statistic).alias("cost_statistic"))
+    runners = sorted({str(r).upper() for r in tables["rows"]["vllm_runner"].drop_nulls()})
+    folder = grid_bench.finish_run(src, tag, args.results, tables=tables | {"check": table}, files=files,
+                                   info={"commit": commit, "benchmark": "benchmarks/seed_scale_validation.py",
+                                         "vllm_runner": runners or None})
     with pl.Config(tbl_rows=100, tbl_width_chars=200, fmt_str_lengths=40):
         print(table.select("run", "label", "category", "prompts", "measured_tok_s", "predicted_tok_s", "ratio",
                            "within", "predicted_step_ms", "recorded_step_ms", "clamped_share"))
@@ -434,7 +435,7 @@ def finish(args: argparse.Namespace) -> int:
     if table.filter(pl.col("config") == "none").height:
         speedups = scale.speedup_check(table)
         print(f"speedup ÷ none within ±10 %: {int(speedups['speedup_within'].sum())} of {speedups.height}")
-    print(f"grid rows: {grid_path}; decodes: {out}; validation table: {check}")
+    print(f"grid, decodes and validation table of run {tag}: {folder}")
     return 0
 
 
@@ -468,9 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     f = sub.add_parser("finish", help="CPU: the returned dir -> grid rows, decodes, validation")
     f.add_argument("returned")
     f.add_argument("--commit", default=None, help="default: the commit the GPU side was given")
-    f.add_argument("--out", default=None, help="the decodes' results parquet (default "
-                   "data/results/seed_scale_validation_<card>.parquet)")
-    f.add_argument("--grid-out", default=None, help="default: data/results/seed_scale_<card>.parquet")
+    f.add_argument("--results", default=None, help="the results folder (default data/results)")
     args = p.parse_args(argv)
     if getattr(args, "model", None) is None and args.cmd in ("run", "plan"):
         args.model = sorted(SHAPE_OF)

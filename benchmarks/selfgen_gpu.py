@@ -3,8 +3,8 @@
 Resumable: run the same command again (same output path, model and settings) and it continues where the last
 run stopped, skipping ids already written; a line cut short by a killed run is dropped. Progress (records and
 tok/s) shows on stderr. With --latency-sizes it then measures the draft step latency vs draft vocabulary size
-on the same device (`hqlab.vocab.measure_draft_latency`), written to data/results/vocab_latency_gpu_<model>.json
-where the draft_vocab notebook picks it up.
+on the same device (`hqlab.vocab.measure_draft_latency`), written as the run data/results/vocab_latency/<model>/
+(latency.json; hqlab.bench.results) where the draft_vocab notebook picks it up.
 
 Usage:
   PYTHONPATH=. python benchmarks/selfgen_gpu.py --model PATH_OR_NAME --records 4000 --batch-size 128 \
@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
     ap.add_argument("--latency-sizes", default="", help="comma-separated draft vocab sizes to time after generating")
     ap.add_argument("--latency-context", type=int, default=512)
-    ap.add_argument("--latency-out", type=Path, default=None,
-                    help="latency JSON (default: data/results/vocab_latency_gpu_<model>.json, read by the notebook)")
+    ap.add_argument("--results", type=Path, default=None,
+                    help="the results folder the latency run goes to (default data/results, read by the notebook)")
     args = ap.parse_args(argv)
 
     import torch
@@ -68,10 +68,13 @@ def main(argv: list[str] | None = None) -> int:
         rows = vocab.measure_draft_latency(model, sizes, context=args.latency_context)
         for r in rows:
             r.update(model=info.name, dtype=info.dtype, device=machine_description(next(model.parameters()).device))
-        path = args.latency_out or Path("data/results") / f"vocab_latency_gpu_{Path(info.name).name}.json"
-        from hqlab.io import write_atomic
+        from hqlab.bench import results
+        from hqlab.provenance import git_commit
 
-        write_atomic(path, lambda tmp: tmp.write_text(json.dumps(rows, indent=1) + "\n"))
+        path = results.write_run("vocab_latency", Path(info.name).name, card=results.card_of(rows[0]["device"]),
+                                 files={"latency.json": (json.dumps(rows, indent=1) + "\n").encode()},
+                                 info={"commit": git_commit(), "command": results.command_line(),
+                                       "benchmark": "benchmarks/selfgen_gpu.py"}, root=args.results)
         for r in rows:
             print(f"N={r['n']:>7}: {r['step_ms']:.3f} ms/draft step (head {r['head_ms']:.3f} ms)", file=sys.stderr)
         print(f"wrote {path}", file=sys.stderr)

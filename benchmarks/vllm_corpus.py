@@ -10,13 +10,13 @@ it and against no speculation, on the corpus workloads and prose, one request at
     with --profile also $OUT/vllm_corpus_<tag>.phases.parquet (the worker's timed calls, `worker.StepTimer`).
   CPU (here):
       python benchmarks/vllm_corpus.py finish RETURNED/vllm_corpus_c1.parquet --run c1
-    writes data/results/vllm_corpus_h200.parquet (one row per point: decode tok/s, tokens/step, the ratios to the
-    same lookup without the corpus and to `none`, greedy outputs against `none`, the replay's exactness) and
-    data/results/vllm_corpus_h200.requests.parquet (one row per request: config, workload, load, repeat, request
-    order, corpus insertion number, prompt and output ids, per-step history length, corpus documents, emitted and
-    accepted counts); `--append` keeps the other runs already there. Where a .phases.parquet lies beside the raw
-    file, also data/results/vllm_corpus_h200.admissions.parquet (per point, the steps that admit a request against
-    those that only decode: `hqlab.bench.engine_steps`).
+    puts the run in place, data/results/corpus/<run>/ (hqlab.bench.results): rows.parquet (one row per point:
+    decode tok/s, tokens/step, the ratios to the same lookup without the corpus and to `none`, greedy outputs
+    against `none`, the replay's exactness), requests.parquet (one row per request: config, workload, load, repeat,
+    request order, corpus insertion number, prompt and output ids, per-step history length, corpus documents,
+    emitted and accepted counts), the raw .json and the call's log. Where a .phases.parquet lies beside the raw
+    file, also phases.parquet and admissions.parquet (per point, the steps that admit a request against those
+    that only decode: `hqlab.bench.engine_steps`).
   Plan only (CPU, no vLLM engine): python benchmarks/vllm_corpus.py bench --tag c1 --dry-run
 
 What runs. Three engines of Qwen2.5-Coder-1.5B-Instruct (`hqlab.models.prepare("qwen2.5-coder-1.5b")`), one per
@@ -71,7 +71,6 @@ LOADS = (1, 8)
 REQUESTS = ("1=10", "8=16", "prose:1=6")
 MODEL = "qwen2.5-coder-1.5b"
 MAX_NEW_TOKENS = 256
-RESULTS = ROOT / "data" / "results" / "vllm_corpus_h200.parquet"
 # What the plan assumes before a point has run (H200, 1.5B): decode rates of `none` (speculation only speeds it up)
 # and a start-up for the three engines built together.
 EST_TOK_S = {1: 400.0, 8: 2000.0}
@@ -473,26 +472,29 @@ def point_rows(raw: list[dict[str, Any]], run: str) -> list[dict[str, Any]]:
 
 
 def finish(args: argparse.Namespace) -> int:
+    """One run's raw files -> data/results/corpus/<run>/ (hqlab.bench.results.write_run)."""
     import polars as pl
     import pyarrow.parquet as pq
 
     from hqlab import provenance
+    from hqlab.bench import results
 
     raw: list[dict[str, Any]] = []
     meta: dict[str, Any] = {}
-    for path in args.raw:
+    files: dict[str, Path] = {}
+    for path in map(Path, args.raw):
         raw += pq.read_table(path).to_pylist()
-        meta_path = Path(path).with_suffix(".json")
-        if meta_path.exists():
-            meta = json.loads(meta_path.read_text())
+        if path.with_suffix(".json").exists():
+            meta = json.loads(path.with_suffix(".json").read_text())
+            files["raw.json"] = path.with_suffix(".json")
     if not raw:
         raise SystemExit("no requests in the raw files")
-    out = Path(args.out)
     points = pl.DataFrame(point_rows(raw, args.run), infer_schema_length=None)
     versions = meta.get("versions", {})
+    machine = str(versions.get("device", meta.get("machine", "")))
     points = points.with_columns(pl.lit(args.commit or provenance.git_commit()).alias("git_commit"),
                                  pl.lit(str(versions.get("vllm"))).alias("vllm"),
-                                 pl.lit(str(versions.get("device", meta.get("machine", "")))).alias("device"),
+                                 pl.lit(machine).alias("device"),
                                  pl.lit(meta.get("model", MODEL)).alias("model"))
     engines = meta.get("engines") or []  # what vLLM chose per engine (model runner, scheduling, CUDA graphs)
     if engines:
@@ -502,39 +504,35 @@ def finish(args: argparse.Namespace) -> int:
         points = points.join(chosen, on="config", how="left")
     requests = pl.DataFrame([{**{k: v for k, v in r.items() if k != "steps"}, "run": args.run,
                               **_step_columns(json.loads(r["steps"]))} for r in raw], infer_schema_length=None)
-    req_out = out.with_suffix(".requests.parquet")
-    if args.append and out.exists():
-        points = pl.concat([pl.read_parquet(out).filter(pl.col("run") != args.run), points], how="diagonal_relaxed")
-        if req_out.exists():
-            requests = pl.concat([pl.read_parquet(req_out).filter(pl.col("run") != args.run), requests],
-                                 how="diagonal_relaxed")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    points.write_parquet(out)
-    requests.write_parquet(req_out)
-    summary(points.filter(pl.col("run") == args.run))
-    print(f"wrote {out} ({points.height} points) and {req_out} ({requests.height} requests)")
+    tables = {"rows": points, "requests": requests}
     timed = [p for p in (Path(raw_path).with_suffix(".phases.parquet") for raw_path in args.raw) if p.exists()]
-    if timed:
-        admissions_out = write_admissions(timed, out.with_suffix(".admissions.parquet"), args.run,
-                                          append=args.append)
-        print(f"wrote {admissions_out} (the profiled points' steps that admit a request against those that decode)")
+    if timed:  # the profiled points' steps that admit a request against those that only decode
+        phases = pl.concat([pl.read_parquet(p) for p in timed], how="diagonal_relaxed")
+        tables |= {"phases": phases, "admissions": admissions_table(phases, args.run)}
+    returned = {p for raw_path in args.raw for p in results.logs_of(Path(raw_path).parent, args.run)}
+    logs, info = results.run_logs(returned, "benchmarks/vllm_corpus.py")
+    card = args.card or (results.card_of(machine) if machine else None)
+    if card is None:
+        raise SystemExit(f"no machine named beside {args.raw[0]} (its .json): give --card")
+    plan = ROOT / "benchmarks" / "plans" / f"corpus_{args.run}.json"
+    info |= {"commit": args.commit or provenance.git_commit(), "benchmark": "benchmarks/vllm_corpus.py",
+             "plan": str(plan.relative_to(ROOT)) if plan.exists() else None,
+             "vllm_runner": sorted({str(e.get("model_runner") or "").upper() for e in engines} - {""}) or None}
+    folder = results.write_run("corpus", args.run, card=card, tables=tables, files=files | logs, info=info,
+                               root=args.results)
+    summary(points)
+    print(f"wrote run {args.run}: {points.height} points, {requests.height} requests -> {folder}")
     return 0
 
 
-def write_admissions(phases: list[Path], out: Path, run: str, *, append: bool) -> Path:
+def admissions_table(phases: Any, run: str) -> Any:
     """A `--profile` run's timed calls -> one row per point: its steps that admit a request against those that only
-    decode (`hqlab.bench.engine_steps.admissions`), tagged with the run; `append` keeps the other runs in `out`."""
+    decode (`hqlab.bench.engine_steps.admissions`), tagged with the run."""
     import polars as pl
 
     from hqlab.bench.engine_steps import admissions, engine_steps
 
-    table = admissions(engine_steps(pl.concat([pl.read_parquet(p) for p in phases], how="diagonal_relaxed")))
-    table = table.with_columns(pl.lit(run).alias("run"))
-    if append and out.exists():
-        table = pl.concat([pl.read_parquet(out).filter(pl.col("run") != run), table], how="diagonal_relaxed")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    table.write_parquet(out)
-    return out
+    return admissions(engine_steps(phases)).with_columns(pl.lit(run).alias("run"))
 
 
 def _step_columns(steps: list[dict[str, Any]]) -> dict[str, list]:
@@ -619,8 +617,8 @@ def main(argv: list[str] | None = None) -> int:
     f = sub.add_parser("finish", help="CPU: raw rows -> results and per-request parquets, with the replay check")
     f.add_argument("raw", nargs="+")
     f.add_argument("--run", required=True, help="name of this run (the bench call's tag)")
-    f.add_argument("--out", default=str(RESULTS))
-    f.add_argument("--append", action="store_true", help="keep the other runs already in --out")
+    f.add_argument("--results", default=None, help="the results folder (default data/results)")
+    f.add_argument("--card", default=None, help="the card, where no .json beside the raw file names the machine")
     f.add_argument("--commit", default=None, help="the commit whose code ran on the host (default: this checkout's)")
     args = ap.parse_args(argv)
     if args.cmd == "bench":

@@ -6,23 +6,23 @@
     writes $OUT/vllm_gpu_<tag>.parquet (raw runs, after every config) and $OUT/vllm_gpu_<tag>.json (machine, settings,
     what vLLM chose per engine, and with --profile each engine's phase timings: hqlab.engines.vllm.worker.StepTimer)
   CPU (here):
-      python benchmarks/vllm_gpu.py finish RETURNED/vllm_gpu_*.parquet --out data/results/vllm_gpu_h200.parquet
-    merges the raw runs of several calls into one run (the `none` reference may come from an earlier call), writes
-    the results with the columns `hqlab bench` writes (+ concurrency, batch_tok_s, step_efficiency, vllm_runner,
-    async_scheduling, run) and `<out>.steps.parquet`, and the phase timings to `<out>.phases.parquet`;
-    `--run NAME --append` adds another run (its own reference) to the same files; a call run with
-    --skip-reference that repeats a config of the earlier call is finished as a run of its own with
-    `--reference EARLIER.parquet` (the earlier call's `none` rows; run fg2 was finished so).
-      python benchmarks/vllm_gpu.py replay RETURNED/vllm_gpu_*.parquet --out data/results/<name>.replay.parquet \\
-          --run NAME [--append]
+      python benchmarks/vllm_gpu.py finish RETURNED/vllm_gpu_*.parquet --run NAME [--study vllm_fused]
+    merges the raw runs of several calls into one run (the `none` reference may come from an earlier call) and
+    puts it in place, data/results/<study>/<run>/ (hqlab.bench.results): rows.parquet with the columns `hqlab
+    bench` writes (+ concurrency, batch_tok_s, step_efficiency, vllm_runner, async_scheduling, run),
+    steps.parquet, repeats.parquet, the phase timings (phases.parquet, profile_steps.parquet) and the calls' logs;
+    a call run with --skip-reference that repeats a config of the earlier call is finished as a run of its own
+    with `--reference EARLIER.parquet` (the earlier call's `none` rows).
+      python benchmarks/vllm_gpu.py replay RETURNED/vllm_gpu_*.parquet --run NAME [--study vllm_fused]
     replays every gpu-fused config over the run's own outputs with the lab's `fused` proposer (teacher-forced
-    drafter on the CPU) and compares tokens/step with vLLM's, per prompt.
+    drafter on the CPU), compares tokens/step with vLLM's, per prompt, and writes the finished run's
+    replay.parquet.
 
 --sustained adds the whole suite with --concurrency requests kept in flight (a closed loop, as a server sees it).
 --interleave starts every config's engine at once and runs each prompt on all of them in turn, so the ratios
 compare runs seconds apart (a host-bound step drifts by tens of percent over minutes); its first try on the H200
-stalled after the first prompt (data/results/vllm_gpu_h200_i.log), so engine processes now start with spawn: run s
-(data/results/vllm_gpu_h200_s.log) started four 0.5B engines in six minutes, then ran 22 s per round of the suite.
+stalled after the first prompt (data/results/vllm_gpu/i/run.log), so engine processes now start with spawn
+(data/results/vllm_gpu/s/run.log: four 0.5B engines started in six minutes, then 22 s per round of the suite).
 --parallel-start (with --interleave) builds those engines at the same time, each in a thread of its own, with a
 4 GiB KV cache each (vLLM's memory profiling cannot tell engines starting together apart), then warms them up one
 at a time as before, so the start-up should take about as long as the slowest engine's (~100 s) rather than
@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))  # a bare checkout on the GPU host (hqlab is not i
 
 from hqlab.io import read_json  # noqa: E402  (standard library only)
 
+STUDIES = ("vllm_gpu", "vllm_fused")  # where finish puts a run: the lookup's runs, the fused step's
 DEFAULT_CONFIGS = ["gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest", "lookup:nmin=1,nmax=32,k=15,policy=earliest"]
 
 
@@ -170,20 +171,21 @@ def bench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def finish(args: argparse.Namespace) -> None:
+def finish_tables(raw: list[str], run: str, *, reference: str | None = None, commit: str | None = None) -> dict:
+    """The returned raw runs of one run (several calls' files, the `none` reference possibly from an earlier call's
+    file) -> its tables: rows, steps, repeats and, where profiled, phases and profile_steps, each with `run`."""
     import polars as pl
 
-    from hqlab import bench as hb
     from hqlab.bench.vllm import frames_from_raw, repeat_rows
     from hqlab.bench.vllm_runs import runs_from_raw
     from hqlab.config import DecodeConfig
 
     runs, metas = [], []
     source: dict[str, str] = {}
-    for path in [*args.raw, *([args.reference] if args.reference else [])]:
+    for path in [*raw, *([reference] if reference else [])]:
         more = runs_from_raw(pl.read_parquet(path))
         meta = read_json(Path(path).with_suffix(".json"))
-        if path == args.reference:  # only its `none` rows: the reference of a call run with --skip-reference
+        if path == reference:  # only its `none` rows: the reference of a call run with --skip-reference
             more = [r for r in more if r.config == "none"]
             if not more:
                 raise SystemExit(f"--reference {path}: it holds no `none` run")
@@ -207,28 +209,38 @@ def finish(args: argparse.Namespace) -> None:
     from hqlab import provenance
 
     host = metas[0].get("versions") or {}
-    results = results.with_columns(pl.lit(args.commit or provenance.git_commit()).alias("git_commit"),
+    results = results.with_columns(pl.lit(commit or provenance.git_commit()).alias("git_commit"),
                                    *(pl.lit(host.get(c), dtype=pl.String).alias(c)
                                      for c in provenance.COLUMNS if c != "git_commit"))
     phases = [{"config": e["config"], "prompt_id": p["prompt_id"], "category": p["category"], **ph}
               for e in engines for p in e.get("profile", []) for ph in p["phases"]]
     profile_steps = [{"config": e["config"], "prompt_id": p["prompt_id"], "category": p["category"], **st}
                      for e in engines for p in e.get("profile", []) for st in p["steps"]]
-    out = Path(args.out)
-    parts = {"": results, "steps": steps, "repeats": repeat_rows(runs), "phases": pl.DataFrame(phases),
-             "profile_steps": pl.DataFrame(profile_steps).drop("proposed", "sources", strict=False)}
-    for part, frame in parts.items():
-        path = hb.part_path(out, part) if part else out
-        if frame.height:
-            frame = frame.with_columns(pl.lit(args.run).alias("run"))
-        if args.append and path.exists():  # this run's rows replace the same run's, other runs stay
-            frame = pl.concat([pl.read_parquet(path).filter(pl.col("run") != args.run), frame],
-                              how="diagonal_relaxed")
-        parts[part] = frame
-    hb.write_results(out, parts.pop(""), **parts)
+    tables = {"rows": results, "steps": steps, "repeats": repeat_rows(runs), "phases": pl.DataFrame(phases),
+              "profile_steps": pl.DataFrame(profile_steps).drop("proposed", "sources", strict=False)}
+    return {kind: frame.with_columns(pl.lit(run).alias("run")) for kind, frame in tables.items() if frame.height}
+
+
+def finish(args: argparse.Namespace) -> None:
+    """One run's returned raw files -> data/results/<study>/<run>/ (hqlab.bench.results.write_run)."""
+    import polars as pl
+
+    from hqlab import bench as hb
+    from hqlab.bench import results
+
+    tables = finish_tables(args.raw, args.run, reference=args.reference, commit=args.commit)
+    rows = tables["rows"]
+    returned = {log for path in args.raw
+                for log in results.logs_of(Path(path).parent, Path(path).stem.removeprefix("vllm_gpu_"))}
+    logs, info = results.run_logs(returned, "benchmarks/vllm_gpu.py")
+    runners = sorted({str(r).upper() for r in rows["vllm_runner"].drop_nulls()}) if "vllm_runner" in rows.columns \
+        else []
+    info |= {"commit": rows["git_commit"][0], "benchmark": "benchmarks/vllm_gpu.py", "vllm_runner": runners or None}
+    folder = results.write_run(args.study, args.run, card=results.card_of(rows["machine"][0]), tables=tables,
+                               files=logs, info=info, root=args.results)
     with pl.Config(tbl_rows=100, tbl_cols=20, tbl_width_chars=220):
-        print(hb.summarize(results.filter(pl.col("concurrency") == 1)))
-    print(f"wrote run {args.run!r} into {out} (+ .steps, .repeats{', .phases, .profile_steps' if phases else ''})")
+        print(hb.summarize(rows.filter(pl.col("concurrency") == 1)))
+    print(f"wrote run {args.run!r}: {', '.join(sorted(tables))} -> {folder}")
 
 
 def replay(args: argparse.Namespace) -> None:
@@ -253,11 +265,13 @@ def replay(args: argparse.Namespace) -> None:
                                                          tokenizer=tokenizer))
     drafter = load_drafter(args.drafter, device="cpu", dtype=args.dtype)
     table = fused_replay_check(runs, prompts, drafter, max_new_tokens=meta["max_new_tokens"])
-    out = Path(args.out)
-    merged = merge_replay(table.with_columns(pl.lit(args.run).alias("run")),
-                          pl.read_parquet(out) if args.append and out.exists() else None, out)
-    merged.write_parquet(str(out) + ".tmp")
-    os.replace(str(out) + ".tmp", out)
+    from hqlab.bench import results
+
+    entry = results.run_info(args.study, args.run, args.results)  # a run is finished before it is replayed
+    existing = results.load(args.study, args.run, "replay", root=args.results) \
+        if "replay.parquet" in entry["files"] else None
+    merged = merge_replay(table.with_columns(pl.lit(args.run).alias("run")), existing, Path("replay.parquet"))
+    results.write_run(args.study, args.run, card=entry["card"], tables={"replay": merged}, root=args.results)
     with pl.Config(tbl_rows=-1, tbl_width_chars=160, fmt_str_lengths=60):
         print(table.select("config", "prompt_id", "category", "tokens_per_step", "vllm_tokens_per_step",
                            "difference"))
@@ -308,24 +322,25 @@ def main(argv: list[str] | None = None) -> int:
                         "then warm them up one at a time")
     b.add_argument("--skip-reference", action="store_true", help="leave out `none` (an earlier call ran it)")
     b.add_argument("--fail-fast", action="store_true", help="stop at the first failing config")
-    f = sub.add_parser("finish", help="CPU: raw runs -> results parquet (+ steps, phases)")
+    f = sub.add_parser("finish", help="CPU: one run's raw files -> data/results/<study>/<run>/")
     f.add_argument("raw", nargs="+")
-    f.add_argument("--out", default=str(ROOT / "data" / "results" / "vllm_gpu_h200.parquet"))
-    f.add_argument("--run", default="a", help="name of this run (one GPU session's reference and configs)")
-    f.add_argument("--append", action="store_true", help="keep the other runs already in --out")
+    f.add_argument("--study", default="vllm_gpu", choices=STUDIES, help="vllm_gpu (the lookup's runs) or "
+                   "vllm_fused (the fused step's)")
+    f.add_argument("--run", required=True, help="name of this run (one GPU session's reference and configs)")
+    f.add_argument("--results", default=None, help="the results folder (default data/results)")
     f.add_argument("--commit", default=None, help="the commit whose code ran on the host (default: this checkout's)")
     f.add_argument("--reference", default=None,
                    help="a raw file whose `none` runs are this run's reference (for a call run with --skip-reference "
                         "whose configs another call ran too)")
     r = sub.add_parser("replay", help="CPU: gpu-fused configs of a raw run against the lab's replay")
     r.add_argument("raw")
-    r.add_argument("--out", required=True, help="parquet to write (e.g. data/results/vllm_fused_h200.replay.parquet)")
+    r.add_argument("--study", default="vllm_fused", choices=STUDIES)
+    r.add_argument("--results", default=None, help="the results folder (default data/results)")
     r.add_argument("--drafter", default="qwen2.5-coder-0.5b")
     r.add_argument("--dtype", default="float32", help="the replay drafter's dtype on the CPU")
     r.add_argument("--category", action="append", default=None, help="only these task classes (repeatable)")
-    r.add_argument("--run", default="a", help="name of the run the raw file belongs to (a `run` column)")
-    r.add_argument("--append", action="store_true",
-                   help="keep the rows already in --out except this run's rows for the same configs")
+    r.add_argument("--run", required=True, help="the finished run the raw file belongs to: its replay.parquet "
+                   "gets this file's rows in place of its rows of the same configs")
     args = ap.parse_args(argv)
     if args.cmd == "bench":
         if args.parallel_start and not args.interleave:  # before vLLM is imported or the model prepared

@@ -10,9 +10,10 @@ load point.
     hqlab.bench.serve.SERVE_COLUMNS), serve_greedy_<tag>.jsonl (greedy chat texts), serve_samples_<tag>.jsonl (the
     sampling test's token ids), serve_<tag>_<n>.log (each server's log).
   CPU (here):
-      python benchmarks/vllm_serve.py finish RETURNED_DIR --out data/results/vllm_serve_h200.parquet
-    writes the load rows (appending the run to rows of earlier runs), <out stem>.samples.parquet and
-    <out stem>.greedy.parquet beside it.
+      python benchmarks/vllm_serve.py finish RETURNED_DIR
+    puts the run in place, data/results/serve/<tag>/ (hqlab.bench.results): rows.parquet (the load rows),
+    samples.parquet, greedy.parquet, the returned files as they came (raw.jsonl, samples.jsonl, greedy.jsonl, the
+    server logs) and the call's log as run.log, with run.json (card, commit, plan, vLLM runner, command, date).
 
 --planted-fault CONFIG starts one more server for CONFIG with the planted verification bug (hqlab.engines.vllm.fault)
 and takes only the sampling test's samples from it (the test must fail there).
@@ -347,19 +348,22 @@ def short(spec: str) -> str:
 
 
 def finish(args: argparse.Namespace) -> int:
+    """The files a GPU call returned for one run -> data/results/serve/<tag>/ (hqlab.bench.results.write_run)."""
     import polars as pl
 
+    from hqlab.bench import results
     from hqlab.bench.serve import SERVE_COLUMNS, STEADY_COLUMNS, server_log_facts
-    from hqlab.io import replace_runs, write_atomic
-
-    def write_parquet(frame: "pl.DataFrame", path: Path) -> None:
-        write_atomic(path, lambda tmp: frame.write_parquet(tmp))
 
     src = Path(args.returned)
-    rows = [json.loads(line) for f in sorted(src.glob("vllm_serve_*.jsonl")) for line in f.read_text().splitlines()
-            if line.strip()]
-    if not rows:
+    raws = sorted(src.glob("vllm_serve_*.jsonl"))
+    tags = sorted({f.name.removeprefix("vllm_serve_").removesuffix(".jsonl") for f in raws})
+    if not tags:
         raise SystemExit(f"no vllm_serve_*.jsonl rows under {src}")
+    if len(tags) > 1:
+        raise SystemExit(f"{src} holds the rows of {len(tags)} runs ({', '.join(tags)}): finish each run from a "
+                         "folder of its own files")
+    tag = tags[0]
+    rows = [json.loads(line) for line in raws[0].read_text().splitlines() if line.strip()]
     frame = pl.DataFrame(rows)
     frame = frame.select(SERVE_COLUMNS + [c for c in ["repeat", *STEADY_COLUMNS] if c in frame.columns])
     # the model runner each server used, as its own log says (a served config's log names its spec)
@@ -376,17 +380,30 @@ def finish(args: argparse.Namespace) -> int:
                                .alias("vllm_runner"),
                                pl.col("config").replace_strict(eager, default=None, return_dtype=pl.Boolean)
                                .alias("drafting_eager"))
-    out = Path(args.out)
-    frame = replace_runs(pl.read_parquet(out) if out.exists() else None, frame)
-    write_parquet(frame, out)
+    tables = {"rows": frame}
+    files: dict[str, Path] = {"raw.jsonl": raws[0]}
     for kind in ("samples", "greedy"):
-        extra = [json.loads(line) for f in sorted(src.glob(f"serve_{kind}_*.jsonl"))
-                 for line in f.read_text().splitlines() if line.strip()]
-        if extra:
-            path = out.with_name(f"{out.stem}.{kind}.parquet")
-            new = replace_runs(pl.read_parquet(path) if path.exists() else None, pl.DataFrame(extra))
-            write_parquet(new, path)
-    print(f"{len(rows)} load rows -> {out}")
+        raw = src / f"serve_{kind}_{tag}.jsonl"
+        if raw.exists():
+            tables[kind] = pl.DataFrame([json.loads(line) for line in raw.read_text().splitlines() if line.strip()])
+            files[f"{kind}.jsonl"] = raw
+    if (src / f"serve_{tag}_logs.tar.gz").exists():
+        files["server_logs.tar.gz"] = src / f"serve_{tag}_logs.tar.gz"
+    for server_log in sorted(src.glob(f"serve_{tag}_[0-9]*.log")):
+        files[f"server_{server_log.stem.rsplit('_', 1)[1]}.log"] = server_log
+    host_logs = [f for f in sorted(src.glob("*.log")) + sorted(src.glob("*.log.gz"))
+                 if not f.name.startswith(f"serve_{tag}_")]
+    logs, info = results.run_logs(host_logs, "benchmarks/vllm_serve.py")
+    cards = {results.card_of(m) for m in frame["machine"].unique()}
+    if len(cards) != 1:
+        raise SystemExit(f"run {tag}'s rows name {len(cards)} cards ({sorted(cards)}): one run is one machine")
+    plan = ROOT / "benchmarks" / "plans" / f"serve_{tag}.json"
+    info |= {"commit": frame["git_commit"][0], "benchmark": "benchmarks/vllm_serve.py",
+             "plan": str(plan.relative_to(ROOT)) if plan.exists() else None,
+             "vllm_runner": sorted({str(r).upper() for r in frame["vllm_runner"].drop_nulls()}) or None}
+    folder = results.write_run("serve", tag, card=cards.pop(), tables=tables, files=files | logs, info=info,
+                               root=args.results)
+    print(f"{len(rows)} load rows of run {tag} -> {folder}")
     return 0
 
 
@@ -450,9 +467,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--allow-short", action="store_true", help="run points of fewer than 10 waves (prompts < 10 x "
                    "concurrency; default: refused, since ramp-up and drain dominate them)")
     t.add_argument("--work", default=None)
-    f = sub.add_parser("finish", help="CPU: the returned files -> data/results", allow_abbrev=False)
-    f.add_argument("returned")
-    f.add_argument("--out", default=str(ROOT / "data" / "results" / "vllm_serve_h200.parquet"))
+    f = sub.add_parser("finish", help="CPU: one run's returned files -> data/results/serve/<tag>/", allow_abbrev=False)
+    f.add_argument("returned", help="the folder of one run's returned files")
+    f.add_argument("--results", default=None, help="the results folder (default data/results)")
     args = p.parse_args(argv)
     if args.cmd == "bench":
         args.dataset = args.dataset or list(DATASETS)

@@ -25,7 +25,7 @@ holds it once, and each request's attention still reads all of it, as distinct p
     --base DIR takes the shapes' config and tokenizer from DIR (written here by `python benchmarks/vllm_step_cost.py
     base DIR` and carried with the call: the host then needs only vLLM, no converted model)
   CPU (here):
-      python benchmarks/vllm_step_cost.py finish RETURNED_DIR   -> data/results/seed_scale_<card>.parquet
+      python benchmarks/vllm_step_cost.py finish RETURNED_DIR   -> data/results/seed_scale/<tag>/grid.parquet
 """
 
 from __future__ import annotations
@@ -421,27 +421,16 @@ def run_all(args: argparse.Namespace) -> int:
     return 0
 
 
-def card_of(machine: str) -> str:
-    """The card a row was measured on, from its machine description ("NVIDIA H100 80GB HBM3, ..." -> "H100")."""
-    import re
-
-    found = re.search(r"\b([A-Z]\d{2,4}[A-Za-z]*)\b", machine)
-    if not found:
-        raise SystemExit(f"no card named in the machine description {machine!r}")
-    return found.group(1)
-
-
 def finish(args: argparse.Namespace) -> int:
-    finish_rows(args.returned, args.out)
+    for tag in grid_rows(args.returned):
+        finish_run(args.returned, tag, args.results)
     return 0
 
 
-def finish_rows(returned: str | Path, out_path: str | Path | None = None) -> Path:
-    """The returned rows of every seed_scale_*.jsonl under `returned` into the card's parquet (default
-    data/results/seed_scale_<card>.parquet); rows of the same runs already there are replaced. Returns the path."""
+def grid_rows(returned: str | Path) -> dict:
+    """The returned grid rows of every seed_scale_*.jsonl under `returned`, one frame per run (tag), in the order
+    readers expect; rows from before the `engine` column were measured in-process."""
     import polars as pl
-
-    from hqlab.io import replace_runs, write_atomic
 
     src = Path(returned)
     rows = [json.loads(line) for f in sorted(src.glob("seed_scale_*.jsonl")) for line in f.read_text().splitlines()
@@ -449,24 +438,32 @@ def finish_rows(returned: str | Path, out_path: str | Path | None = None) -> Pat
     if not rows:
         raise SystemExit(f"no seed_scale_*.jsonl rows under {src}")
     frame = pl.DataFrame(rows)
-    cards = {card_of(m) for m in frame["machine"]}
-    if len(cards) != 1:
-        raise SystemExit(f"the rows under {src} come from {len(cards)} kinds of card ({sorted(cards)}): step costs "
-                         "of different cards never share a file, finish each card's rows on its own")
-    out = Path(out_path or ROOT / "data" / "results" / f"seed_scale_{cards.pop().lower()}.parquet")
-    if out.exists() and set(map(card_of, pl.read_parquet(out)["machine"])) != {card_of(frame["machine"][0])}:
-        raise SystemExit(f"{out} holds another card's step costs: name another --out")
-    if "engine" not in frame.columns:  # rows from before the option: run s2 measured in-process
+    if "engine" not in frame.columns:
         frame = frame.with_columns(pl.lit("inprocess").alias("engine"))
-    if out.exists():
-        old = pl.read_parquet(out)
-        if "engine" not in old.columns:
-            old = old.with_columns(pl.lit("inprocess").alias("engine"))
-        frame = replace_runs(old, frame)
     frame = frame.sort("run", "target_params_b", "quant", "config", "context", "batch", "width")
-    write_atomic(out, lambda tmp: frame.write_parquet(tmp))
-    print(f"{len(rows)} rows -> {out}")
-    return out
+    return {tag: frame.filter(pl.col("run") == tag) for tag in frame["run"].unique(maintain_order=True)}
+
+
+def finish_run(returned: str | Path, tag: str, root: str | Path | None = None, *,
+               tables: dict | None = None, files: dict | None = None, info: dict | None = None) -> Path:
+    """Run `tag`'s returned grid rows -> data/results/seed_scale/<tag>/grid.parquet, with its raw rows and log
+    (hqlab.bench.results.write_run); `tables`, `files` and `info` add what a validation measured beside the grid.
+    Step costs of two cards never mix in one run. Returns the run's folder."""
+    from hqlab.bench import results
+
+    src = Path(returned)
+    grid = grid_rows(src)[tag]
+    cards = sorted({results.card_of(m) for m in grid["machine"]})
+    if len(cards) != 1:
+        raise SystemExit(f"run {tag}'s rows under {src} come from {len(cards)} kinds of card ({cards}): step costs "
+                         "of different cards never share a run")
+    logs, found = results.run_logs(results.logs_of(src, tag), "benchmarks/")
+    raw = {"grid.jsonl": src / f"seed_scale_{tag}.jsonl"} if (src / f"seed_scale_{tag}.jsonl").exists() else {}
+    meta = {"commit": grid["git_commit"][0], "benchmark": "benchmarks/vllm_step_cost.py"} | found | (info or {})
+    folder = results.write_run("seed_scale", tag, card=cards[0], tables={"grid": grid} | (tables or {}),
+                               files=raw | logs | (files or {}), info=meta, root=root)
+    print(f"{grid.height} grid rows of run {tag} -> {folder}")
+    return folder
 
 
 def positive_int(text: str) -> int:
@@ -515,10 +512,9 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--rows", required=True)
     o.add_argument("--engine", choices=ENGINES, default="process", help=ENGINE_HELP)
     add_point_options(o)
-    f = sub.add_parser("finish", help="CPU: the returned rows -> data/results/seed_scale_<card>.parquet")
+    f = sub.add_parser("finish", help="CPU: the returned rows -> data/results/seed_scale/<tag>/grid.parquet")
     f.add_argument("returned")
-    f.add_argument("--out", default=None, help="default: data/results/seed_scale_<card>.parquet, the card the rows "
-                   "name (h100, h200)")
+    f.add_argument("--results", default=None, help="the results folder (default data/results)")
     b = sub.add_parser("base", help=f"CPU: write the folder --base reads ({TOKENIZER_FROM}'s config and tokenizer)")
     b.add_argument("folder")
     b.add_argument("--source", default=TOKENIZER_FROM,

@@ -1,4 +1,4 @@
-"""hqlab command line: bench, sweep, figures, vocab, site and listings.
+"""hqlab command line: bench, sweep, figures, vocab, site, the committed results and listings.
 
 Every command validates all its inputs (specs, grids, suites and workload files, models, devices and dtypes,
 parameter files, notebook names, output paths) before it loads a model or writes anything, and a bad input ends
@@ -356,6 +356,36 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_results(args: argparse.Namespace) -> int:
+    """The committed results (data/results, `hqlab.bench.results`): list the runs, rebuild the index, or check the
+    claims committed beside the runs (exit 1 where one does not hold)."""
+    from hqlab.bench import claims, results
+
+    if args.results_command == "index":
+        path = results.write_index(args.root)
+        print(f"{len(results.index(args.root))} runs -> {path}")
+        return 0
+    if args.study is not None:  # an unknown study or run is named with those there are
+        results.runs(args.study, root=args.root)
+        if getattr(args, "run", None) is not None:
+            results.run_info(args.study, args.run, args.root)
+    chosen = [r for r in results.index(args.root) if args.study in (None, r["study"])
+              and getattr(args, "run", None) in (None, r["run"])]
+    if args.results_command == "list":
+        for r in chosen:
+            print(f"{r['study']}/{r['run']}  {r['card']}  {r['date']}  {r['commit'] or '-'}  {', '.join(r['files'])}")
+        return 0
+    failed = 0
+    for r in chosen:
+        for verdict in claims.check_run(r["study"], r["run"], args.root):
+            failed += not verdict.held
+            if args.verbose or not verdict.held:
+                print(f"{r['study']}/{r['run']} {verdict.describe()}")
+    print(f"{sum(len(claims.claims_of(r['study'], r['run'], args.root)) for r in chosen)} claims of {len(chosen)} "
+          f"runs checked, {failed} do not hold")
+    return 1 if failed else 0
+
+
 def cmd_serve_command(args: argparse.Namespace) -> int:
     """Print the `vllm serve` command line for a config (docs/serving.md)."""
     from hqlab.engines.vllm.serving import serve_command, shell_line
@@ -396,7 +426,8 @@ def _add_sweep_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="hqlab", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True, metavar="{bench,figures,site,vocab,sweep,list}")
+    sub = p.add_subparsers(dest="command", required=True,
+                           metavar="{bench,figures,site,vocab,sweep,list,results,serve-command}")
 
     b = sub.add_parser("bench", help="run proposer configs over a workload and write results parquet")
     b.add_argument("--model", default=None, help="offline short name, local path or hub id (default: the 0.5B)")
@@ -460,6 +491,20 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("list", help="models, proposers and suites")
     ls.set_defaults(func=cmd_list)
 
+    rs = sub.add_parser("results", help="the committed results: list the runs, rebuild the index, check the claims")
+    rsub = rs.add_subparsers(dest="results_command", required=True)
+    for name, help_ in (("list", "the runs (study/run, card, date, commit, files)"),
+                        ("check", "evaluate the claims committed beside the runs"),
+                        ("index", "rebuild data/results/index.json from the run folders")):
+        r = rsub.add_parser(name, help=help_)
+        r.add_argument("--root", type=Path, default=None, help="the results folder (default data/results)")
+        if name != "index":
+            r.add_argument("study", nargs="?", default=None)
+        if name == "check":
+            r.add_argument("run", nargs="?", default=None)
+            r.add_argument("--verbose", action="store_true", help="print the claims that hold too")
+    rs.set_defaults(func=cmd_results)
+
     sc = sub.add_parser("serve-command", help="print the `vllm serve` command for none, gpu-lookup:... or "
                                               "gpu-fused:... (docs/serving.md)")
     sc.add_argument("model", help="the model vLLM serves (a hub id or a folder)")
@@ -483,7 +528,8 @@ def _input_errors() -> tuple[type, ...]:
     seconds)."""
     classes: list[type] = [ConfigError]
     for module, name in (("hqlab.workloads", "WorkloadError"), ("hqlab.models", "ModelError"),
-                         ("hqlab.engines.hf", "PromptTooLongError")):
+                         ("hqlab.engines.hf", "PromptTooLongError"), ("hqlab.bench.results", "MissingRun"),
+                         ("hqlab.bench.claims", "ClaimError")):
         if module in sys.modules:
             classes.append(getattr(sys.modules[module], name))
     return tuple(classes)
@@ -491,7 +537,8 @@ def _input_errors() -> tuple[type, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    name = args.command + (f" {args.vocab_command}" if args.command == "vocab" else "")
+    name = args.command + (f" {args.vocab_command}" if args.command == "vocab" else "") + (
+        f" {args.results_command}" if args.command == "results" else "")
     try:
         return args.func(args)
     except Exception as e:

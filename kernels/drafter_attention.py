@@ -42,10 +42,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 # the layers' dot (float32 sums; bf16 widened in Triton's interpreter) and the rule that picks its precision
 from hqlab_kernels.drafter_layers import TILES_ENV, _dot, _precision, sweep_tiles
 
-# The defaults are the fastest of a tile sweep on an H200 (benchmarks/drafter_layer_tiles.py; docs/kernels.md):
-# 16 query rows a program, 64 keys a loop step, 4 warps, 3 stages, up to 8 key splits. At 2,048 positions a layer
-# then takes 8.4 us at one request of 16 queries (FlashAttention 3: 12.9; one 128-row tile of 32 keys, the earlier
-# sweep's best: 13.1), 9.4 at 32 queries (FlashAttention 13.3), 10.8 at four requests of 16 (14.4).
+# The defaults are the best of an H200 tile sweep (data/results/drafter_layer_tiles/t4/sweep.json): 16 query rows a
+# program, 64 keys a loop step, 4 warps, 3 stages, up to 8 key splits. At 2,048 positions a layer then takes 8.4 us
+# at one request of 16 queries (FlashAttention 3: 12.9; one 128-row tile of 32 keys, the best of the earlier sweep
+# data/results/drafter_layer_tiles/t1/: 13.1), 9.4 at 32 queries (FlashAttention 13.3), 10.8 at four requests of 16
+# (14.4).
 BLOCK_N = 64  # keys per loop step: a [BLOCK_M, 64] score tile, K and V tiles of 64 x 64 (8 KB each in bf16)
 MAX_TILE_ROWS = 256  # the most query rows (Q * groups) one program holds: 256 x 64 float32 is 64 KB of registers
 # default_splits' bounds (its docstring says why): the sweep's best program count at four requests, 8 splits x 4
@@ -60,7 +61,8 @@ NUM_WARPS: int | None = 4  # warps per program (None: `warps`' rule)
 # tile of the 0.5B's 112 rows and 16 splits the last program alone reads 16 x 112 x 64 float32 (459 KB) from L2.
 BLOCK_M: int | None = 16
 # The largest tile where BLOCK_M is None: a k = 31 pass (32 queries x 7 heads = 224 rows) takes two tiles of 128
-# rows, not one of 256 with 16 warps (with those, a k = 31 config's chat steps cost 0.4 ms more inside vLLM).
+# rows, not one of 256 with 16 warps: such passes made the k = 31 config's chat steps 0.4 ms dearer
+# (data/results/vllm_fused/fl1/).
 MAX_BLOCK_M = 128
 # programmatic dependent launch on Hopper and later: off unless HQLAB_DRAFTER_PDL=1 (hqlab_kernels.drafter_layers.PDL
 # says why)

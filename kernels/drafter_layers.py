@@ -59,8 +59,8 @@ KERNELS = ("qkv", "o_proj", "gate_up", "down")  # K1..K4, the keys of TILES
 # Programmatic dependent launch (Hopper and later): each kernel lets the next one launch at once and, before its
 # first memory access, waits until the previous one has finished, so that a kernel's launch and set-up overlap its
 # predecessor's tail. Off by default: on the H200 it made the one-pass drafting step slower, 1.308 -> 1.509 ms at
-# 2,048 positions (docs/kernels.md): the early grids' programs wait on SMs that the running kernel's later programs
-# need. HQLAB_DRAFTER_PDL=1 in the environment at import turns it on.
+# 2,048 positions (data/results/fused_pass_kernels/t2/ and t2n/): the early grids' programs wait on SMs that the
+# running kernel's later programs need. HQLAB_DRAFTER_PDL=1 in the environment at import turns it on.
 PDL = os.environ.get("HQLAB_DRAFTER_PDL", "0") == "1"
 
 
@@ -88,10 +88,10 @@ class Tiles:
 
 # The tiles each kernel launches with, per (kernel, rows per program); a launcher's keyword arguments override them.
 # The fastest candidates on an H200 at the 0.5B's shapes, each timed over 24 layers' own weights in a CUDA graph
-# (benchmarks/drafter_layer_tiles.py at 16, 32 and 64 rows; docs/kernels.md). A first sweep tuned 16 and 64 rows:
-# per launch at 16 rows K1 10.7 -> 7.6 us, K2 3.6 -> 3.3, K3 14.1 -> 11.0, K4 11.9 -> 7.1 against the first tiles;
-# a second at 32 rows (a k = 31 pass) found K1 with two splits 9.6 us against 11.1 with the 64-row tiles, the others
-# level with them.
+# (benchmarks/drafter_layer_tiles.py, data/results/drafter_layer_tiles/t4/sweep.json, 16, 32 and 64 rows). An earlier
+# sweep (data/results/drafter_layer_tiles/t1/) first tuned 16 and 64 rows: per launch at 16 rows K1 10.7 -> 7.6 us,
+# K2 3.6 -> 3.3, K3 14.1 -> 11.0, K4 11.9 -> 7.1 against the first tiles; the later one at 32 rows (a k = 31 pass)
+# found K1 with two splits 9.6 us against 11.1 with the 64-row tiles, the others level with them.
 TILES: dict[tuple[str, int], Tiles] = {
     ("qkv", 16): Tiles(16, 256, 4, 3, split_k=2), ("o_proj", 16): Tiles(16, 256, 4, 3),
     ("gate_up", 16): Tiles(64, 256, 4, 4), ("down", 16): Tiles(32, 128, 4, 4, split_k=8),

@@ -16,14 +16,14 @@
 # %% [markdown]
 # # Core benchmark: hqlab lookup vs no speculation vs transformers' prompt lookup
 #
-# By default this notebook re-plots the committed benchmark results (`data/results/core_<tag>.parquet`, written
-# by `benchmarks/bench_core.py` on the machine named in every row). With `rerun = True` it first runs the
-# benchmark here, on this machine, with the parameters below. `engine = "vllm"` runs the configs inside vLLM on a
-# CUDA GPU instead (`hqlab.bench.vllm`, docs/vllm.md; hqlab proposers through the custom_class adapter, and
+# By default this notebook re-plots the committed benchmark runs (`data/results/core/<tag>/`, written by
+# `benchmarks/bench_core.py` on the machine named in every row and in the run's run.json). With `rerun = True` it
+# first runs the benchmark here, on this machine, with the parameters below. `engine = "vllm"` runs the configs inside
+# vLLM on a CUDA GPU instead (`hqlab.bench.vllm`, docs/vllm.md; hqlab proposers through the custom_class adapter, and
 # vLLM's own `vllm-ngram` / `arctic-suffix`); its results have the same columns, so every cell below applies.
 
 # %% tags=["parameters"]
-tags = ["cpu", "vllm-h200"]
+tags = ["cpu", "vllm"]  # runs of the study `core` (data/results/core/<tag>/)
 rerun = False
 engine = "hf"
 model = "qwen2.5-coder-0.5b"
@@ -35,7 +35,7 @@ doc_tokens = 2000
 repeats = 1
 limit = 0
 figures_dir = "figures"
-results_dir = "data/results"
+results_dir = "data/results"  # the results folder read, and written by a rerun
 
 # %%
 from pathlib import Path
@@ -46,22 +46,24 @@ import polars as pl
 from IPython.display import SVG, display
 
 from hqlab import bench, plots
+from hqlab.bench import results as committed
 
 alt.renderers.enable("svg")
 pl.Config.set_fmt_str_lengths(60)
 pl.Config.set_tbl_width_chars(180)
 pl.Config.set_tbl_rows(60)
-figures, results_path = Path(figures_dir), Path(results_dir)
+figures = Path(figures_dir)
 
 # %%
-if rerun:  # every suite through `engine` ("hf" or "vllm"), then results + steps parquet under the first tag
+if rerun:  # every suite through `engine` ("hf" or "vllm"), then the run core/<first tag> with its rows and steps
     results, steps = bench.run_suites(engine, suites, configs, model=model, device=device, dtype=dtype,
                                       doc_tokens=doc_tokens, limit=limit, repeats=repeats)
-    bench.write_results(results_path / f"core_{tags[0]}.parquet", results, steps)
+    committed.write_run("core", tags[0], card=committed.card_of(results["machine"][0]),
+                        tables={"rows": results, "steps": steps}, root=results_dir)
 
 # %%
 for tag in tags:
-    results = pl.read_parquet(results_path / f"core_{tag}.parquet")
+    results = committed.load("core", tag, root=results_dir)
     print(f"[{tag}] engine {results['engine'][0]}, model {results['model'][0]} ({results['dtype'][0]}), "
           f"machine: {results['machine'][0]}")
     print(bench.summarize(results))
@@ -80,8 +82,8 @@ for tag in tags:
 
 # %%
 for tag in tags:
-    results = pl.read_parquet(results_path / f"core_{tag}.parquet")
-    steps = pl.read_parquet(bench.part_path(results_path / f"core_{tag}.parquet"))
+    results = committed.load("core", tag, root=results_dir)
+    steps = committed.load("core", tag, "steps", root=results_dir)
     per_cat = results.group_by(["category", "config"], maintain_order=True).agg(
         pl.col("decode_tok_s").median(), pl.col("e2e_tok_s").median(), pl.col("tokens_per_step").median())
     speed = plots.grouped_bars(per_cat, "category", "decode_tok_s", "config", y_title="decode tok/s (median)")

@@ -27,7 +27,7 @@
 # greedy outputs on the corpus workloads (`benchmarks/corpus_workloads.py`).
 
 # %% tags=["parameters"]
-traces_file = "data/results/traces_0.5b_corpus_128.parquet"
+trace_set = "0.5b_corpus_128"  # a run of the study `traces` (data/results/traces/<set>/)
 workloads = ["multiturn", "template", "agent", "prose"]
 corpus_sizes = [0, 256, 1024, 4096, 16384]  # tokens; 0 = no corpus (the plain lookup)
 nmins = [1, 3]
@@ -39,17 +39,16 @@ schedules = ["admit", "lockstep"]  # with several in flight: corpus frozen at ad
 prompts = [False, True]  # corpus documents: outputs only, or prompt + output (at the largest size only)
 arctic = True  # Arctic's rule beside (its global tree bounded by the same sizes)
 arctic_depth = 24
-step_costs = "data/results/step_cost_h200.parquet"  # measured verify steps (benchmarks/step_cost_gpu.py)
+step_cost_run = "h200"  # measured verify steps: a run of the study `step_cost` (benchmarks/step_cost_gpu.py)
 cost_model = "qwen2.5-0.5b"
 search_ms_per_1k = 0.001  # the corpus kernel's price per step per 1k live tokens (see docs/corpus.md)
-vllm_file = "data/results/vllm_corpus_h200.parquet"  # the corpus inside vLLM (benchmarks/vllm_corpus.py finish)
-vllm_run = "c1"
+vllm_run = "c1"  # the corpus inside vLLM: a run of the study `corpus` (benchmarks/vllm_corpus.py finish)
 vllm_runs_compared = ["c1", "c2", "c3"]  # the vLLM runs side by side (c2: all 24 multi-turn requests, and
 # k = 31; c3: a batch job of 153 requests over the template)
-sweep_file = "data/results/corpus_sweep_replay.parquet"  # GPU settings over c1's outputs (its benchmark)
+sweep_run = "c1"  # GPU settings over that run's outputs: a run of corpus_sweep_replay (its benchmark)
 sweep_show = 8  # settings listed, best worst margin first
 figures_dir = "figures"
-results_dir = "data/results"
+results_dir = "data/results"  # where the replay's table is written (the run corpus_replay/cpu)
 
 # %%
 from pathlib import Path
@@ -59,7 +58,7 @@ from IPython.display import display
 import polars as pl
 
 from hqlab import plots
-from hqlab.bench import corpus_report
+from hqlab.bench import corpus_report, results
 from hqlab.replay import corpus as rc
 from hqlab.replay import corpus_vllm as cv
 from hqlab.replay.traces import load_traces
@@ -67,15 +66,14 @@ from hqlab.replay.traces import load_traces
 alt.renderers.enable("svg")
 pl.Config.set_tbl_width_chars(200)
 pl.Config.set_tbl_rows(60)
-figures, results = Path(figures_dir), Path(results_dir)
+figures = Path(figures_dir)
 figures.mkdir(parents=True, exist_ok=True)
-results.mkdir(parents=True, exist_ok=True)
-all_traces = load_traces(traces_file)
+all_traces = load_traces(results.run_file("traces", trace_set, "traces.parquet"))
 traces = {w: [t for t in all_traces if t.category == w] for w in workloads}
 empty = [w for w, ts in traces.items() if not ts]
 if empty:
-    raise ValueError(f"{traces_file} has no traces of workload(s) {empty}")
-costs = rc.step_models(pl.read_parquet(step_costs), model=cost_model)
+    raise ValueError(f"trace set {trace_set} has no traces of workload(s) {empty}")
+costs = rc.step_models(results.load("step_cost", step_cost_run), model=cost_model)
 for label, model in costs.items():
     print(label, model.describe())
 print({w: len(ts) for w, ts in traces.items()}, "requests")
@@ -97,7 +95,7 @@ specs += [f"corpus:nmin={n},nmax={nmax},k={k},tokens={max(corpus_sizes)},choice=
 if arctic:
     specs += [f"arctic:k={k},depth={arctic_depth},tokens={size},{load}" for size in corpus_sizes for load in loads]
 frame = pl.concat([rc.rows(traces[w], specs, costs=costs, search_ms_per_1k=search_ms_per_1k) for w in workloads])
-frame.write_parquet(results / "corpus_replay.parquet")
+results.write_run("corpus_replay", "cpu", card="cpu", tables={"rows": frame}, root=results_dir)
 summary = rc.summarize(frame).with_columns(
     pl.when(pl.col("inflight") == 1).then(pl.col("speedup_b1")).otherwise(pl.col("speedup_b8")).alias("speedup"),
     pl.when(pl.col("inflight") == 1).then(pl.lit("1 in flight"))
@@ -194,7 +192,7 @@ pick.select("panel", "config", "tokens_per_step", "corpus_accepted_share", "spee
 # priced with H200 step costs: a different model, output length and request count, so only roughly comparable.
 
 # %%
-points = pl.read_parquet(vllm_file).filter(pl.col("run") == vllm_run)
+points = results.load("corpus", vllm_run)
 measured = corpus_report.speedups(points)
 print(points["device"].unique().to_list(), points["vllm"].unique().to_list(), points["model"].unique().to_list())
 panel = pl.format("{} in flight", "load").alias("panel")
@@ -206,7 +204,7 @@ if projected.height:  # one request: its one schedule; 8 in flight: the dot at t
     series.append(projected.group_by("workload", pl.col("inflight").alias("load")).agg(
         pl.col("vs_plain").sort_by(pl.col("schedule") == schedules[-1]).last().alias("vs_no_corpus"),
         pl.col("vs_plain").min().alias("vs_no_corpus_lo"), pl.col("vs_plain").max().alias("vs_no_corpus_hi"))
-        .select("workload", panel, pl.lit(f"replay projection, {Path(traces_file).stem}").alias("source"),
+        .select("workload", panel, pl.lit(f"replay projection, traces {trace_set}").alias("source"),
                 "vs_no_corpus", "vs_no_corpus_lo", "vs_no_corpus_hi"))
 order = {w: i for i, w in enumerate(dict.fromkeys([*workloads, *measured["workload"].to_list()]))}
 speed = pl.concat(series).sort("panel", pl.col("workload").replace_strict(order), "source")
@@ -221,8 +219,7 @@ chart
 measured.drop("run", "config", "base_config")
 
 # %%
-corpus_report.greedy_differences(pl.read_parquet(Path(vllm_file).with_suffix(".requests.parquet"))
-                                 .filter(pl.col("run") == vllm_run)).drop("run")
+corpus_report.greedy_differences(results.load("corpus", vllm_run, "requests")).drop("run")
 
 # %% [markdown]
 # ### The vLLM runs side by side
@@ -232,7 +229,7 @@ corpus_report.greedy_differences(pl.read_parquet(Path(vllm_file).with_suffix(".r
 # a time and 153 with 8 in flight, three repeats). Dots: median of the repeats' ratios, bars: their range.
 
 # %%
-runs_points = pl.read_parquet(vllm_file).filter(pl.col("run").is_in(vllm_runs_compared))
+runs_points = results.load("corpus", vllm_runs_compared)
 by_run = corpus_report.speedups(runs_points).with_columns(
     pl.format("{}: {}", "run", pl.col("config").map_elements(corpus_report.label, return_dtype=pl.String))
     .alias("source"), panel)
@@ -254,8 +251,7 @@ by_run.select("run", "source", "workload", "load", "vs_no_corpus", "vs_no_corpus
 # (dot: median, bar: range). A point's ratio above mixes the two; a longer batch job is mostly its later wave.
 
 # %%
-wave_rows = corpus_report.waves(pl.read_parquet(Path(vllm_file).with_suffix(".requests.parquet"))
-                                .filter(pl.col("run").is_in(vllm_runs_compared)))
+wave_rows = corpus_report.waves(results.load("corpus", vllm_runs_compared, "requests"))
 by_wave = wave_rows.with_columns(
     pl.format("{}: {}, {} wave", "run", pl.col("config").map_elements(corpus_report.label, return_dtype=pl.String),
               "wave").alias("source"), panel)
@@ -276,7 +272,7 @@ by_wave.select("source", "workload", "load", "requests", "base_tokens_per_step",
 # bar: their range. Runs that kept their step intervals (`finish` since c3).
 
 # %%
-slow = corpus_report.slow_steps(pl.read_parquet(vllm_file).filter(pl.col("run").is_in(vllm_runs_compared)))
+slow = corpus_report.slow_steps(results.load("corpus", vllm_runs_compared))
 if slow.height:
     slow_view = slow.with_columns(pl.format("{}, {} in flight", "workload", "load").alias("point"),
                                   pl.format("{}: {}", "run", "who").alias("config in run"))
@@ -298,7 +294,7 @@ slow.drop("config")
 # measured.
 
 # %%
-sweep = pl.read_parquet(sweep_file)
+sweep = results.load("corpus_sweep_replay", sweep_run)
 calibration = sweep.filter(pl.col("kind") == "calibration")
 swept = sweep.filter(pl.col("kind") == "sweep")
 ranking = cv.meets(swept, corpus_report.BAR)
@@ -343,7 +339,7 @@ per_point.select("workload", "load", "gpu_spec", "vs_no_corpus", "base_tokens_pe
 # reach at this k.
 
 # %%
-mt = pl.read_parquet(Path(vllm_file).with_suffix(".requests.parquet")).filter(pl.col("run") == vllm_run)
+mt = results.load("corpus", vllm_run, "requests")
 mt_traces = cv.point_traces(mt, workload="multiturn", load=1)
 mt_turns = dict(mt.filter(pl.col("workload") == "multiturn").select("request", "turn").unique().iter_rows())
 positions = cv.reuse_by_position(mt_traces, turn_of=mt_turns)

@@ -36,7 +36,7 @@ latency_context = 512
 latency_repeats = 20
 device = "auto"
 dtype = "auto"
-gpu_latency = "data/results/vocab_latency_gpu_*.json"  # glob: selfgen_gpu.py --latency-sizes results, if any
+gpu_latency = "vocab_latency"  # the study whose runs' latency.json (selfgen_gpu.py --latency-sizes) join, if any
 accept_target = "qwen2.5-coder-1.5b"  # target whose greedy outputs the drafter must match
 accept_drafter = "qwen2.5-coder-0.5b"
 accept_k = 7
@@ -47,7 +47,7 @@ accept_max_new_tokens = 64
 live_prompts = 1  # of those, run live through the engine (lossless check and measured tok/s)
 accept_rerun = False  # False: re-plot the committed results of this section; True: run it (long on a CPU)
 figures_dir = "figures"
-results_dir = "data/results"
+results_dir = "data/results"  # where the run draft_vocab/cpu is written (and read from when not rerun)
 
 # %%
 import json
@@ -57,11 +57,11 @@ import altair as alt
 import polars as pl
 
 from hqlab import plots, vocab
+from hqlab.bench import results
 
 alt.renderers.enable("svg")
 pl.Config.set_tbl_width_chars(160)
-figures, results = Path(figures_dir), Path(results_dir)
-results.mkdir(parents=True, exist_ok=True)
+figures = Path(figures_dir)
 _, tokenizer, vocab_size = vocab.model_files(model)
 targets = {name: [path] for name, path in corpora.items() if Path(path).exists()}
 assert targets, f"none of the corpora exist: {corpora}"
@@ -76,7 +76,7 @@ sizes = sizes or vocab.default_sizes(vocab_size)
 # %%
 rows = vocab.coverage_study(tokenizer, vocab_size, targets, references, sizes)
 coverage = pl.DataFrame(rows)
-coverage.write_parquet(results / "vocab_coverage.parquet")
+results.write_run("draft_vocab", "cpu", card="cpu", tables={"coverage": coverage}, root=results_dir)
 overall = coverage.filter(pl.col("src") == "all")
 chart = plots.lines(overall, "n", "coverage", "list", facet="target", x_title="draft vocabulary size N",
                     y_title="held-out coverage", log_x=True)
@@ -118,10 +118,10 @@ latency_rows = vocab.measure_draft_latency(lat_model, latency_sizes, context=lat
                                            repeats=latency_repeats)
 where = machine_description(next(lat_model.parameters()).device)
 latency = pl.DataFrame([r | dict(model=model, device=where) for r in latency_rows])
-for f in sorted(Path().glob(gpu_latency)):
-    latency = pl.concat([latency, pl.DataFrame(json.loads(Path(f).read_text())).select(latency.columns)],
-                            how="vertical_relaxed")
-latency.write_parquet(results / "vocab_latency.parquet")
+for run in (results.runs(gpu_latency) if gpu_latency in results.studies() else []):
+    latency = pl.concat([latency, pl.DataFrame(json.loads(results.read_text(gpu_latency, run, "latency.json")))
+                         .select(latency.columns)], how="vertical_relaxed")
+results.write_run("draft_vocab", "cpu", card="cpu", tables={"latency": latency}, root=results_dir)
 full_ms = latency.filter(pl.col("full")).select("device", pl.col("step_ms").alias("full_ms"))
 latency = latency.join(full_ms, on="device").with_columns(
     (pl.col("step_ms") / pl.col("full_ms")).alias("relative_step"))
@@ -144,7 +144,6 @@ latency.select("device", "n", "full", "step_ms", "head_ms", "relative_step").sor
 # a list. With `accept_rerun = False` this section re-plots the committed results (the run takes long on a CPU).
 
 # %%
-replay_file, live_file = results / "vocab_acceptance_replay.parquet", results / "vocab_acceptance_live.parquet"
 if accept_rerun:
     from hqlab.bench.suites import vocab_acceptance
 
@@ -153,10 +152,11 @@ if accept_rerun:
                                       prompts=accept_prompts, live_prompts=live_prompts,
                                       max_new_tokens=accept_max_new_tokens, device=device, dtype=dtype,
                                       vocab_model=model)
-    replayed.write_parquet(replay_file)
-    live.write_parquet(live_file)
+    results.write_run("draft_vocab", "cpu", card="cpu", tables={"acceptance_replay": replayed, "acceptance_live": live},
+                      root=results_dir)
 
-replayed, live = pl.read_parquet(replay_file), pl.read_parquet(live_file)
+replayed = results.load("draft_vocab", "cpu", "acceptance_replay", root=results_dir)
+live = results.load("draft_vocab", "cpu", "acceptance_live", root=results_dir)
 assert live.filter(pl.col("divergence") == "mismatch").height == 0, "a speculative output differs from the reference"
 print(live["model"][0], "target |", live["machine"][0], "|", replayed["p_model"][0], "drafter, k =",
       replayed["p_k"][0], "|", replayed["prompt_id"].n_unique(), "replayed prompts,", live["prompt_id"].n_unique(),

@@ -33,7 +33,7 @@ suite = "labd"
 doc_tokens = 1500
 max_new_tokens = 128
 limit = 0
-shipped_traces = ["data/results/traces_0.5b_all_128_bf16.parquet"]  # if recorded like here; []: record
+shipped_traces = ["0.5b_all_128_bf16"]  # committed trace sets if recorded like here; []: record
 request = "code"
 compare = ["lookup:nmin=6,nmax=12,k=15", "lookup:nmin=1,nmax=32,k=15,policy=earliest", "pld:n=3,k=10"]
 start = "lookup:nmin=6,nmax=12,k=15"
@@ -47,6 +47,7 @@ import polars as pl
 from IPython.display import HTML, display
 
 from hqlab import plots
+from hqlab.bench import results
 from hqlab.proposers import make_proposer
 from hqlab.replay import replay
 from hqlab.replay.traces import cached_traces
@@ -56,7 +57,7 @@ from hqlab.trace import records_frame
 alt.renderers.enable("svg")
 # the greedy outputs: trace cache, else the shipped set, else recorded here (only then does the model load)
 found = cached_traces(model, suite, max_new_tokens, dtype=dtype, device=device, doc_tokens=doc_tokens,
-                      limit=limit, shipped=shipped_traces)
+                      limit=limit, shipped=results.trace_files(shipped_traces))
 traces, tokenizer = found.traces, found.tokenizer
 by_id = {t.prompt_id: t for t in traces}
 trace = by_id.get(request, traces[0])

@@ -26,10 +26,11 @@
 #   one run (`run`) against `none`, the GPU lookup and vLLM's own draft model in the same run, the burst of four,
 #   the lab's replay of every step, and what a step costs.
 #
-# Change `run` (and `fused_configs`) to look at another run of the results file; docs/vllm.md tells the runs apart.
+# Change `run` (and `fused_configs`) to look at another run of the study vllm_fused (data/results/vllm_fused/);
+# docs/vllm.md tells the runs apart.
 
 # %% tags=["parameters"]
-tags = ["h200"]  # HF-engine results to plot: fusion_<tag>.parquet
+tags = ["h200"]  # HF-engine runs to plot: data/results/fusion/<tag>/
 rerun = False
 target = "qwen2.5-coder-1.5b"
 drafter = "qwen2.5-coder-0.5b"
@@ -37,11 +38,10 @@ device = "auto"
 doc_tokens = 1500
 new_tokens = 160
 figures_dir = "figures"
-results_dir = "data/results"  # where a rerun writes
-published_dir = "data/results"  # where committed results are read from when not rerunning
-# gpu-fused inside vLLM: the committed H200 results (a rerun above does not touch them)
-fused_vllm_file = "data/results/vllm_fused_h200.parquet"
-run = "fn2"  # the run to plot; its figure is <results file>_<run>.svg
+results_dir = "data/results"  # the results folder a rerun writes to
+published_dir = "data/results"  # the results folder committed runs are read from when not rerunning
+# gpu-fused inside vLLM: the committed runs of the study vllm_fused (a rerun above does not touch them)
+run = "fn2"  # the run to plot; its figure is vllm_fused_<card>_<run>.svg
 # a later run that repeated a config of `run` step for step, whose replay stands in for that config's ("": none);
 # fn3a's records carry the adaptive config's whole drafted block, fn2's its first token only
 replay_rerun = "fn3a"
@@ -53,7 +53,7 @@ fused_configs = {
     "layers=triton,attention=triton": "k=15 one pass, Triton",
 }
 profiled_run = "fn1"  # the latest run with every step's phases timed on the GPU (`bench --profile`)
-tile_sweep_file = "data/results/drafter_layer_tiles_h200_t4.json"  # benchmarks/drafter_layer_tiles.py
+tile_sweep_run = "t4"  # a run of the study drafter_layer_tiles (benchmarks/drafter_layer_tiles.py)
 
 # %%
 import json
@@ -63,7 +63,7 @@ import altair as alt
 import polars as pl
 
 from hqlab import bench, plots
-from hqlab.bench import vllm_report
+from hqlab.bench import results, vllm_report
 from hqlab.bench.suites import fusion_benchmark
 
 alt.renderers.enable("svg")
@@ -71,10 +71,10 @@ pl.Config.set_tbl_width_chars(160)
 pl.Config.set_tbl_rows(60)
 pl.Config.set_fmt_str_lengths(100)
 figures = Path(figures_dir)
-results = Path(results_dir) if rerun else Path(published_dir)
+root = results_dir if rerun else published_dir
 if rerun:  # what benchmarks/bench_fusion.py runs
     for tag in tags:
-        fusion_benchmark(tag, results, target=target, drafter=drafter, device=device, doc_tokens=doc_tokens,
+        fusion_benchmark(tag, root, target=target, drafter=drafter, device=device, doc_tokens=doc_tokens,
                          new_tokens=new_tokens)
 
 
@@ -97,7 +97,7 @@ def label(frame: pl.DataFrame) -> pl.DataFrame:
 
 # %%
 for tag in tags:
-    live = short(pl.read_parquet(results / f"fusion_{tag}.parquet"))
+    live = short(results.load("fusion", tag, root=root))
     print(tag, "|", live["machine"][0], "|", live["model"][0], "drafted by", live["drafter"][0])
     per = live.group_by(["category", "config"], maintain_order=True).agg(
         pl.col("tokens_per_step").median(), pl.col("speedup_e2e").median(), pl.col("decode_tok_s").median(),
@@ -117,10 +117,9 @@ for tag in tags:
 
 # %%
 for tag in tags:
-    path = results / f"fusion_{tag}_batch.parquet"
-    if not path.exists():
+    if "batch.parquet" not in results.run_info("fusion", tag, root)["files"]:
         continue
-    batch = short(pl.read_parquet(path))
+    batch = short(results.load("fusion", tag, "batch", root=root))
     display(batch.select("config", "prompt_id", "tokens_per_step", "mean_block", "long_share",  # noqa: F821
                          "batch_tok_s", "divergence", "divergence_margin"))
     plots.save(plots.grouped_bars(batch, "prompt_id", "tokens_per_step", "config",
@@ -139,7 +138,7 @@ for tag in tags:
 # token and step efficiency.
 
 # %%
-data = vllm_report.load(fused_vllm_file)
+data = vllm_report.load("vllm_fused")
 here = data["results"].filter(pl.col("run") == run)
 print(here["machine"][0], "|", here["model"][0], here["dtype"][0], "| run", run, "| code", here["git_commit"][0],
       "| lossless:", (here["divergence"] != "mismatch").all())
@@ -160,7 +159,7 @@ bars = (vllm_report.fused_vs_lookup(data["results"], data["repeats"], run, list(
         .sort(pl.col("category").cast(classes), "fused config, ratio"))
 chart = plots.grouped_bars(bars, "category", "ratio", "fused config, ratio",
                            y_title=f"gpu-fused ÷ fastest gpu-lookup, run {run}", rule_at=0.95)
-plots.save(chart, figures / vllm_report.run_figure(fused_vllm_file, run))
+plots.save(chart, figures / vllm_report.run_figure("vllm_fused", run))
 chart
 
 # %% [markdown]
@@ -195,8 +194,7 @@ label(vllm_report.burst_blocks(data["steps"], run))
 # later run that repeated it step for step (`vllm_report.same_steps`) with the whole block recorded.
 
 # %%
-replayed = vllm_report.replay_rows(pl.read_parquet(Path(fused_vllm_file).with_suffix(".replay.parquet")), run,
-                                   data["steps"], replay_rerun or None)
+replayed = vllm_report.replay_rows(results.load("vllm_fused", kind="replay"), run, data["steps"], replay_rerun or None)
 label(replayed.group_by("config", "replay_run")
       .agg(pl.len().alias("pairs"), (pl.col("difference") == 0).sum().alias("exact"),
            pl.col("difference").abs().max().alias("widest difference"), pl.col("forced_drafts").sum(),
@@ -234,7 +232,7 @@ plots.stacked_time(phases.drop("gpu_ms"), "config", vllm_report.GPU_PHASES,
 # also normalise, add the bias, rotate and write the cache (K1) or apply SiLU (K3).
 
 # %%
-sweep = vllm_report.tile_sweep(json.loads(Path(tile_sweep_file).read_text()))
+sweep = vllm_report.tile_sweep(json.loads(results.read_text("drafter_layer_tiles", tile_sweep_run, "sweep.json")))
 sweep_long = (sweep.with_columns(pl.when(pl.col("q_len").is_null()).then(pl.format("{}@{}", "kernel", "rows"))
                                  .otherwise(pl.format("{}@{}x{}", "kernel", "rows", "q_len")).alias("kernel@rows"))
               .unpivot(["reference_us", "table_us", "best_us"], index=["kernel@rows", "reference"],

@@ -16,13 +16,13 @@
 # %% [markdown]
 # # Suffix-match kernels: latency per decode step
 #
-# Re-plots the committed GPU benchmark (`benchmarks/bench_kernels.py`, run on the machine recorded in the
-# parquet). The kernels need a GPU to time; the figure does not.
+# Re-plots a committed GPU run (`benchmarks/bench_kernels.py`, data/results/kernels/<run>/, run on the machine its
+# rows and run.json record). The kernels need a GPU to time; the figure does not.
 
 # %% tags=["parameters"]
-results_file = "data/results/kernels_h200.parquet"
+run = "h200"  # a run of the study kernels
 figures_dir = "figures"
-results_dir = "data/results"
+published_dir = "data/results"  # the results folder it is read from
 
 # %%
 from pathlib import Path
@@ -31,9 +31,10 @@ import altair as alt
 import polars as pl
 
 from hqlab import plots
+from hqlab.bench import results
 
 alt.renderers.enable("svg")
-frame = pl.read_parquet(results_file)
+frame = results.load("kernels", run, root=published_dir)
 gpu = frame["gpu"][0] if "gpu" in frame.columns else "GPU"
 chart = plots.kernel_latency(frame, title=f"Suffix-match lookup, nmin 6 / nmax 12 / k 15: {gpu} and its host CPU")
 plots.save(chart, Path(figures_dir) / "kernels_latency.svg")

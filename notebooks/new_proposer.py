@@ -34,13 +34,13 @@ suite = "all"
 doc_tokens = 1500
 max_new_tokens = 128
 limit = 0
-shipped_traces = ["data/results/traces_0.5b_all_128_bf16.parquet"]  # if recorded like here; []: record
+shipped_traces = ["0.5b_all_128_bf16"]  # committed trace sets if recorded like here; []: record
 toy_grid = {"k": [4, 8, 15], "min_count": [1, 2]}
 builtins = ["lookup:nmin=6,nmax=12,k=15", "lookup:nmin=1,nmax=32,k=15,policy=earliest", "pld:n=3,k=10"]
 live_configs = ["bigram:k=8,min_count=1", "lookup:nmin=6,nmax=12,k=15"]
 live_limit = 2
 figures_dir = "figures"
-results_dir = "data/results"
+results_dir = "data/results"  # the results folder the run new_proposer/<card> is written to
 
 # %%
 from dataclasses import dataclass
@@ -52,6 +52,7 @@ import numpy as np
 import polars as pl
 
 from hqlab import bench, plots
+from hqlab.bench import results
 from hqlab.config import ConfigError, DecodeConfig
 from hqlab.proposers import REGISTRY, Proposal, Proposer, Source, make_proposer
 
@@ -116,11 +117,11 @@ from hqlab.replay.traces import cached_traces
 alt.renderers.enable("svg")
 pl.Config.set_fmt_str_lengths(60)
 pl.Config.set_tbl_width_chars(160)
-figures, results = Path(figures_dir), Path(results_dir)
-results.mkdir(parents=True, exist_ok=True)
+figures = Path(figures_dir)
 engine = HFEngine.load(model, device=device, dtype=dtype)  # the live runs below need it anyway
 found = cached_traces(model, suite, max_new_tokens, dtype=dtype, device=device, doc_tokens=doc_tokens,
-                      limit=limit, engine=engine, shipped=shipped_traces)
+                      limit=limit, engine=engine, shipped=results.trace_files(shipped_traces))
+card = results.card_of(machine_description(engine.device))  # the run new_proposer/<card> this notebook writes
 prompts, traces = found.prompts, found.traces
 decode = DecodeConfig(max_new_tokens=max_new_tokens)
 print(machine_description(engine.device), "|", len(prompts), "prompts")
@@ -139,7 +140,7 @@ shortest = sorted(range(len(prompts)), key=lambda i: len(traces[i].prompt_ids))[
 live_prompts = [prompts[i] for i in sorted(shortest)]
 print("live on", ", ".join(f"{prompts[i].id} ({len(traces[i].prompt_ids)} tokens)" for i in sorted(shortest)))
 live, live_steps = bench.run_bench(engine, live_prompts, live_configs, decode)
-live.write_parquet(results / "new_proposer_live.parquet")
+results.write_run("new_proposer", card, card=card, tables={"live": live}, root=results_dir)
 assert (live["divergence"] != "mismatch").all(), "a speculative output differs from the reference"
 cost = CostModel.fit_steps(live_steps)
 print(cost.describe())
@@ -156,7 +157,7 @@ toy_specs = sweep.grid("bigram", **toy_grid)
 specs = list(dict.fromkeys([*toy_specs, *builtins, *live_configs]))
 grid = sweep.sweep(traces, specs, cost=cost)
 table = sweep.by_category(grid)
-grid.write_parquet(results / "new_proposer_replay.parquet")
+results.write_run("new_proposer", card, card=card, tables={"replay": grid}, root=results_dir)
 best_toy = sweep.best_overall(grid.filter(pl.col("config").is_in(toy_specs))).row(0, named=True)["config"]
 shown = list(dict.fromkeys([best_toy, *builtins]))
 print("best toy configuration by geometric-mean predicted speedup:", best_toy)

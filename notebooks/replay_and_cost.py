@@ -23,10 +23,10 @@
 # vLLM and Arctic Inference are installed.
 
 # %% tags=["parameters"]
-data_dir = "data/results"  # committed inputs
-results_dir = "data/results"  # where a re-run zoo is written
+data_dir = "data/results"  # the results folder the committed runs are read from
+results_dir = "data/results"  # the results folder a re-run zoo is written to (the run zoo/cpu)
 figures_dir = "figures"
-traces_file = "data/results/traces_0.5b_all_128.parquet"
+trace_set = "0.5b_all_128"  # a run of the study traces
 zoo_rerun = "auto"  # "auto": re-run when every zoo proposer's library is installed; "yes"; "no"
 zoo_repeats = 3
 
@@ -37,7 +37,7 @@ import altair as alt
 import polars as pl
 
 from hqlab import plots
-from hqlab.bench import part_path
+from hqlab.bench import results
 from hqlab.replay import costmodel, zoo
 from hqlab.replay.traces import load_traces
 
@@ -45,7 +45,7 @@ alt.renderers.enable("svg")
 pl.Config.set_fmt_str_lengths(50)
 pl.Config.set_tbl_width_chars(180)
 pl.Config.set_tbl_rows(40)
-data, results, figures = Path(data_dir), Path(results_dir), Path(figures_dir)
+figures = Path(figures_dir)
 
 # %% [markdown]
 # ## 1. Replay speed
@@ -54,7 +54,7 @@ data, results, figures = Path(data_dir), Path(results_dir), Path(figures_dir)
 # 100 configurations with proposal timing and pricing, per configuration. The dashed line is 1M tokens/s.
 
 # %%
-speed = pl.read_parquet(data / "replay_speed.parquet")
+speed = results.load("replay_speed", "cpu", root=data_dir)
 print(speed["machine"][0], "| load average during the run:", speed["load_avg_1m"].round(1).unique().to_list())
 shown = speed.filter(pl.col("kind") != "index").with_columns(
     (pl.col("tok_s") / 1e6).alias("M tokens/s (wall)"), (pl.col("cpu_tok_s") / 1e6).alias("M tokens/s (CPU time)"),
@@ -73,7 +73,7 @@ chart
 # Pooled per suite: measured vs predicted decode tok/s.
 
 # %%
-steps = pl.read_parquet(part_path(data / "core_cpu.parquet")).filter(pl.col("config") != "hf-pld:k=10")
+steps = results.load("core", "cpu", "steps", root=data_dir).filter(pl.col("config") != "hf-pld:k=10")
 print(costmodel.CostModel.fit_steps(steps).describe())
 held_out = costmodel.holdout_predictions(steps)
 suites = costmodel.suite_errors(held_out)
@@ -94,8 +94,9 @@ chart
 # grid, was 10-30 % off on the run of commit 23661fb: docs/replay-and-cost.md).
 
 # %%
-live = pl.read_parquet(data / "suffix_live.parquet")
-grid = pl.read_parquet(data / "suffix_sweep.parquet").filter(pl.col("p_policy") == "recent").with_columns(
+live = results.load("suffix_lengths", "cpu", "live", root=data_dir)
+grid = results.load("suffix_lengths", "cpu", "sweep", root=data_dir).filter(pl.col("p_policy") == "recent")
+grid = grid.with_columns(
     pl.format("lookup:nmin={},nmax={},k={}", "p_nmin", "p_nmax", "p_k").alias("config"))
 base = grid.group_by("prompt_id").agg(pl.col("pred_base_s").first())
 old = (live.join(grid.select("config", "prompt_id", "pred_decode_s"), on=["config", "prompt_id"], how="left")
@@ -113,9 +114,8 @@ display(old.group_by("config", "suite").agg(pl.col("prompt_tokens").median(), pl
 # predict from replay, then run the same configurations live on the labd suite.
 
 # %%
-check_path = data / "costmodel_cpu.parquet"
-if check_path.exists():
-    check = pl.read_parquet(check_path)
+if "costmodel" in results.studies(data_dir):
+    check = results.load("costmodel", "cpu", root=data_dir)
     pooled = (check.group_by("config", maintain_order=True)
               .agg(((pl.col("new_tokens") - 1).sum() / ((pl.col("new_tokens") - 1) / pl.col("decode_tok_s")).sum())
                    .alias("measured_tok_s"),
@@ -136,7 +136,7 @@ if check_path.exists():
 # position adds little at batch 1 and much more at batch 8.
 
 # %%
-gpu = pl.read_parquet(data / "step_cost_h200.parquet")
+gpu = results.load("step_cost", "h200", root=data_dir)
 graph = gpu.filter((pl.col("mode") == "graph") & (pl.col("context_len") == 2048))
 stair = graph.filter(pl.col("batch").is_in([1, 8])).with_columns(pl.format("batch {}", "batch").alias("panel"))
 chart = plots.lines(stair, "verify_len", "step_ms", "model", facet="panel", x_title="verified positions",
@@ -167,16 +167,15 @@ chart
 # (Spec-Bench's "mean accepted tokens"); latency = one `propose` call, median over steps and repeats.
 
 # %%
-traces = load_traces(traces_file)
+traces = load_traces(results.trace_files([trace_set], data_dir)[0])
 ok, missing = zoo.available() if zoo_rerun != "no" else ({}, {})
 rerun = zoo_rerun == "yes" or (zoo_rerun == "auto" and not missing)
 if rerun:
     zoo_steps = zoo.run_zoo(traces, ok, repeats=zoo_repeats)
-    results.mkdir(parents=True, exist_ok=True)
-    zoo_steps.write_parquet(results / "zoo_cpu.steps.parquet")
+    results.write_run("zoo", "cpu", card="cpu", tables={"steps": zoo_steps}, root=results_dir)
 else:
     print("re-plotting the committed zoo run;", "missing:", missing if missing else "nothing (zoo_rerun='no')")
-    zoo_steps = pl.read_parquet(data / "zoo_cpu.steps.parquet")
+    zoo_steps = results.load("zoo", "cpu", "steps", root=data_dir)
 table = zoo.summarize(zoo_steps)
 display(zoo.overall(zoo_steps).sort("tokens_per_step_geomean", descending=True))
 display(table.pivot(on="category", index="proposer", values="tokens_per_step"))

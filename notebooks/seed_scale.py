@@ -16,28 +16,24 @@
 # %% [markdown]
 # # The seeds' scale: verify-step costs of 7B–32B targets joined with measured acceptance
 #
-# Re-plots the committed step-cost measurement (`benchmarks/vllm_step_cost.py` on one H200: Qwen2.5-shaped targets
-# with random weights inside vLLM 0.26.0, CUDA graphs, every verify width) and joins it with tokens per step
-# measured on real outputs: the step records of run `w2` (the 0.5B, gpu-lookup) and run `fn2` (the 1.5B, gpu-fused
-# with the 0.5B drafting). First the prediction is checked where the truth is known (the 0.5B and 1.5B runs
-# themselves), then projected onto the large shapes (`hqlab.replay.scale`). docs/seed-scale.md reads these.
+# Re-plots the committed step-cost measurement (`benchmarks/vllm_step_cost.py`, the study seed_scale: Qwen2.5-shaped
+# targets with random weights inside vLLM 0.26.0, CUDA graphs, every verify width) and joins it with tokens per
+# step measured on real outputs: the step records of `lookup_run` (the 0.5B, gpu-lookup) and `fused_run` (the
+# 1.5B, gpu-fused with the 0.5B drafting). First the prediction is checked where the truth is known (the 0.5B and
+# 1.5B runs themselves), then projected onto the large shapes (`hqlab.replay.scale`). docs/seed-scale.md reads these.
 
 # %% tags=["parameters"]
-step_costs_file = "data/results/seed_scale_h100.parquet"  # the H200 was not lent: measured on an H100
-# runs of the step-cost file to use, oldest first: where several measured a point, the one named last keeps it
-# (`scale.newest_points`; empty: all runs, each point must then appear once)
+step_cost_card = "h100"  # the card of the seed_scale grids used (the H200 was not lent: measured on an H100)
+# runs of the study seed_scale whose grids are used, oldest first: where several measured a point, the one named
+# last keeps it (`scale.newest_points`; empty: all runs of the card, each point must then appear once)
 step_costs_runs = ["s2", "s3a", "s3b", "s3c", "s3d"]  # s3d: the 27B class in fp8
-lookup_steps_file = "data/results/vllm_gpu_h200.steps.parquet"
-lookup_results_file = "data/results/vllm_gpu_h200.parquet"
-lookup_run = "w2"
+lookup_run = "w2"  # a run of the study vllm_gpu
 lookup_shape = "qwen2.5-0.5b"  # the grid's shape of the run's model
-fused_steps_file = "data/results/vllm_fused_h200.steps.parquet"
-fused_results_file = "data/results/vllm_fused_h200.parquet"
-fused_run = "fn2"
+fused_run = "fn2"  # a run of the study vllm_fused
 fused_shape = "qwen2.5-1.5b"  # the run's target, and the shape the fused step was measured on
 drafter_shape = "qwen2.5-0.5b"  # the shape of the drafter in the fused measurement
-phases_file = "data/results/vllm_fused_h200.phases.parquet"  # where the grid has no fused step: the profiled pass
-pass_profile_run = "fn1"  # a profiled run of fn2's fused configs
+# where the grid has no fused step: the profiled pass of this run of vllm_fused (the same fused configs)
+pass_profile_run = "fn1"
 shapes = ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-27b", "qwen2.5-32b"]
 widths = [1, 2, 4, 8, 16, 32]  # the step-cost figure's widths
 contexts = [1024, 8192, 32768]  # the step-cost figure's contexts
@@ -51,8 +47,8 @@ speedup_configs = ["gpu-lookup k=31 (w2)", "gpu-lookup k=31 (fn2)", "gpu-fused k
                    "gpu-fused k=31 device skip (fn2, scaled drafter)"]  # the speedup figure's panels
 seeds_params_b = 27.0  # the seeds' headline: 159 -> 381 tok/s on a ~27B target
 seeds_speedup = 2.4
-same_machine_file = "data/results/seed_scale_validation_h100.parquet"  # decodes beside a grid of the same call
-# decode run -> [the grid run of the same call (its rows in the step-cost file), the grid shape that prices it]
+# decodes beside a grid of the same call, in the study seed_scale: decode run -> [the run (folder) of the call,
+# whose grid prices it, the grid shape that prices it]
 same_machine_runs = {"v1_05b": ["v1", "qwen2.5-0.5b"], "v1_15b": ["v1", "qwen2.5-1.5b"],
                      "v2a_05b": ["v2a", "qwen2.5-0.5b"], "v2b_15b": ["v2b", "qwen2.5-1.5b"],
                      "v3a_05b": ["v3a", "qwen2.5-0.5b"], "v4a_05b": ["v4a", "qwen2.5-0.5b"],
@@ -60,7 +56,7 @@ same_machine_runs = {"v1_05b": ["v1", "qwen2.5-0.5b"], "v1_15b": ["v1", "qwen2.5
                      "v4d_15b": ["v4d", "qwen2.5-1.5b"]}
 steady_spread = 1.1  # a pair is "steady" where every prompt's repeats agree within this factor
 figures_dir = "figures"
-results_dir = "data/results"
+results_dir = "data/results"  # the results folder the projection goes to (seed_scale_projection/<card>)
 
 # %%
 from pathlib import Path
@@ -69,13 +65,14 @@ import altair as alt
 import polars as pl
 
 from hqlab import plots
+from hqlab.bench import results as committed
 from hqlab.replay import scale
 
 alt.renderers.enable("svg")
 pl.Config.set_tbl_rows(200)
 pl.Config.set_tbl_width_chars(200)
 pl.Config.set_fmt_str_lengths(60)
-costs = pl.read_parquet(step_costs_file)
+costs = committed.load("seed_scale", kind="grid", card=step_cost_card)
 if step_costs_runs:
     costs = scale.newest_points(costs, step_costs_runs)
 costs = scale.check_step_costs(costs)
@@ -122,7 +119,7 @@ if scale.has_fused(costs, fused_shape, quant=quant):
                               for w, c, b in fused_points.select("width", "context", "batch").iter_rows()]))
     display(passes.pivot(on="width", index=["batch", "context"], values="pass_ms").sort("batch", "context"))
 else:
-    profiled = scale.profiled_pass_ms(pl.read_parquet(phases_file), pass_profile_run)
+    profiled = scale.profiled_pass_ms(committed.load("vllm_fused", pass_profile_run, "phases"), pass_profile_run)
     print(f"no gpu-fused step of {fused_shape} in the grid; the drafter's pass from run {pass_profile_run}'s profile "
           f"(GPU ms by verify width): {profiled}")
 
@@ -134,8 +131,8 @@ else:
 # steps are priced at 1,024 (`clamped_share`).
 
 # %%
-lookup_steps, lookup_results = pl.read_parquet(lookup_steps_file), pl.read_parquet(lookup_results_file)
-fused_steps, fused_results = pl.read_parquet(fused_steps_file), pl.read_parquet(fused_results_file)
+lookup_steps, lookup_results = (committed.load("vllm_gpu", lookup_run, kind) for kind in ("steps", "rows"))
+fused_steps, fused_results = (committed.load("vllm_fused", fused_run, kind) for kind in ("steps", "rows"))
 validation = pl.concat([
     scale.validate(costs, lookup_steps, lookup_results, lookup_run, lookup_shape, quant=quant, tolerance=tolerance),
     scale.validate(costs, fused_steps, fused_results, fused_run, fused_shape, fused_shape=fused_shape, quant=quant,
@@ -183,12 +180,11 @@ chart
 # band cannot be predicted within it by any model.
 
 # %%
-all_costs = pl.read_parquet(step_costs_file)
-same_parts = {name: pl.read_parquet(Path(same_machine_file).with_suffix(f".{name}.parquet"))
-              for name in ("steps", "phases", "repeats")}
+same_parts = {name: committed.load("seed_scale", sorted({r for r, _ in same_machine_runs.values()}), name, having=True)
+              for name in ("rows", "steps", "phases", "repeats")}
 same = pl.concat([
-    scale.validate_runs(scale.decode_costs(all_costs.filter(pl.col("run") == grid_run))[0], same_parts["steps"],
-                        pl.read_parquet(same_machine_file), {run: shape}, phases=same_parts["phases"],
+    scale.validate_runs(scale.decode_costs(committed.load("seed_scale", grid_run, "grid"))[0], same_parts["steps"],
+                        same_parts["rows"], {run: shape}, phases=same_parts["phases"],
                         repeats=same_parts["repeats"], tolerance=tolerance, say=print)
     for run, (grid_run, shape) in same_machine_runs.items()], how="diagonal_relaxed")
 steady = same.filter(pl.col("repeat_spread") <= steady_spread)
@@ -235,7 +231,8 @@ options = dict(pass_quant=quant, fused_shape=fused_shape, measured_drafter_shape
 projection = pl.concat([
     scale.project(costs, group, measured_in[q], these, quant=q, **options)
     for q in measured_in if measured_in[q] for group, these in ((lookups, batches), (fused, fused_batches))])
-path = scale.write_projection(projection, Path(results_dir) / "seed_scale_projection.parquet")
+path = committed.write_run("seed_scale_projection", step_cost_card, card=step_cost_card,
+                           tables={"rows": scale.checked_projection(projection)}, root=results_dir)
 print(f"{projection.height} rows -> {path}")
 projection.select("shape", "target_params_b", "quant", "label", "traces_run", "drafter", "drafter_shape", "category",
                   "batch", "tokens_per_step", "step_ms", "tok_s", "none_tok_s", "speedup").sort(

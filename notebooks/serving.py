@@ -17,37 +17,32 @@
 # # Serving under load: `vllm serve` with hqlab's speculators
 #
 # Re-plots a committed serving run (`benchmarks/vllm_serve.py` on the GPU host: one `vllm serve` process per
-# config, loaded by vLLM's own `vllm bench serve`; the machine is recorded in the parquet). For each dataset and
-# temperature: output throughput and time per output token against the requests in flight, each config's
-# throughput ÷ `none`'s, the best config per load, and the sampling test (per-position token frequencies of 600
-# samples against `none`'s, chi-square, Bonferroni). docs/serving.md reads these.
+# config, loaded by vLLM's own `vllm bench serve`; data/results/serve/<run>/, the machine in its rows and run.json).
+# For each dataset and temperature: output throughput and time per output token against the requests in flight,
+# each config's throughput ÷ `none`'s, the best config per load, and the sampling test (per-position token
+# frequencies of 600 samples against `none`'s, chi-square, Bonferroni). docs/serving.md reads these.
 
 # %% tags=["parameters"]
-results_file = "data/results/vllm_serve_h200.parquet"
-samples_file = "data/results/vllm_serve_h200.samples.parquet"
-run = "s1"
+run = "s1"  # a run of the study serve
 figures_dir = "figures"
 positions = 24  # output positions the sampling test compares
 # the speculation gate's replay: recorded greedy outputs, the lookup it gates, the gate lengths (0 = no gate), and
 # where the two step costs come from (a serving run at one request, and the step-cost grid of the same target)
-gate_traces = {"0.5B": ["data/results/traces_0.5b_all_128.parquet", "data/results/traces_0.5b_corpus_128.parquet"],
-               "1.5B": ["data/results/traces_1.5b_labd_160.parquet",
-                        "data/results/traces_1.5b_prose_chat_256.parquet"]}  # model -> trace sets
+gate_traces = {"0.5B": ["0.5b_all_128", "0.5b_corpus_128"],
+               "1.5B": ["1.5b_labd_160", "1.5b_prose_chat_256"]}  # model -> trace sets (runs of the study traces)
 gate_lookup = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest"
 gate_min_matches = [0, 1, 2, 3, 4, 6, 8]
 gate_cost_run = "s3"
 gate_cost_config = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,batch_k=1:15/4:7/0"
-gate_grid_file = "data/results/seed_scale_h100.parquet"
-gate_grid_run = "s2"  # the grid's run (the file also holds run v1's validation grid)
-results_dir = "data/results"  # where the gate's replay is written (gate_replay.parquet)
+gate_grid_run = "s2"  # the run of the study seed_scale whose step-cost grid prices it
+results_dir = "data/results"  # the results folder the gate's replay goes to (the run gate_replay/cpu)
 gate_cost_ratios = [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6]  # speculative step ÷ plain step, the host's cost
 gate_cost_lengths = [0, 1, 2, 3]  # the gate lengths drawn against it
 gate_runs = ["s4", "s4b"]  # the serving runs of the gated lookup (gate=1, gate=2) beside the ungated one
-# drafts drawn from the drafter (`draft_sample=probabilistic`): the CPU measurement of what they are worth, and the
-# served run and config whose sampled-prose speedup at one request it projects from
-draft_sampling_file = "data/results/draft_sampling_cpu.parquet"
-draft_temperature_file = "data/results/draft_temperature_cpu.parquet"  # the drafter drawn hotter or colder
-drawn_heads_file = "data/results/drawn_heads_cpu.parquet"  # whole steps: greedy against drawn heads of 1-3 tokens
+# drafts drawn from the drafter (`draft_sample=probabilistic`): the CPU measurement of what they are worth (the runs
+# draft_sampling/cpu; draft_temperature/cpu, the drafter drawn hotter or colder; drawn_heads/cpu, whole steps:
+# greedy against drawn heads of 1-3 tokens), and the served run and config whose sampled-prose speedup at one
+# request it projects from
 head_speed_run = "s3"  # the serving run that measured greedy heads of 1-3 tokens against each other
 projection_run = "s4"
 served_heads_run = "s5a"  # the serving run that measured the drawn heads themselves (sampled prose, one request)
@@ -55,7 +50,7 @@ projection_config = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compi
                      "compile_rule=true,device_skip=true,layers=triton,attention=triton,batch_k=1:15/4:7/0")
 # the drafter's prompt prefill outside vLLM (benchmarks/fused_pass_kernels.py --prefill): eager calls against the
 # passes replayed from a captured graph (`prefill_graph`)
-prefill_profile = "data/results/fused_prefill_p1/fused_prefill_h100_p1.json"
+prefill_run = "p1"  # a run of the study fused_pass_kernels
 prefill_runs = ["s5a", "s6"]  # serving runs of projection_config on sampled prose at one request (s6: also with
 # prefill_graph=1024, the drafter's prompt read from the captured graph)
 gate_plot = ["prose 1.5B", "chat 1.5B", "prose 0.5B", "template 0.5B", "multiturn 0.5B", "agent 0.5B", "qa 1.5B",
@@ -69,13 +64,14 @@ import altair as alt
 import polars as pl
 
 from hqlab import plots
-from hqlab.bench import serve, vllm_report
+from hqlab.bench import results, serve, vllm_report
 from hqlab.replay import sampled_drafts
 
 alt.renderers.enable("svg")
 pl.Config.set_tbl_width_chars(200)
 pl.Config.set_fmt_str_lengths(60)
-rows = pl.read_parquet(results_file).filter(pl.col("run") == run)
+serve_rows = results.load("serve")  # every serving run's load rows
+rows = serve_rows.filter(pl.col("run") == run)
 curves = serve.load_curves(rows)
 print(rows["machine"][0], "| vLLM", rows["vllm_version"][0], "| model", rows["model"][0], "| commit",
       rows["git_commit"][0])
@@ -116,7 +112,7 @@ serve.best_ratio(table).select("dataset", "temperature", "max_concurrency", "lab
 # planted verification bug, which must fail.
 
 # %%
-all_samples = pl.read_parquet(samples_file)
+all_samples = results.load("serve", kind="samples")
 reference = all_samples.filter((pl.col("run") == run) & (pl.col("config") == "none"))["token_ids"][0].to_list()
 serve.sampling_verdicts(reference, all_samples.filter((pl.col("run") == run) & (pl.col("config") != "none")),
                         positions=positions)
@@ -148,10 +144,10 @@ from hqlab.replay import gate as gate_replay
 from hqlab.replay import scale
 from hqlab.replay.traces import load_traces
 
-cost_rows = pl.read_parquet(results_file).filter((pl.col("run") == gate_cost_run)
+cost_rows = serve_rows.filter((pl.col("run") == gate_cost_run)
                                                  & pl.col("config").is_in(["none", gate_cost_config]))
 served_plain, served_spec = serve.step_costs(cost_rows, gate_cost_config)
-grid = pl.read_parquet(gate_grid_file).filter(pl.col("run") == gate_grid_run)
+grid = results.load("seed_scale", gate_grid_run, "grid")
 grid_plain, *grid_wide = scale.step_ms(grid, "qwen2.5-1.5b", "gpu-lookup", [1, 2, 4, 8, 16, 32], 1024, 1)
 grid_spec = float(np.median(grid_wide))
 costs = {f"served ({served_spec / served_plain:.2f}x a plain step)": (served_plain, served_spec),
@@ -159,11 +155,10 @@ costs = {f"served ({served_spec / served_plain:.2f}x a plain step)": (served_pla
 lookup = resolve_spec(gate_lookup, {"gpu-lookup": LookupConfig, "lookup": LookupConfig})[1]
 steps = pl.concat([gate_replay.sweep(load_traces(f), lookup, [g or None for g in gate_min_matches])
                    .with_columns(pl.format("{} {}", pl.col("workload"), pl.lit(size)).alias("workload"))
-                   for size, files in gate_traces.items() for f in files])
+                   for size, sets in gate_traces.items() for f in results.trace_files(sets)])
 priced = pl.concat([gate_replay.price(steps, plain_ms=p, spec_ms=q).with_columns(pl.lit(name).alias("costs"))
                     for name, (p, q) in costs.items()])
-Path(results_dir).mkdir(parents=True, exist_ok=True)
-priced.write_parquet(Path(results_dir) / "gate_replay.parquet")
+results.write_run("gate_replay", "cpu", card="cpu", tables={"rows": priced}, root=results_dir)
 shown = priced.filter(pl.col("workload").is_in(gate_plot))
 chart = plots.lines_with_mark(shown, "min_match", "speedup", "workload", panel="costs", columns=2,
                               mark=(0, 1.0, "none"), log_x=False, x_title="gate length (0: no gate)",
@@ -209,7 +204,7 @@ best  # the gate length (0: none) with the best replayed speed, per workload and
 # the gate pays in proportion to how much a speculative step costs over a plain one.
 
 # %%
-gate_rows = pl.read_parquet(results_file).filter(pl.col("run").is_in(gate_runs))
+gate_rows = serve_rows.filter(pl.col("run").is_in(gate_runs))
 gate_table = serve.load_curves(serve.speedup_table(gate_rows)).filter(pl.col("config") != "none")
 chart = plots.grouped_bars(gate_table, "load", "ratio", "label", facet="group", y_title="output tok/s ÷ none",
                            rule_at=0.95, width=200, independent_y=True, legend_limit=400)
@@ -222,7 +217,7 @@ gate_table.select("run", "group", "load", "label", "ratio", "ratio_min", "ratio_
 
 # %%
 cost_runs = []
-served = pl.read_parquet(results_file).filter((pl.col("dataset") == "prose") & (pl.col("temperature") > 0)
+served = serve_rows.filter((pl.col("dataset") == "prose") & (pl.col("temperature") > 0)
                                               & pl.col("config").is_in(["none", gate_cost_config]))
 for cost_run in [gate_cost_run, *gate_runs]:
     prose = served.filter(pl.col("run") == cost_run)
@@ -249,7 +244,7 @@ serve.sampling_verdicts(reference, all_samples.filter(pl.col("run").is_in(gate_r
 # tokens a step where the lookup proposes nothing). A projection, not a measurement: plan s5 measures it.
 
 # %%
-drafts = sampled_drafts.summary(pl.read_parquet(draft_sampling_file)).with_columns(
+drafts = sampled_drafts.summary(results.load("draft_sampling", "cpu")).with_columns(
     pl.format("{} · T={}", pl.col("dataset"), pl.col("temperature")).alias("group"))
 chart = plots.grouped_bars(drafts, "group", "acceptance", "draft",
                            y_title="acceptance of the drafter's token", width=360)
@@ -261,7 +256,7 @@ chart
 # drafter drawn at T x scale and verified against that distribution (`--draft-scales`).
 
 # %%
-tempered = sampled_drafts.draft_temperature_summary(pl.read_parquet(draft_temperature_file)).with_columns(
+tempered = sampled_drafts.draft_temperature_summary(results.load("draft_temperature", "cpu")).with_columns(
     pl.format("{} · T={}", pl.col("dataset"), pl.col("temperature")).alias("group"))
 chart = plots.lines(tempered, "draft_scale", "acceptance", "group", x_title="drafter's temperature ÷ the request's",
                     y_title="acceptance of a drawn draft, 1 − TV(p, q)")
@@ -269,7 +264,7 @@ plots.save(chart, Path(figures_dir) / "draft_temperature_acceptance.svg")
 chart
 
 # %%
-measured = serve.speedup_table(pl.read_parquet(results_file).filter(pl.col("run") == projection_run)).filter(
+measured = serve.speedup_table(serve_rows.filter(pl.col("run") == projection_run)).filter(
     (pl.col("config") == projection_config) & (pl.col("dataset") == "prose") & (pl.col("temperature") == 0.7)
     & (pl.col("max_concurrency") == 1))
 gains = drafts.filter((pl.col("dataset") == "prose") & (pl.col("temperature") == 0.7)).pivot(
@@ -288,12 +283,12 @@ pl.DataFrame([{"run": projection_run, "measured ratio": r["ratio"], "repeats": r
 # that length ran against the one-token head in `head_speed_run`, times the ratio (the same step, more tokens).
 
 # %%
-heads = sampled_drafts.head_summary(pl.read_parquet(drawn_heads_file))
+heads = sampled_drafts.head_summary(results.load("drawn_heads", "cpu"))
 long_heads = heads.unpivot(["greedy", "drawn"], index="head", variable_name="draft", value_name="tokens a step")
 chart = plots.grouped_bars(long_heads.with_columns(pl.format("head of {}", pl.col("head")).alias("head")), "head",
                            "tokens a step", "draft", y_title="tokens a verify step (prose, T = 0.7)", width=300)
 plots.save(chart, Path(figures_dir) / "drawn_heads_tokens.svg")
-speeds = sampled_drafts.head_speeds(pl.read_parquet(results_file), head_speed_run)
+speeds = sampled_drafts.head_speeds(serve_rows, head_speed_run)
 sampled_drafts.project_heads(heads, float(measured["ratio"].median()), speeds).with_columns(
     pl.col("head").replace_strict(speeds, return_dtype=pl.Float64).alias(f"greedy head speed ({head_speed_run})"))
 
@@ -306,7 +301,7 @@ chart
 # with the tokens a verify step and that step's time ÷ a plain step (time per output token × tokens a step).
 
 # %%
-served = serve.served_heads(pl.read_parquet(results_file), served_heads_run)
+served = serve.served_heads(serve_rows, served_heads_run)
 projected = sampled_drafts.project_heads(heads, float(measured["ratio"].median()), speeds)
 compared = pl.concat([
     served.select(pl.format("head of {}", pl.col("head")).alias("head"),
@@ -324,13 +319,13 @@ served.drop("config", "machine")
 chart
 
 # %% [markdown]
-# The drafter's prompt prefill, what `gpu-fused` adds to a new request's first token (`prefill_profile`): wall time
+# The drafter's prompt prefill, what `gpu-fused` adds to a new request's first token (`prefill_run`): wall time
 # per prompt length of the eager calls the served config made (warm: the median of seven after a warm-up; first:
 # the first call at a length not seen before, as a served request meets it) against 64-position passes replayed
 # from one captured CUDA graph (`prefill_graph`).
 
 # %%
-prefill = vllm_report.prefill_times(json.loads(Path(prefill_profile).read_text()))
+prefill = vllm_report.prefill_times(json.loads(results.read_text("fused_pass_kernels", prefill_run, "profile.json")))
 chart = plots.lines_with_mark(prefill.with_columns(pl.col("call").replace_strict(
     {"warm": "warm (median of 7)", "first": "first call at a new length"}).alias("call")), "prompt", "ms", "label",
     panel="call", columns=2, x_title="prompt tokens", y_title="drafter prefill (ms, wall)")
@@ -346,7 +341,7 @@ chart
 # median and the range), with the median time to the first token.
 
 # %%
-served_runs = pl.read_parquet(results_file).filter(
+served_runs = serve_rows.filter(
     pl.col("run").is_in(prefill_runs) & (pl.col("dataset") == "prose") & (pl.col("temperature") == 0.7)
     & (pl.col("max_concurrency") == 1)
     & pl.col("config").is_in(["none", projection_config, projection_config + ",prefill_graph=1024"]))

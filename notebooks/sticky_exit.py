@@ -23,7 +23,7 @@
 # Tokens per step measure what a setting gains; verified positions per step what it costs.
 #
 # With `rerun = False` (the default of `make figures`) the grid re-plots the committed replay
-# (`data/results/sticky_replay.parquet`) and only the one-request timeline is replayed here; `rerun = True` replays
+# (`data/results/sticky_replay/cpu/`) and only the one-request timeline is replayed here; `rerun = True` replays
 # the whole grid (one drafter forward pass over each of the six 1,700-token traces: slow in bf16 on a CPU).
 
 # %% tags=["parameters"]
@@ -35,7 +35,7 @@ suite = "labd"
 doc_tokens = 1500
 max_new_tokens = 160
 limit = 0
-shipped_traces = ["data/results/traces_1.5b_labd_160.parquet"]  # if recorded like here; []: record
+shipped_traces = ["1.5b_labd_160"]  # committed trace sets if recorded like here; []: record
 k = 15
 sticky_grid = [0, 1, 2, 3, 5]
 entry_grid = [1, 2]
@@ -43,8 +43,8 @@ stale_grid = [0, 1]
 timeline_task = "copy"
 rerun = False  # False: re-plot the committed grid (published_dir); True: replay it here
 figures_dir = "figures"
-results_dir = "data/results"  # where a rerun writes
-published_dir = "data/results"  # where the committed grid is read from when not rerunning
+results_dir = "data/results"  # the results folder a rerun writes the run sticky_replay/cpu to
+published_dir = "data/results"  # the results folder the committed grid is read from when not rerunning
 
 # %%
 from pathlib import Path
@@ -53,6 +53,7 @@ import altair as alt
 import polars as pl
 
 from hqlab import plots
+from hqlab.bench import results
 from hqlab.proposers.fused import FusedConfig, FusedProposer
 from hqlab.provenance import machine_description
 from hqlab.replay import replay
@@ -61,11 +62,10 @@ from hqlab.replay.traces import cached_traces
 
 alt.renderers.enable("svg")
 pl.Config.set_tbl_width_chars(160)
-figures, results = Path(figures_dir), Path(results_dir)
-results.mkdir(parents=True, exist_ok=True)
+figures = Path(figures_dir)
 # the greedy outputs: trace cache, else the shipped set, else recorded here (only then does the model load)
 traces = cached_traces(target, suite, max_new_tokens, dtype=dtype, device=device, doc_tokens=doc_tokens,
-                       limit=limit, shipped=shipped_traces).traces
+                       limit=limit, shipped=results.trace_files(shipped_traces)).traces
 draft = load_drafter(drafter, device=device, dtype=dtype)
 print(machine_description(draft.device), "|", target, "drafted by", drafter, "|", len(traces), "traces")
 
@@ -77,9 +77,9 @@ if rerun:
     specs = [f"fused:k={k},sticky={s},entry_steps={e},stale={st}"
              for s in sticky_grid for e in entry_grid for st in stale_grid]
     grid = replay_fused_grid(traces, draft, specs + [f"fused:k={k},schedule=short", f"fused:k={k},schedule=long"])
-    grid.write_parquet(results / "sticky_replay.parquet")
+    results.write_run("sticky_replay", "cpu", card="cpu", tables={"rows": grid}, root=results_dir)
 else:
-    grid = pl.read_parquet(Path(published_dir) / "sticky_replay.parquet")
+    grid = results.load("sticky_replay", "cpu", root=published_dir)
 pattern = r"sticky=(?P<sticky>\d+),entry_steps=(?P<entry>\d+),stale=(?P<stale>\d)"
 grid = grid.with_columns(pl.col("config").str.extract_groups(pattern).alias("p")).unnest("p")
 adaptive = grid.drop_nulls("sticky").with_columns(

@@ -33,7 +33,7 @@ suite = "all"
 doc_tokens = 1500
 max_new_tokens = 128
 limit = 0
-shipped_traces = ["data/results/traces_0.5b_all_128_bf16.parquet"]  # if recorded like here; []: record
+shipped_traces = ["0.5b_all_128_bf16"]  # committed trace sets if recorded like here; []: record
 nmin_grid = [1, 2, 3, 4, 6, 8]
 nmax_grid = [3, 4, 8, 12, 16, 32]
 k_grid = [4, 8, 15]
@@ -43,8 +43,8 @@ cost_contexts = [512, 1024, 2048]
 cost_verify_lens = [1, 2, 4, 8, 12, 16]
 rerun = False  # False: re-plot the committed run (published_dir); True: record, measure, replay and run live here
 figures_dir = "figures"
-results_dir = "data/results"  # where a rerun writes
-published_dir = "data/results"  # where the committed run is read from when not rerunning
+results_dir = "data/results"  # the results folder a rerun writes the run suffix_lengths/<card> to
+published_dir = "data/results"  # the results folder the committed run suffix_lengths/cpu is read from
 
 # %%
 from pathlib import Path
@@ -53,6 +53,7 @@ import altair as alt
 import polars as pl
 
 from hqlab import bench, plots
+from hqlab.bench import results
 from hqlab.config import DecodeConfig
 from hqlab.engines.hf import HFEngine
 from hqlab.provenance import machine_description
@@ -63,12 +64,12 @@ from hqlab.replay.traces import cached_traces
 alt.renderers.enable("svg")
 pl.Config.set_fmt_str_lengths(60)
 pl.Config.set_tbl_width_chars(160)
-figures, results, published = Path(figures_dir), Path(results_dir), Path(published_dir)
-results.mkdir(parents=True, exist_ok=True)
+figures = Path(figures_dir)
 if rerun:
     engine = HFEngine.load(model, device=device, dtype=dtype)  # the cost model and the live check need it anyway
     found = cached_traces(model, suite, max_new_tokens, dtype=dtype, device=device, doc_tokens=doc_tokens,
-                          limit=limit, engine=engine, shipped=shipped_traces)
+                          limit=limit, engine=engine, shipped=results.trace_files(shipped_traces))
+    card = results.card_of(machine_description(engine.device))  # the run suffix_lengths/<card> written here
     prompts, traces = found.prompts, found.traces
     decode = DecodeConfig(max_new_tokens=max_new_tokens)
     print(machine_description(engine.device), "|", len(prompts), "prompts")
@@ -90,9 +91,9 @@ if rerun:
 if rerun:
     step_times = measure_step_times(engine, cost_contexts, cost_verify_lens).with_columns(
         pl.lit(machine_description(engine.device)).alias("machine"))
-    step_times.write_parquet(results / "suffix_step_times.parquet")
+    results.write_run("suffix_lengths", card, card=card, tables={"step_times": step_times}, root=results_dir)
 else:
-    step_times = pl.read_parquet(published / "suffix_step_times.parquet")
+    step_times = results.load("suffix_lengths", "cpu", "step_times", root=published_dir)
 print("measured on", step_times["machine"][0])
 plots.save(plots.lines(step_times, "verify_len", "step_ms", "context_len", x_title="verify positions",
                        y_title="ms per verify step"), figures / "suffix_step_cost.svg")
@@ -101,9 +102,9 @@ step_times.pivot(on="verify_len", index="context_len", values="step_ms")
 # %%
 if rerun:
     grid = sweep.sweep(traces, specs, cost=CostModel.fit(step_times))
-    grid.write_parquet(results / "suffix_sweep.parquet")
+    results.write_run("suffix_lengths", card, card=card, tables={"sweep": grid}, root=results_dir)
 else:
-    grid = pl.read_parquet(published / "suffix_sweep.parquet")
+    grid = results.load("suffix_lengths", "cpu", "sweep", root=published_dir)
 table = sweep.by_category(grid)
 
 # %% [markdown]
@@ -144,9 +145,9 @@ chart
 # %%
 if rerun:
     live, live_steps = bench.run_bench(engine, prompts, live_configs, decode)
-    live.write_parquet(results / "suffix_live.parquet")
+    results.write_run("suffix_lengths", card, card=card, tables={"live": live}, root=results_dir)
 else:
-    live = pl.read_parquet(published / "suffix_live.parquet")
+    live = results.load("suffix_lengths", "cpu", "live", root=published_dir)
 speculative = live.filter(pl.col("config") != "none")
 pred = sweep.rows_of(grid, speculative["config"].unique(maintain_order=True).to_list())
 check = speculative.join(pred.select("config", "prompt_id", "tokens_per_step", "speedup_pred"),

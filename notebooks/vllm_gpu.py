@@ -16,15 +16,13 @@
 # %% [markdown]
 # # hqlab's lookup inside vLLM's GPU step
 #
-# Re-plots the committed vLLM runs (`benchmarks/vllm_gpu.py`, machine and versions in every row): hqlab's
-# `gpu-lookup` speculator in vLLM's model runner V2 with asynchronous scheduling, next to `none`, hqlab's host-side
-# `custom_class` adapter and vLLM's `ngram` / `ngram_gpu`. Every ratio is taken inside one run (one GPU session,
-# its own `none`); tables give medians over runs. docs/vllm.md discusses them.
+# Re-plots the committed vLLM runs (`benchmarks/vllm_gpu.py`, the study vllm_gpu: machine and versions in every row):
+# hqlab's `gpu-lookup` speculator in vLLM's model runner V2 with asynchronous scheduling, next to `none`, hqlab's
+# host-side `custom_class` adapter and vLLM's `ngram` / `ngram_gpu`. Every ratio is taken inside one run (one GPU
+# session, its own `none`); tables give medians over runs. docs/vllm.md discusses them.
 
 # %% tags=["parameters"]
-results_file = "data/results/vllm_gpu_h200.parquet"
 figures_dir = "figures"
-results_dir = "data/results"
 focus_run = "j"  # the run whose per-class bars are drawn (the current code, k = 15/31 and the adapter at both)
 # runs of hqlab's current code
 current_runs = ["e", "f", "g", "h", "j", "k", "l", "l2", "m", "n", "o", "p", "q", "r", "s", "t", "u", "v", "w", "w2"]
@@ -35,8 +33,8 @@ cost_runs = [["l", "l2"], ["j"], ["k"], ["l"], ["m"], ["n"], ["o"], ["p"], ["s"]
 # every engine alive at once, each prompt on each in turn (paired by round)
 interleaved_runs = ["s", "t", "u", "v", "w", "w2"]
 probe_runs = ["o", "p"]  # runs with the CPU speed probe around each request (`--pin-threads`, host_unit_ms)
-probe_file = "data/results/host_threads_h200.parquet"  # experiments/host_two_speeds/vllm_host_threads.py
-cpu_file = "data/results/host_speed_h200.parquet"  # experiments/host_two_speeds/host_speed.py: plain Python, no GPU
+probe_run = "a"  # a run of the study host_threads (experiments/host_two_speeds/vllm_host_threads.py)
+cpu_run = "h200"  # a run of the study host_speed (experiments/host_two_speeds/host_speed.py: plain Python, no GPU)
 
 # %%
 from pathlib import Path
@@ -45,13 +43,13 @@ import altair as alt
 import polars as pl
 
 from hqlab import plots
-from hqlab.bench import vllm_report
+from hqlab.bench import results, vllm_report
 
 alt.renderers.enable("svg")
 pl.Config.set_tbl_width_chars(200)
 pl.Config.set_fmt_str_lengths(48)
 pl.Config.set_tbl_rows(80)
-data = vllm_report.load(results_file)
+data = vllm_report.load("vllm_gpu")
 ratios = vllm_report.run_ratios(data["results"])
 print(data["results"]["machine"][0], "|", data["results"]["model"][0], data["results"]["dtype"][0])
 
@@ -167,8 +165,8 @@ chart
 # own, and ran the suite twice more on the same engine.
 
 # %%
-if Path(probe_file).exists():
-    probe = pl.read_parquet(probe_file).with_columns(
+if probe_run:
+    probe = results.load("host_threads", probe_run).with_columns(
         pl.format("{} · {}", pl.col("config").map_elements(vllm_report.short_label, return_dtype=pl.String),
                   "variant").alias("engine, threads"), pl.format("pass {}", "pass").alias("pass"))
     chart = plots.points(probe, "engine, threads", "step_ms", "pass", y_title="median step ms of a request",
@@ -214,8 +212,8 @@ chart
 # units slower than 1.45x the machine's fastest decile.
 
 # %%
-if Path(cpu_file).exists():
-    cpu = pl.read_parquet(cpu_file)
+if cpu_run:
+    cpu = results.load("host_speed", cpu_run)
     fast = cpu["unit_ms"].quantile(0.1)
     alone = (cpu.filter(pl.col("phase") == "alone").with_columns((pl.col("t") * 4).floor().truediv(4).alias("s"))
              .group_by("s").agg(pl.col("unit_ms").median()).sort("s").with_columns(pl.lit("one CPU").alias("run")))

@@ -2,14 +2,14 @@
 run's own greedy outputs, with teacher-forced drafts of the real drafter on the CPU.
 
   CPU (here):
-      python experiments/drafter_skip_replayed/fused_skip_replay.py RETURNED/vllm_gpu_fb1.parquet \\
-          --out data/results/fused_skip_replay.parquet
-  reads the raw run (and its .json: model, suite, document length), takes `none`'s outputs (first repeat, alone;
-  every config's outputs equal them: the run is lossless), and replays the lab's `fused` proposer with the run's
-  gpu-fused settings (k=15, nmax=32, earliest match) at draft_block 2, 4 and 7, skipping the drafter after long-block
-  steps (skip_on=long, lag 0 = never to 3) or after steps whose head the lookup filled (skip_on=head, lag 1 and 2):
-  tokens/step and the share of steps that ran the drafter, per prompt. (The fusion notebook priced them with the run's
-  measured drafter pass, `vllm_report.skip_what_if`, since retired: the run history in the docs keeps the answer.)
+      python experiments/drafter_skip_replayed/fused_skip_replay.py RETURNED/vllm_gpu_fb1.parquet --run skip
+  writes the run data/results/fused_skip_replay/<run>/ (rows.parquet; hqlab.bench.results). It reads the raw run (and
+  its .json: model, suite, document length), takes `none`'s outputs (first repeat, alone; every config's outputs equal
+  them: the run is lossless), and replays the lab's `fused` proposer with the run's gpu-fused settings (k=15, nmax=32,
+  earliest match) at draft_block 2, 4 and 7, skipping the drafter after long-block steps (skip_on=long, lag 0 = never to
+  3) or after steps whose head the lookup filled (skip_on=head, lag 1 and 2): tokens/step and the share of steps that
+  ran the drafter, per prompt. (The fusion notebook priced them with the run's measured drafter pass,
+  `vllm_report.skip_what_if`, since retired: the run history in the docs keeps the answer.)
   --schedule long replays the same grid with the scheduler fixed to the long block (`schedule=long`): inside vLLM
   every step verifies k positions whatever the block (gpu-fused pads after it), so a block shorter than k saves no
   verify time there, and the lookup's tail fills positions an adaptive short block leaves to the pad.
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -55,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("raw", help="a raw vLLM run (benchmarks/vllm_gpu.py bench) that ran `none`")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--run", required=True, help="the name of this replay: data/results/fused_skip_replay/<run>/")
+    ap.add_argument("--results", default=None, help="the results folder (default data/results)")
     ap.add_argument("--drafter", default="qwen2.5-coder-0.5b")
     ap.add_argument("--dtype", default="float32", help="the replay drafter's dtype on the CPU")
     ap.add_argument("--blocks", default=",".join(map(str, BLOCKS)),
@@ -129,9 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         table = pl.concat([table, pl.DataFrame(lookups)], how="diagonal_relaxed")
     table = table.with_columns(pl.lit(meta["model"]).alias("target"), pl.lit(args.drafter).alias("drafter"),
                                pl.lit(Path(args.raw).name).alias("source"))
-    out = Path(args.out)
-    table.write_parquet(str(out) + ".tmp")
-    os.replace(str(out) + ".tmp", out)
+    from hqlab.bench import results
+    from hqlab.provenance import git_commit
+
+    out = results.write_run("fused_skip_replay", args.run, card="cpu", tables={"rows": table}, root=args.results,
+                            info={"commit": git_commit(), "command": results.command_line(),
+                                  "benchmark": "experiments/drafter_skip_replayed/fused_skip_replay.py"})
     with pl.Config(tbl_rows=-1, tbl_width_chars=160, fmt_str_lengths=60):
         print(table.group_by("config", "category").agg(pl.col("tokens_per_step").median(),
                                                         pl.col("drafter_share").median()).sort("category", "config"))

@@ -14,13 +14,13 @@ tools/gpu_host/vllm_host.py run (it converts the 0.5B):
 
     python3 experiments/host_proven_skip/fused_skip_host.py [--tag a]
 
-writes $OUT/fused_skip_host_<tag>.json (kept as data/results/fused_skip_host_h200_<tag>.json).
+writes $OUT/fused_skip_host_<tag>.json.
 `TRITON_INTERPRET=1 python experiments/host_proven_skip/fused_skip_host.py --device cpu --steps 3 --repeats 1`
 runs the same code on the CPU (the kernel in Triton's interpreter; no graphs, no stand-ins): a check of the script,
 not a measurement. Here (CPU):
-`python experiments/host_proven_skip/fused_skip_host.py --fold data/results/fused_skip_host_h200_a.json` writes the
-medians over repeats to data/results/fused_skip_host_h200.parquet (the fusion benchmark notebook draws
-figures/fused_skip_host_h200.svg from it).
+`python experiments/host_proven_skip/fused_skip_host.py --fold RETURNED/fused_skip_host_a.json` puts the run in place,
+data/results/fused_skip_host/<tag>/ (hqlab.bench.results): the medians over repeats (rows.parquet) and the returned
+JSON (raw.json), from which the fusion benchmark notebook draws figures/fused_skip_host_h200.svg.
 """
 
 from __future__ import annotations
@@ -176,11 +176,11 @@ def workload(kind: str, *, edit_every: int) -> tuple[list[int], list[int]]:
     return prompt, out
 
 
-def fold(raw: Path) -> None:
-    """Medians over repeats of a GPU run's rows -> a parquet under data/results."""
+def fold(raw: Path, tag: str) -> None:
+    """Medians over repeats of a GPU run's rows -> the run `tag` of data/results/fused_skip_host/."""
     import polars as pl
 
-    from hqlab.io import write_atomic
+    from hqlab.bench import results
 
     data = json.loads(raw.read_text())
     rows = pl.DataFrame(data["rows"])
@@ -193,15 +193,18 @@ def fold(raw: Path) -> None:
              .sort("task", "ahead", "skip")
              .with_columns(pl.lit(data["device"]).alias("device"), pl.lit(data["base"]).alias("base"),
                            pl.lit(data["target_ms"]).alias("target_ms"), pl.lit(data["host_ms"]).alias("host_ms")))
-    out = ROOT / "data" / "results" / "fused_skip_host_h200.parquet"
-    write_atomic(out, lambda tmp: table.write_parquet(tmp))
+    out = results.write_run("fused_skip_host", tag, card=results.card_of(data["device"]), tables={"rows": table},
+                            files={"raw.json": raw},
+                            info={"benchmark": "experiments/host_proven_skip/fused_skip_host.py"})
     print(table)
     print(f"wrote {out} (notebooks/fusion_benchmark.py plots it)")
 
 
 def main() -> None:
     if "--fold" in sys.argv:
-        fold(Path(sys.argv[sys.argv.index("--fold") + 1]))
+        raw = Path(sys.argv[sys.argv.index("--fold") + 1])
+        tag = sys.argv[sys.argv.index("--tag") + 1] if "--tag" in sys.argv else raw.stem.rsplit("_", 1)[-1]
+        fold(raw, tag)
         return
     import torch
 

@@ -9,6 +9,9 @@ records, written together (`write_results`: `<out>.parquet` and `<out>.steps.par
 - `suites`: `run_suites` (suites through the transformers engine or vLLM) and the project's benchmarks (core,
   fusion, draft-vocabulary acceptance) as library calls.
 - `report`: summaries and the benchmarks' figures; `vllm_report`: vLLM runs read back (ratios, breakdowns).
+- `results`: the committed results, one folder a run (data/results/<study>/<run>/) and their index: `load`,
+  `run_info`, `write_run` (what every benchmark's `finish` puts a run in place with).
+- `claims`: what the docs say of a committed run, as data beside it (claims.json), and the checker.
 - `lossless`: is an output identical to the reference, or a near-tie flip; chi-square checks for sampling.
 
 The names below load their module on first use, so importing `hqlab.bench.vllm_runs` on a GPU host does not import

@@ -1,8 +1,7 @@
-"""Reading the vLLM corpus runs (benchmarks/vllm_corpus.py `finish`: data/results/vllm_corpus_h200.parquet, one row
-per point, and its .requests.parquet, one row per request): the corpus's speedup over the same lookup without it,
-per workload and load, against issue #42's bar; and how often greedy outputs differ from `none`'s. The corpus
-notebook plots these, docs/corpus.md quotes them, tests/bench/test_vllm_corpus_results.py asserts them on the
-committed run.
+"""Reading the vLLM corpus runs (benchmarks/vllm_corpus.py `finish`: under data/results/corpus/<run>/ the rows, one
+per point, and the requests, one row per request): the corpus's speedup over the same lookup without it, per
+workload and load, against issue #42's bar; and how often greedy outputs differ from `none`'s. The corpus notebook
+plots these, docs/corpus.md quotes them, and each run's claims.json states what they give on that run.
 
 Every ratio is taken inside one repeat (the configs of a workload and load run seconds apart), then summarised over
 the repeats: their median and range.

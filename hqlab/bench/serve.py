@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 from hqlab.config import ConfigError
 
-# one row per (config, dataset, temperature, max_concurrency) in data/results/vllm_serve_h200.parquet
+# one row per (config, dataset, temperature, max_concurrency) of a serving run (data/results/serve/<run>/rows.parquet)
 SERVE_COLUMNS = ["run", "config", "dataset", "temperature", "max_concurrency", "num_prompts", "completed",
                  "output_throughput", "request_throughput", "total_output_tokens", "duration_s",
                  "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms",

@@ -9,7 +9,7 @@ from typing import Any, Mapping, Sequence
 
 import polars as pl
 
-from hqlab.bench.harness import parse_configs, run_batch_bench, run_bench, with_provenance, write_results
+from hqlab.bench.harness import parse_configs, run_batch_bench, run_bench, with_provenance
 from hqlab.config import DecodeConfig
 from hqlab.workloads import load_workload
 
@@ -70,14 +70,17 @@ def fusion_configs(drafter: str, dtype: str, device: str) -> tuple[list[str], li
 BATCH_TASKS = ("copy", "summary", "code", "qa")  # the soak composition of SPEC §3
 
 
-def fusion_benchmark(tag: str, out_dir: str | Path, *, target: str = "qwen2.5-coder-1.5b",
+def fusion_benchmark(tag: str, root: str | Path | None = None, *, target: str = "qwen2.5-coder-1.5b",
                      drafter: str = "qwen2.5-coder-0.5b", device: str = "auto", dtype: str = "auto",
                      doc_tokens: int = 1500, new_tokens: int = 160, repeats: int = 1, batch: int = 4,
                      single: bool = True, batched: bool = True, progress: bool = True) -> dict[str, pl.DataFrame]:
     """The labd suite through the target with the fusion configs (`fusion_configs`), greedy, every output checked
     against the engine's own no-speculation output; then `BATCH_TASKS` decoded concurrently at `batch`, each
-    checked against its batch-1 reference. Writes `fusion_<tag>.parquet` and `fusion_<tag>_batch.parquet` (each
-    with its steps) into `out_dir`; returns the frames by file stem."""
+    checked against its batch-1 reference. Writes the run `fusion/<tag>` of the results folder `root` (default
+    data/results; `hqlab.bench.results`): rows and steps, batch and batch_steps; returns the rows and the batch's
+    rows by table name."""
+    from hqlab import provenance
+    from hqlab.bench import results as committed
     from hqlab.engines.hf import HFEngine
 
     engine = HFEngine.load(target, device=device, dtype=dtype)
@@ -87,17 +90,20 @@ def fusion_benchmark(tag: str, out_dir: str | Path, *, target: str = "qwen2.5-co
     decode = DecodeConfig(max_new_tokens=new_tokens)
     meta = {"suite": "labd", "doc_tokens": doc_tokens, "drafter": drafter}
     frames: dict[str, pl.DataFrame] = {}
+    tables: dict[str, pl.DataFrame] = {}
     if single:
         results, steps = run_bench(engine, prompts, single_specs, decode, repeats=repeats, progress=progress,
                                    meta=meta)
-        write_results(Path(out_dir) / f"fusion_{tag}.parquet", results, steps)
-        frames[f"fusion_{tag}"] = results
+        tables = {"rows": results, "steps": steps}
+        frames["rows"] = results
     if batched:
         by_id = {p.id: p for p in prompts}
         results, steps = run_batch_bench(engine, [by_id[t] for t in BATCH_TASKS], batch_specs, decode, batch=batch,
                                          repeats=repeats, progress=progress, meta=meta)
-        write_results(Path(out_dir) / f"fusion_{tag}_batch.parquet", results, steps)
-        frames[f"fusion_{tag}_batch"] = results
+        tables |= {"batch": results, "batch_steps": steps}
+        frames["batch"] = results
+    committed.write_run("fusion", tag, card=committed.card_of(results["machine"][0]), tables=tables, root=root,
+                        info={"commit": provenance.git_commit(), "benchmark": "hqlab.bench.suites.fusion_benchmark"})
     return frames
 
 

@@ -126,9 +126,9 @@ def fused_replay_check(runs: Sequence[Run], prompts: Sequence[tuple[str, str, li
     difference comes from the drafter's numerics (vLLM's GPU kernels in bf16 against the replay's), or from EOS.
     Where vLLM's step records carry its drafter's own tokens (`StepRecord.drafter_tokens`), the replay takes them
     (`replay_fused_grid(forced=...)`), so the two must agree exactly, and the rows count the tokens where the
-    replay's drafter would have drafted another (`drafter_flips`) with its widest margin there. (Run fn2's records
-    carry the head token only: a config drafting more than one token a step is compared past it with the replay's
-    own drafter.)"""
+    replay's drafter would have drafted another (`drafter_flips`) with its widest margin there. (Records that carry
+    the head token only leave a config drafting more than one token a step compared past it with the replay's own
+    drafter.)"""
     from dataclasses import fields
 
     from hqlab.engines.vllm.gpu_fused import NAME, recorded_rules

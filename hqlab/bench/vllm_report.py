@@ -1,6 +1,7 @@
-"""Reading vLLM benchmark results (benchmarks/vllm_gpu.py): ratios within a run, throughput under concurrency, and
-where a step's milliseconds go. The vllm_gpu and fusion_benchmark notebooks plot these; docs/vllm.md quotes them.
-What each issue asked of its committed runs is asserted in tests/bench/test_vllm_results.py, from these readers.
+"""Reading vLLM benchmark results (benchmarks/vllm_gpu.py: the studies vllm_gpu and vllm_fused of data/results):
+ratios within a run, throughput under concurrency, and where a step's milliseconds go. The vllm_gpu and
+fusion_benchmark notebooks plot these; docs/vllm.md quotes them; what each committed run gave is stated in its
+claims.json (`hqlab.bench.claims`), checked with these readers.
 
 A *run* is one GPU session's engines, its own `none` reference included. Wall times on a shared host drift between
 runs (the same `none` decode rate varied 360–600 tok/s between calls an hour apart), so every comparison here is a
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import polars as pl
 
+from hqlab.bench import results
 from hqlab.config import ConfigError, parse_spec
 
 CUSTOM_CLASS = "lookup:"  # configs run through the host-side custom_class adapter start with this
@@ -399,8 +401,8 @@ def replay_rows(replayed: pl.DataFrame, run: str, steps: pl.DataFrame | None = N
     """The lab's replay of `run` (`benchmarks/vllm_gpu.py replay`'s frame: per fused (config, prompt) the replay's
     tokens/step and `difference`, vLLM's ÷ the replay's - 1), with a `replay_run` column. With `rerun` (and the step
     records `steps`), a config whose replay is off in `run` takes `rerun`'s rows where `rerun` ran it again with the
-    same decisions at every step (`same_steps`): e.g. `fn3a`, whose records carry the drafter's whole block, for
-    `fn2`'s adaptive config, whose records carried its head token only."""
+    same decisions at every step (`same_steps`): a rerun whose records carry the drafter's whole block stands in for
+    a config whose records carried its head token only."""
     mine = replayed.filter(pl.col("run") == run).with_columns(pl.col("run").alias("replay_run"))
     if rerun is None:
         return mine
@@ -435,10 +437,10 @@ def fused_vs_lookup(results: pl.DataFrame, repeats: pl.DataFrame, run: str, conf
     ])
 
 
-def run_figure(results_file: str | Path, run: str) -> str:
-    """The figure name of one run of a results file: `vllm_fused_h200.parquet`, run `fn2` ->
-    `vllm_fused_h200_fn2.svg` (the fusion_benchmark notebook writes it; docs embed it by that name)."""
-    return f"{Path(results_file).stem}_{run}.svg"
+def run_figure(study: str, run: str, root: str | Path | None = None) -> str:
+    """The figure name of one run of a study: `<study>_<card>_<run>.svg` (the fusion_benchmark notebook writes it;
+    docs embed it by that name)."""
+    return f"{study}_{results.run_info(study, run, root)['card']}_{run}.svg"
 
 
 GPU_PHASES = ["target forward", "propose", "sample + accept"]
@@ -537,13 +539,15 @@ def tile_sweep(sweep: dict) -> pl.DataFrame:
     return pl.DataFrame(rows)
 
 
-def load(results_path: str | Path) -> dict[str, pl.DataFrame]:
-    """The results and, where the run was profiled, its phases and profiled steps (empty frames otherwise)."""
-    path = Path(results_path)
-    out = {"results": pl.read_parquet(path)}
+def load(study: str, runs: list[str] | None = None, root: str | Path | None = None) -> dict[str, pl.DataFrame]:
+    """The rows ("results"), step records, repeats and, where runs were profiled, phases and profiled steps of a
+    study's runs (`runs`, or all that have rows), stacked; an empty frame for a kind no chosen run has."""
+    out = {"results": results.load(study, runs, root=root)}
     for part in ("phases", "profile_steps", "steps", "repeats"):
-        side = path.with_name(f"{path.stem}.{part}.parquet")
-        out[part] = pl.read_parquet(side) if side.exists() else pl.DataFrame()
+        try:
+            out[part] = results.load(study, runs, part, having=True, root=root)
+        except results.MissingRun:  # no chosen run has this table
+            out[part] = pl.DataFrame()
     return out
 
 

@@ -288,8 +288,9 @@ def raw_table(runs: Sequence[Run]):
 
 
 def _current_record(saved: dict[str, Any]) -> dict[str, Any]:
-    """A step record as a raw table saved it, in today's fields: run fn2's records carried only the drafter's head
-    token (`drafter_token`, -1 where it did not run), now the first of `drafter_tokens`."""
+    """A step record as a raw table saved it, in today's fields: records saved before the whole drafted block was kept
+    carried only the drafter's head token (`drafter_token`, -1 where it did not run), now the first of
+    `drafter_tokens`."""
     if "drafter_token" in saved:
         saved = dict(saved)
         head = int(saved.pop("drafter_token"))

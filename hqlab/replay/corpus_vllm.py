@@ -1,23 +1,24 @@
 """Corpus settings swept over a vLLM run's own recorded outputs, priced with that run's measured step times (#42).
 
-A vLLM corpus run (`benchmarks/vllm_corpus.py`, rows in data/results/vllm_corpus_h200.requests.parquet) records every
-request's prompt and greedy output. Under greedy decoding the outputs do not depend on what is drafted, so the
-replay (`hqlab.replay.corpus`) predicts exactly how many tokens every verify step of *another* corpus setting would
-emit over the same outputs (for the run's own setting it matched all of vLLM's steps). What the replay cannot see
-is time; this module prices the replayed steps with the run's own clocks:
+A vLLM corpus run (`benchmarks/vllm_corpus.py`, its requests in data/results/corpus/<run>/requests.parquet) records
+every request's prompt and greedy output. Under greedy decoding the outputs do not depend on what is drafted, so the
+replay (`hqlab.replay.corpus`) predicts exactly how many tokens every verify step of *another* corpus setting would emit
+over the same outputs (for the run's own setting it matched all of vLLM's steps). What the replay cannot see is time;
+this module prices the replayed steps with the run's own clocks:
 
 - One request at a time (load 1): a verify step costs `a` ms (the lookup at the run's k: its requests' decode spans
   over their steps, pooled) plus `b` ms per 1,000 live corpus tokens (the corpus kernel scans the live slots:
   `kernels/corpus_match.py`): the corpus config's pooled span beyond `a` per step, over the live tokens its steps
-  searched. In run c1 this extra cost moved between repeats by more than its mean (per workload -0.13 to +0.32 ms a
-  step around a mean near +0.07 ms, 3 %), so `b` is an average, and a projected ratio carries that noise.
+  searched. In the first corpus run (data/results/corpus/c1/) this extra cost moved between repeats by more than its
+  mean (per workload -0.13 to +0.32 ms a step around a mean near +0.07 ms, 3 %), so `b` is an average, and a
+  projected ratio carries that noise.
 - B in flight (the benchmark's closed loop: B requests submitted, the next one as soon as one finishes, whatever
   its session): the replay's `lockstep` schedule with every request its own session, which reproduces the run's
   tokens/step within 1 %; a point's time is its iterations × the measured iteration cost (the lookup points' wall
   time over their replayed iterations, prefill included on average) plus the same `b` per iteration for the live
   corpus (the kernel's grid spans the batch, so its time is taken not to grow with it: an assumption).
 - Another k: the verify width k + 1 scales the iteration cost by the relative cost of that width at the same batch
-  in a step-cost grid of the same model shape (data/results/seed_scale_h100.parquet: vLLM steps of the 1.5B shape
+  in a step-cost grid of the same model shape (data/results/seed_scale/<run>/grid.parquet: vLLM steps of the 1.5B shape
   on an H100, widths 1-32). The corpus's ratio to the same setting without it is nearly blind to this (both verify
   k + 1 positions); its ratio to `none` is not.
 

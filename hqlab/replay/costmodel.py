@@ -22,10 +22,10 @@ model prices a step as
 
     step_ms(v, host) = a + h·host + b·(v - 1)
 
-(+ the jump when the data can tell it apart), without the context terms: on a host-bound step the context's price
-is within the noise (fitted -0.04 to +0.14 ms per 1k tokens), and where long prompts met a slow host it would absorb
-the host's level instead (run m). h comes out at 39-44 in each run with two widths or more (the robust fit, no
-context term): vLLM's host work per step is ~40 times the speculator's.
+(+ the jump when the data can tell it apart), without the context terms: on a host-bound step the context's price is
+within the noise (fitted -0.04 to +0.14 ms per 1k tokens), and where long prompts met a slow host it would absorb the
+host's level instead (data/results/vllm_gpu/m/). h comes out at 39-44 in each run with two widths or more (the robust
+fit, no context term): vLLM's host work per step is ~40 times the speculator's.
 
 Measure the step the way the engine runs it (`measure_step_times`: the engine's forward, its greedy verdict and
 its cache crop), in shuffled rounds so that a slow spell of a shared machine spreads over all cells instead of

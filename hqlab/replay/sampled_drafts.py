@@ -114,7 +114,7 @@ def project_heads(heads: "pl.DataFrame", b1_speedup: float, head_speed: dict[int
 
 def head_speeds(serve_rows: "pl.DataFrame", run: str, *, dataset: str = "prose",
                 temperature: float = 0.7) -> dict[int, float]:
-    """From a serving run's rows (`data/results/vllm_serve_h200.parquet`), one request at a time on `dataset` at
+    """From a serving run's rows (data/results/serve/<run>/rows.parquet), one request at a time on `dataset` at
     `temperature`: each greedy-draft `gpu-fused` head length's output throughput over the one-token head's (medians
     over repeats), keyed by head length (`draft_block`; a config that names none has the default's)."""
     import polars as pl

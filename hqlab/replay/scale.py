@@ -1,11 +1,10 @@
 """Decode speed of large targets projected from two measurements (docs/seed-scale.md, #41):
 
 - the **verify step's cost** of Qwen2.5-shaped targets inside vLLM 0.26 with CUDA graphs, random weights, at verify
-  widths, context lengths and batches of a grid (`benchmarks/vllm_step_cost.py`:
-  `data/results/seed_scale_<card>.parquet`), read here by piecewise-linear interpolation, in the width and in
-  log(context);
+  widths, context lengths and batches of a grid (`benchmarks/vllm_step_cost.py`: the grid.parquet of
+  data/results/seed_scale/<run>/), read here by piecewise-linear interpolation, in the width and in log(context);
 - **tokens per step** measured on real outputs: the step records of committed vLLM runs on the real 0.5B and 1.5B
-  (a run's `.steps.parquet`), each step priced at the width it verified and the context it read.
+  (a run's steps.parquet), each step priced at the width it verified and the context it read.
 
 A request's projected decode rate is its tokens ÷ the summed step costs of its steps; `none` is the same tokens at
 one token a step, each step the width-1 step of the same shape. `gpu-fused` on a target of any shape is that
@@ -20,14 +19,12 @@ Pure functions over polars frames; every bad input raises `ScaleError` saying wh
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import polars as pl
 
 from hqlab.config import ConfigError, parse_spec
-from hqlab.io import write_atomic
 
 STEP_COST_SCHEMA: dict[str, type[pl.DataType]] = {
     "run": pl.String, "shape": pl.String, "target_params_b": pl.Float64, "layers": pl.Int64, "hidden": pl.Int64,
@@ -37,7 +34,7 @@ STEP_COST_SCHEMA: dict[str, type[pl.DataType]] = {
     "git_commit": pl.String}
 # the configs the step-cost grid measures; "none" (optional, width 1): an engine without a speculator, which prices
 # `none` where the grid has it (else the lookup's width-1 step, which still runs the speculator and vLLM's
-# rejection sampler: run v1 priced `none` 5-9 % slow that way)
+# rejection sampler, which priced `none` 5-9 % slow on the first one-machine validation)
 STEP_CONFIGS = ("gpu-lookup", "gpu-fused", "none")
 KINDS = ("none", "gpu-lookup", "gpu-fused")  # the configs of a vLLM run this module can price
 OUTSIDE_CONTEXT = ("error", "clamp")
@@ -84,7 +81,7 @@ def check_step_costs(costs: pl.DataFrame) -> pl.DataFrame:
 def newest_points(costs: pl.DataFrame, runs: Sequence[str]) -> pl.DataFrame:
     """The rows of `runs` in `costs`, one per (shape, quant, config, width, context, batch): where several of the
     runs measured a point, the one named last keeps it (a later run re-measures points of an earlier one with more
-    steps, or replaces points that were not model steps: run s3c's 8k batch-8 width-32 points for run s3a's)."""
+    steps, or replaces points that were not model steps)."""
     if not runs:
         raise ScaleError("newest_points: name at least one run")
     if len(set(runs)) != len(runs):
@@ -597,12 +594,12 @@ def project(costs: pl.DataFrame, sources: Sequence[Traces], shapes: Sequence[str
     return pl.concat(frames).with_columns(pl.col("batch").cast(pl.Int64)).select(PROJECTION_COLUMNS)
 
 
-def write_projection(table: pl.DataFrame, path: str | Path) -> Path:
-    """Write the projection table (`project`) to `path` atomically; a table without every provenance column of
+def checked_projection(table: pl.DataFrame) -> pl.DataFrame:
+    """The projection table (`project`) as it may be kept: a table without every provenance column of
     `PROJECTION_COLUMNS`, or an empty one, is refused."""
     missing = [c for c in PROJECTION_COLUMNS if c not in table.columns]
     if missing:
         raise ScaleError(f"projection table: missing column(s) {', '.join(missing)}")
     if table.is_empty():
         raise ScaleError("projection table: no rows")
-    return write_atomic(Path(path), lambda tmp: table.write_parquet(tmp))
+    return table

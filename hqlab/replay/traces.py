@@ -9,11 +9,11 @@ commands: it loads only the tokenizer when everything is cached and the model on
 `load_traces` keep a trace set in one parquet file, to ship with results computed from it.
 
 Shipped trace sets (`cached_traces(..., shipped=[file])`): the repository carries traces its notebooks replay
-(data/results/traces_*.parquet), so a first `make figures` need not spend most of an hour decoding the 1.5B target
-on a CPU. A shipped trace stands in for a missing cached one only where it is what this machine would record:
-same model, checkpoint, dtype, prompt tokens and max_new_tokens, recorded on the same device (`device_name`) with
-the same torch and transformers versions (greedy near-ties break differently elsewhere, and a notebook that checks
-replay against live runs would fail). A trace without that provenance is never taken.
+(data/results/traces/<set>/traces.parquet), so a first `make figures` need not spend most of an hour decoding the 1.5B
+target on a CPU. A shipped trace stands in for a missing cached one only where it is what this machine would record:
+same model, checkpoint, dtype, prompt tokens and max_new_tokens, recorded on the same device (`device_name`) with the
+same torch and transformers versions (greedy near-ties break differently elsewhere, and a notebook that checks replay
+against live runs would fail). A trace without that provenance is never taken.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The one reference implementation of the gate rule. The vLLM scheduler hook (`hql
 replay (`hqlab.replay.gate`) both use the classes below; nothing else decides it.
 
 Why a gate. Inside vLLM a speculative step verifies a fixed k + 1 positions per request, and at one request on a
-small target such a step costs about 1.2-1.5x a plain one whatever k is (docs/serving.md, run s3). Where the lookup
+small target such a step costs about 1.2-1.5x a plain one whatever k is (docs/serving.md). Where the lookup
 is rarely accepted (sampled prose: 1.2 tokens a step) speculation then loses 10-15 %. Narrowing k does not help;
 only a step with no drafts at all is as cheap as a plain one. The gate makes that choice per step.
 

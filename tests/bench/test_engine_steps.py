@@ -59,9 +59,9 @@ def test_rows_without_step_facts_are_refused_by_name():
         engine_steps(_calls().drop("new_requests"))
 
 
-def test_finish_writes_a_profiled_run_s_admissions_beside_the_other_runs(tmp_path):
-    """benchmarks/vllm_corpus.py `finish` reads a `--profile` run's .phases.parquet through `write_admissions`:
-    one row per point, tagged with its run; writing the run again replaces its rows and keeps the others."""
+def test_finish_turns_a_profiled_runs_phases_into_one_admissions_row_a_point(tmp_path):
+    """benchmarks/vllm_corpus.py `finish` reads a `--profile` run's .phases.parquet through `admissions_table`: one row
+    per point, tagged with its run."""
     import importlib.util
     import sys
     from pathlib import Path
@@ -71,11 +71,5 @@ def test_finish_writes_a_profiled_run_s_admissions_beside_the_other_runs(tmp_pat
     vllm_corpus = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
     spec.loader.exec_module(vllm_corpus)
 
-    phases = tmp_path / "vllm_corpus_c9.phases.parquet"
-    _calls().write_parquet(phases)
-    out = tmp_path / "vllm_corpus_h200.admissions.parquet"
-    vllm_corpus.write_admissions([phases], out, "c8", append=False)
-    vllm_corpus.write_admissions([phases], out, "c9", append=True)
-    vllm_corpus.write_admissions([phases], out, "c9", append=True)
-    table = pl.read_parquet(out)
-    assert table["run"].to_list() == ["c8", "c9"] and table["admitting_steps"].to_list() == [1, 1]
+    table = vllm_corpus.admissions_table(_calls(), "c9")
+    assert table["run"].to_list() == ["c9"] and table["admitting_steps"].to_list() == [1]

@@ -13,10 +13,9 @@ import pytest
 
 from benchmarks import seed_scale_validation as v
 from benchmarks import vllm_step_cost as grid_bench
+from hqlab.bench import results
 from hqlab.replay import scale
 
-ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "data" / "results"
 MACHINE = "NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, vllm 0.26.0"
 
 
@@ -67,27 +66,27 @@ def _flat_grid(shape: str, points: dict, ms: dict[int, float], config: str = "gp
              "vllm_version": "0", "git_commit": "c"} for c in points["contexts"] for w in points["widths"]]
 
 
-@pytest.mark.parametrize("run, file, configs, shape", [
-    ("w2", "vllm_gpu_h200", [v.LOOKUP_15, v.LOOKUP_31], "qwen2.5-0.5b"),
-    ("fn2", "vllm_fused_h200", [v.LOOKUP_15, v.LOOKUP_31, v.FUSED_15, v.FUSED_31_SKIP], "qwen2.5-1.5b")])
-def test_the_chosen_points_price_every_step_of_the_committed_runs_without_clamping(run, file, configs, shape):
-    """Every step of w2's and fn2's configs (the suite the new decodes run) lies inside the grid the plan measures:
-    priced with outside_context="error"; a grid of fewer contexts is refused on the same steps."""
-    steps = pl.read_parquet(RESULTS / f"{file}.steps.parquet").filter(pl.col("run") == run)
-    results = pl.read_parquet(RESULTS / f"{file}.parquet").filter(pl.col("run") == run)
+@pytest.mark.parametrize("study, run, configs, shape", [
+    ("vllm_gpu", "w2", [v.LOOKUP_15, v.LOOKUP_31], "qwen2.5-0.5b"),
+    ("vllm_fused", "fn2", [v.LOOKUP_15, v.LOOKUP_31, v.FUSED_15, v.FUSED_31_SKIP], "qwen2.5-1.5b")])
+def test_the_chosen_points_price_every_step_of_the_committed_runs_without_clamping(study, run, configs, shape):
+    """Every step of the committed H200 runs whose configs the validation decodes again (the same suite) lies inside
+    the grid the plan measures: priced with outside_context="error"; a grid of fewer contexts is refused on the same
+    steps."""
+    steps, decodes = results.load(study, run, "steps"), results.load(study, run)
     grid = v.grid_points(configs, v.step_contexts(configs), fused_grid=True)
     ms = {1: 2.0, 16: 2.5, 32: 3.0}
     rows = _flat_grid(shape, grid["gpu-lookup"], ms)
     if "gpu-fused" in grid:
         rows += _flat_grid(shape, grid["gpu-fused"], {w: ms[w] + 1.0 for w in ms}, "gpu-fused")
     costs = pl.DataFrame(rows, schema=scale.STEP_COST_SCHEMA)
-    table = scale.validate(costs, steps, results, run, shape, configs=["none", *configs], fused_shape=shape,
+    table = scale.validate(costs, steps, decodes, run, shape, configs=["none", *configs], fused_shape=shape,
                            outside_context="error")
     assert table.height == 7 * (1 + len(configs)) and (table["clamped_share"] == 0).all()
-    short = v.grid_points(configs, (1024, 2048))["gpu-lookup"]  # what s2 measured, about
+    short = v.grid_points(configs, (1024, 2048))["gpu-lookup"]  # what the first H100 grid measured, about
     costs = pl.DataFrame(_flat_grid(shape, short, ms), schema=scale.STEP_COST_SCHEMA)
     with pytest.raises(scale.ScaleError, match="outside the grid"):
-        scale.validate(costs, steps, results, run, shape, configs=["none", configs[0]], outside_context="error")
+        scale.validate(costs, steps, decodes, run, shape, configs=["none", configs[0]], outside_context="error")
 
 
 # --- the budget ---------------------------------------------------------------------------------------------------
@@ -255,13 +254,16 @@ def test_a_decode_past_its_limit_is_cut_and_a_model_without_grid_rows_gets_none(
 def test_finish_writes_grid_and_decodes_and_validates_against_the_same_hosts_decodes(gpu_side, tmp_path, capsys):
     assert v.main(["run", "--tag", "v7", "--commit", "abc", "--budget-s", "600", "--work", str(gpu_side.work)]) == 0
     assert len(list(gpu_side.out.iterdir())) <= 7  # a GPU call returns at most eight files, its log among them
-    grid, decodes = tmp_path / "seed_scale_h100.parquet", tmp_path / "seed_scale_validation_h100.parquet"
-    assert v.main(["finish", str(gpu_side.out), "--grid-out", str(grid), "--out", str(decodes)]) == 0
-    costs = pl.read_parquet(grid)
+    root = tmp_path / "results"
+    assert v.main(["finish", str(gpu_side.out), "--results", str(root)]) == 0
+    costs = results.load("seed_scale", "v7", "grid", root=root)
     assert set(costs["run"]) == {"v7"} and set(costs["engine"]) == {"process"} and set(costs["batch"]) == {1}
-    results = pl.read_parquet(decodes)
-    assert set(results["run"]) == {"v7_05b", "v7_15b"} and set(results["git_commit"]) == {"abc"}
-    check = pl.read_parquet(decodes.with_name("seed_scale_validation_h100.check.parquet"))
+    rows = results.load("seed_scale", "v7", root=root)
+    assert set(rows["run"]) == {"v7_05b", "v7_15b"} and set(rows["git_commit"]) == {"abc"}
+    entry = results.run_info("seed_scale", "v7", root)
+    assert entry["card"] == "h100" and entry["commit"] == "abc"
+    assert {"validation.json", "raw_05b.parquet", "raw_15b.parquet", "steps.parquet"} <= set(entry["files"])
+    check = results.load("seed_scale", "v7", "check", root=root)
     within = {(r["run"], r["label"], r["category"]): r["within"] for r in check.iter_rows(named=True)}
     # every config priced exactly as its steps ran, but gpu-lookup k=15, 25 % slower than the grid says
     assert within == {(run, label, cat): label != "gpu-lookup k=15"
@@ -280,8 +282,7 @@ def test_finish_refuses_decodes_from_another_machine(gpu_side, tmp_path):
     meta = gpu_side.out / "vllm_gpu_v6_05b.json"
     meta.write_text(meta.read_text().replace("H100 80GB HBM3", "H200"))
     with pytest.raises(SystemExit, match="not the same machine"):
-        v.main(["finish", str(gpu_side.out), "--grid-out", str(tmp_path / "g.parquet"),
-                "--out", str(tmp_path / "d.parquet")])
+        v.main(["finish", str(gpu_side.out), "--results", str(tmp_path / "results")])
 
 
 def test_validate_same_machine_refuses_step_costs_of_another_host():
@@ -300,150 +301,26 @@ def test_validate_same_machine_refuses_step_costs_of_another_host():
                        same_machine=True)
 
 
-def test_run_v1_the_validation_on_one_h100_as_docs_seed_scale_reports_it():
-    """Run v1 (one H100, grid and decodes in one call): 28 of 42 (config, class) pairs within ±10 % (the 1.5B 19 of
-    21, the 0.5B 9 of 21), below the issue's 80 %. The 0.5B's own repeats spread up to 2x: of the 16 pairs whose
-    every prompt repeated within 1.1x, 13 are within. Recomputed from the committed grid and decodes, and equal to
-    the committed check table."""
+def test_finish_reproduces_a_committed_run_from_its_returned_files(tmp_path):
+    """`finish` of a committed validation run's files as the GPU host returned them writes the same grid, decodes and
+    validation table, and run.json the same command and card."""
     from polars.testing import assert_frame_equal
 
-    from hqlab.replay import scale
-
-    decodes = RESULTS / "seed_scale_validation_h100.parquet"
-    part = {name: pl.read_parquet(decodes.with_suffix(f".{name}.parquet")) for name in ("steps", "phases", "repeats")}
-    costs = pl.read_parquet(RESULTS / "seed_scale_h100.parquet").filter(pl.col("run") == "v1")
-    table = scale.validate_runs(costs, part["steps"], pl.read_parquet(decodes),
-                                {"v1_05b": "qwen2.5-0.5b", "v1_15b": "qwen2.5-1.5b"}, phases=part["phases"],
-                                repeats=part["repeats"])
-    committed = pl.read_parquet(RESULTS / "seed_scale_validation_h100.check.parquet").filter(
-        pl.col("run").str.starts_with("v1_"))
-    assert set(committed["cost_statistic"]) == {"median"}  # v1's grid kept no means
-    committed = committed.select(table.columns)
-    # sums of step costs in another order may differ in the last bits: equal to 1e-9 relative
-    assert_frame_equal(table.sort("run", "config", "category"), committed.sort("run", "config", "category"),
-                       check_exact=False, rel_tol=1e-9)
-    assert table.height == 42 and int(table["within"].sum()) == 28
-    assert dict(table.group_by("run").agg(pl.col("within").sum()).iter_rows()) == {"v1_05b": 9, "v1_15b": 19}
-    assert (table["repeat_spread"] >= 1).all()
-    steady = table.filter(pl.col("repeat_spread") <= 1.1)
-    assert steady.height == 16 and int(steady["within"].sum()) == 13
-    # the 0.5B's repeats, not the 1.5B's, are the unsteady ones
-    assert table.filter(pl.col("run") == "v1_05b")["repeat_spread"].median() > 1.3
-    assert table.filter(pl.col("run") == "v1_15b")["repeat_spread"].median() < 1.05
-
-
-def test_run_v2a_the_0_5b_with_its_none_grid_as_docs_seed_scale_reports_it():
-    """Run v2a (one H100, the 0.5B only: 48 steps a grid point, top context 2,560, a `none` grid, six repeats): 11 of
-    21 pairs within ±10 % (v1: 9). The `none` grid prices plain decoding at 2.0-2.1 ms a step, while the decodes'
-    own repeats of one prompt ran between 1.7 and 2.9 ms: no pair repeated within 1.1x, so what the 0.5B can show
-    here is bounded by its host, not by the step-cost model."""
-    from polars.testing import assert_frame_equal
-
-    decodes = RESULTS / "seed_scale_validation_h100.parquet"
-    part = {name: pl.read_parquet(decodes.with_suffix(f".{name}.parquet")) for name in ("steps", "phases", "repeats")}
-    costs = pl.read_parquet(RESULTS / "seed_scale_h100.parquet").filter(pl.col("run") == "v2a")
-    assert set(costs["config"]) == {"gpu-lookup", "none"} and set(costs["target_params_b"].round(1)) == {0.5}
-    table = scale.validate_runs(costs, part["steps"], pl.read_parquet(decodes), {"v2a_05b": "qwen2.5-0.5b"},
-                                phases=part["phases"], repeats=part["repeats"])
-    committed = pl.read_parquet(RESULTS / "seed_scale_validation_h100.check.parquet").filter(
-        pl.col("run") == "v2a_05b").select(table.columns)
-    assert_frame_equal(table.sort("config", "category"), committed.sort("config", "category"), check_exact=False,
-                       rel_tol=1e-9)
-    assert table.height == 21 and int(table["within"].sum()) == 11
-    assert (table["repeat_spread"] > 1.1).all()
-    plain = table.filter(pl.col("config") == "none")
-    assert plain["predicted_step_ms"].is_between(1.85, 2.15).all() and plain["recorded_step_ms"].max() > 2.6
-    repeats = part["repeats"].filter((pl.col("run") == "v2a_05b") & (pl.col("config") == "none"))
-    ms = repeats["decode_s"] / repeats["steps"] * 1000
-    assert ms.min() < 1.8 and ms.max() > 2.8
-
-
-def test_runs_v3a_and_v2b_as_docs_seed_scale_reports_them():
-    """Runs v3a (the 0.5B, each grid point timed in eight passes over the grid) and v2b (the 1.5B; its `none` grid
-    cut by the call's budget, so `none` is priced with the lookup's width-1 step): 12 and 8 of 21 pairs within
-    ±10 %, recomputed from the committed grid and decodes and equal to the committed check table. v2b's grid met
-    the host slow: every `none` and fused pair is predicted below its measured tok/s, while those decodes' repeats
-    agreed within 1.1x (median over classes); over all five one-machine runs 59 of 105 pairs are within."""
-    from polars.testing import assert_frame_equal
-
-    decodes = RESULTS / "seed_scale_validation_h100.parquet"
-    part = {name: pl.read_parquet(decodes.with_suffix(f".{name}.parquet")) for name in ("steps", "phases", "repeats")}
-    grid = pl.read_parquet(RESULTS / "seed_scale_h100.parquet")
-    assert set(grid.filter(pl.col("run") == "v2b")["config"]) == {"gpu-lookup"}  # the none grid was cut
-    assert set(grid.filter(pl.col("run") == "v3a")["rounds"]) == {8}
-    committed = pl.read_parquet(RESULTS / "seed_scale_validation_h100.check.parquet")
-    within = {}
-    for run, grid_run, shape in (("v3a_05b", "v3a", "qwen2.5-0.5b"), ("v2b_15b", "v2b", "qwen2.5-1.5b")):
-        table = scale.validate_runs(grid.filter(pl.col("run") == grid_run), part["steps"], pl.read_parquet(decodes),
-                                    {run: shape}, phases=part["phases"], repeats=part["repeats"])
-        assert_frame_equal(table.sort("config", "category"),
-                           committed.filter(pl.col("run") == run).select(table.columns).sort("config", "category"),
-                           check_exact=False, rel_tol=1e-9)
-        within[run] = int(table["within"].sum())
-    assert within == {"v3a_05b": 12, "v2b_15b": 8}
-    slow = committed.filter((pl.col("run") == "v2b_15b") & (pl.col("label") != "gpu-lookup k=31"))
-    assert (slow["ratio"] < 0.95).all()
-    assert slow.group_by("label").agg(pl.col("repeat_spread").median())["repeat_spread"].max() <= 1.11
-    first_five = committed.filter(pl.col("run").str.contains(r"^v[123]"))
-    assert int(first_five["within"].sum()) == 59 and first_five.height == 105
-
-
-def test_runs_v4a_to_v4d_as_docs_seed_scale_reports_them():
-    """Runs v4a-v4d (one H100 lease: the 0.5B twice, the 1.5B twice, each grid point's 480 steps in eight passes over
-    the grid, a `none` grid, decodes priced with each point's mean step): 21, 21, 21 and 20 of 21 pairs within
-    ±10 %, recomputed and equal to the committed check table. That host held one speed: every point's mean is
-    within 6 % of its median, and pricing with the medians gives the same counts, so these runs credit the host's
-    steadiness, not the statistic. Over all nine one-machine runs 142 of 189 pairs are within; of the 79 pairs whose
-    every prompt repeated within 1.1x, 71."""
-    from polars.testing import assert_frame_equal
-
-    decodes = RESULTS / "seed_scale_validation_h100.parquet"
-    part = {name: pl.read_parquet(decodes.with_suffix(f".{name}.parquet")) for name in ("steps", "phases", "repeats")}
-    grid = pl.read_parquet(RESULTS / "seed_scale_h100.parquet")
-    committed = pl.read_parquet(RESULTS / "seed_scale_validation_h100.check.parquet")
-    within, with_median = {}, {}
-    for run, shape in (("v4a_05b", "qwen2.5-0.5b"), ("v4b_15b", "qwen2.5-1.5b"), ("v4c_05b", "qwen2.5-0.5b"),
-                       ("v4d_15b", "qwen2.5-1.5b")):
-        costs = grid.filter(pl.col("run") == run[:3])
-        assert set(costs["rounds"]) == {8} and set(costs["config"]) == {"gpu-lookup", "none"}
-        assert (costs["step_ms_mean"] / costs["step_ms"]).is_between(0.99, 1.06).all()
-        priced, statistic = scale.decode_costs(costs)
-        assert statistic == "mean"
-        args = dict(phases=part["phases"], repeats=part["repeats"])
-        table = scale.validate_runs(priced, part["steps"], pl.read_parquet(decodes), {run: shape}, **args)
-        mine = committed.filter(pl.col("run") == run)
-        assert set(mine["cost_statistic"]) == {"mean"}
-        assert_frame_equal(table.sort("config", "category"), mine.select(table.columns).sort("config", "category"),
-                           check_exact=False, rel_tol=1e-9)
-        within[run] = int(table["within"].sum())
-        with_median[run] = int(scale.validate_runs(costs, part["steps"], pl.read_parquet(decodes), {run: shape},
-                                                   **args)["within"].sum())
-    assert within == {"v4a_05b": 21, "v4b_15b": 21, "v4c_05b": 21, "v4d_15b": 20}
-    assert with_median == within
-    assert int(committed["within"].sum()) == 142 and committed.height == 189
-    steady = committed.filter(pl.col("repeat_spread") <= 1.1)
-    assert steady.height == 79 and int(steady["within"].sum()) == 71
-
-
-def test_finish_keeps_the_check_rows_of_earlier_runs(tmp_path):
-    """`finish` of run v2a on top of the files as they were after v1: the check table gains v2a's rows and keeps
-    v1's (it used to be overwritten with the latest run's alone); the grid and decodes gain v2a beside v1."""
-    names = ["seed_scale_validation_h100" + s for s in ("", ".steps", ".phases", ".repeats", ".check")]
-    for name in names + ["seed_scale_h100"]:
-        frame = pl.read_parquet(RESULTS / f"{name}.parquet")
-        if "run" in frame.columns:  # the files as they were after v1: no later run
-            frame = frame.filter(~pl.col("run").str.contains(r"^v[2-9]"))
-        frame.write_parquet(tmp_path / f"{name}.parquet")
-    before = pl.read_parquet(tmp_path / "seed_scale_validation_h100.check.parquet")
-    assert set(before["run"]) == {"v1_05b", "v1_15b"}
-    out = tmp_path / "seed_scale_validation_h100.parquet"
-    assert v.main(["finish", str(RESULTS / "seed_scale_v2"), "--out", str(out),
-                   "--grid-out", str(tmp_path / "seed_scale_h100.parquet")]) == 0
-    after = pl.read_parquet(tmp_path / "seed_scale_validation_h100.check.parquet")
-    assert after.group_by("run").len().sort("run").rows() == [("v1_05b", 21), ("v1_15b", 21), ("v2a_05b", 21)]
-    assert after.filter(pl.col("run").str.starts_with("v1_")).sort("run", "config", "category").equals(
-        before.sort("run", "config", "category"))
-    assert "v2a" in set(pl.read_parquet(tmp_path / "seed_scale_h100.parquet")["run"])
+    returned = tmp_path / "returned"
+    returned.mkdir()
+    names = {"validation.json": "validation_v2a.json", "grid.jsonl": "seed_scale_v2a.jsonl",
+             "raw_05b.parquet": "vllm_gpu_v2a_05b.parquet", "raw_05b.json": "vllm_gpu_v2a_05b.json",
+             "run.log": "seed_scale_v2a.log"}
+    for name, as_returned in names.items():
+        (returned / as_returned).write_bytes(results.run_file("seed_scale", "v2a", name).read_bytes())
+    root = tmp_path / "results"
+    assert v.main(["finish", str(returned), "--results", str(root)]) == 0
+    for kind in ("grid", "rows", "steps", "repeats", "check"):
+        finished = results.load("seed_scale", "v2a", kind, root=root)
+        committed = results.load("seed_scale", "v2a", kind).select(finished.columns)
+        assert_frame_equal(finished, committed, check_dtypes=False)
+    entry = results.run_info("seed_scale", "v2a", root)
+    assert entry["command"] == results.run_info("seed_scale", "v2a")["command"] and entry["card"] == "h100"
 
 
 def test_the_none_grid_comes_last_at_width_one_and_the_lookups_contexts():
@@ -462,7 +339,7 @@ def test_the_none_grid_comes_last_at_width_one_and_the_lookups_contexts():
 def test_rounds_spread_a_points_steps_over_passes_of_the_whole_grid():
     points = [(128, 1, 1), (128, 1, 16), (2560, 1, 32)]
     one = grid_bench.round_schedule(points, 48, 1)
-    assert one == [(0, p, 48) for p in points]  # one burst a point, as runs v1 and v2a
+    assert one == [(0, p, 48) for p in points]  # one burst a point, as the first validations timed it
     spread = grid_bench.round_schedule(points, 50, 4)
     assert [p for _, p, _ in spread] == points * 4  # every pass visits every point, in the grid's order
     per_point = {p: sum(n for _, q, n in spread if q == p) for p in points}

@@ -1,5 +1,6 @@
-"""benchmarks/vllm_step_cost.py's CPU side: `finish` keeps one card per file and says how each row was measured
-(the engine in its own process, or in the benchmark's: run s2's rows predate the column and were in-process)."""
+"""benchmarks/vllm_step_cost.py's CPU side: `finish` puts each run's grid in place, one card a run, and says how each
+row was measured (the engine in its own process, or in the benchmark's: the first grid's rows predate the column and
+were in-process)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import polars as pl
 import pytest
 
 from benchmarks import vllm_step_cost as bench
+from hqlab.bench import results
 
 
 def row(run: str, width: int, machine: str = "NVIDIA H200, torch 2.11", **extra) -> dict:
@@ -22,24 +24,26 @@ def row(run: str, width: int, machine: str = "NVIDIA H200, torch 2.11", **extra)
 
 def write(folder, rows) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "seed_scale_x.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / f"seed_scale_{rows[0]['run']}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def test_finish_records_the_engine_mode_and_keeps_earlier_runs(tmp_path):
-    out = tmp_path / "seed_scale_h200.parquet"
-    write(tmp_path / "old", [row("s2", 1), row("s2", 2)])
-    bench.main(["finish", str(tmp_path / "old"), "--out", str(out)])
-    write(tmp_path / "new", [row("s5", 1, engine="process"), row("s5", 2, engine="process")])
-    bench.main(["finish", str(tmp_path / "new"), "--out", str(out)])
-    frame = pl.read_parquet(out)
+    root = tmp_path / "results"
+    write(tmp_path / "old", [row("g1", 1), row("g1", 2)])
+    bench.main(["finish", str(tmp_path / "old"), "--results", str(root)])
+    write(tmp_path / "new", [row("g2", 1, engine="process"), row("g2", 2, engine="process")])
+    bench.main(["finish", str(tmp_path / "new"), "--results", str(root)])
+    frame = results.load("seed_scale", kind="grid", root=root)
     assert dict(frame.group_by("run").agg(pl.col("engine").unique().first()).iter_rows()) == \
-        {"s2": "inprocess", "s5": "process"}
+        {"g1": "inprocess", "g2": "process"}
+    assert {r["run"]: r["card"] for r in results.index(root)} == {"g1": "h200", "g2": "h200"}
+    assert "grid.jsonl" in results.run_info("seed_scale", "g2", root)["files"]  # the rows as they came back
 
 
 def test_finish_refuses_to_mix_cards(tmp_path):
-    write(tmp_path / "mixed", [row("s5", 1), row("s5", 2, machine="NVIDIA H100 80GB HBM3, torch 2.11")])
+    write(tmp_path / "mixed", [row("g2", 1), row("g2", 2, machine="NVIDIA H100 80GB HBM3, torch 2.11")])
     with pytest.raises(SystemExit, match="2 kinds of card"):
-        bench.main(["finish", str(tmp_path / "mixed"), "--out", str(tmp_path / "x.parquet")])
+        bench.main(["finish", str(tmp_path / "mixed"), "--results", str(tmp_path / "results")])
 
 
 def test_the_engine_mode_is_an_option_of_both_commands():
@@ -110,7 +114,7 @@ def test_base_folder_builds_every_shape_without_the_model(tmp_path):
 
 
 def test_a_point_keeps_its_mean_beside_the_median_when_outputs_come_in_bursts():
-    """Run s3a's batch-8 width-32 points at 8k: some engine calls returned without a forward pass (p10 below a
+    """A committed grid's batch-8 width-32 points at 8k: some engine calls returned without a forward pass (p10 below a
     single request's step) and others carried two steps. The median of such intervals is not the step; their mean
     (the wall time over the steps) is, and the row keeps both."""
     args = argparse.Namespace(tag="t", shape="qwen2.5-14b", quant="bf16", engine="process", commit="abc")

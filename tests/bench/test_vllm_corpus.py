@@ -157,11 +157,17 @@ def test_finish_writes_points_and_requests(recorded, tmp_path, capsys):
     import pyarrow.parquet as pq
     import polars as pl
 
+    from hqlab.bench import results
+
     raw = tmp_path / "vllm_corpus_t.parquet"
     pq.write_table(pa.Table.from_pylist(recorded[3]), raw)
-    out = tmp_path / "vllm_corpus_h200.parquet"
-    assert bench.main(["finish", str(raw), "--run", "t", "--out", str(out), "--commit", "abc"]) == 0
-    points, reqs = pl.read_parquet(out), pl.read_parquet(tmp_path / "vllm_corpus_h200.requests.parquet")
+    root = tmp_path / "results"
+    with pytest.raises(SystemExit, match="give --card"):  # no .json beside the raw file names the machine
+        bench.main(["finish", str(raw), "--run", "t", "--results", str(root), "--commit", "abc"])
+    assert bench.main(["finish", str(raw), "--run", "t", "--results", str(root), "--commit", "abc",
+                       "--card", "cpu"]) == 0
+    points, reqs = results.load("corpus", "t", root=root), results.load("corpus", "t", "requests", root=root)
+    assert results.run_info("corpus", "t", root)["commit"] == "abc"
     assert points.height == 3 and reqs.height == 3 * 6
     assert set(points["config"]) == {"none", BASE, CORPUS_OF[3]} and (points["git_commit"] == "abc").all()
     row = reqs.filter(pl.col("config") == CORPUS_OF[3]).sort("order").row(0, named=True)

@@ -1,6 +1,6 @@
 """benchmarks/vllm_corpus.py --plan: a JSON plan fills in what the command line leaves out (CPU, --dry-run), and the
-committed plan for run c2 (benchmarks/plans/corpus_c2.json) pairs every corpus config with its lookup without the
-corpus, as the ratio the issue asks for needs."""
+committed corpus plans (benchmarks/plans/corpus_*.json) run as planned and pair every corpus config with its lookup
+without the corpus, as the ratio the issue asks for needs."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def bench():
     return module
 
 
-def test_the_c2_plan_runs_as_planned(bench, capsys):
+def test_the_plan_of_five_configs_runs_every_multi_turn_request_as_planned(bench, capsys):
     plan = json.loads(PLAN.read_text())
     assert bench.main(["bench", "--tag", "c2", "--plan", str(PLAN), "--dry-run"]) == 0
     out = capsys.readouterr().out
@@ -42,9 +42,9 @@ def test_the_c2_plan_runs_as_planned(bench, capsys):
         lookup_config(c)  # every config is one the speculator accepts
 
 
-def test_the_c3_plan_runs_the_whole_batch_job_at_8_in_flight(bench, capsys):
-    """Plan c3 (#42, docs/corpus.md): the batch workload, all 153 requests at 8 in flight and the first 24 one at a
-    time, `none`, the lookup k = 15 and the same lookup with c1's corpus, three repeats."""
+def test_the_batch_job_plan_runs_every_request_at_8_in_flight(bench, capsys):
+    """The batch-job plan (#42, docs/corpus.md): the batch workload, all 153 requests at 8 in flight and the first 24
+    one at a time, `none`, the lookup k = 15 and the same lookup with the first corpus config, three repeats."""
     path = PLAN.with_name("corpus_c3.json")
     plan = json.loads(path.read_text())
     assert bench.main(["bench", "--tag", "c3", "--plan", str(path), "--dry-run"]) == 0
@@ -72,11 +72,11 @@ def test_the_command_line_wins_over_the_plan(bench, tmp_path, capsys):
         bench.main(["bench", "--tag", "t", "--plan", str(plan), "--dry-run"])
 
 
-def test_the_c4_plans_differ_in_what_they_set_out_to_test(bench, capsys):
-    """Plans c4a/c4b (#42, docs/corpus.md "admissions"): the same points back to back on one machine, CUDA graphs up
-    to 1,024 tokens in c4b alone, the worker's phases timed in both; c4c is c4b cut to the batch job at 8 in flight
-    with the lookup's ratio pair, and c4d is c4c at the default capture size (its partner on a card other than c3's).
-    Every plan runs as planned (--dry-run) and pairs its corpus configs with their lookup without the corpus."""
+def test_each_pair_of_admission_plans_differs_in_the_capture_size_alone(bench, capsys):
+    """The four admission plans (#42, docs/corpus.md "admissions"): two pairs that run the same points back to back on
+    one machine, CUDA graphs up to 1,024 tokens in one of each pair, the worker's phases timed; the second pair is
+    the first cut to the batch job at 8 in flight with the lookup's ratio pair. Every plan runs as planned
+    (--dry-run) and pairs its corpus configs with their lookup without the corpus."""
     tags = ("c4a", "c4b", "c4c", "c4d")
     plans = {tag: json.loads(PLAN.with_name(f"corpus_{tag}.json").read_text()) for tag in tags}
     a, b, c, d = plans["c4a"], plans["c4b"], plans["c4c"], plans["c4d"]

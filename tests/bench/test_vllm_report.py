@@ -1,22 +1,18 @@
 """Reading the committed vLLM runs (hqlab.bench.vllm_report): labels, ratios inside a run, step breakdowns kept per
-run. The data is the H200 results in data/results/, as the vllm_gpu notebook and docs/vllm.md read them."""
+run. The data is the H200 runs of the study vllm_gpu, as the vllm_gpu notebook and docs/vllm.md read them."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import polars as pl
 import pytest
 
-from hqlab.bench import vllm_report
+from hqlab.bench import results, vllm_report
 from hqlab.config import ConfigError
-
-RESULTS = Path(__file__).resolve().parents[2] / "data" / "results" / "vllm_gpu_h200.parquet"
 
 
 @pytest.fixture(scope="module")
 def data():
-    return vllm_report.load(RESULTS)
+    return vllm_report.load("vllm_gpu")
 
 
 @pytest.mark.parametrize("config, label", [
@@ -42,7 +38,7 @@ def test_ratios_are_taken_inside_one_run(data):
     ratios = vllm_report.run_ratios(data["results"])
     assert ratios.filter(pl.col("config") == "none")["vs_none"].to_list() == pytest.approx(
         [1.0] * ratios.filter(pl.col("config") == "none").height)
-    # One cell by hand: run f, copy, gpu-lookup k=15 against the same run's none and custom_class lookup.
+    # One cell by hand: copy, gpu-lookup k=15 against the same run's none and custom_class lookup.
     alone = data["results"].filter((pl.col("run") == "f") & (pl.col("category") == "copy")
                                    & (pl.col("concurrency") == 1))
 
@@ -74,12 +70,9 @@ def test_concurrency_is_relative_to_the_runs_own_none(data):
         [1.0] * together.filter(pl.col("config") == "none").height)
 
 
-FUSED = RESULTS.with_name("vllm_fused_h200.parquet")
-
-
 def test_host_probe_pairs_each_probed_request_with_its_step_time(data):
-    """Runs o and p (`--pin-threads`) probed the engine core's CPU around every batch-1 request: 4 configs x 14
-    prompts each, step ms = 1000 * tokens/step / decode tok/s; the correlation table is Pearson's r per run and
+    """The two committed runs with `--pin-threads` probed the engine core's CPU around every batch-1 request: 4 configs
+    x 14 prompts each, step ms = 1000 * tokens/step / decode tok/s; the correlation table is Pearson's r per run and
     config, per run, and over all requests."""
     import numpy as np
 
@@ -105,17 +98,18 @@ def test_host_probe_names_runs_without_a_probe(data):
 
 
 def test_width_replay_agrees_with_the_live_run_it_replays():
-    """experiments/drafter_skip_replayed/fused_skip_replay.py --settings k=31 --lookup-k 15,31 over run fg's
-    outputs: its k = 15 rows are what vLLM measured in run fg (the lookup exactly, the fused config as the replay
-    check found it), and at k = 31 the lookup and the fused config take more tokens a step where the lookup copies."""
-    widths = pl.read_parquet(RESULTS.with_name("fused_width_replay.parquet"))
-    live = pl.read_parquet(FUSED).filter((pl.col("run") == "fg") & (pl.col("concurrency") == 1))
+    """experiments/drafter_skip_replayed/fused_skip_replay.py --settings k=31 --lookup-k 15,31 over a committed fused
+    run's outputs: its k = 15 rows are what vLLM measured in that run (the lookup exactly, the fused config as the
+    replay check found it), and at k = 31 the lookup and the fused config take more tokens a step where the lookup
+    copies."""
+    widths = results.load("fused_skip_replay", "width")
+    live = results.load("vllm_fused", "fg").filter(pl.col("concurrency") == 1)
     lookup15 = widths.filter(pl.col("config") == "lookup:nmin=1,nmax=32,k=15,policy=earliest")
     measured = (live.filter(pl.col("config") == "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest")
                 .group_by("prompt_id").agg(pl.col("tokens_per_step").first()))
     both = lookup15.join(measured, on="prompt_id", suffix="_vllm")
     assert both.height == 14 and (both["tokens_per_step"] - both["tokens_per_step_vllm"]).abs().max() < 1e-9
-    check = pl.read_parquet(FUSED.with_name("vllm_fused_h200.replay.parquet")).filter(pl.col("run") == "fg")
+    check = results.load("vllm_fused", "fg", "replay")
     fused15 = widths.filter(pl.col("config").str.starts_with("fused:k=15"))
     same = fused15.join(check.select("prompt_id", "tokens_per_step"), on="prompt_id", suffix="_check")
     assert same.height == 14 and (same["tokens_per_step"] - same["tokens_per_step_check"]).abs().max() < 1e-9

@@ -4,11 +4,10 @@ the corpus, policy own never gives up an own-history match, and Arctic's rule ke
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from hqlab.bench import results
 from hqlab.config import ConfigError
 from hqlab.proposers import make_proposer
 from hqlab.replay import replay
@@ -19,7 +18,7 @@ from hqlab.rules.lookup import suffix_match
 from hqlab.rules.suffix_decoding import SuffixDecodingConfig, speculate
 from hqlab.trace import Source
 
-TRACES = Path(__file__).resolve().parents[2] / "data" / "results" / "traces_0.5b_corpus_128.parquet"
+(TRACES,) = results.trace_files(["0.5b_corpus_128"])
 WORKLOADS = ("multiturn", "template", "agent")
 
 

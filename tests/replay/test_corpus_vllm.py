@@ -1,35 +1,31 @@
-"""Corpus settings replayed over vLLM run c1's recorded outputs and priced with its clocks (hqlab.replay.corpus_vllm),
-on the committed run: the prices are the run's pooled step times, the closed-loop replay reproduces the run's tokens
-per step, the run's own setting is projected near what it measured, and the reuse analysis agrees with the replay.
+"""Corpus settings replayed over a committed vLLM corpus run's recorded outputs and priced with its clocks
+(hqlab.replay.corpus_vllm): the prices are the run's pooled step times, the closed-loop replay reproduces the run's
+tokens per step, the run's own setting is projected near what it measured, and the reuse analysis agrees with the
+replay. What the committed sweep over those outputs gave is stated in data/results/corpus_sweep_replay/c1/claims.json.
 No GPU."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import polars as pl
 import pytest
 
+from hqlab.bench import results
 from hqlab.config import ConfigError
 from hqlab.replay import corpus as rc
 from hqlab.replay import corpus_vllm as cv
 
-ROOT = Path(__file__).resolve().parents[2]
-REQUESTS = ROOT / "data" / "results" / "vllm_corpus_h200.requests.parquet"
-POINTS = ROOT / "data" / "results" / "vllm_corpus_h200.parquet"
-GRID = ROOT / "data" / "results" / "seed_scale_h100.parquet"
 C1 = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,corpus=32768,corpus_policy=longest,corpus_prompts=1"
 WORKLOADS = ("multiturn", "template", "agent", "prose")
 
 
 @pytest.fixture(scope="module")
 def requests() -> pl.DataFrame:
-    return pl.read_parquet(REQUESTS).filter(pl.col("run") == "c1")
+    return results.load("corpus", "c1", "requests")
 
 
 @pytest.fixture(scope="module")
 def prices(requests) -> cv.StepPrices:
-    return cv.fit_prices(requests, step_grid=pl.read_parquet(GRID).filter(pl.col("run") == "s2"))
+    return cv.fit_prices(requests, step_grid=results.load("seed_scale", "s2", "grid"))
 
 
 def test_prices_are_the_runs_pooled_step_times(requests, prices):
@@ -47,9 +43,9 @@ def test_prices_are_the_runs_pooled_step_times(requests, prices):
     assert prices.width_factor(1, 31) == pytest.approx(prices.widths[1][32])
     with pytest.raises(ConfigError):
         cv.StepPrices(k=15, iteration_ms={1: 2.0}, none_ms={1: 1.8}, live_ms_per_1k=0.0).ms(1, 31)
-    # the committed grid file holds runs s2 and v1 (other contexts, another host): mixing them is refused
+    # the committed grids of several runs (other contexts, other hosts): mixing them is refused
     with pytest.raises(ConfigError, match="several runs"):
-        cv.fit_prices(requests, step_grid=pl.read_parquet(GRID))
+        cv.fit_prices(requests, step_grid=results.load("seed_scale", kind="grid", card="h100"))
 
 
 def test_spec_round_trip_and_the_speculator_accepts_it():
@@ -70,8 +66,8 @@ def test_spec_round_trip_and_the_speculator_accepts_it():
 def test_the_closed_loop_replay_reproduces_the_runs_tokens_per_step(requests, prices, workload):
     """Load 1 exactly (the replay is exact there); 8 in flight, where the replay's lockstep only approximates when
     each document entered the corpus, within 1.5 %."""
-    measured = pl.read_parquet(POINTS).filter((pl.col("run") == "c1") & (pl.col("config") == C1)
-                                              & (pl.col("workload") == workload) & (pl.col("repeat") == 0))
+    measured = results.load("corpus", "c1").filter((pl.col("config") == C1) & (pl.col("workload") == workload)
+                                                  & (pl.col("repeat") == 0))
     config = rc.parse(cv.replay_spec(C1))
     for load in (1, 8):
         traces = cv.point_traces(requests, workload=workload, load=load)
@@ -87,7 +83,7 @@ def test_the_runs_own_setting_is_projected_near_what_it_measured(requests, price
     frame = cv.sweep(pts, [cv.replay_spec(C1)], prices)
     from hqlab.bench import corpus_report
 
-    measured = corpus_report.speedups(pl.read_parquet(POINTS).filter(pl.col("run") == "c1"))
+    measured = corpus_report.speedups(results.load("corpus", "c1"))
     both = frame.join(measured.select("workload", "load", pl.col("vs_no_corpus").alias("measured")),
                       on=["workload", "load"])
     assert both.height == 4
@@ -99,7 +95,7 @@ def test_the_runs_own_setting_is_projected_near_what_it_measured(requests, price
 
 def test_the_oracle_walk_of_own_history_is_the_plain_lookup(requests, prices):
     """Walking `reuse_by_position`'s own-history acceptances step by step is the plain lookup's replay; the better
-    of both sources bounds the c1 setting's tokens per step from above."""
+    of both sources bounds the run's corpus setting's tokens per step from above."""
     traces = cv.point_traces(requests, workload="multiturn", load=1)
     pos = cv.reuse_by_position(traces)
     plain = cv.project(traces, rc.parse("corpus:nmin=1,nmax=32,k=15,tie=earliest,tokens=0"), prices)
@@ -121,22 +117,3 @@ def test_closed_loop_and_meets_on_small_cases():
     assert got["setting"].to_list() == ["corpus:a", "corpus:b"]
     assert got["meets_all"].to_list() == [True, False]
     assert got["worst_margin"].to_list() == pytest.approx([0.01, -0.1])
-
-
-def test_the_committed_sweep_says_what_docs_corpus_md_says():
-    """data/results/corpus_sweep_replay.parquet (benchmarks/corpus_sweep_replay.py): 648 GPU settings, none projected
-    to reach 1.3x on multi-turn at either load; the template at 8 in flight at most 1.30-1.31x; prose never below
-    0.97x among the settings with the best worst margin."""
-    from hqlab.bench import corpus_report
-
-    frame = pl.read_parquet(ROOT / "data" / "results" / "corpus_sweep_replay.parquet")
-    swept = frame.filter(pl.col("kind") == "sweep")
-    assert swept["gpu_spec"].n_unique() == 648
-    assert swept.filter(pl.col("workload").is_in(["multiturn", "multiturn16"]))["vs_no_corpus"].max() < 1.2
-    assert 1.29 < swept.filter((pl.col("workload") == "template") & (pl.col("load") == 8))["vs_no_corpus"].max() < 1.31
-    ranking = cv.meets(swept, corpus_report.BAR)
-    assert not ranking["meets_all"].any()
-    assert ranking.head(4)["prose_1"].min() >= 0.97 and ranking.head(4)["prose_8"].min() >= 0.97
-    assert ranking["gpu_spec"][0].startswith("gpu-lookup:nmin=1,") and ",k=31," in ranking["gpu_spec"][0]
-    calibration = frame.filter(pl.col("kind") == "calibration")
-    assert calibration.height == 8 and calibration["measured"].null_count() == 0

@@ -3,17 +3,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import polars as pl
 import pytest
 
+from hqlab.bench import results
 from hqlab.replay.costmodel import (CostModel, ProposalCost, holdout_predictions, host_levels, robust_lstsq,
                                     suite_errors)
 from hqlab.trace import StepRecord
 
-RESULTS = Path(__file__).resolve().parents[2] / "data" / "results"
 TRUTH = {"fixed": 90.0, "verify_jump": 12.0, "per_position": 0.8, "per_1k_context": 4.0,
          "per_position_1k_context": 1.5}
 
@@ -85,7 +83,7 @@ def test_held_out_predictions_of_the_committed_live_runs():
     step model on the other configurations' steps and predict this one's decode rate. Pooled per suite, the
     predictions are within 15% everywhere and within 10% for all but one pair (whose run drifted: its steps of
     the same shape took ~25% longer than its neighbours'); per run, the median error is under 10%."""
-    steps = pl.read_parquet(RESULTS / "core_cpu.steps.parquet").filter(pl.col("config") != "hf-pld:k=10")
+    steps = results.load("core", "cpu", "steps").filter(pl.col("config") != "hf-pld:k=10")
     pred = holdout_predictions(steps)
     assert pred.height == 70 and pred["predicted_s"].is_finite().all()
     assert pred["tok_s_error"].abs().median() < 0.10
@@ -98,7 +96,7 @@ def test_held_out_predictions_of_the_committed_live_runs():
 def test_h200_step_cost_fits_with_the_decode_to_verify_jump():
     """The committed H200 measurements (CUDA graphs, batch 1, 2k context) follow the model within a few
     percent, and going from decoding one token to verifying several costs a visible jump on every model."""
-    frame = pl.read_parquet(RESULTS / "step_cost_h200.parquet").filter(
+    frame = results.load("step_cost", "h200").filter(
         (pl.col("mode") == "graph") & (pl.col("batch") == 1))
     for model_name in frame["model"].unique().to_list():
         rows = frame.filter(pl.col("model") == model_name)
@@ -172,8 +170,7 @@ def test_a_host_level_is_priced_instead_of_the_context_and_is_needed_to_predict(
 
 
 def test_host_levels_are_each_requests_median_speculator_time_and_none_has_none():
-    steps = pl.read_parquet(RESULTS / "vllm_gpu_h200.steps.parquet").filter(
-        (pl.col("run") == "s") & (pl.col("load") == "alone"))
+    steps = results.load("vllm_gpu", "s", "steps").filter(pl.col("load") == "alone")
     lookups = steps.filter(pl.col("config").str.starts_with("gpu-lookup"))
     levels = lookups.with_columns(host_levels(lookups))
     one = levels.filter((pl.col("config") == lookups["config"][0]) & (pl.col("request") == "copy"))

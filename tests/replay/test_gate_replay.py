@@ -3,12 +3,12 @@ one it closes steps only where the rule says, and its pricing is the arithmetic 
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import polars as pl
 import pytest
 
+from hqlab.bench import results
 from hqlab.config import ConfigError, LookupConfig
 from hqlab.proposers import make_proposer
 from hqlab.replay import replay
@@ -16,13 +16,12 @@ from hqlab.replay.gate import by_cost_ratio, price, replay_gated, sweep
 from hqlab.replay.traces import load_traces
 from hqlab.rules.gate import GateConfig, SuffixGate
 
-RESULTS = Path(__file__).resolve().parents[2] / "data" / "results"
 LOOKUP = LookupConfig(nmin=1, nmax=32, k=15, policy="earliest")
 
 
 @pytest.fixture(scope="module")
 def traces():
-    return load_traces(RESULTS / "traces_0.5b_all_128.parquet")
+    return load_traces(results.trace_files(["0.5b_all_128"])[0])
 
 
 def test_ungated_is_the_labs_lookup_replay_step_for_step(traces):

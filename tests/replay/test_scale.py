@@ -1,21 +1,17 @@
 """Projected speed at scale (hqlab.replay.scale): the step-cost interpolation, the projection's arithmetic on
-hand-checkable frames, and the validation on the committed measurement (docs/seed-scale.md)."""
+hand-checkable frames, and reading a committed run's steps. What the committed grids and validations gave is stated
+in the claims.json of data/results/seed_scale/<run>/ (tests/bench/test_run_claims.py)."""
 
 from __future__ import annotations
 
 import math
-import re
-from pathlib import Path
 
 import numpy as np
 import polars as pl
 import pytest
 
+from hqlab.bench import results
 from hqlab.replay import scale
-
-REPO = Path(__file__).resolve().parents[2]
-RESULTS = REPO / "data" / "results"
-STEP_COSTS = RESULTS / "seed_scale_h100.parquet"  # the H200 was not lent: the grid was measured on an H100
 
 WIDTHS = (1, 2, 4, 8, 16, 32)
 CONTEXTS = (1024, 8192, 32768)
@@ -29,7 +25,7 @@ def _ms(shape_scale: float, width: int, context: int, batch: int) -> float:
 
 def schema_fixture(shapes: dict[str, float] | None = None, *, fused: dict[str, float] | None = None,
                    widths=WIDTHS, contexts=CONTEXTS, batches=(1, 8)) -> pl.DataFrame:
-    """A step-cost frame in the schema of data/results/seed_scale_h200.parquet, with made-up values: a schema
+    """A step-cost frame in the schema of a seed-scale run's grid.parquet, with made-up values: a schema
     fixture for the tests, not a result."""
     shapes = shapes or {"s-small": 1.0, "s-large": 4.0}
     rows = []
@@ -273,13 +269,14 @@ def test_labels_and_kinds():
         scale.config_kind("vllm-draft:model=x,k=7")
 
 
-def test_write_projection_refuses_tables_without_provenance(tmp_path):
+def test_a_projection_without_provenance_or_rows_is_refused():
     costs = flat_fixture(FLAT, params=PARAMS)
     table = scale.project(costs, [_traces("gpu-lookup:k=3")], ["t"], [1])
-    path = scale.write_projection(table, tmp_path / "p.parquet")
-    assert pl.read_parquet(path).equals(table)
+    assert scale.checked_projection(table) is table
     with pytest.raises(scale.ScaleError, match="traces_commit"):
-        scale.write_projection(table.drop("traces_commit"), tmp_path / "q.parquet")
+        scale.checked_projection(table.drop("traces_commit"))
+    with pytest.raises(scale.ScaleError, match="no rows"):
+        scale.checked_projection(table.clear())
 
 
 # --- the committed runs ----------------------------------------------------------------------------------------
@@ -287,46 +284,19 @@ def test_write_projection_refuses_tables_without_provenance(tmp_path):
 
 @pytest.fixture(scope="module")
 def fused_run():
-    return (pl.read_parquet(RESULTS / "vllm_fused_h200.steps.parquet").filter(pl.col("run") == "fn2"),
-            pl.read_parquet(RESULTS / "vllm_fused_h200.parquet").filter(pl.col("run") == "fn2"))
+    return results.load("vllm_fused", "fn2", "steps"), results.load("vllm_fused", "fn2")
 
 
 def test_traces_of_the_committed_fused_run(fused_run):
-    steps, results = fused_run
-    priced = [c for c in results["config"].unique().to_list() if scale.priceable(steps, "fn2", c)]
+    steps, rows = fused_run
+    priced = [c for c in rows["config"].unique().to_list() if scale.priceable(steps, "fn2", c)]
     assert {scale.config_label(c) for c in priced} == {"none", "gpu-lookup k=15", "gpu-lookup k=31",
                                                        "gpu-fused k=15", "gpu-fused k=31 device skip"}
-    block = next(c for c in results["config"].unique().to_list() if "draft_block=7" in c)
+    block = next(c for c in rows["config"].unique().to_list() if "draft_block=7" in c)
     with pytest.raises(scale.ScaleError, match="one pass a step"):
-        scale.traces(steps, results, "fn2", block)
-    tr = scale.traces(steps, results, "fn2", next(c for c in priced if "device_skip" in c))
+        scale.traces(steps, rows, "fn2", block)
+    tr = scale.traces(steps, rows, "fn2", next(c for c in priced if "device_skip" in c))
     assert tr.model == "qwen2.5-coder-1.5b" and (tr.steps["drafter_passes"] == 0).any()
-
-
-def reported_validation() -> tuple[int, int]:
-    """'N of M' as docs/seed-scale.md reports the validation of the H200 runs w2 and fn2 against the H100 grid."""
-    text = (REPO / "docs" / "seed-scale.md").read_text()
-    found = re.search(r"\(`scale\.validate`\): within ±10 % on \*\*(\d+) of (\d+)\*\*", text)
-    assert found, "docs/seed-scale.md reports no validation count"
-    return int(found.group(1)), int(found.group(2))
-
-
-@pytest.mark.skipif(not STEP_COSTS.exists(), reason="data/results/seed_scale_h100.parquet (the step-cost "
-                                                      "measurement of #41) is not committed yet")
-def test_validation_on_the_committed_runs_is_what_the_docs_report(fused_run):
-    from hqlab.replay.scale import validate
-
-    costs = pl.read_parquet(STEP_COSTS).filter(pl.col("run") == "s2")  # the docs' run (a file may gain more)
-    profiled = (None if scale.has_fused(costs, "qwen2.5-1.5b")
-                else scale.profiled_pass_ms(pl.read_parquet(RESULTS / "vllm_fused_h200.phases.parquet"), "fn1"))
-    gpu_steps = pl.read_parquet(RESULTS / "vllm_gpu_h200.steps.parquet").filter(pl.col("run") == "w2")
-    gpu_results = pl.read_parquet(RESULTS / "vllm_gpu_h200.parquet").filter(pl.col("run") == "w2")
-    table = pl.concat([
-        validate(costs, gpu_steps, gpu_results, "w2", "qwen2.5-0.5b"),
-        validate(costs, *fused_run, "fn2", "qwen2.5-1.5b", fused_shape="qwen2.5-1.5b", profiled_pass=profiled)])
-    within, pairs = int(table["within"].sum()), table.height
-    assert (within, pairs) == reported_validation()
-    assert pairs >= 40  # w2: 3 configs x 7 classes; fn2: 5 x 7
 
 
 def test_a_none_grid_prices_none_and_the_no_speculation_time_where_it_covers_the_lookups_contexts():
@@ -342,26 +312,6 @@ def test_a_none_grid_prices_none_and_the_no_speculation_time_where_it_covers_the
     partial = costs.filter(~((pl.col("config") == "none") & (pl.col("context") == 8192)))
     assert scale.plain_config(partial, "t", 1) == "gpu-lookup"
     assert scale.price_requests(_traces("gpu-lookup:k=3"), partial, "t", 1)["none_ms"][0] == pytest.approx(12.0)
-
-
-@pytest.mark.skipif(not STEP_COSTS.exists(), reason="data/results/seed_scale_h100.parquet is not committed")
-def test_run_s3a_the_14b_and_32b_are_weight_bound_and_its_two_broken_points_are_what_the_docs_name():
-    """Run s3a (docs/seed-scale.md): the 14B and 32B at 1k and 8k tokens, batch 1 and 8, widths 1-32. At one request
-    the step is the weights' read: width 32 costs at most 6 % more than width 1, and the 32B's step over the 14B's
-    is near their parameter ratio (2.2). The two points the docs name as no model step (batch 8, width 32, 8k) have
-    p10 more than 10 % below a single request's width-1 step, no other point has; every median is at or above it."""
-    costs = scale.check_step_costs(pl.read_parquet(STEP_COSTS).filter(pl.col("run") == "s3a"))
-    assert set(costs["shape"]) == {"qwen2.5-14b", "qwen2.5-32b"} and costs.height == 48
-    assert set(costs["engine"]) == {"process"} and costs["machine"].str.contains("H100").all()
-    first = costs.filter((pl.col("batch") == 1) & (pl.col("width") == 1) & (pl.col("context") == 1024))
-    floor = dict(zip(first["shape"], first["step_ms"]))
-    assert 1.8 < floor["qwen2.5-32b"] / floor["qwen2.5-14b"] < 2.4
-    one = costs.filter(pl.col("batch") == 1).pivot(on="width", index=["shape", "context"], values="step_ms")
-    assert ((one["32"] / one["1"]) < 1.06).all()
-    broken = costs.filter(pl.col("step_ms_p10") < 0.9 * pl.col("shape").replace_strict(floor))
-    assert sorted(zip(broken["shape"], broken["batch"], broken["width"], broken["context"])) == [
-        ("qwen2.5-14b", 8, 32, 8192), ("qwen2.5-32b", 8, 32, 8192)]
-    assert (costs["step_ms"] >= 0.98 * costs["shape"].replace_strict(floor)).all()
 
 
 def test_newest_points_keeps_one_row_a_point_from_the_run_named_last():
@@ -382,30 +332,6 @@ def test_newest_points_keeps_one_row_a_point_from_the_run_named_last():
             scale.newest_points(both, runs)
 
 
-def test_runs_s3b_and_s3c_fill_the_27b_at_8k_and_replace_s3as_two_broken_points():
-    """Run s3b: the 27B class at 1k and 8k, batch 1 and 8 (its fp8 engine did not start: the host lacked
-    compressed-tensors). Run s3c: the 14B and 32B at 8k, batch 8 and 32. Read with `newest_points(s2, s3a, s3b,
-    s3c)`, every point is a model step (p10 at or above 90 % of its shape's single-request width-1 step), at one
-    request width 32 costs at most 6 % more than width 1, and at batch 32 a wide verify is compute: width 32 over
-    width 1 is 3.4-3.7x on the 14B and 32B."""
-    grid = pl.read_parquet(STEP_COSTS)
-    costs = scale.check_step_costs(scale.newest_points(grid, ["s2", "s3a", "s3b", "s3c"]))
-    s3b = costs.filter(pl.col("run") == "s3b")
-    assert set(s3b["shape"]) == {"qwen2.5-27b"} and set(s3b["quant"]) == {"bf16"} and s3b.height == 24
-    assert set(s3b["context"]) == {1024, 8192} and set(s3b["batch"]) == {1, 8}
-    s3c = costs.filter(pl.col("run") == "s3c")
-    assert set(s3c["shape"]) == {"qwen2.5-14b", "qwen2.5-32b"} and set(s3c["batch"]) == {8, 32} and s3c.height == 24
-    assert costs.filter(pl.col("run") == "s3a").height == 48 - 12  # its six 8k batch-8 points a shape: now s3c's
-    big = costs.filter(pl.col("shape").is_in(["qwen2.5-14b", "qwen2.5-27b", "qwen2.5-32b"]))
-    first = big.filter((pl.col("batch") == 1) & (pl.col("width") == 1) & (pl.col("context") == 1024))
-    floor = dict(zip(first["shape"], first["step_ms"]))
-    assert (big["step_ms_p10"] >= 0.9 * big["shape"].replace_strict(floor)).all()
-    one = big.filter(pl.col("batch") == 1).pivot(on="width", index=["shape", "context"], values="step_ms")
-    assert ((one["32"] / one["1"]) < 1.06).all()
-    b32 = s3c.filter(pl.col("batch") == 32).pivot(on="width", index="shape", values="step_ms")
-    assert ((b32["32"] / b32["1"]).is_between(3.3, 3.8)).all()
-
-
 def test_decodes_are_priced_with_each_points_mean_where_every_point_has_one():
     """A decode's time is the sum of its steps, so a point's mean prices it (a grid from before the mean was kept,
     or with a point lacking it, keeps the median); the step's price then follows the mean."""
@@ -418,5 +344,5 @@ def test_decodes_are_priced_with_each_points_mean_where_every_point_has_one():
     one_missing = with_mean.with_columns(pl.when(pl.int_range(pl.len()) == 0).then(None)
                                          .otherwise(pl.col("step_ms_mean")).alias("step_ms_mean"))
     assert scale.decode_costs(one_missing)[1] == "median"
-    committed = pl.read_parquet(STEP_COSTS).filter(pl.col("run") == "v3a")  # measured before the mean was kept
+    committed = results.load("seed_scale", "v3a", "grid")  # measured before the mean was kept
     assert scale.decode_costs(committed)[1] == "median"

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import polars as pl
 import pytest
 
+from hqlab.bench import results
 from hqlab.config import ConfigError
 from hqlab.replay.sweep import by_category, grid, parse_grid, rows_of, sweep
 from hqlab.replay.traces import Trace
 
-TRACES = Path(__file__).resolve().parents[2] / "data" / "results" / "traces_0.5b_all_128.parquet"
+(TRACES,) = results.trace_files(["0.5b_all_128"])
 
 
 def test_grid_skips_invalid_and_sweep_pools_categories():
@@ -32,7 +31,7 @@ def test_grid_skips_invalid_and_sweep_pools_categories():
 
 
 def test_rows_of_finds_a_spec_in_a_sweep_however_it_is_spelled_and_refuses_one_it_lacks():
-    committed = pl.read_parquet(TRACES.parent / "suffix_sweep.parquet")  # the suffix_lengths notebook's grid
+    committed = results.load("suffix_lengths", "cpu", "sweep")  # the suffix_lengths notebook's grid
     rows = rows_of(committed, ["lookup:nmin=6,nmax=12,k=15", "lookup:k=8,nmax=12,nmin=2"])
     point = committed.filter(pl.col("config") == "lookup:nmin=6,nmax=12,k=15,policy=recent")
     assert point.height == committed["prompt_id"].n_unique() > 0

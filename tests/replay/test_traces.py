@@ -76,9 +76,9 @@ def test_shipped_trace_set_stands_in_only_for_what_this_machine_would_record(tmp
     """
     import polars as pl
 
-    from hqlab.io import REPO
+    from hqlab.bench import results
 
-    committed = REPO / "data" / "results" / "traces_0.5b_all_128.parquet"
+    (committed,) = results.trace_files(["0.5b_all_128"])
     origin = traces.TraceOrigin.resolve("qwen2.5-coder-0.5b", device="cpu")
     sets = {}
     for name, device in (("here", origin.device), ("elsewhere", "cuda (NVIDIA H200)")):
@@ -108,23 +108,24 @@ def test_shipped_trace_set_stands_in_only_for_what_this_machine_would_record(tmp
 
 
 def test_trace_sets_the_notebooks_name_can_be_taken_somewhere():
-    """Every trace set a notebook's `shipped_traces` names by default exists and says, on every row, what it is
+    """Every trace set a notebook's `shipped_traces` names by default is committed (a run of the study `traces`) and
+    says, on every row, what it is
     (model, checkpoint and dtype) and where it was recorded (device, torch, transformers): a set without that is
     never taken, and the notebook would silently record instead. Each set also covers its notebook's workload."""
     import jupytext
     import polars as pl
 
-    from hqlab.io import REPO
+    from hqlab.bench import results
     from hqlab.site.notebooks import declared_defaults, notebook_paths
 
     named = {}
     for path in notebook_paths():
         defaults = declared_defaults(jupytext.read(path))
-        for file in defaults.get("shipped_traces") or []:
-            named.setdefault(file, []).append((path.stem, defaults))
-    assert "data/results/traces_0.5b_all_128_bf16.parquet" in named and len(named) >= 2
+        for name in defaults.get("shipped_traces") or []:
+            named.setdefault(name, []).append((path.stem, defaults))
+    assert "0.5b_all_128_bf16" in named and len(named) >= 2
     for file, users in named.items():
-        frame = pl.read_parquet(REPO / file)
+        frame = pl.read_parquet(results.trace_files([file])[0])
         for column in ("model", "provenance_device", "provenance_torch", "provenance_transformers"):
             assert frame[column].null_count() == 0 and (frame[column] != "").all(), (file, column)
         model, sha, dtype = frame["model"][0].split(":")

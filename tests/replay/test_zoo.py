@@ -7,17 +7,17 @@ from __future__ import annotations
 import importlib.util
 import sys
 import types
-from pathlib import Path
 
 import numpy as np
 import polars as pl
 import pytest
 
+from hqlab.bench import results
 from hqlab.proposers import make_proposer
 from hqlab.replay import replay, zoo
 from hqlab.replay.traces import load_traces
 
-TRACES = Path(__file__).resolve().parents[2] / "data" / "results" / "traces_0.5b_all_128.parquet"
+(TRACES,) = results.trace_files(["0.5b_all_128"])
 has_vllm = importlib.util.find_spec("vllm") is not None
 has_arctic = importlib.util.find_spec("arctic_inference") is not None
 
@@ -139,7 +139,7 @@ def test_arctic_rule_proposes_as_arctics_own_cache(cached, share):
     """hqlab's reimplementation of Arctic's rule (`arctic-rule`, hqlab.rules.suffix_decoding) against Arctic's
     compiled cache (`arctic-suffix`), asked at every output position of the committed corpus-workload traces: the
     same proposal nearly always (they differ where equally frequent continuations tie), the same tokens per step."""
-    traces = load_traces(TRACES.with_name("traces_0.5b_corpus_128.parquet"))
+    traces = load_traces(results.trace_files(["0.5b_corpus_128"])[0])
     compiled = make_proposer(f"arctic-suffix:k=15,cached={cached}")
     rule = make_proposer(f"arctic-rule:k=15,cached={cached}")
     same = total = 0

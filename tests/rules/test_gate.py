@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from hqlab.bench import results
 from hqlab.config import ConfigError
 from hqlab.replay.traces import load_traces
 from hqlab.rules.gate import GateConfig, SuffixGate, batch_width
 from hqlab.rules.lookup import suffix_match
 
-RESULTS = Path(__file__).resolve().parents[2] / "data" / "results"
-
-
 @pytest.fixture(scope="module")
 def traces():
-    picked = load_traces(RESULTS / "traces_0.5b_all_128.parquet")  # chat and the copying classes
-    prose = [t for t in load_traces(RESULTS / "traces_0.5b_corpus_128.parquet") if t.category == "prose"]
+    all_128, corpus_128 = results.trace_files(["0.5b_all_128", "0.5b_corpus_128"])
+    picked = load_traces(all_128)  # chat and the copying classes
+    prose = [t for t in load_traces(corpus_128) if t.category == "prose"]
     return picked + prose[:6]
 
 

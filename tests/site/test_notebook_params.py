@@ -11,6 +11,7 @@ import polars as pl
 import pytest
 import yaml
 
+from hqlab.bench import results
 from hqlab.site.notebooks import REPO, notebook_paths, run_all
 
 MODEL = "smollm2-135m"
@@ -29,9 +30,9 @@ def sweep_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("params")
     workload = tmp / "mine.jsonl"
     workload.write_text("".join(json.dumps(r) + "\n" for r in WORKLOAD))
-    kernels_subset = tmp / "kernels_batch1.parquet"
-    pl.read_parquet(REPO / "data/results/kernels_h200.parquet").filter(pl.col("batch") == 1).write_parquet(
-        kernels_subset)
+    kernels = tmp / "kernels_results"  # another results folder: one run of the kernels, its batch-1 rows
+    results.write_run("kernels", "batch1", card="h200", root=kernels,
+                      tables={"rows": results.load("kernels", "h200").filter(pl.col("batch") == 1)})
     params = {
         "defaults": {"model": MODEL, "suite": str(workload), "max_new_tokens": 12, "device": "cpu",
                      "figures_dir": str(tmp / "figures"), "results_dir": str(tmp / "results")},
@@ -43,7 +44,7 @@ def sweep_run(tmp_path_factory):
         "new_proposer": {"toy_grid": {"k": [3], "min_count": [1, 2]}, "builtins": ["pld:n=2,k=5"],
                          "live_configs": ["bigram:k=3,min_count=1", "pld:n=2,k=5"], "live_limit": 1},
         "explorer": {"request": "echo-list", "compare": ["pld:n=2,k=5"], "start": "lookup:nmin=1,nmax=4,k=5"},
-        "kernels": {"results_file": str(kernels_subset)},
+        "kernels": {"run": "batch1", "published_dir": str(kernels)},
     }
     stems = [p.stem for p in notebook_paths() if p.stem in params]
     params_file = tmp / "sweep.yaml"
@@ -81,22 +82,22 @@ def test_parameters_reach_every_notebook(sweep_run):
 @pytest.mark.slow
 def test_results_come_from_the_chosen_model_workload_and_grids(sweep_run):
     tmp, params = sweep_run
-    results = tmp / "results"
-    core = pl.read_parquet(results / "core_params.parquet")
+    root = tmp / "results"
+    core = results.load("core", "params", root=root)
     assert set(core["model"]) == {MODEL}
     assert set(core["prompt_id"]) == {r["id"] for r in WORKLOAD}
     assert set(core["config"]) == {"none", *params["core_benchmark"]["configs"]}
     assert (core["divergence"] != "mismatch").all()
-    assert pl.read_parquet(results / "core_params.steps.parquet").height > 0
+    assert results.load("core", "params", "steps", root=root).height > 0
 
-    sweep = pl.read_parquet(results / "suffix_sweep.parquet")
+    sweep = results.load("suffix_lengths", "cpu", "sweep", root=root)
     assert sorted(set(sweep["config"])) == ["lookup:nmin=1,nmax=4,k=5,policy=earliest",
                                             "lookup:nmin=3,nmax=4,k=5,policy=earliest"]
     assert set(sweep["prompt_id"]) == {r["id"] for r in WORKLOAD}
 
-    toy = pl.read_parquet(results / "new_proposer_replay.parquet")
+    toy = results.load("new_proposer", "cpu", "replay", root=root)
     assert set(toy["config"]) == {"bigram:k=3,min_count=1", "bigram:k=3,min_count=2", "pld:n=2,k=5"}
-    live = pl.read_parquet(results / "new_proposer_live.parquet")
+    live = results.load("new_proposer", "cpu", "live", root=root)
     assert set(live["model"]) == {MODEL}
     assert live["prompt_id"].to_list() == ["chat-hello"] * 3  # live_limit=1: the shortest prompt, three configs
 

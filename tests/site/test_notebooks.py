@@ -64,7 +64,7 @@ def referenced_figures() -> set[str]:
 def written_by_notebooks() -> set[str]:
     """Figure names the notebooks write with their default parameters: literal names in their sources, plus the
     core and fusion benchmarks' figures for each default tag (named by `bench.core_figure_names` and
-    `bench.fusion_figure_names`) and the fusion benchmark's figure of its default vLLM run
+    `bench.fusion_figure_names`) and the fusion benchmark's figure of its default run of the study vllm_fused
     (`vllm_report.run_figure`)."""
     import jupytext
 
@@ -78,7 +78,7 @@ def written_by_notebooks() -> set[str]:
         for tag in declared_defaults(jupytext.read(NOTEBOOKS / f"{stem}.py"))["tags"]:
             names |= set(names_for(tag))
     fusion = declared_defaults(jupytext.read(NOTEBOOKS / "fusion_benchmark.py"))
-    names.add(vllm_report.run_figure(fusion["fused_vllm_file"], fusion["run"]))
+    names.add(vllm_report.run_figure("vllm_fused", fusion["run"]))
     return names
 
 

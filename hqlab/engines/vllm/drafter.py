@@ -17,7 +17,7 @@ Attention runs in vLLM's FlashAttention (`vllm.vllm_flash_attn.flash_attn_varlen
 each row's end, grouped-query heads natively) on a GPU where vLLM has it, else in torch's
 `scaled_dot_product_attention` with an explicit position mask (the CPU and the tests). The first GPU run used the
 mask path everywhere: cuDNN's masked attention took ~61 us per layer at 4,096 positions, over half of a drafting
-step (data/results/fused_drafter_profile_h200.json).
+step (data/results/fused_drafter_profile/a/profile.json).
 
 The layer is the transformers Qwen2 decoder (RMSNorm, rotary embedding, grouped-query attention with q/k/v biases,
 SwiGLU MLP), with q/k/v and gate/up fused into one matrix each. Only the position whose logits the caller wants is

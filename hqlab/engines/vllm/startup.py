@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 # check at start that free memory >= gpu_memory_utilization x total (v1/worker/utils.py:425-445, called at
 # gpu_worker.py:388-389): the engines' shares sum to the options' total (<= 0.95), so it holds while no engine
 # takes more than its share. With the KV cache below an engine of the 1.5B model takes about 10 GiB (4 GiB of KV,
-# 3.4 GiB of weights, 0.5 GiB of activations, up to 1.3 GiB of CUDA graphs, as vLLM logged them on an H200,
+# 3.4 GiB of weights, 0.5 GiB of activations, up to 1.3 GiB of CUDA graphs, data/results/vllm_fused/fh/run.log,
 # plus the CUDA context and a fused drafter's own weights and cache), well under a share of 0.85 / 5 of an H200
 # (24 GiB).
 

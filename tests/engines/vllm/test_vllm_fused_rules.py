@@ -9,8 +9,8 @@ GPU step, allowed only because these tests hold it to the references:
 - schedule: random multi-step sequences, state carried across steps (stale on and off, sticky 0..4, entry_steps
   1..3, fixed modes), reused slots and padded batches: block length and whole state at every step, plus
   `simulate` over whole sequences and HyperQwen's unanimous batch mode;
-- recorded traces (data/results/*.steps.parquet): the block lengths the engine recorded are reproduced, and real
-  take-flag / emitted sequences replayed under every schedule config give the reference's decisions;
+- recorded traces (data/results/<study>/<run>/steps.parquet): the block lengths the engine recorded are reproduced,
+  and real take-flag / emitted sequences replayed under every schedule config give the reference's decisions;
 - no synchronisation: the module's source has no host-read calls and branches only on the config and shapes,
   its outputs' shapes do not depend on values, it traces into one graph (torch.compile fullgraph), and on CUDA it
   runs under sync-debug "error" and replays from a captured CUDA graph.
@@ -482,7 +482,8 @@ def recorded_traces() -> list[Trace]:
     """
     pq = pytest.importorskip("pyarrow.parquet")
     traces = []
-    for path in sorted(RESULTS.glob("*.steps.parquet")):
+    recorded = (p for p in RESULTS.glob("*/*/*.parquet") if p.name in ("steps.parquet", "batch_steps.parquet"))
+    for path in sorted(recorded):
         table = pq.read_table(path)
         if "config" not in table.column_names:
             continue
@@ -495,12 +496,13 @@ def recorded_traces() -> list[Trace]:
                 groups[tuple(row[c] for c in keys)].append(row)
         for key, rows in groups.items():
             rows.sort(key=lambda r: r["step"])
-            assert [r["step"] for r in rows] == list(range(len(rows))), f"{path.name} {key}: steps missing"
+            where = path.relative_to(RESULTS)
+            assert [r["step"] for r in rows] == list(range(len(rows))), f"{where} {key}: steps missing"
             emitted_last = [0] + [r["emitted"] for r in rows[:-1]]
             assert emitted_last[1:] == [b["context_len"] - a["context_len"] for a, b in zip(rows, rows[1:])]
             fused = key[0].startswith("fused:")
             take = [r["match_len"] >= LONGMIN and (fused or len(r["proposed"]) > SHORT) for r in rows]
-            traces.append(Trace(f"{path.name} {key}", key[0], take, emitted_last, [r["block"] for r in rows],
+            traces.append(Trace(f"{where} {key}", key[0], take, emitted_last, [r["block"] for r in rows],
                                 [r.get("batch") or 1 for r in rows]))
     return traces
 

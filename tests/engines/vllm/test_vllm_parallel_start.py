@@ -93,7 +93,7 @@ def test_kv_cache_bytes_is_checked_and_reaches_vllm_only_when_set():
 
 
 def test_kv_bytes_per_token_from_the_models_config(tmp_path):
-    # Qwen2.5-Coder 1.5B: on the H200 vLLM fit 956,960 tokens in 25.55 GiB (data/results/vllm_fused_h200_fh1.log)
+    # Qwen2.5-Coder 1.5B: on the H200 vLLM fit 956,960 tokens in 25.55 GiB (data/results/vllm_fused/fh/run.log)
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 28, "num_attention_heads": 12,
                                                       "num_key_value_heads": 2, "hidden_size": 1536}))
     assert kv_bytes_per_token(str(tmp_path)) == 28672
