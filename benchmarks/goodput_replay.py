@@ -1,7 +1,7 @@
 """The goodput controller against no speculation, every fixed width and the served `batch_k` table, replayed over
 the committed 1.5B traces by load and priced with the committed step costs (#62).
 
-    python benchmarks/goodput_replay.py           # -> data/results/goodput_replay.parquet (~1 min, CPU)
+    python benchmarks/goodput_replay.py           # -> data/results/goodput_replay/cpu/ (~1 min, CPU)
 
 Workloads: chat and prose (data/results/traces_1.5b_prose_chat_256.parquet), labd (traces_1.5b_labd_160.parquet);
 greedy outputs, so every step is exact (`hqlab.replay.goodput.replay_engine`: vLLM's engine core with asynchronous
@@ -21,8 +21,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-RESULTS = ROOT / "data" / "results"
-OUT = RESULTS / "goodput_replay.parquet"
 SPEC = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,batch_k=1:15/4:7/0"  # the served lookup's widths
 LOADS = (1, 8, 16, 32, 64)
 FACTORS = (1.0, 2.0, 4.0)
@@ -36,18 +34,19 @@ def main(argv: list[str] | None = None) -> int:
     from hqlab.engines.vllm.gpu_lookup import lookup_config
     from hqlab.replay import goodput as rg
     from hqlab.replay.traces import load_traces
+    from hqlab.bench import results
     from hqlab.rules.goodput import DEFAULT_STEP_COSTS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--results", default=None, help="the results folder (default data/results): run goodput_replay/cpu")
     ap.add_argument("--waves", type=int, default=10)
     args = ap.parse_args(argv)
     spec = lookup_config(SPEC)
     lookup = LookupConfig(nmin=spec.nmin, nmax=spec.nmax, k=spec.k, policy=spec.policy)
-    chat_prose = load_traces(RESULTS / "traces_1.5b_prose_chat_256.parquet")
+    chat_prose = load_traces(results.trace_files(["1.5b_prose_chat_256"])[0])
     workloads = {"chat": [t for t in chat_prose if t.category == "chat"],
                  "prose": [t for t in chat_prose if t.category == "prose"],
-                 "labd": load_traces(RESULTS / "traces_1.5b_labd_160.parquet")}
+                 "labd": load_traces(results.trace_files(["1.5b_labd_160"])[0])}
     tables = rg.TraceTables(lookup)
     frames = []
     for factor in FACTORS:
@@ -63,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['vs_best_fixed']:.4f}x best fixed", flush=True)
     out = pl.concat(frames).with_columns(pl.lit(SPEC).alias("spec"),
                                          pl.lit(provenance.git_commit()).alias("git_commit"))
-    out.write_parquet(args.out)
-    print(f"wrote {args.out} ({out.height} rows)")
+    folder = results.write_run("goodput_replay", "cpu", card="cpu", tables={"rows": out}, root=args.results,
+                               info={"commit": provenance.git_commit(), "command": results.command_line(),
+                                     "benchmark": "benchmarks/goodput_replay.py"})
+    print(f"wrote {folder} ({out.height} rows)")
     return 0
 
 

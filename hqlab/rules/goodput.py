@@ -165,7 +165,7 @@ class StepCosts:
 
 
 # The vLLM step of the 1.5B shape with the gpu-lookup speculator (vLLM 0.26, CUDA graphs, bf16, random weights, 1,024
-# tokens of context), one run of the committed step-cost grid, H100: data/results/seed_scale_h100.parquet, built by
+# tokens of context), one run of the committed step-cost grid, H100: data/results/seed_scale/s2/grid.parquet, built by
 # `hqlab.replay.goodput.step_costs_from_grid` (tests/replay/test_goodput.py checks these numbers against the file).
 # The grid's verify width v is v - 1 drafts here. Batch sizes above 8 are extrapolated (`StepCosts.at`).
 DEFAULT_STEP_COSTS = StepCosts(
@@ -173,7 +173,7 @@ DEFAULT_STEP_COSTS = StepCosts(
     widths=(0, 1, 3, 7, 15, 31),
     ms=((2.857122, 3.509241, 3.411225, 3.282485, 3.288268, 3.407151),
         (3.124783, 3.743504, 3.589987, 3.611136, 3.621087, 3.663369)),
-    source="the committed step-cost grid, H100 (data/results/seed_scale_h100.parquet): qwen2.5-1.5b, gpu-lookup, "
+    source="the committed step-cost grid, H100 (data/results/seed_scale/s2/grid.parquet): qwen2.5-1.5b, gpu-lookup, "
            "bf16, context 1024, vLLM 0.26.0")
 
 

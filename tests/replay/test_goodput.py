@@ -10,6 +10,8 @@ import numpy as np
 import polars as pl
 import pytest
 
+from hqlab.bench import results
+
 from hqlab.config import ConfigError, LookupConfig
 from hqlab.replay.gate import replay_gated
 from hqlab.replay.goodput import (Policy, TraceTables, captured_widths, compare, dearer_widths, price, replay_engine,
@@ -26,10 +28,10 @@ DEAR = StepCosts((1, 8), (0, 7, 15), ((2.9, 3.9, 4.6), (3.1, 4.4, 5.8)), source=
 
 @pytest.fixture(scope="module")
 def workloads():
-    chat_prose = load_traces(RESULTS / "traces_1.5b_prose_chat_256.parquet")
+    chat_prose = load_traces(RESULTS / "traces" / "1.5b_prose_chat_256" / "traces.parquet")
     return {"chat": [t for t in chat_prose if t.category == "chat"],
             "prose": [t for t in chat_prose if t.category == "prose"],
-            "labd": load_traces(RESULTS / "traces_1.5b_labd_160.parquet")}
+            "labd": load_traces(RESULTS / "traces" / "1.5b_labd_160" / "traces.parquet")}
 
 
 @pytest.fixture(scope="module")
@@ -143,13 +145,13 @@ def test_dearer_widths_scale_each_widths_excess_over_a_plain_step():
 
 
 def test_the_default_step_costs_are_the_committed_grids(tmp_path):
-    grid = pl.read_parquet(RESULTS / "seed_scale_h100.parquet")
+    grid = results.load("seed_scale", "s2", kind="grid")  # the step-cost grid run that has the 1.5B shape
     built = step_costs_from_grid(grid, "qwen2.5-1.5b")
     assert (built.batches, built.widths) == (DEFAULT_STEP_COSTS.batches, DEFAULT_STEP_COSTS.widths)
     assert np.allclose(built.ms, DEFAULT_STEP_COSTS.ms, rtol=1e-6, atol=0)
     assert "H100" in built.source and "H100" in DEFAULT_STEP_COSTS.source
-    one_batch = grid.filter(pl.col("batch") == 1)
+    tied = pl.concat([grid, grid.with_columns(pl.lit("another").alias("run"))])  # two runs, as many batch sizes
     with pytest.raises(ConfigError, match="filter the grid to one run"):
-        step_costs_from_grid(one_batch, "qwen2.5-1.5b")
+        step_costs_from_grid(tied, "qwen2.5-1.5b")
     with pytest.raises(ConfigError, match="has no"):
         step_costs_from_grid(grid, "qwen2.5-1.5b", context=3)

@@ -22,8 +22,8 @@ CELL = (1, 0, 0)
 
 @pytest.fixture(scope="module")
 def traces():
-    picked = load_traces(RESULTS / "traces_0.5b_all_128.parquet")  # chat and the copying classes
-    prose = [t for t in load_traces(RESULTS / "traces_0.5b_corpus_128.parquet") if t.category == "prose"]
+    picked = load_traces(RESULTS / "traces" / "0.5b_all_128" / "traces.parquet")  # chat and the copying classes
+    prose = [t for t in load_traces(RESULTS / "traces" / "0.5b_corpus_128" / "traces.parquet") if t.category == "prose"]
     return picked + prose[:4]
 
 
@@ -99,8 +99,8 @@ def test_a_copy_verifies_the_widest_width_where_prose_verifies_none():
     requests of the 1.5B run mostly plain steps, and the copy task served after them verifies the widest width on
     every step whose width was fixed after its first output was known."""
     dear = StepCosts((1,), (0, 7, 15), ((2.9, 4.5, 4.6),))
-    prose = [t for t in load_traces(RESULTS / "traces_1.5b_prose_chat_256.parquet") if t.category == "prose"][:4]
-    copy = next(t for t in load_traces(RESULTS / "traces_1.5b_labd_160.parquet") if t.category == "copy")
+    prose = [t for t in load_traces(RESULTS / "traces" / "1.5b_prose_chat_256" / "traces.parquet") if t.category == "prose"][:4]
+    copy = next(t for t in load_traces(RESULTS / "traces" / "1.5b_labd_160" / "traces.parquet") if t.category == "copy")
     run = replay_engine(prose + [copy], LOOKUP, Policy.controller((0, 7, 15)), concurrency=1, costs=dear)
     for widths in run.request_widths[:4]:
         assert np.mean(np.asarray(widths[1:]) == 0) > 0.6

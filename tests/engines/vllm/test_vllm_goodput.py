@@ -125,8 +125,8 @@ STEEP = StepCosts((1, 4), (0, 7, 15), ((3.0, 5.4, 7.2), (3.3, 6.0, 8.0)), source
 
 @pytest.fixture(scope="module")
 def traces():
-    picked = {t.category: t for t in load_traces(RESULTS / "traces_0.5b_all_128.parquet")}
-    prose = [t for t in load_traces(RESULTS / "traces_0.5b_corpus_128.parquet") if t.category == "prose"]
+    picked = {t.category: t for t in load_traces(RESULTS / "traces" / "0.5b_all_128" / "traces.parquet")}
+    prose = [t for t in load_traces(RESULTS / "traces" / "0.5b_corpus_128" / "traces.parquet") if t.category == "prose"]
     return [picked["chat"], picked["copy"], picked["qa"], prose[0], prose[1]]
 
 
