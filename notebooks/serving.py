@@ -53,6 +53,7 @@ projection_config = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compi
 prefill_run = "p1"  # a run of the study fused_pass_kernels
 prefill_runs = ["s5a", "s6"]  # serving runs of projection_config on sampled prose at one request (s6: also with
 # prefill_graph=1024, the drafter's prompt read from the captured graph)
+load_runs = ["s7a", "s7b"]  # serving runs whose points are ten waves with steady-state rates (throughput under load)
 gate_plot = ["prose 1.5B", "chat 1.5B", "prose 0.5B", "template 0.5B", "multiturn 0.5B", "agent 0.5B", "qa 1.5B",
              "copy 1.5B"]  # the workloads drawn (the table and the parquet have all)
 
@@ -106,6 +107,25 @@ table.pivot(on="label", index=["dataset", "temperature", "max_concurrency"], val
 # %%
 serve.best_ratio(table).select("dataset", "temperature", "max_concurrency", "label", "ratio", "median_ttft_ms",
                                "acceptance_length")
+
+# %% [markdown]
+# Throughput under load, measured: points of ten waves, three repeats interleaved across the configs, each repeat's
+# steady-state rate (first request's end to last request's start: `hqlab.bench.serve.steady_state`) divided by
+# `none`'s same repeat; a dot at the median, a bar over the repeats' range (one repeat where no bar shows).
+
+# %%
+loaded = serve.load_curves(serve.speedup_table(results.load("serve", load_runs),
+                                               metric="steady_output_throughput")).filter(pl.col("config") != "none")
+loaded = (loaded.group_by("dataset", "temperature", "max_concurrency", "label", "group", "load")
+          .agg(pl.col("ratio").median(), pl.col("ratio_min").min(), pl.col("ratio_max").max(), pl.col("repeats").sum())
+          .sort("dataset", "max_concurrency", "label"))
+chart = plots.ranges(loaded, "load", "ratio", "ratio_min", "ratio_max", "label", facet="group",
+                     rules={"none": 1.0}, y_title="steady-state tok/s ÷ none")
+plots.save(chart, Path(figures_dir) / "serving_load.svg")
+chart
+
+# %%
+loaded.select("group", "load", "label", "ratio", "ratio_min", "ratio_max", "repeats")
 
 # %% [markdown]
 # The sampling test: each speculator's samples against `none`'s (same prompt, temperature 1), and a server with a
