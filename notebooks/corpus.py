@@ -60,7 +60,7 @@ warmup_arctic_loads = [1]  # loads of Arctic's bounded trees (its default runs a
 warmup_within = 0.01  # the knee: the smallest bound within this share of the best tokens a step
 warmup_search_fit_run = "c3"  # the upper search price: that run's corpus time a step beyond the lookup's
 figures_dir = "figures"
-results_dir = "data/results"  # where the replay's table is written (the run corpus_replay/cpu)
+results_dir = "data/results"  # where the replays write their runs (corpus_replay/cpu, corpus_warmup_replay/cpu)
 
 # %%
 from pathlib import Path
@@ -387,17 +387,17 @@ measured = None
 lookup_setting = wu.served(warmup_served, tokens=0)
 corpus_setting = wu.served(warmup_served)
 if warmup_vllm:
-    point = wu.committed_table("corpus", warmup_vllm["run"], "requests").filter(
+    point = results.load("corpus", warmup_vllm["run"], "requests").filter(
         (pl.col("workload") == warmup_vllm["workload"]) & (pl.col("load") == warmup_vllm["load"])
         & (pl.col("repeat") == warmup_vllm["repeat"]))
     served_stream = f"{warmup_vllm['workload']}, vLLM outputs ({warmup_vllm_model})"
     streams[served_stream] = cv.point_traces(point, workload=warmup_vllm["workload"], load=warmup_vllm["load"],
                                              repeat=warmup_vllm["repeat"], config=warmup_served)
-    stream_costs[served_stream] = rc.step_models(pl.read_parquet(step_costs), model=warmup_vllm_model,
+    stream_costs[served_stream] = rc.step_models(results.load("step_cost", step_cost_run), model=warmup_vllm_model,
                                                  batches=warmup_loads)
     measured = wu.measured_rows(point, stream=served_stream, label_of={
         warmup_served: "measured in vLLM: hqlab corpus", cv.gpu_spec(lookup_setting): "measured in vLLM: lookup alone"})
-search_upper = cv.fit_prices(wu.committed_table("corpus", warmup_search_fit_run, "requests")).live_ms_per_1k
+search_upper = cv.fit_prices(results.load("corpus", warmup_search_fit_run, "requests")).live_ms_per_1k
 labels = {"lookup": "lookup alone", "corpus": "hqlab corpus", "arctic": "Arctic, vLLM's suffix defaults"}
 prices = {f", search {search_ms_per_1k:g} ms per 1k": search_ms_per_1k, f", search {search_upper:.3f} ms per 1k":
           search_upper}
@@ -410,7 +410,8 @@ warm_rows = pl.concat([
     wu.replay_rows(streams, settings, loads=warmup_loads, costs=stream_costs, progress=True),
     wu.replay_rows(streams, [(labels["arctic"], c) for c in wu.bounds(wu.VLLM_SUFFIX, docs=warmup_arctic_cached)],
                    loads=warmup_arctic_loads, costs=stream_costs, progress=True)], how="diagonal_relaxed")
-warm_rows.write_parquet(results / "corpus_warmup_replay.parquet")
+results.write_run("corpus_warmup_replay", "cpu", card="cpu", tables={"rows": warm_rows}, root=results_dir,
+                  info={"benchmark": "notebooks/corpus.py"})
 print({s: len(ts) for s, ts in streams.items()}, "requests;", f"search price upper bound {search_upper:.3f} ms per 1k")
 
 # %% [markdown]

@@ -28,17 +28,16 @@ only: Arctic's tree lives on the host and its lookups are not priced, nor is the
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 from typing import Mapping, Sequence
 
 import polars as pl
 from tqdm.auto import tqdm
 
-from hqlab.config import ConfigError, require
+from hqlab.config import require
 from hqlab.replay import corpus as rc
 from hqlab.replay.corpus_vllm import replay_spec
 from hqlab.replay.costmodel import CostModel
-from hqlab.replay.traces import Trace, load_traces
+from hqlab.replay.traces import Trace
 
 # A token bound no stream reaches (the rule's positions are 32-bit).
 UNBOUNDED_TOKENS = 2**31 - 1
@@ -47,32 +46,6 @@ WARMUP_EDGES = (0, 1, 2, 4, 8, 16, 32, 64, 128)
 VLLM_SUFFIX = rc.ArcticConfig(k=24, depth=24, factor=1.0, min_prob=0.1, cached=10_000, tokens=UNBOUNDED_TOKENS)
 
 Config = rc.CorpusReplayConfig | rc.ArcticConfig
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the committed results this module reads
-
-
-RESULTS = Path(__file__).resolve().parents[2] / "data" / "results"
-
-
-def committed_traces(trace_set: str, root: str | Path | None = None) -> list[Trace]:
-    """A committed trace set (e.g. "0.5b_corpus_128": the 0.5B's greedy outputs of the corpus workloads)."""
-    return load_traces(Path(root or RESULTS) / f"traces_{trace_set}.parquet")
-
-
-def committed_table(study: str, run: str, kind: str = "rows", root: str | Path | None = None) -> pl.DataFrame:
-    """One committed table of a run: study "step_cost" (run: the card, e.g. "h200"), or "corpus" (a vLLM corpus run;
-    kind "rows" its points, "requests" its requests)."""
-    base = Path(root or RESULTS)
-    if study == "step_cost" and kind == "rows":
-        return pl.read_parquet(base / f"step_cost_{run}.parquet")
-    if study == "corpus" and kind in ("rows", "requests"):
-        name = "vllm_corpus_h200" + (".requests" if kind == "requests" else "")
-        frame = pl.read_parquet(base / f"{name}.parquet").filter(pl.col("run") == run)
-        require(frame.height > 0, f"no committed corpus run {run!r}")
-        return frame
-    raise ConfigError(f"no committed table {kind!r} of study {study!r} is read here")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -266,7 +239,8 @@ def warmup_lines(curve: pl.DataFrame) -> pl.DataFrame:
         for load in sorted(curve["inflight"].unique().to_list()):
             out.append(curve.filter((pl.col("inflight") == load) & pl.col(column).is_finite()).select(
                 "stream", "label", (pl.col("bin") + 1).alias("request"), pl.col(column).alias("value"),
-                pl.lit(f"{measure}, {load} in flight").alias("panel_row"), measured.alias("measured")))
+                pl.lit(f"{measure}, {load} in flight").alias("panel_row"), measured.alias("measured"))
+                .sort("stream", "label", "request"))
     return pl.concat(out)
 
 
@@ -290,7 +264,7 @@ def size_lines(bounded: pl.DataFrame, *, speed: Mapping[str, pl.DataFrame] | Non
         unbounded = rest.filter(pl.col("docs") == pl.col("docs").max().over(key))
         flat = unbounded.join(body.select("stream", "inflight", "bound").unique(), on=["stream", "inflight"])
         return [p.select("stream", (pl.col("label") + tail).alias("label"), "bound", pl.col(value).alias("value"),
-                         pl.lit(row).alias("panel_row"))
+                         pl.lit(row).alias("panel_row")).sort("stream", "label", "bound")  # one order, one figure
                 for p, tail in ((body, suffix), (flat, "")) if p.height and (flats or p is body)]
 
     out = []
@@ -305,6 +279,5 @@ def size_lines(bounded: pl.DataFrame, *, speed: Mapping[str, pl.DataFrame] | Non
     return pl.concat(out, how="vertical_relaxed")
 
 
-__all__ = ["WARMUP_EDGES", "UNBOUNDED_TOKENS", "VLLM_SUFFIX", "committed_traces", "committed_table", "served",
-           "at_load", "bounds", "replay_rows", "measured_rows", "priced", "bin_of", "warmup", "by_bound", "knee",
+__all__ = ["WARMUP_EDGES", "UNBOUNDED_TOKENS", "VLLM_SUFFIX", "served", "at_load", "bounds", "replay_rows", "measured_rows", "priced", "bin_of", "warmup", "by_bound", "knee",
            "warmup_lines", "size_lines"]

@@ -11,22 +11,25 @@ import numpy as np
 import polars as pl
 import pytest
 
+from hqlab.bench import results
 from hqlab.config import ConfigError
 from hqlab.replay import corpus as rc
 from hqlab.replay import corpus_vllm as cv
 from hqlab.replay import warmup as wu
+from hqlab.replay.traces import load_traces
 
 SERVED = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,corpus=32768,corpus_policy=longest,corpus_prompts=1"
 
 
 @pytest.fixture(scope="module")
 def template():
-    return [t for t in wu.committed_traces("0.5b_corpus_128") if t.category == "template"]
+    (path,) = results.trace_files(["0.5b_corpus_128"])
+    return [t for t in load_traces(path) if t.category == "template"]
 
 
 @pytest.fixture(scope="module")
 def costs():
-    return rc.step_models(wu.committed_table("step_cost", "h200"), model="qwen2.5-0.5b")
+    return rc.step_models(results.load("step_cost", "h200"), model="qwen2.5-0.5b")
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +107,7 @@ def test_the_knee_is_the_smallest_bound_near_the_best():
 
 
 def test_the_replay_reproduces_vllm_on_the_served_batch_job():
-    point = wu.committed_table("corpus", "c4c", "requests").filter(
+    point = results.load("corpus", "c4c", "requests").filter(
         (pl.col("workload") == "batch") & (pl.col("load") == 8) & (pl.col("repeat") == 0))
     stream = cv.point_traces(point, workload="batch", load=8, config=SERVED)
     replayed = wu.replay_rows({"batch": stream}, [("hqlab corpus", wu.served(SERVED))], loads=(8,))
