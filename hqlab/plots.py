@@ -10,6 +10,9 @@ import polars as pl
 from hqlab.io import write_atomic
 
 WIDTH = 150
+# Vega's default categorical colours, in order
+TABLEAU10 = ["#4c78a8", "#f58518", "#e45756", "#72b7b2", "#54a24b", "#eeca3b", "#b279a2", "#ff9da6", "#9d755d",
+             "#bab0ac"]
 
 
 def save(chart: alt.TopLevelMixin, path: str | Path, *, png: bool = True) -> list[Path]:
@@ -296,3 +299,34 @@ def ranges(data: pl.DataFrame, x: str, y: str, lo: str, hi: str, color: str, *, 
     order = list(dict.fromkeys(data[facet].to_list()))
     return alt.layer(*layers).properties(width=width, height=200).facet(
         alt.Facet(f"{facet}:N", title=None, sort=order), columns=2, data=data)
+
+
+def line_grid(data: pl.DataFrame, x: str, y: str, color: str, *, row: str, column: str, x_title: str | None = None,
+              y_title: str | None = None, log_x: bool = True, x_ticks: list[float] | None = None,
+              colors: list[str] | None = None, dash: str | None = None) -> alt.TopLevelMixin:
+    """Lines of `y` against `x` per `color` in a grid of panels, one row per `row` value and one column per `column`
+    value (each in order of appearance), every row with its own x and y scales (e.g. a measure against one bound
+    per row, a workload per column); the row's value is its title. `x_ticks`: the x axis's ticks (labelled 1k,
+    1M, ...); `colors`: every `color` value in the order their colours are assigned (so several figures colour
+    the same series alike); `dash`: a boolean column drawn dashed where true (e.g. measured beside replayed)."""
+    axis = alt.Axis(values=x_ticks, format="~s") if x_ticks else alt.Axis()
+    scale = alt.Scale()
+    if colors:  # each series keeps its place in `colors` (and so its colour) whichever of them this figure draws
+        present = set(data[color].to_list())
+        scale = alt.Scale(domain=[c for c in colors if c in present],
+                          range=[TABLEAU10[i % len(TABLEAU10)] for i, c in enumerate(colors) if c in present])
+    encode = dict(
+        x=alt.X(f"{x}:Q", title=x if x_title is None else x_title, axis=axis,
+                scale=alt.Scale(type="log" if log_x else "linear", nice=False)),
+        y=alt.Y(f"{y}:Q", title=y if y_title is None else y_title, scale=alt.Scale(zero=False)),
+        color=alt.Color(f"{color}:N", sort=None, scale=scale,
+                        legend=alt.Legend(orient="bottom", columns=2, labelLimit=400, title=None)),
+        tooltip=[x, color, row, column, alt.Tooltip(f"{y}:Q", format=".3g")])
+    if dash:
+        encode["strokeDash"] = alt.StrokeDash(f"{dash}:N", legend=None)
+    chart = alt.Chart().mark_line(point=True).encode(**encode).properties(width=WIDTH, height=110)
+    rows, columns = (list(dict.fromkeys(data[c].to_list())) for c in (row, column))
+    return (chart.facet(row=alt.Row(f"{row}:N", title=None, sort=rows,
+                                    header=alt.Header(labelAngle=0, labelAlign="left", labelLimit=260)),
+                        column=alt.Column(f"{column}:N", title=None, sort=columns), data=data)
+            .resolve_scale(x="independent", y="independent"))

@@ -47,8 +47,20 @@ vllm_runs_compared = ["c1", "c2", "c3"]  # the vLLM runs side by side (c2: all 2
 # k = 31; c3: a batch job of 153 requests over the template)
 sweep_run = "c1"  # GPU settings over that run's outputs: a run of corpus_sweep_replay (its benchmark)
 sweep_show = 8  # settings listed, best worst margin first
+# warm-up and corpus size (#61): the served setting over the corpus workloads' traces and one vLLM point's outputs
+warmup_served = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,corpus=32768,corpus_policy=longest,corpus_prompts=1"
+warmup_workloads = ["batch", "template", "multiturn", "prose"]  # streams from the traces above
+warmup_vllm = {"run": "c4c", "workload": "batch", "load": 8, "repeat": 0}  # a vLLM point's outputs ({}: none)
+warmup_vllm_model = "qwen2.5-1.5b"  # its step costs' shape
+warmup_loads = [1, 8]  # requests in flight
+warmup_tokens = [1024, 2048, 4096, 8192, 16384, 32768, 65536, 262144, 1048576]  # corpus bounds (tokens)
+warmup_docs = [1, 2, 4, 8, 16, 64, 1024]  # corpus_docs bounds (tokens unbounded)
+warmup_arctic_cached = [1, 4, 16]  # Arctic's global tree bounded by requests (beside vLLM's default 10,000)
+warmup_arctic_loads = [1]  # loads of Arctic's bounded trees (its default runs at every load)
+warmup_within = 0.01  # the knee: the smallest bound within this share of the best tokens a step
+warmup_search_fit_run = "c3"  # the upper search price: that run's corpus time a step beyond the lookup's
 figures_dir = "figures"
-results_dir = "data/results"  # where the replay's table is written (the run corpus_replay/cpu)
+results_dir = "data/results"  # where the replays write their runs (corpus_replay/cpu, corpus_warmup_replay/cpu)
 
 # %%
 from pathlib import Path
@@ -351,3 +363,93 @@ positions.group_by("turn").agg(
     pl.col("own_accepted").mean(), pl.col("corpus_accepted").mean(), pl.col("best").mean(),
     (pl.col("corpus_len") == 0).mean().alias("no_corpus_match"),
     pl.col("corpus_len").median().alias("corpus_match_len_median")).sort("turn")
+
+
+# %% [markdown]
+# ## Warm-up and corpus size (#61)
+#
+# The served setting (`warmup_served`) replayed over each workload's requests in the order they are sent
+# (`hqlab.replay.warmup`): tokens a step against how many requests came before (bins 1, 2, 3–4, 5–8, ...), and the
+# same streams with the corpus bounded from 1k to 1M tokens (FIFO of whole documents, as served) or by documents
+# (`corpus_docs`). Beside it the lookup alone and Arctic's rule as vLLM's `suffix` runs by default (depth 24, up to
+# 24 tokens, a global tree of the last 10,000 requests' outputs, bounded here also to fewer requests). One more
+# stream: the batch job's outputs as vLLM served them at 8 in flight (the 1.5B, 256 tokens), with vLLM's own tokens
+# a step per request drawn dashed. Speed is projected with the step costs above (the 1.5B's shape for its stream),
+# the corpus search priced at `search_ms_per_1k` and, as an upper bound, at all of `warmup_search_fit_run`'s extra
+# time a step with the corpus over the live tokens it searched.
+
+# %%
+from hqlab.replay import warmup as wu
+
+streams = {w: [t for t in all_traces if t.category == w] for w in warmup_workloads}
+stream_costs = {w: costs for w in streams}
+measured = None
+lookup_setting = wu.served(warmup_served, tokens=0)
+corpus_setting = wu.served(warmup_served)
+if warmup_vllm:
+    point = results.load("corpus", warmup_vllm["run"], "requests").filter(
+        (pl.col("workload") == warmup_vllm["workload"]) & (pl.col("load") == warmup_vllm["load"])
+        & (pl.col("repeat") == warmup_vllm["repeat"]))
+    served_stream = f"{warmup_vllm['workload']}, vLLM outputs ({warmup_vllm_model})"
+    streams[served_stream] = cv.point_traces(point, workload=warmup_vllm["workload"], load=warmup_vllm["load"],
+                                             repeat=warmup_vllm["repeat"], config=warmup_served)
+    stream_costs[served_stream] = rc.step_models(results.load("step_cost", step_cost_run), model=warmup_vllm_model,
+                                                 batches=warmup_loads)
+    measured = wu.measured_rows(point, stream=served_stream, label_of={
+        warmup_served: "measured in vLLM: hqlab corpus", cv.gpu_spec(lookup_setting): "measured in vLLM: lookup alone"})
+search_upper = cv.fit_prices(results.load("corpus", warmup_search_fit_run, "requests")).live_ms_per_1k
+labels = {"lookup": "lookup alone", "corpus": "hqlab corpus", "arctic": "Arctic, vLLM's suffix defaults"}
+prices = {f", search {search_ms_per_1k:g} ms per 1k": search_ms_per_1k, f", search {search_upper:.3f} ms per 1k":
+          search_upper}
+palette = [*labels.values(), "measured in vLLM: lookup alone", "measured in vLLM: hqlab corpus",
+           *[labels["corpus"] + p for p in prices]]
+settings = [(labels["lookup"], lookup_setting), (labels["corpus"], corpus_setting), (labels["arctic"], wu.VLLM_SUFFIX)]
+settings += [(labels["corpus"], c) for c in wu.bounds(corpus_setting, tokens=warmup_tokens, docs=warmup_docs)
+             if c != corpus_setting]
+warm_rows = pl.concat([
+    wu.replay_rows(streams, settings, loads=warmup_loads, costs=stream_costs, progress=True),
+    wu.replay_rows(streams, [(labels["arctic"], c) for c in wu.bounds(wu.VLLM_SUFFIX, docs=warmup_arctic_cached)],
+                   loads=warmup_arctic_loads, costs=stream_costs, progress=True)], how="diagonal_relaxed")
+results.write_run("corpus_warmup_replay", "cpu", card="cpu", tables={"rows": warm_rows}, root=results_dir,
+                  info={"benchmark": "notebooks/corpus.py"})
+print({s: len(ts) for s, ts in streams.items()}, "requests;", f"search price upper bound {search_upper:.3f} ms per 1k")
+
+# %% [markdown]
+# ### How fast the corpus warms up
+#
+# Tokens a step and projected speedup per bin of requests sent before, the served size (32,768 tokens) and
+# Arctic at vLLM's defaults; with 8 in flight the 7 requests sent just before a request are still decoding.
+
+# %%
+warm_settings = [lookup_setting.spec(), corpus_setting.spec(), wu.VLLM_SUFFIX.spec()]
+curve = wu.warmup(warm_rows.filter(pl.col("setting").is_in(warm_settings)), search_ms_per_1k=search_ms_per_1k,
+                  measured=measured)
+chart = plots.line_grid(wu.warmup_lines(curve), "request", "value", "label", row="panel_row", column="stream",
+                        x_title="request number (bins start 1, 2, 3, 5, 9, ...)", y_title="", dash="measured",
+                        x_ticks=[1, 2, 5, 10, 20, 50, 100], colors=palette)
+plots.save(chart, figures / "corpus_warmup.svg")
+chart
+
+# %%
+curve.pivot(on="inflight", index=["stream", "label", "bin"], values="tokens_per_step").sort("stream", "label", "bin")
+
+# %% [markdown]
+# ### The corpus bound
+#
+# Pooled over each stream: tokens a step against the bound in tokens and in documents (Arctic's in requests), the
+# lookup alone and Arctic at vLLM's defaults drawn flat; projected speedup with 8 in flight at both search prices.
+# The knee: the smallest bound within `warmup_within` of the best tokens a step.
+
+# %%
+speed = {suffix: wu.by_bound(warm_rows, search_ms_per_1k=price) for suffix, price in prices.items()}
+bounded = next(iter(speed.values()))
+chart = plots.line_grid(wu.size_lines(bounded, speed=speed, speed_loads=[max(warmup_loads)]), "bound", "value",
+                        "label", row="panel_row", column="stream", x_title="corpus bound (tokens, or documents)",
+                        y_title="", x_ticks=[1, 10, 100, 1e3, 1e4, 1e5, 1e6], colors=palette)
+plots.save(chart, figures / "corpus_size.svg")
+chart
+
+# %%
+knees = pl.concat([wu.knee(bounded, within=warmup_within), wu.knee(bounded, over="docs", within=warmup_within)])
+knees.sort("label", "bound", "stream", "inflight")
+

@@ -374,10 +374,11 @@ def _replay(traces: Sequence[Trace], config: CorpusReplayConfig | ArcticConfig |
 def rows(traces: Sequence[Trace], specs: Sequence[str], *, costs: dict[str, CostModel] | None = None,
          search_ms_per_1k: float = 0.0, progress: bool = True) -> pl.DataFrame:
     """One row per (spec, request): steps, tokens per step, how many steps and accepted tokens the corpus supplied,
-    the corpus tokens it searched, and per cost model in `costs` ({label: model}) the predicted decode seconds with
-    and without speculation. The search is priced `search_ms_per_1k` ms per step per 1,000 live corpus tokens
-    (the corpus kernel's cost, added to every step of a request with a corpus; own-history lookup is priced 0,
-    as in the rest of the GPU pricing)."""
+    the corpus tokens it searched (`corpus_live_tokens` a step on average, `searched_tokens` summed over its steps),
+    its place in the order sent (`order`), the bound on documents (`docs`; Arctic's `cached`), and per cost model in
+    `costs` ({label: model}) the predicted decode seconds with and without speculation. The search is priced
+    `search_ms_per_1k` ms per step per 1,000 live corpus tokens (the corpus kernel's cost, added to every step of a
+    request with a corpus; own-history lookup is priced 0, as in the rest of the GPU pricing)."""
     if search_ms_per_1k < 0:
         raise ConfigError(f"search_ms_per_1k must be >= 0 (got {search_ms_per_1k})")
     costs = costs or {}
@@ -398,7 +399,9 @@ def rows(traces: Sequence[Trace], specs: Sequence[str], *, costs: dict[str, Cost
                    "workload": trace.category, "request": trace.prompt_id, "new_tokens": len(trace.output_ids),
                    "steps": len(recs), "accepted": sum(r.accepted for r in recs),
                    "corpus_steps": len(from_corpus), "corpus_accepted": sum(r.accepted for r in from_corpus),
-                   "corpus_live_tokens": live}
+                   "corpus_live_tokens": live, "order": i,
+                   "docs": getattr(config, "docs", getattr(config, "cached", -1)),
+                   "searched_tokens": int(sum(run.searched))}
             for label, model in costs.items():
                 row[f"pred_s_{label}"] = model.decode_seconds(recs, propose_ms=0.0) + \
                     search_ms_per_1k * sum(run.searched) / 1e6

@@ -29,9 +29,10 @@ SMALL = {
                            nmax_grid=[6, 12], k_grid=[4, 15], cost_contexts=[64, 256], cost_verify_lens=[1, 4, 16],
                            live_configs=["lookup:nmin=2,nmax=6,k=15"], rerun=True),
     "kernels": dict(),
-    # the corpus replay on two workloads, two corpus sizes, one request at a time
+    # the corpus replay on two workloads, two corpus sizes, one request at a time; the warm-up on one workload
     "corpus": dict(workloads=["template", "prose"], corpus_sizes=[0, 1024], nmins=[2], inflight=[1],
-                   prompts=[False]),
+                   prompts=[False], warmup_workloads=["template"], warmup_vllm={}, warmup_loads=[1],
+                   warmup_tokens=[1024, 4096], warmup_docs=[1, 1024], warmup_arctic_cached=[1]),
     "vllm_gpu": dict(),  # re-plots the committed vLLM runs
     "serving": dict(gate_min_matches=[0, 2]),  # re-plots the committed serving run; the gate's replay, two points
     "seed_scale": dict(shapes=["qwen2.5-0.5b", "qwen2.5-7b"], batches=[1]),  # the committed step costs
