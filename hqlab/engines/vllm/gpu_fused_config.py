@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hqlab.config import ConfigError, build_config, parse_spec, resolve_spec
+from hqlab.config import ConfigError, parse_spec, resolve_spec
 from hqlab.engines.vllm import batch_k
 from hqlab.engines.vllm.speculator import Retired, custom_class_config, is_custom_class, refuse_retired
 from hqlab.proposers.fused import FusedConfig
@@ -128,8 +128,9 @@ def recorded_rules(spec: str) -> FusedConfig:
     keys, whatever GPU-only or retired keys it also names (those changed where the work ran, not what was proposed;
     `skip` is a rule of the lab proposer too)."""
     _, values = parse_spec(spec)
-    rules = {key: value for key, value in values.items() if key in FusedConfig.__dataclass_fields__}
-    return build_config(FusedConfig, rules, context=f"proposer {NAME!r}")
+    rules = ",".join(f"{key}={value}" for key, value in values.items() if key in FusedConfig.__dataclass_fields__)
+    return resolve_spec(f"fused:{rules}" if rules else "fused", {"fused": FusedConfig},
+                        context=f"proposer {NAME!r}")[1]
 
 
 def speculative_config(spec: str) -> dict[str, Any]:
