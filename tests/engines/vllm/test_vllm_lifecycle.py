@@ -62,6 +62,10 @@ BLOCK = 16  # tokens per KV block
 SLOTS, LEN, K = 4, 256, 4  # max_num_seqs, max_model_len, draft positions
 LOOKUP = "gpu-lookup:nmin=1,nmax=16,k=4,policy=earliest"
 FUSED_PAD = 63  # the tiny drafter's vocabulary is 64: the fused runs use token ids below 60 and this pad
+# the runner's tensors are CPU tensors, which the lookup kernel reads only in Triton's interpreter (tests/conftest.py
+# turns it on where there is no GPU); on a GPU host the server suite (hqlab/bench/faults.py) is the test
+INTERPRETED = pytest.mark.skipif(torch.cuda.is_available(), reason="the lookup kernel reads the CPU runner's tensors "
+                                 "only in Triton's interpreter, which runs where there is no GPU")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -452,9 +456,11 @@ def mixed_plans(count: int, vocab: int, *, seed: int = 0, spacing: int = 3, prom
         max_tokens = 1 if i % 7 == 2 else 2 if i % 7 == 4 else int(rng.integers(*out))
         span = max_tokens + 3 * (K + 1)  # the target runs on: vLLM may run a step or two past the end it sees later
         prompt_ids, kind = text[start:start + p_len].tolist(), i % 6
-        if kind == 0:  # a copy of a passage of the prompt
-            a = int(rng.integers(0, p_len))
-            targets = [(prompt_ids[a:] + prompt_ids * (span // p_len + 1))[:span]]
+        if kind in (0, 2):  # the prompt quotes a passage and starts it again; the answer copies on (long blocks)
+            passage = prompt_ids[int(rng.integers(0, p_len // 2)):]
+            prompt_ids, max_tokens = prompt_ids + passage[:6], max(max_tokens, out[1])
+            span = max_tokens + 3 * (K + 1)
+            targets = [(passage[6:] + passage * (span // len(passage) + 1))[:span]]
         elif kind == 3 and plans:  # an earlier request again: same prompt, same answer
             earlier = plans[int(rng.integers(0, len(plans)))]
             prompt_ids, targets = earlier.prompt, [(earlier.targets[0] * span)[:span]]
@@ -604,26 +610,32 @@ VOCAB = 150000  # the lookup runs' token ids: the words of the README
 STOP = int(np.bincount(text_tokens(VOCAB)).argmax())  # the commonest word: it occurs in many targets
 
 
-@pytest.mark.parametrize("spec, prefix_caching", [
-    (LOOKUP, True), (f"{LOOKUP},batch_k=3:4/0,gate=1", True), (f"{LOOKUP},batch_k=2:4/3:2/0,goodput=default", False)],
-    ids=["lookup", "gate", "goodput"])
-def test_the_lookup_drafts_the_rule_through_aborts_preemption_and_reused_slots(spec, prefix_caching):
+LOOKUP_CASES = {"lookup": (LOOKUP, True), "gate": (f"{LOOKUP},batch_k=3:4/0,gate=1", True),
+                "goodput": (f"{LOOKUP},batch_k=2:4/3:2/0,goodput=default", False)}  # spec, prefix caching
+
+
+def lookup_case(name: str) -> None:
     """The lookup's drafts are the rule's at every step, a request prefilled again after its preemption included,
     in whatever slot; the gate's and goodput's dictionaries hold only requests vLLM still has, and are empty once
     the last freed request has left; every client that was not cut off got the target's tokens."""
+    spec, prefix_caching = LOOKUP_CASES[name]
     plans = mixed_plans(30, VOCAB, stop=STOP)
-    hooked = "gate=" in spec or "goodput=" in spec
-    hooks = HookCheck()
-    scheduler, runner, check, served = lookup_run(spec, plans, prefix_caching=prefix_caching,
-                                                  after_update=hooks if hooked else None)
+    hooks = HookCheck() if name != "lookup" else None
+    scheduler, runner, check, served = lookup_run(spec, plans, prefix_caching=prefix_caching, after_update=hooks)
     check_streams(plans, served)
     check_cases_met(plans, served, runner)
     assert check.rows > 50 and check.resumed_rows > 0  # resumed requests drafted after their prefill again
     flush(scheduler, runner)
     assert not live_requests(runner) and not scheduler.requests
-    if hooked:
+    if hooks is not None:
         hooks(scheduler)
         assert hooks.checks > 50 and set(hook_state(scheduler).values()) == {0}
+
+
+@INTERPRETED
+@pytest.mark.parametrize("name", LOOKUP_CASES)
+def test_the_lookup_drafts_the_rule_through_aborts_preemption_and_reused_slots(name):
+    lookup_case(name)
 
 
 CORPUS = f"{LOOKUP},corpus=3000,corpus_policy=longest,corpus_prompts=1"
@@ -644,7 +656,7 @@ def check_corpus(check: LookupCheck, served: Served, runner: CpuRunner) -> None:
     assert preempted & set(entered) and stopped & set(entered) and set(served.aborted_waiting) - set(entered)
 
 
-def test_the_corpus_gets_each_freed_request_once_with_what_its_client_received():
+def corpus_case() -> None:
     plans = mixed_plans(30, VOCAB, stop=STOP, seed=1)
     scheduler, runner, check, served = lookup_run(CORPUS, plans, prefix_caching=False)
     flush(scheduler, runner)
@@ -653,6 +665,11 @@ def test_the_corpus_gets_each_freed_request_once_with_what_its_client_received()
     check_cases_met(plans, served, runner)
     check_corpus(check, served, runner)
     assert check.corpus_rows > 0  # drafts came from earlier requests' documents
+
+
+@INTERPRETED
+def test_the_corpus_gets_each_freed_request_once_with_what_its_client_received():
+    corpus_case()
 
 
 # --- gpu-fused ------------------------------------------------------------------------------------------------
@@ -762,7 +779,7 @@ def check_prompt_notes(reader: PromptReader, runner: CpuRunner) -> None:
     assert not stray, f"the drafter's prompt notes outlive their requests: {sorted(stray)}"
 
 
-FUSED_EVERY_STEP = "gpu-fused:k=4,draft_block=2,nmax=16,policy=earliest"
+FUSED_EVERY_STEP = "gpu-fused:k=4,draft_block=2,nmax=16,policy=earliest,entry_steps=1"
 FUSED_SERVED = ("gpu-fused:k=4,draft_block=1,nmax=16,policy=earliest,schedule=long,nmin_tail=1,device_skip=true,"
                 "batch_k=3:4/0")
 
@@ -782,19 +799,162 @@ def fused_run(spec: str, plans: list[Planned], *, prefix_caching: bool, budget: 
     return scheduler, runner, check, serve(scheduler, runner, plans)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the lookup kernel runs on CPU tensors in Triton's interpreter")
-@pytest.mark.parametrize("spec, prefix_caching, budget", [(FUSED_EVERY_STEP, False, 16), (FUSED_SERVED, True, 24)],
-                         ids=["every-step-chunked-prompts", "served-shape-prefix-cache"])
-def test_the_fused_speculator_drafts_the_reference_through_aborts_preemption_and_reused_slots(spec, prefix_caching,
-                                                                                              budget):
+FUSED_CASES = {"every-step-chunked-prompts": (FUSED_EVERY_STEP, False, 16, 12),  # spec, prefix caching, tokens a
+               "served-shape-prefix-cache": (FUSED_SERVED, True, 24, 10)}  # step, KV blocks (shared prompts use fewer)
+def fused_case(name: str) -> None:
     """The fused blocks are the reference's at every step (the drafter's cache rebuilt from a preempted request's
     prefill again, a reused slot's cache overwritten, children of n = 4 reading the whole prompt though vLLM's prefix
     cache computed it once), and the prompt reader forgets every request vLLM frees."""
+    spec, prefix_caching, budget, blocks = FUSED_CASES[name]
     plans = mixed_plans(24, 60, stop=7, prompt=(10, 60), out=(4, 24))
-    scheduler, runner, check, served = fused_run(spec, plans, prefix_caching=prefix_caching, budget=budget)
+    scheduler, runner, check, served = fused_run(spec, plans, prefix_caching=prefix_caching, budget=budget,
+                                                 num_blocks=blocks)
     check_streams(plans, served)
     check_cases_met(plans, served, runner)
     assert check.rows > 50 and check.resumed_rows > 0
     flush(scheduler, runner)
     reader = check.speculator.prompts
     assert (reader.owner, reader.read_upto, reader.unread) == ({}, {}, {})
+
+
+@INTERPRETED
+@pytest.mark.parametrize("name", FUSED_CASES)
+def test_the_fused_speculator_drafts_the_reference_through_aborts_preemption_and_reused_slots(name):
+    fused_case(name)
+
+
+# --- each check fails on a planted state bug ----------------------------------------------------------------------
+
+
+def plant_stale_slot_map(monkeypatch: Any) -> None:
+    """The lookup copies the batch's slots to the device only when the batch's size changes: after a request
+    finishes and another takes its place (or the batch reorders), it drafts from another request's row."""
+
+    def lookup(self: Any, rows: torch.Tensor, n: int) -> torch.Tensor:
+        if self.__dict__.get("_copied_for") != n:
+            self.rows[:n].copy_(rows)
+            self._copied_for = n
+        self._draft(n)
+        return self.draft_tokens[:n]
+
+    monkeypatch.setattr(GpuLookupSpeculator, "lookup", lookup)
+
+
+def plant_unrewound_history(monkeypatch: Any) -> None:
+    """The lookup keeps each slot's longest history length: a slot vLLM gives to a shorter request is read past that
+    request's end, into its previous request's tokens."""
+    draft = GpuLookupSpeculator._draft
+
+    def draft_longest(self: Any, m: int) -> None:
+        real = self.state.total_len
+        longest = self.__dict__.setdefault("_longest", real.clone())
+        torch.maximum(longest, real, out=longest)
+        self.state.total_len = longest
+        try:
+            draft(self, m)
+        finally:
+            self.state.total_len = real
+
+    monkeypatch.setattr(GpuLookupSpeculator, "_draft", draft_longest)
+
+
+def plant_preemption_as_free(monkeypatch: Any) -> None:
+    """The scheduler notes a preempted request as freed: its partial output enters the corpus, and again when it
+    ends."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    preempt = Scheduler._preempt_request
+
+    def preempt_noting(self: Any, request: Any, timestamp: float) -> None:
+        plugin._note_freed(self, request)
+        preempt(self, request, timestamp)
+
+    monkeypatch.setattr(Scheduler, "_preempt_request", preempt_noting)
+
+
+def plant_admitted_kept(monkeypatch: Any) -> None:
+    """The corpus forgets no admitted request: its admitted set grows with every request served."""
+    corpus_step = GpuLookupSpeculator.corpus_step
+
+    def corpus_step_keeping(self: Any, finished: Any, admitted: Any) -> None:
+        corpus_step(self, finished, admitted)
+        self.corpus_seen.update(rid for rid, _, _ in finished)
+
+    monkeypatch.setattr(GpuLookupSpeculator, "corpus_step", corpus_step_keeping)
+
+
+def plant_gate_kept_on_abort(monkeypatch: Any) -> None:
+    """The gate forgets requests that finish but not those a client aborts (vLLM's `finish_requests`)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    finish = Scheduler.finish_requests
+
+    def finish_keeping_gates(self: Any, *args: Any, **kwargs: Any) -> Any:
+        forget = SchedulerGate.forget
+        SchedulerGate.forget = lambda gate, request_id: None
+        try:
+            return finish(self, *args, **kwargs)
+        finally:
+            SchedulerGate.forget = forget
+
+    monkeypatch.setattr(Scheduler, "finish_requests", finish_keeping_gates)
+
+
+def plant_goodput_kept(monkeypatch: Any) -> None:
+    """The goodput controller never forgets a request's features."""
+    monkeypatch.setattr(SchedulerGoodput, "forget", lambda self, request_id: None)
+
+
+def plant_unrewound_drafter_cache(monkeypatch: Any) -> None:
+    """Reading a prompt never lowers the slot's drafter length (`dlen`): a slot vLLM gives to a shorter request, or
+    to a preempted one prefilled again, keeps the previous request's length, and the drafter's next pass reads
+    nothing of the new history."""
+    read = PromptReader.read
+
+    def read_keeping_length(self: Any, req_id: str, slot: int, end: int, *, done: bool) -> None:
+        before = int(self.dlen[slot])
+        read(self, req_id, slot, end, done=done)
+        self.dlen[slot] = max(before, end)
+
+    monkeypatch.setattr(PromptReader, "read", read_keeping_length)
+
+
+def plant_schedule_state_kept(monkeypatch: Any) -> None:
+    """The fused step never marks a request's first step: a new request inherits its slot's scheduler state."""
+    copy_batch = GpuFusedSpeculator._copy_batch
+
+    def copy_batch_never_fresh(self: Any, n: int, slots: Any, slots_np: Any, num_sampled: Any, fresh: Any) -> None:
+        copy_batch(self, n, slots, slots_np, num_sampled, np.zeros_like(fresh))
+
+    monkeypatch.setattr(GpuFusedSpeculator, "_copy_batch", copy_batch_never_fresh)
+
+
+def plant_notes_kept(monkeypatch: Any) -> None:
+    """The prompt reader is never told which slots vLLM frees (the code before `release`)."""
+    monkeypatch.setattr(PromptReader, "release", lambda self, freed: None)
+
+
+PLANTED = {  # the bug -> (how to plant it, the case that must catch it, what its failure says)
+    "stale-slot-map": (plant_stale_slot_map, lambda: lookup_case("lookup"), "differ from the rule"),
+    "unrewound-history": (plant_unrewound_history, lambda: lookup_case("lookup"), "differ from the rule"),
+    # the corpus then holds a document no client received: the drafts or the insertions show it, whichever first
+    "preemption-as-free": (plant_preemption_as_free, corpus_case, "differ from the rule|not vLLM's frees"),
+    "corpus-admitted-kept": (plant_admitted_kept, corpus_case, "keeps admitted requests"),
+    "gate-kept-on-abort": (plant_gate_kept_on_abort, lambda: lookup_case("gate"), "requests vLLM freed"),
+    "goodput-kept": (plant_goodput_kept, lambda: lookup_case("goodput"), "requests vLLM freed"),
+    "unrewound-drafter-cache": (plant_unrewound_drafter_cache, lambda: fused_case("every-step-chunked-prompts"),
+                                "differs from the reference"),
+    "schedule-state-kept": (plant_schedule_state_kept, lambda: fused_case("every-step-chunked-prompts"),
+                            "differs from the reference"),
+    "prompt-notes-kept": (plant_notes_kept, lambda: fused_case("served-shape-prefix-cache"),
+                          "outlive their requests"),
+}
+
+
+@INTERPRETED
+@pytest.mark.parametrize("bug", PLANTED)
+def test_each_check_fails_on_a_planted_state_bug(bug, monkeypatch):
+    plant, case, failure = PLANTED[bug]
+    plant(monkeypatch)
+    with pytest.raises(AssertionError, match=failure):
+        case()
