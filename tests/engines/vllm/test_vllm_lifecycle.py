@@ -784,16 +784,23 @@ FUSED_SERVED = ("gpu-fused:k=4,draft_block=1,nmax=16,policy=earliest,schedule=lo
                 "batch_k=3:4/0")
 
 
-def fused_run(spec: str, plans: list[Planned], *, prefix_caching: bool, budget: int,
-              num_blocks: int = 12) -> tuple[Any, CpuRunner, FusedCheck, Served]:
-    """Serve `plans` through vLLM's scheduler with `spec`'s fused speculator (the tiny drafter, float32, the lookup
-    kernel in Triton's interpreter) checked at every step."""
-    scheduler = scheduler_for(spec, num_blocks=num_blocks, prefix_caching=prefix_caching, budget=budget)
+def fused_speculator(spec: str, scheduler: Any, slots: int = SLOTS) -> GpuFusedSpeculator:
+    """`spec`'s fused speculator over the tiny drafter in float32, its width table the scheduler's (the drafter's
+    vocabulary differs from the 0.5B's, so it is built without the config that would refuse it)."""
     config = fused_config(spec)
-    speculator = GpuFusedSpeculator.standalone(config, max_num_reqs=SLOTS, max_model_len=LEN, pad=FUSED_PAD,
+    speculator = GpuFusedSpeculator.standalone(config, max_num_reqs=slots, max_model_len=LEN, pad=FUSED_PAD,
                                                device="cpu", dtype=torch.float32)
     assert speculator.k_table == gpu_fused.batch_k.table_for(scheduler.vllm_config, config.batch_k, config.k)
-    speculator.attach_drafter(tiny_drafter(SLOTS, speculator.cache_len))
+    speculator.attach_drafter(tiny_drafter(slots, speculator.cache_len))
+    return speculator
+
+
+def fused_run(spec: str, plans: list[Planned], *, prefix_caching: bool, budget: int,
+              num_blocks: int = 12) -> tuple[Any, CpuRunner, FusedCheck, Served]:
+    """Serve `plans` through vLLM's scheduler with `spec`'s fused speculator (the lookup kernel in Triton's
+    interpreter) checked at every step."""
+    scheduler = scheduler_for(spec, num_blocks=num_blocks, prefix_caching=prefix_caching, budget=budget)
+    speculator = fused_speculator(spec, scheduler)
     check = FusedCheck(speculator)
     runner = CpuRunner(speculator, targets_of(plans), check)
     return scheduler, runner, check, serve(scheduler, runner, plans)
@@ -929,6 +936,21 @@ def plant_schedule_state_kept(monkeypatch: Any) -> None:
     monkeypatch.setattr(GpuFusedSpeculator, "_copy_batch", copy_batch_never_fresh)
 
 
+def plant_corpus_log_kept(monkeypatch: Any) -> None:
+    """The corpus logs every insertion whether or not anyone takes the log (the code before the log went with the
+    step records): in a server it grows by one entry a request."""
+    corpus_step = GpuLookupSpeculator.corpus_step
+
+    def corpus_step_logging(self: Any, finished: Any, admitted: Any) -> None:
+        recorder, self.recorder = self.recorder, self.recorder or "a reader of the log"
+        try:
+            corpus_step(self, finished, admitted)
+        finally:
+            self.recorder = recorder
+
+    monkeypatch.setattr(GpuLookupSpeculator, "corpus_step", corpus_step_logging)
+
+
 def plant_notes_kept(monkeypatch: Any) -> None:
     """The prompt reader is never told which slots vLLM frees (the code before `release`)."""
     monkeypatch.setattr(PromptReader, "release", lambda self, freed: None)
@@ -948,6 +970,10 @@ PLANTED = {  # the bug -> (how to plant it, the case that must catch it, what it
                             "differs from the reference"),
     "prompt-notes-kept": (plant_notes_kept, lambda: fused_case("served-shape-prefix-cache"),
                           "outlive their requests"),
+    "corpus-log-kept": (plant_corpus_log_kept, lambda: bounded_case("lookup-corpus-gate"),
+                        "state the run left behind.*corpus log"),
+    "prompt-notes-kept-under-load": (plant_notes_kept, lambda: bounded_case("fused"), "outlive their requests"),
+    "goodput-kept-under-load": (plant_goodput_kept, lambda: bounded_case("lookup-goodput"), "requests vLLM freed"),
 }
 
 
@@ -958,3 +984,98 @@ def test_each_check_fails_on_a_planted_state_bug(bug, monkeypatch):
     plant(monkeypatch)
     with pytest.raises(AssertionError, match=failure):
         case()
+
+
+# --- bounded state ------------------------------------------------------------------------------------------------
+
+
+def many_short_plans(count: int, vocab: int, seed: int = 3) -> list[Planned]:
+    """`count` short requests (prompts of 6 to 24 tokens, 1 to 10 new ones) in bursts of 16 every 40 iterations (the
+    load swings from 8 running and more waiting, where vLLM preempts, to one request); a quarter of their clients
+    disconnect at a random point, one in twenty before its request is scheduled; one in ten asks for n = 4, one in
+    eight repeats an earlier request."""
+    rng, text, plans = np.random.default_rng(seed), text_tokens(vocab), []
+    for i in range(count):
+        start, p_len, max_tokens = int(rng.integers(0, len(text) - 400)), int(rng.integers(6, 25)), \
+            int(rng.integers(1, 11))
+        span = max_tokens + 3 * (K + 1)
+        prompt, n = text[start:start + p_len].tolist(), 4 if rng.random() < 0.1 else 1
+        targets = [text[start + p_len + 40 * j:start + p_len + 40 * j + span].tolist() for j in range(n)]
+        if plans and rng.random() < 0.125:
+            earlier = plans[int(rng.integers(0, len(plans)))]
+            prompt, targets = earlier.prompt, [(earlier.targets[0] * span)[:span]]
+        u = rng.random()
+        abort = ("tokens", int(rng.integers(1, max_tokens + 1))) if u < 0.25 else ("queued", 0) if u < 0.3 else None
+        plans.append(Planned(f"s{i}", prompt, targets, max_tokens, arrive=40 * (i // 16), abort=abort))
+    return plans
+
+
+def host_state(scheduler: Any, runner: CpuRunner, speculator: Any) -> dict[str, int]:
+    """The sizes of every per-request record on the host: vLLM's own (its scheduler's requests, its runner's held
+    slots and free-slot list), the plugin's (documents on their way to the worker, the gate's or goodput's
+    dictionaries), the speculator's (the corpus's admitted set and log, the drafter's prompt notes)."""
+    sizes = {"vLLM scheduler requests": len(scheduler.requests),
+             "vLLM runner slots held": len(runner.req_states.req_id_to_index),
+             "vLLM runner free slots": len(runner.req_states.free_indices),
+             "freed documents on their way": len(scheduler.__dict__.get("_hqlab_freed", ()))}
+    if plugin._gate(scheduler) is not None:
+        sizes.update(hook_state(scheduler))
+    if getattr(speculator, "corpus", None) is not None:
+        sizes.update({"corpus admitted": len(speculator.corpus_seen), "corpus log": len(speculator.corpus_log)})
+    if isinstance(speculator, GpuFusedSpeculator):
+        reader = speculator.prompts
+        sizes.update({"prompt owners": len(reader.owner), "prompts part-read": len(reader.read_upto),
+                      "prompt chunks unread": len(reader.unread)})
+    return sizes
+
+
+def device_bytes(speculator: Any) -> dict[str, int]:
+    """Bytes of every tensor the speculator holds (its own and its parts', each storage once): its slot tables, step
+    buffers, the corpus ring, the drafter's cache."""
+    seen, sizes = set(), {}
+    parts = [("", speculator)] + [(f"{name}.", part) for name, part in vars(speculator).items()
+                                  if hasattr(part, "__dict__") and not isinstance(part, (torch.Tensor, type))]
+    for prefix, owner in parts:
+        for name, value in vars(owner).items():
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in seen:
+                seen.add(value.untyped_storage().data_ptr())
+                sizes[prefix + name] = value.untyped_storage().nbytes()
+    return sizes
+
+
+BOUNDED = {"lookup-corpus-gate": (f"{LOOKUP},batch_k=2:4/0,corpus=400,corpus_docs=8,gate=1", VOCAB),
+           "lookup-goodput": (f"{LOOKUP},batch_k=2:4/3:2/0,goodput=default", VOCAB),
+           "fused": (FUSED_SERVED, 60)}
+
+
+def bounded_case(name: str) -> None:
+    """240 short requests through 8 slots and a KV cache that preempts, with random aborts: every host record is
+    back at its size before the run once the last freed request has left (one more step, as the next request's),
+    no device tensor grew, the corpus stayed within its bounds, and per-request state never outlived its request
+    during the run."""
+    spec, vocab = BOUNDED[name]
+    slots, plans = 8, many_short_plans(240, vocab)
+    scheduler = scheduler_for(spec, num_blocks=10, prefix_caching=True, budget=64, slots=slots)
+    speculator = fused_speculator(spec, scheduler, slots) if name == "fused" else \
+        GpuLookupSpeculator(scheduler.vllm_config, "cpu")
+    notes = (lambda runner, *_: check_prompt_notes(speculator.prompts, runner)) if name == "fused" else None
+    runner = CpuRunner(speculator, targets_of(plans), notes, slots=slots)
+    before = host_state(scheduler, runner, speculator), device_bytes(speculator)
+    hooks = HookCheck() if plugin._gate(scheduler) is not None else None
+    served = serve(scheduler, runner, plans, after_update=hooks)
+    flush(scheduler, runner)
+    after = host_state(scheduler, runner, speculator), device_bytes(speculator)
+    grown = {k: (v, after[i][k]) for i, part in enumerate(before) for k, v in part.items() if after[i].get(k) != v}
+    assert after == before, f"state the run left behind (before, after): {grown}"
+    check_streams(plans, served)
+    aborted = sum(why == "abort" for why in served.finished.values())
+    assert len(served.finished) > 300 and aborted > 60 and len(served.preempted) > 10, \
+        (len(served.finished), aborted, len(served.preempted))
+    if getattr(speculator, "corpus", None) is not None:
+        assert speculator.corpus.inserted > 150 and len(speculator.corpus.docs) <= 8 and speculator.corpus.live <= 400
+
+
+@INTERPRETED
+@pytest.mark.parametrize("name", BOUNDED)
+def test_hundreds_of_short_requests_leave_host_and_device_state_as_they_found_it(name):
+    bounded_case(name)
