@@ -3,7 +3,8 @@ on the CPU (issue #60's CPU half).
 
 vLLM 0.26's `AsyncScheduler`, built from a real config with the plugin's patches and a KV cache of a few blocks (so
 that it preempts running requests and recomputes them later), serves a mix of requests through the engine core's
-loop with a batch queue of two: copies of a passage of the prompt, continuations, repeats of an earlier request,
+loop with a batch queue of two: prompts that quote a passage the answer copies, continuations, repeats of an
+earlier request,
 `max_tokens` 1 and 2, n = 4 (vLLM's own fan-out into child requests), a stop token, clients that disconnect
 mid-stream, abort while queued or while preempted. The worker's half is model runner V2's request bookkeeping on
 CPU tensors (`CpuRunner`: vLLM's own `RequestState` and `finish_requests`, the plugin's wrappers, vLLM's
@@ -419,9 +420,10 @@ def _client_aborts(scheduler: Any, plans: list[Planned], served: Served, abort_p
         waiting = {scheduler.requests[r].status for r in ids} == {RequestStatus.WAITING}
         chosen = set(served.preempted[abort_preempted - 1::abort_preempted])
         preempted = [r for r in ids if scheduler.requests[r].status == RequestStatus.PREEMPTED and r in chosen]
+        streamed = max(len(served.streams[r]) for r in ids)
         if plan.abort == ("queued", 0) and waiting or preempted:
             served.aborted_waiting += ids
-        elif plan.abort is None or plan.abort[0] != "tokens" or max(len(served.streams[r]) for r in ids) < plan.abort[1]:
+        elif plan.abort is None or plan.abort[0] != "tokens" or streamed < plan.abort[1]:
             continue
         scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         served.finished.update({r: "abort" for r in ids})
@@ -439,9 +441,10 @@ def flush(scheduler: Any, runner: CpuRunner) -> None:
 
 
 def text_tokens(vocab: int) -> np.ndarray:
-    """Real text as token ids, one per word of the repository's README (natural repetition), folded into `vocab`."""
+    """Real text as token ids, one per word of the benchmark's handbook (natural repetition; a fixed document, so
+    the runs stay the same), folded into `vocab`."""
     ids: dict[str, int] = {}
-    words = re.findall(r"\w+|[^\w\s]", (REPO / "README.md").read_text())
+    words = re.findall(r"\w+|[^\w\s]", (REPO / "data" / "documents" / "handbook.md").read_text())
     return np.array([ids.setdefault(w, len(ids)) % vocab for w in words], dtype=np.int64)
 
 
@@ -606,7 +609,7 @@ def hook_state(scheduler: Any) -> dict[str, int]:
     return {"goodput features": len(hook.features), "goodput pending": len(hook._pending)}
 
 
-VOCAB = 150000  # the lookup runs' token ids: the words of the README
+VOCAB = 150000  # the lookup runs' token ids: the handbook's words
 STOP = int(np.bincount(text_tokens(VOCAB)).argmax())  # the commonest word: it occurs in many targets
 
 
