@@ -159,10 +159,14 @@ class Client:
         return [int(t) for t in reply["tokens"]], int(reply["max_model_len"])
 
     def state(self) -> dict[str, float]:
-        """The server's gauges and counters this suite watches (`/metrics`), summed over label sets."""
+        """The server's gauges and counters this suite watches (`/metrics`), summed over label sets; `unreachable`
+        where the server does not answer (it crashed: the case's row counts an error)."""
         wanted = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
                   "vllm:kv_cache_usage_perc": "kv_cache_usage", "vllm:num_preemptions_total": "preemptions"}
-        return parse_metrics(self.get("/metrics"), wanted)
+        try:
+            return parse_metrics(self.get("/metrics"), wanted)
+        except (OSError, RuntimeError, ValueError, http.client.HTTPException):
+            return {"unreachable": 1.0}
 
     def drain(self, deadline_s: float | None = None) -> dict[str, float]:
         """Wait (at most `Limits.drain_s`) until the server holds no request; its state then."""
@@ -396,9 +400,9 @@ def _choices(record: dict[str, Any]) -> list[list[Choice]]:
 
 
 def _errors(record: dict[str, Any]) -> list[str]:
-    """Every call's error, and a call that ended without a finish reason or, in the JSON case, with a reply that
-    does not fit the schema."""
-    out = []
+    """Every call's error, a call that ended without a finish reason or, in the JSON case, with a reply that does
+    not fit the schema, and a server that stopped answering."""
+    out = ["the server did not answer /metrics after the case"] if record["state_after"].get("unreachable") else []
     for i, (call, reply) in enumerate(zip(record["calls"], record["replies"])):
         if reply["error"]:
             out.append(f"{i}: {reply['error']}")

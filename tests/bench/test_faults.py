@@ -187,6 +187,26 @@ def test_a_case_ends_by_its_deadline_and_the_drain_wait_is_bounded(stub):
     assert state["running"] >= 1 and 0.9 < time.monotonic() - start < 2.0
 
 
+def test_a_server_that_stops_answering_is_an_error_not_a_crash_of_the_suite(stub):
+    c = client(stub)
+    assert c.state()["running"] == 0
+    dead = client(free_port())
+    assert dead.state() == {"unreachable": 1.0} and dead.drain() == {"unreachable": 1.0}
+    run = faults.run_case(dead, [faults.Call({"prompt": [1], "max_tokens": 2})])
+    assert run["replies"][0]["error"] and not run["replies"][0]["hung"]
+    rec = faults.case_record("lookup", "prefix-on", "max_tokens_2", [faults.Call({"prompt": [1], "max_tokens": 2})],
+                             run)
+    assert faults.row(rec, None)["errors"] == 2 and "did not answer" in faults.row(rec, None)["error_detail"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((faults.LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
 def test_metrics_are_summed_over_label_sets():
     text = ('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0"} 2.0\n'
             'vllm:num_requests_running{engine="1"} 1.0\nvllm:kv_cache_usage_perc{engine="0"} 0.25\n'

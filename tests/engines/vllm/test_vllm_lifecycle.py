@@ -319,7 +319,7 @@ class Planned:
 @dataclass
 class Served:
     """What a run did: per engine request the streamed tokens and how it ended (vLLM's finish reason, or "abort"),
-    the preemptions in order, the requests aborted while waiting, and the documents the scheduler freed."""
+    the preemptions in order, the requests aborted while waiting, and the requests vLLM freed, in order."""
 
     streams: dict[str, list[int]] = field(default_factory=dict)
     finished: dict[str, str] = field(default_factory=dict)
@@ -450,9 +450,10 @@ def text_tokens(vocab: int) -> np.ndarray:
 
 def mixed_plans(count: int, vocab: int, *, seed: int = 0, spacing: int = 3, prompt: tuple[int, int] = (12, 64),
                 out: tuple[int, int] = (4, 28), stop: int | None = None) -> list[Planned]:
-    """`count` requests over the text: copies of a passage of the prompt (long accepted drafts), continuations,
-    repeats of an earlier request (the corpus's case), n = 4, max_tokens 1 and 2, a stop token on every fourth
-    (where `stop` is given); every fifth client disconnects mid-stream, a few abort while queued."""
+    """`count` requests over the text: prompts that quote a passage and start it again, the answer copying on
+    (long accepted drafts from the first step, long fused blocks), continuations, repeats of an earlier request
+    (the corpus's case), n = 4, max_tokens 1 and 2, a stop token on every fourth (where `stop` is given); every
+    fifth client disconnects mid-stream, a few abort while queued."""
     rng, text, plans = np.random.default_rng(seed), text_tokens(vocab), []
     for i in range(count):
         start, p_len = int(rng.integers(0, len(text) - 600)), int(rng.integers(*prompt))
