@@ -65,6 +65,18 @@ class PromptReader:
                 first[i] = noted[2]
         return first
 
+    def release(self, freed: list[tuple[str, int]]) -> None:
+        """vLLM's runner freed these (request, slot) pairs (finished, aborted or preempted): forget what the notes and
+        the drafter's rows hold for them, so that nothing outlives a request that is gone (a request aborted or ended
+        at max_tokens before its prompt was read would keep its `read_upto` for ever) and a slot's next request, or
+        this one resumed, reads its prompt from the start."""
+        for req_id, slot in freed:
+            self.read_upto.pop(req_id, None)
+            if self.owner.get(slot) == req_id:
+                del self.owner[slot]
+            if self.unread.get(slot, ("",))[0] == req_id:
+                del self.unread[slot]
+
     def read(self, req_id: str, slot: int, end: int, *, done: bool) -> None:
         """Feed the drafter the prompt tokens [read so far, end) of one request (host-known bounds); `done`: this
         chunk ends the prompt, so nothing needs remembering."""

@@ -391,7 +391,10 @@ class GpuFusedSpeculator(V2Speculator):
     def take_records(self) -> list[dict[str, Any]]:
         return self.recorder.take() if self.recorder is not None else []
 
+    def release(self, freed: list[tuple[str, int]]) -> None:
+        self.prompts.release(freed)  # the slots' device state is rewritten at their next request's prompt
 
-__all__ = ["GpuFusedSpeculator", "GpuFusedConfig", "FusedRecorder", "fused_config", "recorded_rules",
-           "speculative_config", "is_gpu_fused", "attention_buckets", "NAME", "CLASS_PATH", "SPEC_KEY", "RECORD_KEY",
-           "RETIRED", "PREFILL_CHUNK"]
+
+__all__ = ["GpuFusedSpeculator", "GpuFusedConfig", "FusedRecorder", "fused_config", "recorded_rules", "NAME",
+           "speculative_config", "is_gpu_fused", "attention_buckets", "CLASS_PATH", "SPEC_KEY", "RECORD_KEY", "RETIRED",
+           "PREFILL_CHUNK"]

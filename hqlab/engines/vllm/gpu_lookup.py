@@ -18,9 +18,9 @@ where vLLM's own EAGLE/MTP speculators run instead: after sampling, inside the w
   requests reach the corpus through the plugin (`plugin._patch_scheduler`): vLLM's scheduler knows each
   finished request's exact output, the worker does not (its token rows may run past a stop by the tokens of the
   step that found it), so the scheduler hands the finished (prompt, output) ids to the worker with the next step's
-  scheduler output and the worker adds them before that step drafts. Each step's record says how many documents
-  had entered the corpus when it drafted, and `take_corpus_log` the order they entered in, so a replay rebuilds the
-  corpus each step saw exactly.
+  scheduler output and the worker adds them before that step drafts. With recording on, each step's record says
+  how many documents had entered the corpus when it drafted, and `take_corpus_log` the order they entered in, so a
+  replay rebuilds the corpus each step saw exactly.
 
 vLLM 0.26's V2 runner verifies the same number of draft positions (`num_speculative_tokens`) for every request on
 every step: its scheduler reserves them before the drafts exist (asynchronous scheduling). Positions the lookup
@@ -300,7 +300,7 @@ class GpuLookupSpeculator(V2Speculator):
             self.corpus_seen.discard(rid)
             doc = list(prompt) + list(output) if self.corpus_config.prompts else list(output)
             seq = self.corpus.add(doc)
-            if seq >= 0:
+            if seq >= 0 and self.recorder is not None:  # the log goes with the step records; a server keeps neither
                 self.corpus_log.append({"seq": seq, "request": rid, "prompt_len": len(prompt),
                                         "output_len": len(output), "length": len(doc)})
         self.corpus_seen.update(admitted)
@@ -315,7 +315,8 @@ class GpuLookupSpeculator(V2Speculator):
 
     def take_corpus_log(self) -> list[dict[str, Any]]:
         """The documents that entered the corpus since the last call, in order: insertion number, request id, prompt
-        and output lengths, document length."""
+        and output lengths, document length. Kept with recording on only (`hqlab_record`, as the step records): in a
+        server nothing takes it, and it would grow by one entry a request."""
         log, self.corpus_log = self.corpus_log, []
         return log
 

@@ -27,6 +27,10 @@ its next scheduler output, and the runner's `finish_requests` hands them (with t
 the speculator. Only the scheduler knows a finished request's exact output; the worker's token rows may hold tokens
 past the stop. Configs without a corpus or a gate are untouched (the wrappers return at once).
 
+For both speculators the runner's `finish_requests` also tells the speculator which request slots it frees, finished,
+aborted or preempted (`_patch_finish_requests`, `V2Speculator.release`), so that per-request state on the host lives
+exactly as long as vLLM's own (tests/engines/vllm/test_vllm_lifecycle.py).
+
 Nothing of vLLM is forked or copied. On any other vLLM version `register` patches nothing and says so, and a
 config that asks for the speculator fails with a clear error (`check_vllm_version`).
 """
@@ -133,7 +137,7 @@ def _patch_init_speculator() -> None:
             from hqlab.engines.vllm.gpu_lookup import GpuLookupSpeculator
 
             _patch_runner_binding()
-            _patch_corpus_runner()
+            _patch_finish_requests()
             if is_gpu_fused(vllm_config.speculative_config):
                 speculator = GpuFusedSpeculator(vllm_config, device)
             else:
@@ -257,7 +261,7 @@ def _patch_scheduler() -> None:
     """Scheduler (in every process that may schedule): the gate or the goodput controller sets the width table
     before each `schedule()` (and the controller sees each step's outcome before `update_from_output`); `_note_freed`
     when it frees a request (and the hook forgets it), `_attach_freed` to each scheduler output (the runner's half is
-    `_patch_corpus_runner`, patched in the worker with the binding)."""
+    `_patch_finish_requests`, patched in the worker with the binding)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     def free(original: Callable) -> Callable:
@@ -294,13 +298,32 @@ def _patch_scheduler() -> None:
     _wrap(Scheduler, "update_from_output", update)
 
 
-def _patch_corpus_runner() -> None:
-    """Runner: `_deliver` after `finish_requests` (model runner V2's first act of a step)."""
+def _freed_slots(runner: Any, scheduler_output: Any) -> list[tuple[str, int]]:
+    """The (request id, slot) pairs the runner's `finish_requests` is about to free: the step's finished (aborted
+    included) and preempted requests that hold a slot, read before vLLM frees them (a freed slot goes to the next
+    request admitted)."""
+    freed = scheduler_output.finished_req_ids
+    if scheduler_output.preempted_req_ids:
+        freed = freed | scheduler_output.preempted_req_ids
+    slots = runner.req_states.req_id_to_index
+    return [(rid, slots[rid]) for rid in freed if rid in slots]
+
+
+def _patch_finish_requests() -> None:
+    """Runner: around `finish_requests` (model runner V2's first act of a step), tell the speculator which slots vLLM
+    frees (`V2Speculator.release`), then `_deliver` the corpus's documents."""
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    from hqlab.engines.vllm.speculator import V2Speculator
 
     def finish(original: Callable) -> Callable:
         def finish_requests(self: Any, scheduler_output: Any) -> Any:
+            speculator = getattr(self, "speculator", None)
+            ours = isinstance(speculator, V2Speculator)
+            freed = _freed_slots(self, scheduler_output) if ours else []
             result = original(self, scheduler_output)
+            if freed:
+                speculator.release(freed)
             _deliver(self, scheduler_output)
             return result
         return finish_requests

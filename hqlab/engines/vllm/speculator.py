@@ -191,3 +191,9 @@ class V2Speculator:
         accepted drafts + 1); a dummy run (warm-up, profiling) needs only the shape."""
         raise NotImplementedError
 
+    def release(self, freed: list[tuple[str, int]]) -> None:
+        """vLLM's runner freed these (request id, slot) pairs at the start of a step, before it admits the step's new
+        requests (`plugin._patch_finish_requests`): finished, aborted and preempted requests alike (a preempted one
+        comes back as a new request, its tokens prefilled again). A speculator drops what it keeps for them here;
+        the lookup keeps nothing per request slot on the host."""
+

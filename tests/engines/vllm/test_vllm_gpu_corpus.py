@@ -165,8 +165,8 @@ def test_plugin_installs_the_corpus_delivery_for_corpus_configs_only():
     plugin.register()
     assert getattr(Scheduler.schedule, "_hqlab_patched", False)
     assert getattr(Scheduler._free_request, "_hqlab_patched", False)
-    plugin._patch_corpus_runner()
-    plugin._patch_corpus_runner()  # idempotent
+    plugin._patch_finish_requests()
+    plugin._patch_finish_requests()  # idempotent
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     assert getattr(GPUModelRunner.finish_requests, "_hqlab_patched", False)
