@@ -10,7 +10,6 @@ n's output."""
 
 from __future__ import annotations
 
-from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -18,11 +17,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed (make setup-vllm)")
 
-import torch  # noqa: E402
-
-from hqlab import models  # noqa: E402
 from hqlab.config import ConfigError, LookupConfig  # noqa: E402
 from hqlab.engines.vllm import batch_k, gpu_lookup, plugin  # noqa: E402
+from hqlab.engines.vllm.cpu_scheduler import cpu_async_scheduler, drive  # noqa: E402
 from hqlab.replay.gate import replay_gated  # noqa: E402
 from hqlab.replay.traces import load_traces  # noqa: E402
 from hqlab.rules.gate import GateConfig  # noqa: E402
@@ -33,27 +30,7 @@ LOOKUP = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,batch_k=1:15/4:7/0"
 
 
 def scheduler_for(spec: str, max_len: int, max_num_seqs: int = 8):
-    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    plugin.register()
-    config = VllmConfig(
-        model_config=ModelConfig(model=str(models.prepare("qwen2.5-coder-0.5b")), dtype="float32",
-                                 max_model_len=max_len),
-        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_len,
-                                         max_num_batched_tokens=max_len, is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=16, enable_prefix_caching=False),
-        speculative_config=SpeculativeConfig(**gpu_lookup.speculative_config(spec)),
-        device_config=DeviceConfig("cpu"), additional_config={gpu_lookup.SPEC_KEY: spec})
-    assert config.scheduler_config.async_scheduling  # the plugin's: as vLLM does for EAGLE
-    config.cache_config.num_gpu_blocks = 4096
-    kv = KVCacheConfig(num_blocks=4096, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=1,
-                                                      dtype=torch.float32))])
-    return AsyncScheduler(vllm_config=config, kv_cache_config=kv, log_stats=False,
-                          structured_output_manager=StructuredOutputManager(config), block_size=16)
+    return cpu_async_scheduler(spec, max_len=max_len, max_num_seqs=max_num_seqs)
 
 
 def served_widths(spec: str, trace, lookup: LookupConfig) -> tuple[list[int], list[int]]:
@@ -92,17 +69,7 @@ def served_widths(spec: str, trace, lookup: LookupConfig) -> tuple[list[int], li
             pos += len(tokens)
         return ModelRunnerOutput(req_ids=["r"], req_id_to_index={"r": 0}, sampled_token_ids=[tokens])
 
-    queue: deque = deque()
-    while scheduler.has_requests() or queue:
-        if scheduler.has_requests():
-            step = scheduler.schedule()
-            if step.total_num_scheduled_tokens > 0:
-                queue.appendleft(step)
-                if len(queue) < 2:
-                    continue
-        if queue:
-            step = queue.pop()
-            scheduler.update_from_output(step, run(step))
+    drive(scheduler, run)
     assert pos == len(out)
     return widths, emitted
 

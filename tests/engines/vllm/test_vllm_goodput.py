@@ -12,19 +12,16 @@ outcome)."""
 
 from __future__ import annotations
 
-from collections import deque
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed (make setup-vllm)")
 
-import torch  # noqa: E402
-
-from hqlab import models  # noqa: E402
 from hqlab.config import ConfigError  # noqa: E402
 from hqlab.engines.vllm import gpu_lookup, plugin  # noqa: E402
 from hqlab.engines.vllm.goodput import SchedulerGoodput  # noqa: E402
+from hqlab.engines.vllm.cpu_scheduler import cpu_async_scheduler, drive  # noqa: E402
 from hqlab.replay.goodput import Policy, TraceTables, captured_widths, replay_engine  # noqa: E402
 from hqlab.replay.traces import load_traces  # noqa: E402
 from hqlab.rules.goodput import DEFAULT_STEP_COSTS, GoodputConfig, StepCosts  # noqa: E402
@@ -34,29 +31,9 @@ LOOKUP = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,batch_k=1:15/4:7/0"
 
 
 def scheduler_for(spec: str, max_len: int, max_num_seqs: int):
-    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    plugin.register()
-    budget = max_len * max_num_seqs  # every waiting request fits the step that admits it: no chunked prefill
-    config = VllmConfig(
-        model_config=ModelConfig(model=str(models.prepare("qwen2.5-coder-0.5b")), dtype="float32",
-                                 max_model_len=max_len),
-        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_len,
-                                         max_num_batched_tokens=budget, is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=16, enable_prefix_caching=False),
-        speculative_config=SpeculativeConfig(**gpu_lookup.speculative_config(spec)),
-        device_config=DeviceConfig("cpu"), additional_config={gpu_lookup.SPEC_KEY: spec})
-    assert config.scheduler_config.async_scheduling  # the plugin's: as vLLM does for EAGLE
-    blocks = 16384
-    config.cache_config.num_gpu_blocks = blocks
-    kv = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=1,
-                                                      dtype=torch.float32))])
-    return AsyncScheduler(vllm_config=config, kv_cache_config=kv, log_stats=False,
-                          structured_output_manager=StructuredOutputManager(config), block_size=16)
+    # every waiting request fits the step that admits it: no chunked prefill
+    return cpu_async_scheduler(spec, max_len=max_len, max_num_seqs=max_num_seqs,
+                               batched_tokens=max_len * max_num_seqs, blocks=16384)
 
 
 def serve(spec: str, traces, tables: TraceTables, concurrency: int):
@@ -96,23 +73,15 @@ def serve(spec: str, traces, tables: TraceTables, concurrency: int):
         return ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
                                  sampled_token_ids=sampled)
 
-    queue: deque = deque()
-    while scheduler.has_requests() or queue:
-        if scheduler.has_requests():
-            step = scheduler.schedule()
-            if step.total_num_scheduled_tokens > 0:
-                batch.append(len(step.num_scheduled_tokens))
-                widths = {len(v) for v in step.scheduled_spec_decode_tokens.values()}
-                assert len(widths) <= 1  # one width a step
-                decoding = len(step.num_scheduled_tokens) > len(step.scheduled_new_reqs)
-                width.append(widths.pop() if widths else 0)
-                assert decoding or width[-1] == 0
-                queue.appendleft(step)
-                if len(queue) < 2:
-                    continue
-        if queue:
-            step = queue.pop()
-            scheduler.update_from_output(step, run(step))
+    def scheduled(step) -> None:
+        batch.append(len(step.num_scheduled_tokens))
+        widths = {len(v) for v in step.scheduled_spec_decode_tokens.values()}
+        assert len(widths) <= 1  # one width a step
+        decoding = len(step.num_scheduled_tokens) > len(step.scheduled_new_reqs)
+        width.append(widths.pop() if widths else 0)
+        assert decoding or width[-1] == 0
+
+    drive(scheduler, run, scheduled)
     assert pos == [len(t.output_ids) for t in traces]
     return scheduler, batch, width, request_widths, request_emitted
 
