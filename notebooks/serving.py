@@ -48,8 +48,8 @@ projection_run = "s4"
 served_heads_run = "s5a"  # the serving run that measured the drawn heads themselves (sampled prose, one request)
 projection_config = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,"
                      "compile_rule=true,device_skip=true,layers=triton,attention=triton,batch_k=1:15/4:7/0")
-# the drafter's prompt prefill outside vLLM (benchmarks/fused_pass_kernels.py --prefill): eager calls against the
-# passes replayed from a captured graph (`prefill_graph`)
+# the drafter's prompt prefill outside vLLM (experiments/drafting_step_profile/fused_pass_kernels.py --prefill): eager
+# calls against the passes replayed from a captured graph (`prefill_graph`)
 prefill_run = "p1"  # a run of the study fused_pass_kernels
 prefill_runs = ["s5a", "s6"]  # serving runs of projection_config on sampled prose at one request (s6: also with
 # prefill_graph=1024, the drafter's prompt read from the captured graph)
