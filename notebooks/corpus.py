@@ -24,7 +24,7 @@
 # from the committed traces (`hqlab.replay.corpus`) and priced with step costs measured on an H200 at batch 1
 # and 8. Arctic's suffix decoding (a per-request suffix tree plus a global tree of earlier outputs, scored by
 # frequency) runs beside it over the same earlier outputs. Nothing here runs the model: the traces are the 0.5B's
-# greedy outputs on the corpus workloads (`benchmarks/corpus_workloads.py`).
+# greedy outputs on the corpus workloads (`experiments/corpus_workloads/corpus_workloads.py`).
 
 # %% tags=["parameters"]
 trace_set = "0.5b_corpus_128"  # a run of the study `traces` (data/results/traces/<set>/)
