@@ -32,7 +32,8 @@ after each). A model whose grid has no rows gets no decodes. Every result goes t
 seed_scale_<tag>.jsonl (grid rows), vllm_gpu_<tag>_05b/_15b.parquet + .json (raw decodes) and
 validation_<tag>.json (the plan, what ran, was cut or skipped, and why): five to seven files with the log.
 
-  GPU (through tools/gpu_host/vllm_host.py run):
+  GPU (through tools/gpu_host/vllm_host.py run; `python benchmarks/seed_scale_validation.py host run --tag v1 ...`
+  prints the call with its commit):
       python3 benchmarks/seed_scale_validation.py run --tag v1 --commit $(git rev-parse --short HEAD) --budget-s 520
   CPU (here):
       python benchmarks/seed_scale_validation.py finish RETURNED_DIR
@@ -48,193 +49,21 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # a bare checkout on the GPU host
 
 from benchmarks import vllm_step_cost as grid_bench  # noqa: E402  (after the path: a bare checkout)
-from hqlab.config import parse_spec  # noqa: E402  (light: no polars or torch, which the GPU host may lack)
+from hqlab.bench import runner  # noqa: E402  (standard library only: the host has no polars)
+from hqlab.bench.runner import log  # noqa: E402
+from hqlab.bench.seed_scale import (DEFAULT_CONFIGS, DOC_TOKENS, END_MARGIN_S, GRID_STEPS, LIMIT,  # noqa: E402
+                                    MAX_NEW_TOKENS, REPEATS, SHAPE_OF, SHORT, SUITE, Item, decide, make_plan,
+                                    single_pass, verify_width)
 from hqlab.io import read_json  # noqa: E402  (standard library only)
 
-SHAPE_OF = {"qwen2.5-coder-0.5b": "qwen2.5-0.5b", "qwen2.5-coder-1.5b": "qwen2.5-1.5b"}  # real model -> grid shape
-SHORT = {"qwen2.5-coder-0.5b": "05b", "qwen2.5-coder-1.5b": "15b"}
-LOOKUP_15 = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest"
-LOOKUP_31 = "gpu-lookup:nmin=1,nmax=32,k=31,policy=earliest"
-FUSED_15 = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,"
-            "compile_rule=true,layers=triton,attention=triton")
-FUSED_31_SKIP = ("gpu-fused:k=31,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,"
-                 "compile_rule=true,device_skip=true,layers=triton,attention=triton")
-# w2's and fn2's validated configs (`none` is always added), cut to fit one call; --config-05b/--config-15b replace
-DEFAULT_CONFIGS = {"qwen2.5-coder-0.5b": [LOOKUP_15, LOOKUP_31], "qwen2.5-coder-1.5b": [LOOKUP_31, FUSED_15]}
-SUITE, DOC_TOKENS, MAX_NEW_TOKENS = "all", 2000, 256  # as runs w2 and fn2
-TOP_STEP = 512  # the grid's largest context: the longest step's, rounded up to this (`bracketing_contexts`)
-GRID_STEPS = 48  # timed steps per grid point (v1 timed 12: the host-bound 0.5B's points spread 1.2-1.6x p10-p90)
-GRID_STEP_S = 0.004  # seconds a grid step of the 0.5B/1.5B takes at most (2-4 ms), for the estimate of longer grids
-PROMPT_TOKENS = (140, 2035)  # the suite's prompts at doc_tokens 2000 (runs w2, fn2: chat-travel .. edit)
-LIMIT, REPEATS = 9, 3
-# Expected seconds (H200 runs w2/fn2, H100 run s2): an engine of the grid starts in 60-106 s (s2, one at a time);
-# engines started together: three of the 0.5B ~75 s (w2: four in 94 s), three of the 1.5B with a fused one ~110 s
-# (fn2: five in 200 s, the fused ones last); a round of 9 prompts on 3 engines ~8 s (0.5B) and ~12 s (1.5B).
-GRID_EST_S = {"gpu-lookup": 100.0, "gpu-fused": 120.0, "none": 80.0}
-GRID_MIN_S = {"gpu-lookup": 70.0, "gpu-fused": 100.0, "none": 60.0}
-DECODE_START_S = {"qwen2.5-coder-0.5b": 85.0, "qwen2.5-coder-1.5b": 130.0}  # process start to the first round
-ROUND_S_PER_ENGINE_PROMPT = {"qwen2.5-coder-0.5b": 0.3, "qwen2.5-coder-1.5b": 0.45}
-ESTIMATE_SLACK = 1.5  # an item may run this many times its estimate before it is cut, budget allowing
-END_MARGIN_S = 10.0  # left at the end for the status file and the host's log
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# What the validation prices (pure; hqlab.replay.scale.validate -> price_requests reads these points)
-
-
-def config_kind(config: str) -> str:
-    name = "none" if config == "none" else parse_spec(config)[0]
-    if name not in ("none", "gpu-lookup", "gpu-fused"):
-        raise ValueError(f"config {config!r}: the step-cost grid prices only none, gpu-lookup and gpu-fused")
-    return name
-
-
-def verify_width(config: str) -> int:
-    """Positions a step of `config` verifies in vLLM: 1 for `none`, k + 1 for gpu-lookup and gpu-fused (vLLM verifies
-    k drafts every step: the step records of w2 and fn2 hold no other width). A spec without k= is refused."""
-    if config_kind(config) == "none":
-        return 1
-    values = parse_spec(config)[1]
-    if not values.get("k", "").isdigit() or int(values["k"]) < 1:
-        raise ValueError(f"config {config!r}: no integer k >= 1, so its verify width is not known")
-    return int(values["k"]) + 1
-
-
-def single_pass(config: str) -> bool:
-    return config_kind(config) == "gpu-fused" and parse_spec(config)[1].get("draft_block", "1") == "1"
-
-
-def bracketing_contexts(low: int, high: int, top_step: int = TOP_STEP) -> tuple[int, ...]:
-    """Powers of two from the largest at or below `low` up to `high`, then `high` rounded up to a multiple of
-    `top_step`: every step reading low..high tokens lies between two measured contexts at most a factor of two apart
-    (none clamped). The top is not the next power of two: run v1's 4,096 point ran in another regime (a width-32 step
-    2.6-2.8x its 2,048 cost on both shapes), and interpolating towards it overpriced every step above 2,048."""
-    if not 1 <= low <= high:
-        raise ValueError(f"a context range needs 1 <= low <= high (got {low}, {high})")
-    if top_step < 1:
-        raise ValueError(f"top_step must be >= 1 (got {top_step})")
-    c, out = 1 << (low.bit_length() - 1), []
-    while c < high:
-        out.append(c)
-        c *= 2
-    return tuple(out) + (-(-high // top_step) * top_step,)  # every power of two kept is below `high`
-
-
-def step_contexts(configs: Sequence[str], prompt_tokens: tuple[int, int] = PROMPT_TOKENS,
-                  max_new_tokens: int = MAX_NEW_TOKENS) -> tuple[int, int]:
-    """The fewest and most tokens a decode step reads: the shortest prompt, and the longest + every new token +
-    the widest verify."""
-    return prompt_tokens[0], prompt_tokens[1] + max_new_tokens + max(verify_width(c) for c in ["none", *configs])
-
-
-def grid_points(configs: Sequence[str], contexts: tuple[int, int], *, fused_grid: bool = False
-                ) -> dict[str, dict[str, tuple[int, ...]]]:
-    """The grid a batch-1 validation of `none` + `configs` prices, per grid config: gpu-lookup at width 1 (`none`)
-    and each config's verify width; with `fused_grid`, gpu-fused at the single-pass fused configs' widths (pass =
-    fused step - lookup step at the same point, `scale.pass_ms`). Contexts: `bracketing_contexts` of the range."""
-    ctx = bracketing_contexts(*contexts)
-    out = {"gpu-lookup": {"widths": tuple(sorted({1, *(verify_width(c) for c in configs)})), "contexts": ctx,
-                          "batches": (1,)}}
-    fused = sorted({verify_width(c) for c in configs if single_pass(c)})
-    if fused_grid and fused:
-        out["gpu-fused"] = {"widths": tuple(fused), "contexts": ctx, "batches": (1,)}
-    return out
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# The plan and the budget (pure)
-
-
-@dataclass
-class Item:
-    kind: str  # "grid" or "decode"
-    model: str
-    name: str
-    est_s: float
-    min_s: float
-    grid_config: str = ""  # grid: gpu-lookup or gpu-fused
-    points: dict = field(default_factory=dict)  # grid: widths, contexts, batches
-    configs: list = field(default_factory=list)  # decode: the configs besides none
-    profile: bool = False  # decode: time the worker's phases once more (the fused pass, without a fused grid)
-    status: str = "planned"
-    seconds: float = 0.0
-    why: str = ""
-
-
-def decode_estimate(model: str, configs: Sequence[str], limit: int, repeats: int, profile: bool) -> float:
-    engines = 1 + len(configs)
-    per_round = ROUND_S_PER_ENGINE_PROMPT[model] * engines * limit
-    return DECODE_START_S[model] + (repeats + (1 if profile else 0)) * per_round + 10.0
-
-
-def grid_extra_s(n_points: int, steps: int, rounds: int) -> float:
-    """Seconds a grid of `n_points` takes beyond GRID_EST_S when each point times `steps` in `rounds` passes (each
-    pass pays WARM_STEPS + 1 untimed steps) instead of GRID_STEPS in one."""
-    per_point = steps + rounds * (grid_bench.WARM_STEPS + 1) - (GRID_STEPS + grid_bench.WARM_STEPS + 1)
-    return max(0.0, n_points * per_point * GRID_STEP_S)
-
-
-def make_plan(configs: dict[str, list[str]], *, limit: int = LIMIT, repeats: int = REPEATS,
-              fused_grid: bool = False, none_grid: bool = False, grid_steps: int = GRID_STEPS,
-              grid_rounds: int = 1) -> list[Item]:
-    """(a) every model's grid items, then (b) every model's decodes, in the order of `configs`; with `none_grid`
-    (c) every model's `none` grid, at the contexts of its lookup grid. `grid_steps` timed steps a grid point in
-    `grid_rounds` passes over the grid's points lengthen each grid item's estimate (`grid_extra_s`)."""
-    def extra(grid_config: str, model: str, points: dict) -> float:
-        n = len(grid_bench.points(grid_config, SHAPE_OF[model], **points))
-        return grid_extra_s(n, grid_steps, grid_rounds)
-
-    items: list[Item] = []
-    for model, these in configs.items():
-        for grid_config, points in grid_points(these, step_contexts(these), fused_grid=fused_grid).items():
-            more = extra(grid_config, model, points)
-            items.append(Item("grid", model, f"grid {SHAPE_OF[model]} {grid_config}", GRID_EST_S[grid_config] + more,
-                              GRID_MIN_S[grid_config] + more, grid_config=grid_config, points=points))
-    for model, these in configs.items():
-        profile = any(single_pass(c) for c in these) and not fused_grid
-        items.append(Item("decode", model, f"decode {model}", decode_estimate(model, these, limit, repeats, profile),
-                          min(DECODE_START_S[model] + 15.0, decode_estimate(model, these, limit, 1, False)),
-                          configs=list(these), profile=profile))
-    if none_grid:
-        for model, these in configs.items():
-            points = {"widths": (1,), "contexts": bracketing_contexts(*step_contexts(these)), "batches": (1,)}
-            more = extra("none", model, points)
-            items.append(Item("grid", model, f"grid {SHAPE_OF[model]} none", GRID_EST_S["none"] + more,
-                              GRID_MIN_S["none"] + more, grid_config="none", points=points))
-    return items
-
-
-def decide(items: Sequence[Item], i: int, left_s: float, grid_ok: dict[str, bool]) -> tuple[bool, float, str]:
-    """Whether item `i` starts with `left_s` seconds of the budget left, and its time limit: what is left less the
-    minimum of every later item that can still run (a decode only runs if its model's grid measured something), but
-    never less than 1.5 x its own estimate while the budget holds that (the items run in order of priority: a
-    later item that no longer fits is skipped, an earlier one is not starved). Returns (start, limit_s, why not)."""
-    item = items[i]
-    if item.kind == "decode" and not grid_ok.get(item.model, False):
-        return False, 0.0, f"no grid rows for {SHAPE_OF[item.model]}: nothing to validate its decodes against"
-    usable = left_s - END_MARGIN_S
-    if usable < item.min_s:
-        return False, 0.0, f"{usable:.0f} s usable, it needs at least {item.min_s:.0f} s"
-
-    def can_run(x: Item) -> bool:  # a later item that may still start: a decode needs its model's lookup grid
-        return x.status == "planned" and (x.kind == "grid" or grid_ok.get(x.model, False) or any(
-            g.kind == "grid" and g.model == x.model and g.grid_config == "gpu-lookup" for g in items[i:]))
-
-    reserve = sum(x.min_s for x in items[i + 1:] if can_run(x))
-    return True, max(usable - reserve, min(usable, ESTIMATE_SLACK * item.est_s)), ""
-
+SCRIPT = "benchmarks/seed_scale_validation.py"
 
 # ------------------------------------------------------------------------------------------------------------------
 # GPU: run
@@ -278,9 +107,7 @@ def configs_from(args: argparse.Namespace) -> dict[str, list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    start = time.monotonic()
-    out = Path(os.environ.get("OUT") or "out")
-    out.mkdir(parents=True, exist_ok=True)
+    out = runner.out_dir()
     work = Path(args.work or Path(os.environ.get("TMPDIR", "/tmp")) / "hqlab-seed-validation" / args.tag)
     work.mkdir(parents=True, exist_ok=True)
     log(f"work dir {work}; results into {out}")
@@ -294,10 +121,8 @@ def run(args: argparse.Namespace) -> int:
 
     def save() -> None:
         status["items"] = [asdict(x) for x in items]
-        status["elapsed_s"] = round(time.monotonic() - start, 1)
-        tmp = status_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(status, indent=1) + "\n")
-        os.replace(tmp, status_path)
+        status["elapsed_s"] = round(args.budget.spent(), 1)
+        runner.save_json(status_path, status, indent=1)
 
     for x in items:
         log(f"plan: {x.name}: ~{x.est_s:.0f} s (at least {x.min_s:.0f})")
@@ -306,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     models = sorted({grid_bench.TOKENIZER_FROM, *(x.model for x in items),
                      *([grid_bench.DRAFTER] if any(single_pass(c) for x in items for c in x.configs) else [])})
     code = f"from hqlab import models; [models.prepare(m) for m in {models!r}]"
-    rc = grid_bench.run_bounded([sys.executable, "-c", code], max(30.0, args.budget_s - END_MARGIN_S), cwd=ROOT)
+    rc = runner.run_bounded([sys.executable, "-c", code], max(30.0, args.budget_s - END_MARGIN_S), cwd=ROOT)
     status["prepare_s"] = round(time.monotonic() - t, 1)
     log(f"models {', '.join(models)} ready in {status['prepare_s']:.0f} s (exit {rc})")
     save()
@@ -315,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     rows_path = work / f"seed_scale_{args.tag}.jsonl"
     grid_ok: dict[str, bool] = {}
     for i, item in enumerate(items):
-        left = args.budget_s - (time.monotonic() - start)
+        left = args.budget.left()
         go, limit_s, why = decide(items, i, left, grid_ok)
         if not go:
             item.status, item.why = "skipped", why
@@ -333,14 +158,14 @@ def run(args: argparse.Namespace) -> int:
             item.status = "done" if got else "failed"
             item.why = f"{got} of {want} points measured"
         else:
-            rc = grid_bench.run_bounded(bench_argv(item, args.tag, args.limit, args.repeats), limit_s, cwd=ROOT)
+            rc = runner.run_bounded(bench_argv(item, args.tag, args.limit, args.repeats), limit_s, cwd=ROOT)
             item.status = {0: "done", "timeout": "cut"}.get(rc, "failed")
             item.why = (f"exit {rc}" if rc != "timeout" else
                         f"stopped at its {limit_s:.0f} s: the rounds it finished are saved, a profile is not")
         item.seconds = round(time.monotonic() - t, 1)
         log(f"{item.name}: {item.status} in {item.seconds:.0f} s ({item.why})")
         save()
-    log(f"done in {time.monotonic() - start:.0f} s of {args.budget_s:.0f}: "
+    log(f"done in {args.budget.spent():.0f} s of {args.budget_s:.0f}: "
         + ", ".join(f"{x.name} {x.status}" for x in items))
     return 0
 
@@ -378,7 +203,7 @@ def finish(args: argparse.Namespace) -> int:
     (check.parquet) and what the host returned as it came (hqlab.bench.results.write_run)."""
     import polars as pl
 
-    from benchmarks import vllm_gpu
+    from hqlab.bench.vllm import finish_tables
     from hqlab.replay import scale
 
     src = Path(args.returned)
@@ -402,7 +227,7 @@ def finish(args: argparse.Namespace) -> int:
             raise SystemExit(f"{raw.name} decoded on {meta['machine']!r}, the grid rows of run {tag} were measured on "
                              f"{sorted(set(costs['machine']))}: not the same machine")
         runs[model] = f"{tag}_{short}"
-        decodes.append(vllm_gpu.finish_tables([str(raw)], runs[model], commit=commit))
+        decodes.append(finish_tables([str(raw)], runs[model], commit=commit))
         meta_path = raw.with_suffix(".json")
         packed = meta_path.with_name(meta_path.name + ".gz")
         files |= {f"raw_{short}.parquet": raw,
@@ -417,10 +242,9 @@ def finish(args: argparse.Namespace) -> int:
                                 {run: SHAPE_OF[model] for model, run in runs.items()}, phases=tables.get("phases"),
                                 repeats=tables.get("repeats"), say=print).with_columns(
         pl.lit(statistic).alias("cost_statistic"))
-    runners = sorted({str(r).upper() for r in tables["rows"]["vllm_runner"].drop_nulls()})
-    folder = grid_bench.finish_run(src, tag, args.results, tables=tables | {"check": table}, files=files,
-                                   info={"commit": commit, "benchmark": "benchmarks/seed_scale_validation.py",
-                                         "vllm_runner": runners or None})
+    folder = grid_bench.finish_run(src, tag, args.results, script=SCRIPT, tables=tables | {"check": table}, files=files,
+                                   info={"commit": commit,
+                                         "vllm_runner": runner.vllm_runners(tables["rows"]["vllm_runner"].to_list())})
     with pl.Config(tbl_rows=100, tbl_width_chars=200, fmt_str_lengths=40):
         print(table.select("run", "label", "category", "prompts", "measured_tok_s", "predicted_tok_s", "ratio",
                            "within", "predicted_step_ms", "recorded_step_ms", "clamped_share"))
@@ -439,45 +263,55 @@ def finish(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    for name, help_ in (("run", "GPU: the grid, then the decodes, within the budget"),
-                        ("plan", "print what `run` would do and its expected seconds")):
-        r = sub.add_parser(name, help=help_)
-        r.add_argument("--tag", default="v1")
-        r.add_argument("--commit", default="unknown")
-        r.add_argument("--budget-s", type=float, default=520)
-        r.add_argument("--work", default=None)
-        r.add_argument("--limit", type=int, default=LIMIT, help="the suite's first N prompts")
-        r.add_argument("--repeats", type=int, default=REPEATS)
-        r.add_argument("--fused-grid", action="store_true",
-                       help="also the 1.5B's gpu-fused step in the grid (~100 s more); without it the fused pass is "
-                            "the decodes' profiled pass")
-        r.add_argument("--none-grid", action="store_true",
-                       help="last, an engine without a speculator per shape, which prices `none` (~80 s a model)")
-        r.add_argument("--grid-steps", type=grid_bench.positive_int, default=GRID_STEPS,
-                       help=f"timed steps a grid point (default {GRID_STEPS})")
-        r.add_argument("--grid-rounds", type=grid_bench.positive_int, default=1,
-                       help="time each grid point's steps in this many passes over the grid's points, spread over "
-                            "the grid's time (default 1: one burst a point)")
-        r.add_argument("--config-05b", action="append", default=None, help="the 0.5B's configs (repeatable)")
-        r.add_argument("--config-15b", action="append", default=None, help="the 1.5B's configs (repeatable)")
-        r.add_argument("--model", action="append", choices=sorted(SHAPE_OF), default=None,
-                       help="only these models (default both)")
-    sub.add_parser("prepare", help="GPU: convert the models only")
-    f = sub.add_parser("finish", help="CPU: the returned dir -> grid rows, decodes, validation")
-    f.add_argument("returned")
-    f.add_argument("--commit", default=None, help="default: the commit the GPU side was given")
-    f.add_argument("--results", default=None, help="the results folder (default data/results)")
-    args = p.parse_args(argv)
-    if getattr(args, "model", None) is None and args.cmd in ("run", "plan"):
-        args.model = sorted(SHAPE_OF)
-    if args.cmd in ("run", "plan") and args.grid_rounds > args.grid_steps:
-        p.error(f"--grid-rounds {args.grid_rounds} is more than --grid-steps {args.grid_steps}: every round times at "
-                f"least one step of each point")
-    return {"run": run, "plan": show_plan, "prepare": prepare, "finish": finish}[args.cmd](args)
+def check_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    args.model = args.model or sorted(SHAPE_OF)
+    if args.grid_rounds > args.grid_steps:
+        parser.error(f"--grid-rounds {args.grid_rounds} is more than --grid-steps {args.grid_steps}: every round times "
+                     f"at least one step of each point")
+    try:
+        configs_from(args)  # a config the grid cannot price is refused here, before anything starts
+    except ValueError as e:
+        parser.error(str(e))
 
+
+def add_plan_options(parser: argparse.ArgumentParser) -> None:
+    """What `run` does and `plan` prints."""
+    parser.add_argument("--work", default=None)
+    parser.add_argument("--limit", type=int, default=LIMIT, help="the suite's first N prompts")
+    parser.add_argument("--repeats", type=int, default=REPEATS)
+    parser.add_argument("--fused-grid", action="store_true",
+                        help="also the 1.5B's gpu-fused step in the grid (~100 s more); without it the fused pass is "
+                             "the decodes' profiled pass")
+    parser.add_argument("--none-grid", action="store_true",
+                        help="last, an engine without a speculator per shape, which prices `none` (~80 s a model)")
+    parser.add_argument("--grid-steps", type=grid_bench.positive_int, default=GRID_STEPS,
+                        help=f"timed steps a grid point (default {GRID_STEPS})")
+    parser.add_argument("--grid-rounds", type=grid_bench.positive_int, default=1,
+                        help="time each grid point's steps in this many passes over the grid's points, spread over "
+                             "the grid's time (default 1: one burst a point)")
+    parser.add_argument("--config-05b", action="append", default=None, help="the 0.5B's configs (repeatable)")
+    parser.add_argument("--config-15b", action="append", default=None, help="the 1.5B's configs (repeatable)")
+    parser.add_argument("--model", action="append", choices=sorted(SHAPE_OF), default=None,
+                        help="only these models (default both)")
+
+
+def show_plan_checked(args: argparse.Namespace) -> int:
+    check_run(args, CLI.parsers["plan"])
+    return show_plan(args)
+
+
+CLI = runner.Benchmark(SCRIPT, __doc__)
+add_plan_options(CLI.gpu("run", run, "GPU: the grid, then the decodes, within the budget", tag="v1", budget_s=520,
+                         check=check_run))
+cmd = CLI.command("plan", show_plan_checked, "print what `run` would do and its expected seconds", results=False)
+cmd.add_argument("--tag", default="v1")
+cmd.add_argument("--commit", default="unknown")
+cmd.add_argument("--budget-s", type=float, default=520)
+add_plan_options(cmd)
+CLI.command("prepare", prepare, "GPU: convert the models only", results=False)
+cmd = CLI.command("finish", finish, "CPU: the returned dir -> grid rows, decodes, validation", commit=True)
+cmd.add_argument("returned")
+main = CLI.main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,9 +1,10 @@
 """The gpu-lookup corpus inside vLLM (#42): earlier requests' outputs as a GPU corpus, against the same lookup without
 it and against no speculation, on the corpus workloads and prose, one request at a time and 8 in flight.
 
-  GPU (an offline host, through tools/gpu_host/vllm_host.py run, which installs vLLM and the models first):
+  GPU (an offline host, through tools/gpu_host/vllm_host.py run, which installs vLLM and the models first;
+  `python benchmarks/vllm_corpus.py host bench --tag c1 [--plan ...]` prints the call with its commit):
       python3 tools/gpu_host/vllm_host.py run --log vllm_corpus_c1.log -- \\
-          python3 benchmarks/vllm_corpus.py bench --tag c1
+          python3 benchmarks/vllm_corpus.py bench --tag c1 --commit COMMIT
     (on a CUDA machine with vLLM 0.26.0 and hqlab installed: python3 benchmarks/vllm_corpus.py bench --tag c1)
     writes $OUT/vllm_corpus_<tag>.parquet (one row per request of every point measured, rewritten after every
     point) and $OUT/vllm_corpus_<tag>.json (machine, versions, settings, the plan, what vLLM chose per engine);
@@ -32,7 +33,7 @@ seconds apart. --budget-s bounds the whole call (engine starts included): a poin
 Why these corpus keys: corpus_policy=longest, since with nmin=1 the request's own history almost always holds a
 one-token match, so under "own" the corpus would seldom be asked; "longest" lets it win where its match is longer.
 corpus_prompts=1: the agent's requests repeat earlier requests' tool results, which are in prompts, not outputs. A
-replay of the rule over the 0.5B's greedy traces of these workloads (data/results/traces_0.5b_corpus_128.parquet,
+replay of the rule over the 0.5B's greedy traces of these workloads (data/results/traces/0.5b_corpus_128/,
 128 new tokens, the first 10 requests one at a time) gave tokens/step, without the corpus -> longest -> longest
 with prompts: multiturn 2.05 -> 2.25 -> 2.25, template 2.29 -> 3.38 -> 3.41, agent 2.46 -> 2.46 -> 3.04. 32,768
 tokens hold every document of a point (16 requests of at most ~1,000 prompt and 256 output tokens).
@@ -50,13 +51,17 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # a bare checkout on the GPU host (hqlab is not importable before this)
 
+from hqlab.bench import runner  # noqa: E402  (standard library only: the host has no polars)
+from hqlab.bench.corpus_runs import Request, owner, plan_points, read_workload, request_counts  # noqa: E402
+from hqlab.bench.runner import log  # noqa: E402
+
+SCRIPT = "benchmarks/vllm_corpus.py"
 BASE = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest"
 CORPUS_KEYS = "corpus=32768,corpus_policy=longest,corpus_prompts=1"
 CONFIGS = ("none", BASE, f"{BASE},{CORPUS_KEYS}")
@@ -77,81 +82,11 @@ EST_TOK_S = {1: 400.0, 8: 2000.0}
 EST_START_S = 150.0
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-@dataclass(frozen=True)
-class Request:
-    workload: str
-    order: int  # position in the workload file
-    session: str
-    turn: int
-    messages: tuple[tuple[str, str], ...]
-
-    @property
-    def name(self) -> str:  # no '-': vLLM's request ids append '-<n>' to it
-        return f"{self.workload}.{self.order:03d}".replace("-", "_")
-
-
-def read_workload(path: Path) -> list[Request]:
-    """Requests in file order, read by hqlab's readers: a request log ({"workload", "session", "turn", "messages"}
-    lines: `hqlab.workloads.read_requests`) or a prompt file ({"id", "prompt"} or {"turns"} lines, as
-    data/workloads/prose.jsonl: `read_jsonl`, each prompt a session of one turn)."""
-    from hqlab.workloads import WorkloadError, read_jsonl, read_requests
-
-    first = next((line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()), "{}")
-    try:
-        if "messages" in json.loads(first):
-            return [Request(r.workload, i, r.session, r.turn, tuple((m["role"], m["content"]) for m in r.messages))
-                    for i, r in enumerate(read_requests(path))]
-        return [Request(path.stem, i, p.id, 0, tuple((m["role"], m["content"]) for m in p.messages))
-                for i, p in enumerate(read_jsonl(path))]
-    except WorkloadError as e:
-        raise SystemExit(str(e)) from None
-
-
-def plan_points(workloads: list[str], configs: list[str], repeats: int, loads: tuple[int, ...]) -> list[tuple]:
-    """(repeat, workload, load, config) in the order they run: repeat by repeat, so a call cut short keeps whole
-    repeats; a (workload, load)'s configs back to back, the first rotating."""
-    points = []
-    for r in range(repeats):
-        for w, workload in enumerate(workloads):
-            for load in loads:
-                shift = (r + w + load) % len(configs)
-                points += [(r, workload, load, configs[(shift + j) % len(configs)]) for j in range(len(configs))]
-    return points
-
-
-def request_counts(specs: list[str]) -> dict[tuple[str | None, int], int]:
-    """`REQUESTS`-style entries -> {(workload stem or None, load): requests}; later entries win."""
-    out: dict[tuple[str | None, int], int] = {}
-    for item in specs:
-        where, _, n = item.partition("=")
-        stem, _, load = where.rpartition(":")
-        try:
-            out[(stem or None, int(load))] = int(n)
-        except ValueError:
-            raise SystemExit(f"--requests {item!r}: expected LOAD=N or WORKLOAD:LOAD=N (e.g. 8=16, prose:1=6)")
-        if int(n) < 1:
-            raise SystemExit(f"--requests {item!r}: N must be >= 1")
-    return out
-
-
 def estimate_s(n_requests: int, load: int) -> float:
     return n_requests * MAX_NEW_TOKENS / EST_TOK_S[load] + 0.05 * n_requests
 
 
-def owner(internal: str, rids: list[str]) -> str | None:
-    """The request id we gave vLLM that its internal id `internal` belongs to (vLLM may append '-<suffix>')."""
-    for rid in rids:
-        if internal == rid or internal.startswith(rid + "-"):
-            return rid
-    return None
-
-
 def bench(args: argparse.Namespace) -> int:
-    t_start = time.time()
     workloads = {}
     for path in args.workload or WORKLOADS:
         p = Path(path) if Path(path).is_absolute() else ROOT / path
@@ -182,10 +117,10 @@ def bench(args: argparse.Namespace) -> int:
         for i, (r, w, load, config) in enumerate(points):
             log(f"  point {i}: repeat {r} {Path(w).stem} load {load} {config}")
         return 0
-    return run_bench(args, workloads, configs, points, chosen, t_start)
+    return run_bench(args, workloads, configs, points, chosen)
 
 
-def run_bench(args, workloads, configs, points, chosen, t_start) -> int:
+def run_bench(args, workloads, configs, points, chosen) -> int:
     import vllm  # noqa: F401  (first: a missing wheel fails here, before the model converts)
 
     from hqlab import models, provenance
@@ -214,8 +149,7 @@ def run_bench(args, workloads, configs, points, chosen, t_start) -> int:
                           kv_cache_bytes=startup.PARALLEL_START_KV_BYTES,
                           max_cudagraph_capture_size=args.capture or 0)
     decode = DecodeConfig(max_new_tokens=MAX_NEW_TOKENS)
-    out = Path(os.environ.get("OUT", "out"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = runner.out_dir()
     raw_path, meta_path = out / f"vllm_corpus_{args.tag}.parquet", out / f"vllm_corpus_{args.tag}.json"
     phases_path = out / f"vllm_corpus_{args.tag}.phases.parquet"
     rows: list[dict[str, Any]] = []
@@ -225,18 +159,13 @@ def run_bench(args, workloads, configs, points, chosen, t_start) -> int:
             "configs": configs, "repeats": args.repeats, "loads": list(args.load or LOADS),
             "requests": [*REQUESTS, *(args.requests or [])], "budget_s": args.budget_s,
             "points_planned": len(points), "points_done": 0, "stopped": "", "failed": {}, "engines": described,
-            "capture": args.capture or 0, "profile": bool(args.profile)}
+            "capture": args.capture or 0, "profile": bool(args.profile), "commit": args.commit}
 
     def save() -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         for path, table in ((raw_path, rows), (phases_path, phases)):
             if table:
-                pq.write_table(pa.Table.from_pylist(table), str(path) + ".tmp")
-                os.replace(str(path) + ".tmp", path)
-        meta_path.with_suffix(".tmp").write_text(json.dumps(meta) + "\n")
-        os.replace(meta_path.with_suffix(".tmp"), meta_path)
+                runner.save_table(path, table)
+        runner.save_json(meta_path, meta)
 
     class RecordingEngine(VLLMEngine):
         """Keeps the speculator's raw step records (with the corpus's fields), which `generate` turns into
@@ -264,7 +193,7 @@ def run_bench(args, workloads, configs, points, chosen, t_start) -> int:
             described.append(engine.describe())
             first = next(iter(prompt_ids.values()))
             engine.generate(first, decode=DecodeConfig(max_new_tokens=32), request="warmup")
-        log(f"engines ready at {time.time() - t_start:.0f} s: " + "; ".join(
+        log(f"engines ready at {args.budget.spent():.0f} s: " + "; ".join(
             f"{d['config']} runner {d['model_runner']} async {d['async_scheduling']}" for d in described))
         save()
         took: dict[tuple, float] = {}
@@ -272,7 +201,7 @@ def run_bench(args, workloads, configs, points, chosen, t_start) -> int:
         for i, (repeat, workload, load, config) in enumerate(points):
             reqs = chosen(workload, load)
             expect = took.get((config, workload, load), estimate_s(len(reqs), load))
-            if time.time() - t_start + expect > args.budget_s:
+            if not args.budget.fits(expect):
                 meta["stopped"] = f"budget: point {i} of {len(points)} would end past {args.budget_s:.0f} s"
                 log(meta["stopped"])
                 break
@@ -303,7 +232,7 @@ def run_bench(args, workloads, configs, points, chosen, t_start) -> int:
             steps = sum(len(json.loads(r["steps"])) for r in got)
             log(f"point {i + 1}/{len(points)} repeat {repeat} {Path(workload).stem} load {load} {config}: "
                 f"{took[(config, workload, load)]:.1f} s, {toks} tokens, {toks / max(steps, 1):.2f} tokens/step "
-                f"(elapsed {time.time() - t_start:.0f} s)")
+                f"(elapsed {args.budget.spent():.0f} s)")
     finally:
         for engine in engines:
             engine.close()
@@ -365,181 +294,25 @@ def run_point(engine, reqs, prompts, load, decode, records_from_workers, *, prof
     return rows, timed
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# finish (CPU)
-
-
-def check_rows(rows: list[dict[str, Any]], config: str) -> dict[str, Any]:
-    """The replay of one point's requests (`hqlab.bench.corpus_check`); empty for `none`."""
-    from hqlab.bench.corpus_check import RequestRun, Step, check_point
-    from hqlab.engines.vllm.gpu_lookup import lookup_config
-
-    if config == "none":
-        return {}
-    c = lookup_config(config)
-    runs = []
-    problems = []
-    for row in sorted(rows, key=lambda x: x["order"]):
-        steps = json.loads(row["steps"])
-        if c.corpus and row["corpus_seq"] >= 0:
-            want = len(row["output_ids"]) + (len(row["prompt_ids"]) if c.corpus_prompts else 0)
-            if row["corpus_doc_len"] != want:
-                problems.append(f"{row['request']}: its corpus document had {row['corpus_doc_len']} tokens, its "
-                                f"recorded ids make {want}")
-        runs.append(RequestRun(row["request"], tuple(row["prompt_ids"]), tuple(row["output_ids"]),
-                               int(row["corpus_seq"]) if c.corpus else -1,
-                               tuple(Step(s["context_len"], max(s["corpus_docs"], 0), s["emitted"],
-                                          None if s["drafted"] is None else tuple(s["drafted"])) for s in steps)))
-    result = check_point(runs, nmin=c.nmin, nmax=c.nmax, k=c.k, policy=c.policy, search=c.search,
-                         corpus=c.corpus_config)
-    result.problems += problems
-    return result.summary()
-
-
-def without_corpus(config: str, labels: set[str]) -> str | None:
-    """The label among `labels` of `config` without its corpus keys (None: `config` has no corpus, or none ran)."""
-    from hqlab.config import parse_spec
-
-    name, values = parse_spec(config)
-    if not any(k.startswith("corpus") for k in values):
-        return None
-    want = (name, {k: v for k, v in values.items() if not k.startswith("corpus")})
-    return next((label for label in sorted(labels) if label != "none" and parse_spec(label) == want), None)
-
-
-SLOW_STEP = 3.0  # a step interval this many times the point's median is a slow one (an admission, a stall)
-
-
-def step_intervals(steps_per_request: list[list[dict[str, Any]]]) -> dict[str, float]:
-    """The point's step intervals as its requests saw them (from each request's parsed steps: the time between its
-    consecutive steps on the front end's clock): their median in ms, the share of intervals over SLOW_STEP x that
-    median, and the share of the requests' decode time those slow intervals took. With many requests in flight the
-    slow ones come about once per request admitted (docs/corpus.md, "Where the time goes with 8 in flight")."""
-    import numpy as np
-
-    gaps = np.concatenate([np.diff([s["t_end"] for s in steps]) for steps in steps_per_request] or [np.zeros(0)])
-    if gaps.size == 0:
-        return {"step_ms_median": float("nan"), "slow_step_share": float("nan"), "slow_time_share": float("nan")}
-    median = float(np.median(gaps))
-    slow = gaps > SLOW_STEP * median
-    return {"step_ms_median": 1e3 * median, "slow_step_share": float(slow.mean()),
-            "slow_time_share": float(gaps[slow].sum() / gaps.sum()) if gaps.sum() > 0 else float("nan")}
-
-
-def point_rows(raw: list[dict[str, Any]], run: str) -> list[dict[str, Any]]:
-    """One result row per (config, workload, load, repeat)."""
-    from collections import defaultdict
-
-    points: dict[tuple, list[dict]] = defaultdict(list)
-    for row in raw:
-        points[(row["config"], row["workload"], row["load"], row["repeat"])].append(row)
-    none_out = {(w, load, rep, row["order"]): row["output_ids"] for (c, w, load, rep), rs in points.items()
-                if c == "none" for row in rs}
-    out = []
-    for (config, workload, load, repeat), rs in sorted(points.items(), key=lambda kv: (kv[0][1], kv[0][2],
-                                                                                        kv[0][3], kv[0][0])):
-        tokens = sum(len(r["output_ids"]) for r in rs)
-        per_request = [json.loads(r["steps"]) for r in rs]
-        steps = [s for request_steps in per_request for s in request_steps]
-        if load == 1:
-            span = sum(max(r["t_last"] - r["ttft_s"], 0.0) for r in rs)
-            rate = sum(max(len(r["output_ids"]) - 1, 0) for r in rs) / span if span > 0 else float("nan")
-        else:
-            rate = tokens / rs[0]["point_wall_s"]
-        diverged = []
-        for r in rs:
-            ref = none_out.get((workload, load, repeat, r["order"]))
-            if ref is not None and list(ref) != list(r["output_ids"]):
-                first = next((i for i, (a, b) in enumerate(zip(ref, r["output_ids"])) if a != b),
-                             min(len(ref), len(r["output_ids"])))
-                diverged.append(f"{r['request']}@{first}")
-        row = {"run": run, "config": config, "workload": workload, "load": load, "repeat": repeat,
-               "requests": len(rs), "output_tokens": tokens, "wall_s": rs[0]["point_wall_s"], "decode_tok_s": rate,
-               "tokens_per_step": sum(s["emitted"] for s in steps) / len(steps) if steps else float("nan"),
-               "corpus_step_share": (sum(s["source"] == "corpus" for s in steps) / len(steps)) if steps else 0.0,
-               "greedy_equal_none": not diverged, "diverged": ", ".join(diverged)}
-        row.update(step_intervals(per_request))
-        row.update(check_rows(rs, config))
-        out.append(row)
-    rate_of = {(r["config"], r["workload"], r["load"], r["repeat"]): r["decode_tok_s"] for r in out}
-    labels = {r["config"] for r in out}
-    for r in out:
-        key = (r["workload"], r["load"], r["repeat"])
-        base = without_corpus(r["config"], labels)
-        r["vs_none"] = r["decode_tok_s"] / rate_of.get(("none", *key), float("nan"))
-        r["vs_no_corpus"] = r["decode_tok_s"] / rate_of.get((base, *key), float("nan")) if base else float("nan")
-    return out
-
-
 def finish(args: argparse.Namespace) -> int:
     """One run's raw files -> data/results/corpus/<run>/ (hqlab.bench.results.write_run)."""
-    import polars as pl
-    import pyarrow.parquet as pq
-
-    from hqlab import provenance
     from hqlab.bench import results
+    from hqlab.bench.corpus_runs import returned_run
 
-    raw: list[dict[str, Any]] = []
-    meta: dict[str, Any] = {}
-    files: dict[str, Path] = {}
-    for path in map(Path, args.raw):
-        raw += pq.read_table(path).to_pylist()
-        if path.with_suffix(".json").exists():
-            meta = json.loads(path.with_suffix(".json").read_text())
-            files["raw.json"] = path.with_suffix(".json")
-    if not raw:
-        raise SystemExit("no requests in the raw files")
-    points = pl.DataFrame(point_rows(raw, args.run), infer_schema_length=None)
-    versions = meta.get("versions", {})
-    machine = str(versions.get("device", meta.get("machine", "")))
-    points = points.with_columns(pl.lit(args.commit or provenance.git_commit()).alias("git_commit"),
-                                 pl.lit(str(versions.get("vllm"))).alias("vllm"),
-                                 pl.lit(machine).alias("device"),
-                                 pl.lit(meta.get("model", MODEL)).alias("model"))
-    engines = meta.get("engines") or []  # what vLLM chose per engine (model runner, scheduling, CUDA graphs)
-    if engines:
-        chosen = pl.DataFrame([{"config": e["config"], "vllm_runner": str(e.get("model_runner", "")).upper(),
-                                "async_scheduling": e.get("async_scheduling"),
-                                "cudagraph_mode": e.get("cudagraph_mode")} for e in engines])
-        points = points.join(chosen, on="config", how="left")
-    requests = pl.DataFrame([{**{k: v for k, v in r.items() if k != "steps"}, "run": args.run,
-                              **_step_columns(json.loads(r["steps"]))} for r in raw], infer_schema_length=None)
-    tables = {"rows": points, "requests": requests}
-    timed = [p for p in (Path(raw_path).with_suffix(".phases.parquet") for raw_path in args.raw) if p.exists()]
-    if timed:  # the profiled points' steps that admit a request against those that only decode
-        phases = pl.concat([pl.read_parquet(p) for p in timed], how="diagonal_relaxed")
-        tables |= {"phases": phases, "admissions": admissions_table(phases, args.run)}
-    returned = {p for raw_path in args.raw for p in results.logs_of(Path(raw_path).parent, args.run)}
-    logs, info = results.run_logs(returned, "benchmarks/vllm_corpus.py")
+    tables, meta, files = returned_run(args.raw, args.run, commit=args.commit, model=MODEL)
+    points = tables["rows"]
+    machine = points["device"][0]
     card = args.card or (results.card_of(machine) if machine else None)
     if card is None:
         raise SystemExit(f"no machine named beside {args.raw[0]} (its .json): give --card")
-    plan = ROOT / "benchmarks" / "plans" / f"corpus_{args.run}.json"
-    info |= {"commit": args.commit or provenance.git_commit(), "benchmark": "benchmarks/vllm_corpus.py",
-             "plan": str(plan.relative_to(ROOT)) if plan.exists() else None,
-             "vllm_runner": sorted({str(e.get("model_runner") or "").upper() for e in engines} - {""}) or None}
-    folder = results.write_run("corpus", args.run, card=card, tables=tables, files=files | logs, info=info,
-                               root=args.results)
+    folder = runner.finish_run(
+        "corpus", args.run, card=card, script=SCRIPT, tables=tables, files=files, root=args.results,
+        logs={p for raw_path in args.raw for p in runner.returned_logs(Path(raw_path).parent, args.run)},
+        info={"commit": points["git_commit"][0], "plan": runner.plan_path("corpus", args.run),
+              "vllm_runner": runner.vllm_runners(e.get("model_runner") for e in meta.get("engines") or [])})
     summary(points)
-    print(f"wrote run {args.run}: {points.height} points, {requests.height} requests -> {folder}")
+    print(f"wrote run {args.run}: {points.height} points, {tables['requests'].height} requests -> {folder}")
     return 0
-
-
-def admissions_table(phases: Any, run: str) -> Any:
-    """A `--profile` run's timed calls -> one row per point: its steps that admit a request against those that only
-    decode (`hqlab.bench.engine_steps.admissions`), tagged with the run."""
-    import polars as pl
-
-    from hqlab.bench.engine_steps import admissions, engine_steps
-
-    return admissions(engine_steps(phases)).with_columns(pl.lit(run).alias("run"))
-
-
-def _step_columns(steps: list[dict[str, Any]]) -> dict[str, list]:
-    return {"step_context_len": [s["context_len"] for s in steps],
-            "step_corpus_docs": [s["corpus_docs"] for s in steps],
-            "step_emitted": [s["emitted"] for s in steps], "step_accepted": [s["accepted"] for s in steps],
-            "step_source": [s["source"] for s in steps]}
 
 
 def summary(points: Any) -> None:
@@ -555,79 +328,39 @@ def summary(points: Any) -> None:
         print(table)
 
 
-PLAN_KEYS = {"configs": "config", "workloads": "workload", "loads": "load", "requests": "requests",
-             "repeats": "repeats", "budget_s": "budget_s", "capture": "capture", "profile": "profile"}
+def check_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    request_counts([*REQUESTS, *(args.requests or [])])  # a malformed --requests fails here, not on the host
+    if args.repeats < 2 and not args.dry_run:
+        log("note: fewer than 2 repeats")
 
 
-def apply_plan(args: argparse.Namespace) -> None:
-    """Fill the bench arguments the command line left unset from `--plan` (a JSON object: `configs` a list of
-    specs or {label: spec}, `workloads`, `loads`, `requests` as the flags take them, `repeats`, `budget_s`,
-    `capture`, `profile`; other keys, such as `why`, are notes), then the defaults (2 repeats, 330 s)."""
-    plan: dict[str, Any] = {}
-    if args.plan:
-        path = Path(args.plan) if Path(args.plan).is_absolute() else ROOT / args.plan
-        try:
-            plan = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as e:
-            raise SystemExit(f"--plan {args.plan}: {e}") from None
-        if not isinstance(plan, dict):
-            raise SystemExit(f"--plan {args.plan}: expected a JSON object")
-    for key, dest in PLAN_KEYS.items():
-        if key not in plan or getattr(args, dest) is not None:
-            continue
-        value = plan[key]
-        if key == "configs" and isinstance(value, dict):
-            value = list(value.values())
-        if key in ("configs", "workloads", "loads", "requests") and not isinstance(value, list):
-            raise SystemExit(f"--plan {args.plan}: {key} must be a list")
-        setattr(args, dest, value)
-    if args.repeats is None:
-        args.repeats = 2
-    if args.budget_s is None:
-        args.budget_s = 330.0
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("bench", help="GPU: every point on three engines, raw rows into $OUT")
-    b.add_argument("--tag", required=True)
-    b.add_argument("--model", default=MODEL)
-    b.add_argument("--config", action="append", default=None, help=f"a config (repeatable; default {CONFIGS})")
-    b.add_argument("--workload", action="append", default=None, help=f"a JSONL workload (default {WORKLOADS})")
-    b.add_argument("--load", action="append", type=int, default=None, help="requests in flight (default 1 and 8)")
-    b.add_argument("--repeats", type=int, default=None, help="repeats of every point (default 2)")
-    b.add_argument("--requests", action="append", default=None,
-                   help=f"requests per point in file order, LOAD=N or WORKLOAD:LOAD=N (repeatable; defaults "
-                        f"{REQUESTS})")
-    b.add_argument("--budget-s", type=float, default=None,
-                   help="the whole call's time, engine starts included: no point starts that would end past it "
-                        "(default 330)")
-    b.add_argument("--plan", default=None,
-                   help="a JSON plan (benchmarks/plans/corpus_*.json): its configs, workloads, loads, requests, "
-                        "repeats and budget_s fill in what the command line leaves out")
-    b.add_argument("--gpu-memory", type=float, default=0.85, help="GPU memory fraction shared by the engines")
-    b.add_argument("--capture", type=int, default=None,
-                   help="CUDA graphs for steps of up to this many tokens, every engine (default: the served "
-                        "configs', hqlab.engines.vllm.serving.capture_size: max(1024, requests x (k + 1)))")
-    b.add_argument("--profile", action="store_true", default=None,
-                   help="time the worker's phases during every point (worker.StepTimer) into "
-                        "$OUT/vllm_corpus_<tag>.phases.parquet")
-    b.add_argument("--dry-run", action="store_true", help="print the plan, start no engine (CPU)")
-    f = sub.add_parser("finish", help="CPU: raw rows -> results and per-request parquets, with the replay check")
-    f.add_argument("raw", nargs="+")
-    f.add_argument("--run", required=True, help="name of this run (the bench call's tag)")
-    f.add_argument("--results", default=None, help="the results folder (default data/results)")
-    f.add_argument("--card", default=None, help="the card, where no .json beside the raw file names the machine")
-    f.add_argument("--commit", default=None, help="the commit whose code ran on the host (default: this checkout's)")
-    args = ap.parse_args(argv)
-    if args.cmd == "bench":
-        apply_plan(args)
-        if args.repeats < 2 and not args.dry_run:
-            log("note: fewer than 2 repeats")
-        return bench(args)
-    return finish(args)
-
+CLI = runner.Benchmark(SCRIPT, __doc__)
+cmd = CLI.gpu("bench", bench, "GPU: every point on three engines, raw rows into $OUT", budget_s=None,
+              plan={"configs": "config", "workloads": "workload", "loads": "load", "requests": "requests",
+                    "repeats": "repeats", "budget_s": "budget_s", "capture": "capture", "profile": "profile"},
+              lists=("configs", "workloads", "loads", "requests"), defaults={"repeats": 2, "budget_s": 330.0},
+              check=check_bench)
+cmd.add_argument("--model", default=MODEL)
+cmd.add_argument("--config", action="append", default=None, help=f"a config (repeatable; default {CONFIGS})")
+cmd.add_argument("--workload", action="append", default=None, help=f"a JSONL workload (default {WORKLOADS})")
+cmd.add_argument("--load", action="append", type=int, default=None, help="requests in flight (default 1 and 8)")
+cmd.add_argument("--repeats", type=int, default=None, help="repeats of every point (default 2)")
+cmd.add_argument("--requests", action="append", default=None,
+                 help=f"requests per point in file order, LOAD=N or WORKLOAD:LOAD=N (repeatable; defaults {REQUESTS})")
+cmd.add_argument("--gpu-memory", type=float, default=0.85, help="GPU memory fraction shared by the engines")
+cmd.add_argument("--capture", type=int, default=None,
+                 help="CUDA graphs for steps of up to this many tokens, every engine (default: the served configs', "
+                      "hqlab.engines.vllm.serving.capture_size: max(1024, requests x (k + 1)))")
+cmd.add_argument("--profile", action="store_true", default=None,
+                 help="time the worker's phases during every point (worker.StepTimer) into "
+                      "$OUT/vllm_corpus_<tag>.phases.parquet")
+cmd.add_argument("--dry-run", action="store_true", help="print the plan, start no engine (CPU)")
+cmd = CLI.command("finish", finish, "CPU: raw rows -> results and per-request parquets, with the replay check",
+                  commit=True)
+cmd.add_argument("raw", nargs="+")
+cmd.add_argument("--run", required=True, help="name of this run (the bench call's tag)")
+cmd.add_argument("--card", default=None, help="the card, where no .json beside the raw file names the machine")
+main = CLI.main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,6 +1,6 @@
 """hqlab inside vLLM on a GPU: the configs of docs/vllm.md on one engine each, raw runs saved after every config.
 
-  GPU (through tools/gpu_host/vllm_host.py run, which installs vLLM and the model on an offline host):
+  GPU (through tools/gpu_host/vllm_host.py run; `python benchmarks/vllm_gpu.py host bench ...` prints the call):
       python3 benchmarks/vllm_gpu.py bench --tag a --suite all --repeats 3 --concurrency 8 --profile \\
           --config gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest --config lookup:nmin=1,nmax=32,k=15,policy=earliest
     writes $OUT/vllm_gpu_<tag>.parquet (raw runs, after every config) and $OUT/vllm_gpu_<tag>.json (machine, settings,
@@ -20,13 +20,11 @@
 
 --sustained adds the whole suite with --concurrency requests kept in flight (a closed loop, as a server sees it).
 --interleave starts every config's engine at once and runs each prompt on all of them in turn, so the ratios
-compare runs seconds apart (a host-bound step drifts by tens of percent over minutes); its first try on the H200
-stalled after the first prompt (data/results/vllm_gpu/i/run.log), so engine processes now start with spawn
-(data/results/vllm_gpu/s/run.log: four 0.5B engines started in six minutes, then 22 s per round of the suite).
+compare runs seconds apart (a host-bound step drifts by tens of percent over minutes); its engine processes start
+with spawn (forked ones inherit the running engines' threads and sockets, and stalled after the first prompt).
 --parallel-start (with --interleave) builds those engines at the same time, each in a thread of its own, with a
 4 GiB KV cache each (vLLM's memory profiling cannot tell engines starting together apart), then warms them up one
-at a time as before, so the start-up should take about as long as the slowest engine's (~100 s) rather than
-the sum (not measured on the GPU yet; hqlab/engines/vllm/startup.py says what was checked in vLLM for it).
+at a time as before (hqlab/engines/vllm/startup.py says what was checked in vLLM for it).
 `none` always runs first in a call unless --skip-reference; a failing config is logged and the
 others still run (--fail-fast stops at the first failure instead, to save device time while a new path is brought
 up).
@@ -35,24 +33,27 @@ up).
 from __future__ import annotations
 
 import argparse
-import json
-from dataclasses import replace as dataclasses_replace
 import os
 import sys
 import time
+from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # a bare checkout on the GPU host (hqlab is not importable before this)
 
-from hqlab.io import read_json  # noqa: E402  (standard library only)
+from hqlab.bench import runner  # noqa: E402  (standard library only)
+from hqlab.bench.runner import log  # noqa: E402
 
+SCRIPT = "benchmarks/vllm_gpu.py"
 STUDIES = ("vllm_gpu", "vllm_fused")  # where finish puts a run: the lookup's runs, the fused step's
 DEFAULT_CONFIGS = ["gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest", "lookup:nmin=1,nmax=32,k=15,policy=earliest"]
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+def check_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.parallel_start and not args.interleave:
+        parser.error("--parallel-start starts the engines of an --interleave call together: add --interleave, or "
+                     "drop --parallel-start (without --interleave one engine runs at a time)")
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -81,8 +82,7 @@ def bench(args: argparse.Namespace) -> int:
                              tensor_parallel_size=args.tensor_parallel_size,
                              pipeline_parallel_size=args.pipeline_parallel_size)
     decode = DecodeConfig(max_new_tokens=args.max_new_tokens)
-    out = Path(os.environ.get("OUT", "out"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = runner.out_dir()
     raw_path, meta_path = out / f"vllm_gpu_{args.tag}.parquet", out / f"vllm_gpu_{args.tag}.json"
     settings = hv.settings_for(args.config or DEFAULT_CONFIGS)  # every spec checked before the first engine
     if args.skip_reference:
@@ -93,7 +93,6 @@ def bench(args: argparse.Namespace) -> int:
         options = dataclasses_replace(options, max_num_seqs=max(8, len(burst)))
     group = vllm_runs.burst_group(encoded, args.concurrency, burst)  # a bad name fails here, before any engine starts
     if group and not burst and any(s.label.startswith("gpu-fused") for s in settings):
-        # runs fl1 and fm1 measured "four at once" over four documents this way, with no prose beside the copy
         log(f"note: the {len(group)} requests at once are the suite's first prompts ("
             f"{', '.join(p[0] for p in group)}); --burst copy,chat,qa,summary mixes the copy request with prose")
     vllm_runs.check_prompts(options, encoded, decode)
@@ -102,19 +101,13 @@ def bench(args: argparse.Namespace) -> int:
     runs: list = []
 
     def save() -> None:
-        import pyarrow.parquet as pq
-
-        pq.write_table(vllm_runs.raw_table(runs), str(raw_path) + ".tmp")
-        os.replace(str(raw_path) + ".tmp", raw_path)
-        meta = {"machine": machine, "versions": versions, "model": args.model, "dtype": options.dtype,
-                "doc_tokens": args.doc_tokens,
-                "suite": args.suite, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-                "concurrency": args.concurrency, "tensor_parallel_size": args.tensor_parallel_size,
-                "pipeline_parallel_size": args.pipeline_parallel_size, "parallel_start": args.parallel_start,
-                "engines": described}
-        tmp = meta_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(meta) + "\n")
-        os.replace(tmp, meta_path)
+        runner.save_table(raw_path, vllm_runs.raw_table(runs))
+        runner.save_json(meta_path, {
+            "machine": machine, "versions": versions, "model": args.model, "dtype": options.dtype,
+            "doc_tokens": args.doc_tokens, "suite": args.suite, "max_new_tokens": args.max_new_tokens,
+            "repeats": args.repeats, "concurrency": args.concurrency, "tensor_parallel_size": args.tensor_parallel_size,
+            "pipeline_parallel_size": args.pipeline_parallel_size, "parallel_start": args.parallel_start,
+            "commit": args.commit, "engines": described})
 
     if args.interleave:  # every engine alive at once, runs interleaved request by request
         import dataclasses
@@ -171,88 +164,40 @@ def bench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def finish_tables(raw: list[str], run: str, *, reference: str | None = None, commit: str | None = None) -> dict:
-    """The returned raw runs of one run (several calls' files, the `none` reference possibly from an earlier call's
-    file) -> its tables: rows, steps, repeats and, where profiled, phases and profile_steps, each with `run`."""
-    import polars as pl
-
-    from hqlab.bench.vllm import frames_from_raw, repeat_rows
-    from hqlab.bench.vllm_runs import runs_from_raw
-    from hqlab.config import DecodeConfig
-
-    runs, metas = [], []
-    source: dict[str, str] = {}
-    for path in [*raw, *([reference] if reference else [])]:
-        more = runs_from_raw(pl.read_parquet(path))
-        meta = read_json(Path(path).with_suffix(".json"))
-        if path == reference:  # only its `none` rows: the reference of a call run with --skip-reference
-            more = [r for r in more if r.config == "none"]
-            if not more:
-                raise SystemExit(f"--reference {path}: it holds no `none` run")
-            meta["engines"] = [e for e in meta["engines"] if e["config"] == "none"]
-        for config in dict.fromkeys(r.config for r in more):
-            if config in source:  # its repeats and batches would be pooled across calls (batch throughput doubled)
-                raise SystemExit(f"config {config!r} is in both {source[config]} and {path}: one run holds each "
-                                 f"config once; finish the calls as separate runs (--run, the later one with "
-                                 f"--reference EARLIER if it skipped `none`), or run the later call with "
-                                 f"--skip-reference")
-            source[config] = str(path)
-        runs += more
-        metas.append(meta)
-    keys = ("machine", "model", "dtype", "doc_tokens", "suite", "tensor_parallel_size", "pipeline_parallel_size")
-    meta = {k: metas[0][k] for k in keys if k in metas[0]}
-    decode = DecodeConfig(max_new_tokens=metas[0]["max_new_tokens"])
-    engines = [e for m in metas for e in m["engines"]]
-    results, steps = frames_from_raw(runs, decode, meta, engines)
-    # Provenance: versions and device as the GPU host reported them; the commit is the one whose code ran there
-    # (the host gets the working tree without its history).
-    from hqlab import provenance
-
-    host = metas[0].get("versions") or {}
-    results = results.with_columns(pl.lit(commit or provenance.git_commit()).alias("git_commit"),
-                                   *(pl.lit(host.get(c), dtype=pl.String).alias(c)
-                                     for c in provenance.COLUMNS if c != "git_commit"))
-    phases = [{"config": e["config"], "prompt_id": p["prompt_id"], "category": p["category"], **ph}
-              for e in engines for p in e.get("profile", []) for ph in p["phases"]]
-    profile_steps = [{"config": e["config"], "prompt_id": p["prompt_id"], "category": p["category"], **st}
-                     for e in engines for p in e.get("profile", []) for st in p["steps"]]
-    tables = {"rows": results, "steps": steps, "repeats": repeat_rows(runs), "phases": pl.DataFrame(phases),
-              "profile_steps": pl.DataFrame(profile_steps).drop("proposed", "sources", strict=False)}
-    return {kind: frame.with_columns(pl.lit(run).alias("run")) for kind, frame in tables.items() if frame.height}
-
-
-def finish(args: argparse.Namespace) -> None:
+def finish(args: argparse.Namespace) -> int:
     """One run's returned raw files -> data/results/<study>/<run>/ (hqlab.bench.results.write_run)."""
     import polars as pl
 
     from hqlab import bench as hb
     from hqlab.bench import results
+    from hqlab.bench.vllm import finish_tables
 
     tables = finish_tables(args.raw, args.run, reference=args.reference, commit=args.commit)
     rows = tables["rows"]
-    returned = {log for path in args.raw
-                for log in results.logs_of(Path(path).parent, Path(path).stem.removeprefix("vllm_gpu_"))}
-    logs, info = results.run_logs(returned, "benchmarks/vllm_gpu.py")
-    runners = sorted({str(r).upper() for r in rows["vllm_runner"].drop_nulls()}) if "vllm_runner" in rows.columns \
-        else []
-    info |= {"commit": rows["git_commit"][0], "benchmark": "benchmarks/vllm_gpu.py", "vllm_runner": runners or None}
-    folder = results.write_run(args.study, args.run, card=results.card_of(rows["machine"][0]), tables=tables,
-                               files=logs, info=info, root=args.results)
+    logs = {found for path in args.raw
+            for found in runner.returned_logs(Path(path).parent, Path(path).stem.removeprefix("vllm_gpu_"))}
+    runners = rows["vllm_runner"].to_list() if "vllm_runner" in rows.columns else []
+    folder = runner.finish_run(args.study, args.run, card=results.card_of(rows["machine"][0]), script=SCRIPT,
+                               tables=tables, logs=logs, root=args.results,
+                               info={"commit": rows["git_commit"][0], "vllm_runner": runner.vllm_runners(runners)})
     with pl.Config(tbl_rows=100, tbl_cols=20, tbl_width_chars=220):
         print(hb.summarize(rows.filter(pl.col("concurrency") == 1)))
     print(f"wrote run {args.run!r}: {', '.join(sorted(tables))} -> {folder}")
+    return 0
 
 
-def replay(args: argparse.Namespace) -> None:
+def replay(args: argparse.Namespace) -> int:
     """CPU: every gpu-fused config of a raw run against the lab's replay of the same fused config over the same
     outputs (`hqlab.bench.vllm.fused_replay_check`); the prompts are re-encoded from the run's suite settings."""
     import polars as pl
     from transformers import AutoTokenizer
 
     from hqlab import models
-    from hqlab.bench.vllm import fused_replay_check
+    from hqlab.bench import results
+    from hqlab.bench.vllm import fused_replay_check, merge_replay
     from hqlab.bench.vllm_runs import runs_from_raw
     from hqlab.engines import vllm as hv
+    from hqlab.io import read_json
     from hqlab.replay.teacher import load_drafter
     from hqlab.workloads import load_workload
 
@@ -265,94 +210,63 @@ def replay(args: argparse.Namespace) -> None:
                                                          tokenizer=tokenizer))
     drafter = load_drafter(args.drafter, device="cpu", dtype=args.dtype)
     table = fused_replay_check(runs, prompts, drafter, max_new_tokens=meta["max_new_tokens"])
-    from hqlab.bench import results
-
     entry = results.run_info(args.study, args.run, args.results)  # a run is finished before it is replayed
     existing = results.load(args.study, args.run, "replay", root=args.results) \
         if "replay.parquet" in entry["files"] else None
-    merged = merge_replay(table.with_columns(pl.lit(args.run).alias("run")), existing, Path("replay.parquet"))
-    results.write_run(args.study, args.run, card=entry["card"], tables={"replay": merged}, root=args.results)
+    merged = merge_replay(table.with_columns(pl.lit(args.run).alias("run")), existing)
+    runner.finish_run(args.study, args.run, card=entry["card"], script=SCRIPT, tables={"replay": merged},
+                      root=args.results)
     with pl.Config(tbl_rows=-1, tbl_width_chars=160, fmt_str_lengths=60):
         print(table.select("config", "prompt_id", "category", "tokens_per_step", "vllm_tokens_per_step",
                            "difference"))
-
-
-def merge_replay(table, existing, out: Path):
-    """This raw file's replay rows replace the rows of the same run and configs already in `out`; other runs and the
-    run's other configs (a run's configs can come back in several raw files) stay."""
-    import polars as pl
-
-    if existing is None:
-        return table
-    if "run" not in existing.columns:
-        raise SystemExit(f"{out} has no `run` column, so its rows cannot be told apart from run "
-                         f"{table['run'][0]!r}; write this replay to another file or add the column")
-    configs = table["config"].unique().to_list()
-    keep = existing.filter((pl.col("run") != table["run"][0]) | ~pl.col("config").is_in(configs))
-    return pl.concat([keep, table], how="diagonal_relaxed")
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("bench", help="GPU: every config on one vLLM engine each, raw runs into $OUT")
-    b.add_argument("--tag", default="a")
-    b.add_argument("--model", default="qwen2.5-coder-0.5b")
-    b.add_argument("--suite", default="all", help="labd, chat, all, a task, or a JSONL file")
-    b.add_argument("--config", action="append", default=None, help="a config spec (repeatable); `none` is added")
-    b.add_argument("--repeats", type=int, default=3)
-    b.add_argument("--max-new-tokens", type=int, default=256)
-    b.add_argument("--doc-tokens", type=int, default=2000)
-    b.add_argument("--limit", type=int, default=0, help="only the first N prompts")
-    b.add_argument("--concurrency", type=int, default=8, help="then the first N prompts at once (0: skip)")
-    b.add_argument("--burst", default="",
-                   help="comma-separated prompt ids or categories submitted together instead of the first N "
-                        "(e.g. copy,chat,qa,summary: a copy request among prose); sets --concurrency to their count")
-    b.add_argument("--tensor-parallel-size", type=int, default=1)
-    b.add_argument("--pipeline-parallel-size", type=int, default=1)
-    b.add_argument("--profile", action="store_true", help="time the worker's phases on one more pass")
-    b.add_argument("--interleave", action="store_true",
-                   help="all engines alive at once, each prompt run on every engine in turn (ratios robust to drift)")
-    b.add_argument("--sustained", action="store_true",
-                   help="also the whole suite with --concurrency requests kept in flight")
-    b.add_argument("--gpu-memory", type=float, default=0.85,
-                   help="with --interleave: GPU memory fraction shared by all engines")
-    b.add_argument("--parallel-start", action="store_true",
-                   help="with --interleave: build every engine at the same time (each with a 4 GiB KV cache), "
-                        "then warm them up one at a time")
-    b.add_argument("--skip-reference", action="store_true", help="leave out `none` (an earlier call ran it)")
-    b.add_argument("--fail-fast", action="store_true", help="stop at the first failing config")
-    f = sub.add_parser("finish", help="CPU: one run's raw files -> data/results/<study>/<run>/")
-    f.add_argument("raw", nargs="+")
-    f.add_argument("--study", default="vllm_gpu", choices=STUDIES, help="vllm_gpu (the lookup's runs) or "
-                   "vllm_fused (the fused step's)")
-    f.add_argument("--run", required=True, help="name of this run (one GPU session's reference and configs)")
-    f.add_argument("--results", default=None, help="the results folder (default data/results)")
-    f.add_argument("--commit", default=None, help="the commit whose code ran on the host (default: this checkout's)")
-    f.add_argument("--reference", default=None,
-                   help="a raw file whose `none` runs are this run's reference (for a call run with --skip-reference "
-                        "whose configs another call ran too)")
-    r = sub.add_parser("replay", help="CPU: gpu-fused configs of a raw run against the lab's replay")
-    r.add_argument("raw")
-    r.add_argument("--study", default="vllm_fused", choices=STUDIES)
-    r.add_argument("--results", default=None, help="the results folder (default data/results)")
-    r.add_argument("--drafter", default="qwen2.5-coder-0.5b")
-    r.add_argument("--dtype", default="float32", help="the replay drafter's dtype on the CPU")
-    r.add_argument("--category", action="append", default=None, help="only these task classes (repeatable)")
-    r.add_argument("--run", required=True, help="the finished run the raw file belongs to: its replay.parquet "
-                   "gets this file's rows in place of its rows of the same configs")
-    args = ap.parse_args(argv)
-    if args.cmd == "bench":
-        if args.parallel_start and not args.interleave:  # before vLLM is imported or the model prepared
-            b.error("--parallel-start starts the engines of an --interleave call together: add --interleave, or "
-                    "drop --parallel-start (without --interleave one engine runs at a time)")
-        return bench(args)
-    if args.cmd == "replay":
-        replay(args)
-        return 0
-    finish(args)
     return 0
 
+
+CLI = runner.Benchmark(SCRIPT, __doc__)
+cmd = CLI.gpu("bench", bench, "GPU: every config on one vLLM engine each, raw runs into $OUT", tag="a",
+              check=check_bench)
+cmd.add_argument("--model", default="qwen2.5-coder-0.5b")
+cmd.add_argument("--suite", default="all", help="labd, chat, all, a task, or a JSONL file")
+cmd.add_argument("--config", action="append", default=None, help="a config spec (repeatable); `none` is added")
+cmd.add_argument("--repeats", type=int, default=3)
+cmd.add_argument("--max-new-tokens", type=int, default=256)
+cmd.add_argument("--doc-tokens", type=int, default=2000)
+cmd.add_argument("--limit", type=int, default=0, help="only the first N prompts")
+cmd.add_argument("--concurrency", type=int, default=8, help="then the first N prompts at once (0: skip)")
+cmd.add_argument("--burst", default="",
+                 help="comma-separated prompt ids or categories submitted together instead of the first N "
+                      "(e.g. copy,chat,qa,summary: a copy request among prose); sets --concurrency to their count")
+cmd.add_argument("--tensor-parallel-size", type=int, default=1)
+cmd.add_argument("--pipeline-parallel-size", type=int, default=1)
+cmd.add_argument("--profile", action="store_true", help="time the worker's phases on one more pass")
+cmd.add_argument("--interleave", action="store_true",
+                 help="all engines alive at once, each prompt run on every engine in turn (ratios robust to drift)")
+cmd.add_argument("--sustained", action="store_true", help="also the whole suite with --concurrency requests kept in "
+                 "flight")
+cmd.add_argument("--gpu-memory", type=float, default=0.85,
+                 help="with --interleave: GPU memory fraction shared by all engines")
+cmd.add_argument("--parallel-start", action="store_true",
+                 help="with --interleave: build every engine at the same time (each with a 4 GiB KV cache), "
+                      "then warm them up one at a time")
+cmd.add_argument("--skip-reference", action="store_true", help="leave out `none` (an earlier call ran it)")
+cmd.add_argument("--fail-fast", action="store_true", help="stop at the first failing config")
+cmd = CLI.command("finish", finish, "CPU: one run's raw files -> data/results/<study>/<run>/", commit=True)
+cmd.add_argument("raw", nargs="+")
+cmd.add_argument("--study", default="vllm_gpu", choices=STUDIES, help="vllm_gpu (the lookup's runs) or vllm_fused (the "
+                 "fused step's)")
+cmd.add_argument("--run", required=True, help="name of this run (one GPU session's reference and configs)")
+cmd.add_argument("--reference", default=None,
+                 help="a raw file whose `none` runs are this run's reference (for a call run with --skip-reference "
+                      "whose configs another call ran too)")
+cmd = CLI.command("replay", replay, "CPU: gpu-fused configs of a raw run against the lab's replay")
+cmd.add_argument("raw")
+cmd.add_argument("--study", default="vllm_fused", choices=STUDIES)
+cmd.add_argument("--drafter", default="qwen2.5-coder-0.5b")
+cmd.add_argument("--dtype", default="float32", help="the replay drafter's dtype on the CPU")
+cmd.add_argument("--category", action="append", default=None, help="only these task classes (repeatable)")
+cmd.add_argument("--run", required=True, help="the finished run the raw file belongs to: its replay.parquet gets this "
+                 "file's rows in place of its rows of the same configs")
+main = CLI.main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,7 +18,8 @@ The requests of a point share one prompt of `context` random tokens, computed on
 holds it once, and each request's attention still reads all of it, as distinct prompts of that length would.
 
   GPU (through tools/gpu_host/vllm_host.py run; results saved after every point, a later call with the same tag
-  skips the (shape, config) pairs already done):
+  skips the (shape, config) pairs already done; `python benchmarks/vllm_step_cost.py host run --tag s1 ...` prints
+  the call with its commit):
       python3 benchmarks/vllm_step_cost.py run --tag s1 --commit $(git rev-parse --short HEAD) --budget-s 560
     --contexts/--batches/--widths measure only those points (a validation's: benchmarks/seed_scale_validation.py runs
     this grid at the points it prices, then the decodes it predicts, on one machine)
@@ -34,38 +35,22 @@ import argparse
 import json
 import os
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # a bare checkout on the GPU host
 
-# Qwen2.5 shapes (the published configs' values); "qwen2.5-27b" is a dense Qwen2.5-style shape of the seeds'
-# 27B class (Qwen2.5 has none): the 32B's width and depth with a narrower MLP, 27.2B parameters.
-SHAPES = {
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-    "qwen2.5-14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
-                        num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
-    "qwen2.5-27b": dict(hidden_size=5120, intermediate_size=22016, num_hidden_layers=64, num_attention_heads=40,
-                        num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
-    "qwen2.5-32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
-                        num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
-}
-TOKENIZER_FROM = "qwen2.5-coder-1.5b"  # its tokenizer files and base config (same tokenizer family)
-DRAFTER = "qwen2.5-coder-0.5b"
-WIDTHS = (1, 2, 4, 8, 16, 32)
-CONTEXTS = (1024, 8192, 32768)
-BATCHES = (1, 8, 32)
+from hqlab.bench import runner  # noqa: E402  (standard library only: the host has no polars)
+from hqlab.bench.runner import log  # noqa: E402
+
+from hqlab.bench.step_cost import (BATCHES, CONTEXTS, DRAFTER, MEASURED_STEPS, SHAPES, TOKENIZER_FROM,  # noqa: E402
+                                   WARM_STEPS, WIDTHS, grid_rows, measured_points, point_row, points, round_schedule)
+
+SCRIPT = "benchmarks/vllm_step_cost.py"
+
 K = 31
 LADDER = "1:31/2:15/3:7/4:3/5:1/0"  # a batch size per width, so vLLM captures every width's graphs
 FUSED_LADDER = "1:31/2:15/3:7/4:3/1"  # ends at width 1, as when gpu-fused without device_skip took no width 0
@@ -80,51 +65,10 @@ PLAN = [("qwen2.5-0.5b", "bf16", "gpu-lookup"), ("qwen2.5-1.5b", "bf16", "gpu-lo
         ("qwen2.5-27b", "bf16", "gpu-lookup"), ("qwen2.5-32b", "bf16", "gpu-lookup"),
         ("qwen2.5-14b", "bf16", "gpu-lookup"), ("qwen2.5-27b", "fp8", "gpu-lookup"),
         ("qwen2.5-0.5b", "bf16", "none"), ("qwen2.5-1.5b", "bf16", "none")]
-MEASURED_STEPS = 12  # steps timed per point, after WARM_STEPS
-WARM_STEPS = 3
 MAX_MODEL_LEN = max(CONTEXTS) + 64
 ENGINES = ("process", "inprocess")
 ENGINE_HELP = ("process: the engine core in its own process with asynchronous scheduling, as served (default); "
                "inprocess: in the benchmark's process (run s2's method)")
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def params_b(shape: dict) -> float:
-    """Parameters in billions of a Qwen2 config (embeddings counted once when tied)."""
-    h, i, n = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    head = h // shape["num_attention_heads"]
-    kv = shape["num_key_value_heads"] * head
-    layer = h * h + 2 * h * kv + (h + 2 * kv) + h * h + 3 * h * i + 2 * h  # q,k,v (+bias), o, mlp, norms
-    embed = shape["vocab_size"] * h * (1 if shape["tie_word_embeddings"] else 2)
-    return (n * layer + embed + h) / 1e9
-
-
-# The validation shapes (0.5B, 1.5B) only need the points of the committed runs they are checked against:
-# one request at a time, prompts of a few hundred to about 2,500 tokens (docs/seed-scale.md).
-VALIDATION_SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b")
-VALIDATION_CONTEXTS = (1024, 8192)
-VALIDATION_BATCHES = (1, 8)
-
-
-def points(config: str, shape: str = "", *, contexts: Sequence[int] | None = None,
-           batches: Sequence[int] | None = None, widths: Sequence[int] | None = None) -> list[tuple[int, int, int]]:
-    """(context, batch, width) measured for a config, in the order they run (contexts outermost: one prefill each).
-    gpu-fused's drafter keeps a cache of its own and prefills each request's prompt itself (no prefix caching):
-    its 32k context runs at batch 1 only. `contexts`, `batches`, `widths` replace the plan's (a validation measures
-    only the points it prices: benchmarks/seed_scale_validation.py); gpu-fused never measures width 1."""
-    small = shape in VALIDATION_SHAPES
-    default_contexts, default_batches = (VALIDATION_CONTEXTS, VALIDATION_BATCHES) if small else (CONTEXTS, BATCHES)
-    contexts = tuple(sorted(set(contexts))) if contexts else default_contexts
-    batches = tuple(sorted(set(batches))) if batches else default_batches
-    widths = tuple(sorted(set(widths))) if widths else WIDTHS
-    if config == "none":  # an engine without a speculator: one token a request a step
-        widths = (1,)
-    widths = widths if config in ("gpu-lookup", "none") else tuple(w for w in widths if w > 1)
-    return [(c, b, w) for c in contexts for b in batches for w in widths
-            if config != "gpu-fused" or c < 32768 or b == 1]
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -157,52 +101,6 @@ def measured_steps(args: argparse.Namespace) -> int:
 
 def measured_rounds(args: argparse.Namespace) -> int:
     return getattr(args, "rounds", None) or 1
-
-
-def round_schedule(points: Sequence[tuple[int, int, int]], steps: int, rounds: int) -> list[tuple[int, tuple, int]]:
-    """The order a call measures its points in: `rounds` passes over all of them, each timing a share of the
-    `steps` a point gets (the first `steps % rounds` passes one step more), as (round, point, steps). With one
-    round, each point's steps in one burst (what runs v1 and v2a did). Several rounds spread a point's steps over
-    the whole call, so that a host whose speed changes in episodes of seconds (docs/vllm.md) is met in the same
-    mix of states by every point, as by decodes that last minutes."""
-    if rounds < 1 or steps < rounds:
-        raise ValueError(f"rounds must be in [1, steps={steps}] so that every round times a step (got {rounds})")
-    share = [steps // rounds + (1 if r < steps % rounds else 0) for r in range(rounds)]
-    return [(r, point, share[r]) for r in range(rounds) for point in points]
-
-
-def run_bounded(cmd: Sequence[str], timeout_s: float, **kwargs) -> int | str:
-    """Run `cmd` in a session of its own and wait at most `timeout_s`: on timeout every process of that session is
-    killed (a vLLM engine core or worker started by the command must not outlive it holding GPU memory) and
-    "timeout" is returned, else the exit status."""
-    import signal
-
-    proc = subprocess.Popen(list(cmd), start_new_session=True, **kwargs)
-    try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        except ProcessLookupError:
-            pass
-        try:  # the session's other processes (engine cores) may outlive its leader
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        return "timeout"
-
-
-def measured_points(rows_path: Path, shape: str, quant: str, config: str) -> set[tuple[int, int, int]]:
-    """(context, batch, width) already in the rows file for this (shape, quant, config): a later call skips them."""
-    if not rows_path.exists():
-        return set()
-    rows = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()]
-    return {(r["context"], r["batch"], r["width"]) for r in rows
-            if (r["shape"], r["quant"], r["config"]) == (shape, quant, config)}
 
 
 def check_base(base: str) -> Path:
@@ -351,8 +249,7 @@ def one(args: argparse.Namespace) -> int:
             continue
         # the point's last round: its row, written at once (a call cut short keeps every finished point)
         row = point_row(args, config, width, context, batch, timed[point], start_s, machine, version, rounds=rounds)
-        with open(rows_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        runner.append_jsonl(rows_path, row)
         log(f"  c={context} b={batch} w={width}: {row['step_ms']:.2f} ms "
             f"(mean {row['step_ms_mean']:.2f}, p10 {row['step_ms_p10']:.2f}, p90 {row['step_ms_p90']:.2f}, "
             f"{row['steps']} steps{f' in {rounds} rounds' if rounds > 1 else ''})")
@@ -367,42 +264,20 @@ def point_argv(args: argparse.Namespace) -> list[str]:
         + ([f"--base={args.base}"] if getattr(args, "base", None) else [])
 
 
-def point_row(args: argparse.Namespace, config: str, width: int, context: int, batch: int, step_s: Sequence[float],
-              start_s: float, machine: str, version: str, *, rounds: int = 1) -> dict:
-    """One measured point as a rows-file line: the median, p10 and p90 of its timed steps (seconds) in ms, their mean
-    (`step_ms_mean`: the timed wall time over the steps, which outputs arriving in bursts cannot bias: run s3a's
-    batch-8 width-32 points at 8k had a p10 below a single request's step, calls that returned without a forward
-    pass), and the rounds they were timed in. `args`: the `one` command's (tag, shape, quant, engine, commit)."""
-    shape = SHAPES[args.shape]
-    ms = sorted(1e3 * s for s in step_s)
-    return {"run": args.tag, "shape": args.shape, "target_params_b": round(params_b(shape), 3),
-            "layers": shape["num_hidden_layers"], "hidden": shape["hidden_size"], "quant": args.quant,
-            "config": config, "width": width, "context": context, "batch": batch,
-            "step_ms": statistics.median(ms), "step_ms_mean": sum(ms) / len(ms),
-            "step_ms_p10": ms[int(0.1 * (len(ms) - 1))],
-            "step_ms_p90": ms[int(round(0.9 * (len(ms) - 1)))], "steps": len(ms), "rounds": rounds,
-            "drafter": DRAFTER if config == "gpu-fused" else "", "engine_start_s": round(start_s, 1),
-            "engine": args.engine, "machine": machine, "vllm_version": version, "git_commit": args.commit}
-
-
 def run_all(args: argparse.Namespace) -> int:
-    if args.base:
-        check_base(args.base)  # before any engine starts, not once per shape in each `one`
     work = Path(args.work or Path(tempfile.gettempdir()) / "hqlab-step-cost" / args.tag)
     work.mkdir(parents=True, exist_ok=True)
-    out = Path(os.environ.get("OUT") or work / "out")
-    out.mkdir(parents=True, exist_ok=True)
+    out = runner.out_dir(work / "out")
     rows = work / f"seed_scale_{args.tag}.jsonl"
     done_file = work / "done.txt"
     done = set(done_file.read_text().split()) if done_file.exists() else set()
-    start = time.monotonic()
     plan = [p for p in PLAN if not args.only or f"{p[0]}:{p[1]}:{p[2]}" in args.only or p[0] in args.only]
     for shape, quant, config in plan:
         key = f"{shape}:{quant}:{config}"
         if key in done:
             log(f"{key}: done in an earlier call, skipped")
             continue
-        left = args.budget_s - (time.monotonic() - start)
+        left = args.budget.left()
         if left < args.min_left_s:
             log(f"{key}: {left:.0f} s left of the budget, not started")
             break
@@ -410,14 +285,13 @@ def run_all(args: argparse.Namespace) -> int:
         cmd = [sys.executable, __file__, "one", "--shape", shape, "--quant", quant, "--config", config,
                "--tag", args.tag, "--commit", args.commit, "--work", str(work), "--rows", str(rows),
                "--engine", args.engine, *point_argv(args)]
-        rc = run_bounded(cmd, max(30.0, left - 5))
+        rc = runner.run_bounded(cmd, max(30.0, left - 5))
         if rc == 0:
             with open(done_file, "a") as f:
                 f.write(key + "\n")
         else:
             log(f"{key}: exited {rc}")
-        if rows.exists():
-            shutil.copy(rows, out / rows.name)
+        runner.copy_out([rows], out)
     return 0
 
 
@@ -427,28 +301,11 @@ def finish(args: argparse.Namespace) -> int:
     return 0
 
 
-def grid_rows(returned: str | Path) -> dict:
-    """The returned grid rows of every seed_scale_*.jsonl under `returned`, one frame per run (tag), in the order
-    readers expect; rows from before the `engine` column were measured in-process."""
-    import polars as pl
-
-    src = Path(returned)
-    rows = [json.loads(line) for f in sorted(src.glob("seed_scale_*.jsonl")) for line in f.read_text().splitlines()
-            if line.strip()]
-    if not rows:
-        raise SystemExit(f"no seed_scale_*.jsonl rows under {src}")
-    frame = pl.DataFrame(rows)
-    if "engine" not in frame.columns:
-        frame = frame.with_columns(pl.lit("inprocess").alias("engine"))
-    frame = frame.sort("run", "target_params_b", "quant", "config", "context", "batch", "width")
-    return {tag: frame.filter(pl.col("run") == tag) for tag in frame["run"].unique(maintain_order=True)}
-
-
-def finish_run(returned: str | Path, tag: str, root: str | Path | None = None, *,
+def finish_run(returned: str | Path, tag: str, root: str | Path | None = None, *, script: str = SCRIPT,
                tables: dict | None = None, files: dict | None = None, info: dict | None = None) -> Path:
     """Run `tag`'s returned grid rows -> data/results/seed_scale/<tag>/grid.parquet, with its raw rows and log
-    (hqlab.bench.results.write_run); `tables`, `files` and `info` add what a validation measured beside the grid.
-    Step costs of two cards never mix in one run. Returns the run's folder."""
+    (hqlab.bench.results.write_run); a validation (`script`) adds what it measured beside the grid (`tables`,
+    `files`, `info`). Step costs of two cards never mix in one run. Returns the run's folder."""
     from hqlab.bench import results
 
     src = Path(returned)
@@ -457,11 +314,10 @@ def finish_run(returned: str | Path, tag: str, root: str | Path | None = None, *
     if len(cards) != 1:
         raise SystemExit(f"run {tag}'s rows under {src} come from {len(cards)} kinds of card ({cards}): step costs "
                          "of different cards never share a run")
-    logs, found = results.run_logs(results.logs_of(src, tag), "benchmarks/")
     raw = {"grid.jsonl": src / f"seed_scale_{tag}.jsonl"} if (src / f"seed_scale_{tag}.jsonl").exists() else {}
-    meta = {"commit": grid["git_commit"][0], "benchmark": "benchmarks/vllm_step_cost.py"} | found | (info or {})
-    folder = results.write_run("seed_scale", tag, card=cards[0], tables={"grid": grid} | (tables or {}),
-                               files=raw | logs | (files or {}), info=meta, root=root)
+    folder = runner.finish_run("seed_scale", tag, card=cards[0], script=script, tables={"grid": grid} | (tables or {}),
+                               files=raw | (files or {}), logs=runner.returned_logs(src, tag), log_of="benchmarks/",
+                               info={"commit": grid["git_commit"][0]} | (info or {}), root=root)
     print(f"{grid.height} grid rows of run {tag} -> {folder}")
     return folder
 
@@ -490,39 +346,31 @@ def add_point_options(parser: argparse.ArgumentParser) -> None:
                         "point; each pass pays its own warm-up steps)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="GPU host: every (shape, config) of the plan, one process each")
-    r.add_argument("--tag", required=True)
-    r.add_argument("--commit", default="unknown")
-    r.add_argument("--budget-s", type=float, default=560)
-    r.add_argument("--min-left-s", type=float, default=90, help="start no shape with less time left")
-    r.add_argument("--only", action="append", default=[], help="shape or shape:quant:config to run (default all)")
-    r.add_argument("--work", default=None)
-    r.add_argument("--engine", choices=ENGINES, default="process", help=ENGINE_HELP)
-    add_point_options(r)
-    o = sub.add_parser("one", help="one (shape, quant, config) in this process (run starts these)")
-    o.add_argument("--shape", choices=sorted(SHAPES), required=True)
-    o.add_argument("--quant", choices=("bf16", "fp8"), default="bf16")
-    o.add_argument("--config", choices=("gpu-lookup", "gpu-fused", "none"), default="gpu-lookup")
-    o.add_argument("--tag", required=True)
-    o.add_argument("--commit", default="unknown")
-    o.add_argument("--work", required=True)
-    o.add_argument("--rows", required=True)
-    o.add_argument("--engine", choices=ENGINES, default="process", help=ENGINE_HELP)
-    add_point_options(o)
-    f = sub.add_parser("finish", help="CPU: the returned rows -> data/results/seed_scale/<tag>/grid.parquet")
-    f.add_argument("returned")
-    f.add_argument("--results", default=None, help="the results folder (default data/results)")
-    b = sub.add_parser("base", help=f"CPU: write the folder --base reads ({TOKENIZER_FROM}'s config and tokenizer)")
-    b.add_argument("folder")
-    b.add_argument("--source", default=TOKENIZER_FROM,
-                   help="the model whose files to copy (default %(default)s, what the committed grids were built "
-                   "from; any Qwen2.5 of the same tokenizer builds the same shapes)")
-    args = p.parse_args(argv)
-    return {"run": run_all, "one": one, "finish": finish, "base": write_base}[args.cmd](args)
-
+CLI = runner.Benchmark(SCRIPT, __doc__)
+cmd = CLI.gpu("run", run_all, "GPU host: every (shape, config) of the plan, one process each", budget_s=560,
+              check=lambda args, parser: check_base(args.base) if args.base else None)  # before any engine starts
+cmd.add_argument("--min-left-s", type=float, default=90, help="start no shape with less time left")
+cmd.add_argument("--only", action="append", default=[], help="shape or shape:quant:config to run (default all)")
+cmd.add_argument("--work", default=None)
+cmd.add_argument("--engine", choices=ENGINES, default="process", help=ENGINE_HELP)
+add_point_options(cmd)
+cmd = CLI.gpu("one", one, "one (shape, quant, config) in this process (run starts these)")
+cmd.add_argument("--shape", choices=sorted(SHAPES), required=True)
+cmd.add_argument("--quant", choices=("bf16", "fp8"), default="bf16")
+cmd.add_argument("--config", choices=("gpu-lookup", "gpu-fused", "none"), default="gpu-lookup")
+cmd.add_argument("--work", required=True)
+cmd.add_argument("--rows", required=True)
+cmd.add_argument("--engine", choices=ENGINES, default="process", help=ENGINE_HELP)
+add_point_options(cmd)
+cmd = CLI.command("finish", finish, "CPU: the returned rows -> data/results/seed_scale/<tag>/grid.parquet")
+cmd.add_argument("returned")
+cmd = CLI.command("base", write_base, f"CPU: write the folder --base reads ({TOKENIZER_FROM}'s config and tokenizer)",
+                  results=False)
+cmd.add_argument("folder")
+cmd.add_argument("--source", default=TOKENIZER_FROM,
+                 help="the model whose files to copy (default %(default)s, what the committed grids were built "
+                      "from; any Qwen2.5 of the same tokenizer builds the same shapes)")
+main = CLI.main
 
 if __name__ == "__main__":
     sys.exit(main())

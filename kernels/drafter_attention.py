@@ -71,9 +71,9 @@ LOG2E = 1.4426950408889634
 
 
 def set_tiles(table: dict[str, dict]) -> None:
-    """Take a tile sweep's attention entries (benchmarks/drafter_layer_tiles.py: "attention@1", "attention@4", the
-    best block_m, splits, block_n, warps and stages at one and four requests): the batch-1 best sets BLOCK_M,
-    BLOCK_N, NUM_WARPS, NUM_STAGES and MAX_SPLITS, and TARGET_PROGRAMS becomes the batch-4 best's program count
+    """Take a tile sweep's attention entries (experiments/drafter_kernel_tiles/drafter_layer_tiles.py: "attention@1",
+    "attention@4", the best block_m, splits, block_n, warps and stages at one and four requests): the batch-1 best sets
+    BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES and MAX_SPLITS, and TARGET_PROGRAMS becomes the batch-4 best's program count
     (splits x 4 requests x 2 KV heads), so `default_splits` gives each sweep's choice back. Other entries are
     ignored."""
     global BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES, MAX_SPLITS, TARGET_PROGRAMS

@@ -88,10 +88,10 @@ class Tiles:
 
 # The tiles each kernel launches with, per (kernel, rows per program); a launcher's keyword arguments override them.
 # The fastest candidates on an H200 at the 0.5B's shapes, each timed over 24 layers' own weights in a CUDA graph
-# (benchmarks/drafter_layer_tiles.py, data/results/drafter_layer_tiles/t4/sweep.json, 16, 32 and 64 rows). An earlier
-# sweep (data/results/drafter_layer_tiles/t1/) first tuned 16 and 64 rows: per launch at 16 rows K1 10.7 -> 7.6 us,
-# K2 3.6 -> 3.3, K3 14.1 -> 11.0, K4 11.9 -> 7.1 against the first tiles; the later one at 32 rows (a k = 31 pass)
-# found K1 with two splits 9.6 us against 11.1 with the 64-row tiles, the others level with them.
+# (experiments/drafter_kernel_tiles/drafter_layer_tiles.py, data/results/drafter_layer_tiles/t4/sweep.json, 16, 32
+# and 64 rows). An earlier sweep (data/results/drafter_layer_tiles/t1/) first tuned 16 and 64 rows: per launch at 16
+# rows K1 10.7 -> 7.6 us, K2 3.6 -> 3.3, K3 14.1 -> 11.0, K4 11.9 -> 7.1 against the first tiles; the later one at 32
+# rows (a k = 31 pass) found K1 with two splits 9.6 us against 11.1 with the 64-row tiles, the others level with them.
 TILES: dict[tuple[str, int], Tiles] = {
     ("qkv", 16): Tiles(16, 256, 4, 3, split_k=2), ("o_proj", 16): Tiles(16, 256, 4, 3),
     ("gate_up", 16): Tiles(64, 256, 4, 4), ("down", 16): Tiles(32, 128, 4, 4, split_k=8),
@@ -106,7 +106,8 @@ TILES_ENV = "HQLAB_DRAFTER_TILES"  # a tile sweep's JSON applied when this modul
 
 
 def sweep_tiles(path: str | Path) -> dict[str, dict]:
-    """The "best" table of a tile sweep's JSON (benchmarks/drafter_layer_tiles.py), checked for its shape."""
+    """The "best" table of a tile sweep's JSON (experiments/drafter_kernel_tiles/drafter_layer_tiles.py), checked for
+    its shape."""
     try:
         table = json.loads(Path(path).read_text())["best"]
     except (OSError, ValueError, KeyError) as e:

@@ -24,7 +24,7 @@
 # from the committed traces (`hqlab.replay.corpus`) and priced with step costs measured on an H200 at batch 1
 # and 8. Arctic's suffix decoding (a per-request suffix tree plus a global tree of earlier outputs, scored by
 # frequency) runs beside it over the same earlier outputs. Nothing here runs the model: the traces are the 0.5B's
-# greedy outputs on the corpus workloads (`benchmarks/corpus_workloads.py`).
+# greedy outputs on the corpus workloads (`experiments/corpus_workloads/corpus_workloads.py`).
 
 # %% tags=["parameters"]
 trace_set = "0.5b_corpus_128"  # a run of the study `traces` (data/results/traces/<set>/)
@@ -39,7 +39,7 @@ schedules = ["admit", "lockstep"]  # with several in flight: corpus frozen at ad
 prompts = [False, True]  # corpus documents: outputs only, or prompt + output (at the largest size only)
 arctic = True  # Arctic's rule beside (its global tree bounded by the same sizes)
 arctic_depth = 24
-step_cost_run = "h200"  # measured verify steps: a run of the study `step_cost` (benchmarks/step_cost_gpu.py)
+step_cost_run = "h200"  # measured verify steps: a run of the study `step_cost` (experiments/verify_step_cost/)
 cost_model = "qwen2.5-0.5b"
 search_ms_per_1k = 0.001  # the corpus kernel's price per step per 1k live tokens (see docs/corpus.md)
 vllm_run = "c1"  # the corpus inside vLLM: a run of the study `corpus` (benchmarks/vllm_corpus.py finish)

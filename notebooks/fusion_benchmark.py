@@ -53,7 +53,7 @@ fused_configs = {
     "layers=triton,attention=triton": "k=15 one pass, Triton",
 }
 profiled_run = "fn1"  # the latest run with every step's phases timed on the GPU (`bench --profile`)
-tile_sweep_run = "t4"  # a run of the study drafter_layer_tiles (benchmarks/drafter_layer_tiles.py)
+tile_sweep_run = "t4"  # a run of the study drafter_layer_tiles (experiments/drafter_kernel_tiles/)
 
 # %%
 import json
@@ -225,11 +225,11 @@ plots.stacked_time(phases.drop("gpu_ms"), "config", vllm_report.GPU_PHASES,
 # %% [markdown]
 # ## The drafter's Triton layer kernels: the tile sweep
 #
-# `benchmarks/drafter_layer_tiles.py` (random weights at the 0.5B's shapes): each Triton layer kernel's µs per
-# launch, timed over 24 layers' own weights in one CUDA graph, with the tiles it had before the sweep and the best
-# candidate (columns per program, reduction step, pipeline depth, a split of the reduction), beside the product
-# alone in cuBLAS; the attention beside vLLM's FlashAttention 3 as the drafter calls it. The norm kernels (K1, K3)
-# also normalise, add the bias, rotate and write the cache (K1) or apply SiLU (K3).
+# `experiments/drafter_kernel_tiles/drafter_layer_tiles.py` (random weights at the 0.5B's shapes): each Triton layer
+# kernel's µs per launch, timed over 24 layers' own weights in one CUDA graph, with the tiles it had before the sweep
+# and the best candidate (columns per program, reduction step, pipeline depth, a split of the reduction), beside the
+# product alone in cuBLAS; the attention beside vLLM's FlashAttention 3 as the drafter calls it. The norm kernels (K1,
+# K3) also normalise, add the bias, rotate and write the cache (K1) or apply SiLU (K3).
 
 # %%
 sweep = vllm_report.tile_sweep(json.loads(results.read_text("drafter_layer_tiles", tile_sweep_run, "sweep.json")))

@@ -16,8 +16,8 @@
 # %% [markdown]
 # # Suffix-match kernels: latency per decode step
 #
-# Re-plots a committed GPU run (`benchmarks/bench_kernels.py`, data/results/kernels/<run>/, run on the machine its
-# rows and run.json record). The kernels need a GPU to time; the figure does not.
+# Re-plots a committed GPU run (`experiments/suffix_match_latency/bench_kernels.py`, data/results/kernels/<run>/, run on
+# the machine its rows and run.json record). The kernels need a GPU to time; the figure does not.
 
 # %% tags=["parameters"]
 run = "h200"  # a run of the study kernels

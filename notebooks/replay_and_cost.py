@@ -131,8 +131,8 @@ if "costmodel" in results.studies(data_dir):
 
 # %% [markdown]
 # ## 3. Verify-step cost on the H200 at real model shapes
-# `benchmarks/step_cost_gpu.py` (random bf16 weights; CUDA graphs, i.e. without launch overhead; 2k context).
-# Going from decoding one token to verifying two is the largest step on every model; past that, each extra
+# `experiments/verify_step_cost/step_cost_gpu.py` (random bf16 weights; CUDA graphs, i.e. without launch overhead; 2k
+# context). Going from decoding one token to verifying two is the largest step on every model; past that, each extra
 # position adds little at batch 1 and much more at batch 8.
 
 # %%

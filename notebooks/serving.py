@@ -48,8 +48,8 @@ projection_run = "s4"
 served_heads_run = "s5a"  # the serving run that measured the drawn heads themselves (sampled prose, one request)
 projection_config = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,"
                      "compile_rule=true,device_skip=true,layers=triton,attention=triton,batch_k=1:15/4:7/0")
-# the drafter's prompt prefill outside vLLM (benchmarks/fused_pass_kernels.py --prefill): eager calls against the
-# passes replayed from a captured graph (`prefill_graph`)
+# the drafter's prompt prefill outside vLLM (experiments/drafting_step_profile/fused_pass_kernels.py --prefill): eager
+# calls against the passes replayed from a captured graph (`prefill_graph`)
 prefill_run = "p1"  # a run of the study fused_pass_kernels
 prefill_runs = ["s5a", "s6"]  # serving runs of projection_config on sampled prose at one request (s6: also with
 # prefill_graph=1024, the drafter's prompt read from the captured graph)
@@ -257,10 +257,10 @@ serve.sampling_verdicts(reference, all_samples.filter(pl.col("run").is_in(gate_r
 # ## Drafts drawn from the drafter (`draft_sample=probabilistic`)
 #
 # Under sampling, the drafter's argmax verified as a point mass is accepted with p(argmax q); a draft drawn from the
-# drafter's q and verified against it with 1 - TV(p, q). Both measured with the real models on the CPU over the
-# target's own sampled answers (`benchmarks/draft_sampling_cpu.py`): the mean per answer position, with the lowest
-# and highest prompt mean. Then what the gain would make of `projection_config`'s measured speedup on sampled prose
-# at one request in run `projection_run`, at the same step cost (a one-token head: the gain is the whole change of
+# drafter's q and verified against it with 1 - TV(p, q). Both measured with the real models on the CPU over the target's
+# own sampled answers (`experiments/drawn_draft_heads/draft_sampling_cpu.py`): the mean per answer position, with the
+# lowest and highest prompt mean. Then what the gain would make of `projection_config`'s measured speedup on sampled
+# prose at one request in run `projection_run`, at the same step cost (a one-token head: the gain is the whole change of
 # tokens a step where the lookup proposes nothing). A projection, not a measurement: plan s5 measures it.
 
 # %%
@@ -296,10 +296,10 @@ pl.DataFrame([{"run": projection_run, "measured ratio": r["ratio"], "repeats": r
               for r in measured.iter_rows(named=True)])
 
 # %% [markdown]
-# Whole steps: the lab's `fused` proposer with plan s5's settings decoding prose at T = 0.7 with the real models on
-# the CPU (`benchmarks/drawn_heads_cpu.py`), greedy drafts against drafts drawn from the drafter, heads of one to
-# three tokens: tokens a step, and the drawn/greedy ratio with its 95 % range over prompts. Projected onto the GPU:
-# `projection_config`'s measured speedup in `projection_run` (a greedy one-token head), times what a greedy head of
+# Whole steps: the lab's `fused` proposer with plan s5's settings decoding prose at T = 0.7 with the real models on the
+# CPU (`experiments/drawn_draft_heads/drawn_heads_cpu.py`), greedy drafts against drafts drawn from the drafter, heads
+# of one to three tokens: tokens a step, and the drawn/greedy ratio with its 95 % range over prompts. Projected onto the
+# GPU: `projection_config`'s measured speedup in `projection_run` (a greedy one-token head), times what a greedy head of
 # that length ran against the one-token head in `head_speed_run`, times the ratio (the same step, more tokens).
 
 # %%

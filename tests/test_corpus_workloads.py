@@ -22,7 +22,8 @@ COUNTS = {"multiturn": 24, "template": 24, "agent": 32, "batch": 153}
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("corpus_workloads", REPO / "benchmarks" / "corpus_workloads.py")
+    path = REPO / "experiments" / "corpus_workloads" / "corpus_workloads.py"
+    spec = importlib.util.spec_from_file_location("corpus_workloads", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("corpus_workloads", module)  # its dataclasses look their module up
     spec.loader.exec_module(module)

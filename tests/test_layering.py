@@ -150,3 +150,28 @@ def test_notebooks_call_the_library_not_other_programs():
                    for a in node.names} | {node.module for node in ast.walk(ast.parse(path.read_text()))
                                            if isinstance(node, ast.ImportFrom)}
         assert not modules & {"subprocess", "os.system"}, path.name
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """The top-level package of every absolute import of a file, lazy imports included."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_experiments_import_hqlab_not_the_benchmarks_or_each_other(tmp_path):
+    """An experiment is kept to be run again: it may use hqlab (its GPU timers are `hqlab.bench.gpu_timing`), never a
+    benchmark script, whose options and files change with the benchmark, nor another experiment's script (a module
+    beside it, in its own folder, is its own)."""
+    paths = sorted((REPO / "experiments").rglob("*.py"))
+    for path in paths:
+        others = {p.stem for p in paths if p.parent != path.parent}
+        bad = top_level_imports(path) & ({"benchmarks", "experiments"} | others)
+        assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
+    planted = tmp_path / "probe.py"  # the check can fail: a lazy import of a benchmark's helper
+    planted.write_text("def main():\n    from benchmarks.vllm_step_cost import run_bounded\n")
+    assert "benchmarks" in top_level_imports(planted)

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from benchmarks.step_cost_gpu import median_replay_ms
+    from hqlab.bench.gpu_timing import median_replay_ms
 
     if not torch.cuda.is_available():
         raise SystemExit("cuda_conditional_probe needs a CUDA GPU")

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_step_timing import cuda_ms, standalone_speculator  # noqa: E402
+from hqlab.bench.gpu_timing import cuda_ms, standalone_speculator  # noqa: E402
 
 
 # drafter settings per variant (gpu-fused spec keys); the first two are the ones the docs' figure plots

@@ -9,6 +9,12 @@ records, written together (`write_results`: `<out>.parquet` and `<out>.steps.par
 - `suites`: `run_suites` (suites through the transformers engine or vLLM) and the project's benchmarks (core,
   fusion, draft-vocabulary acceptance) as library calls.
 - `report`: summaries and the benchmarks' figures; `vllm_report`: vLLM runs read back (ratios, breakdowns).
+- `runner`: the one driver of the GPU benchmarks (benchmarks/vllm_*.py, seed_scale_validation.py): their command
+  line (`Benchmark`: --tag, --commit, --plan, --budget-s; `host` prints a GPU command's host call), `log`, the raw
+  files rewritten after every point, the budget, and `finish_run` (`results.write_run`). Standard library only.
+- `corpus_runs`, `step_cost`, `seed_scale`: what the corpus, step-cost and seed-scale benchmarks plan and how
+  their returned rows become a run's tables; `serve.returned_run`, `vllm.finish_tables` the same for serving and
+  vllm_gpu.py. `gpu_timing`: the CUDA timers of the probes in experiments/.
 - `results`: the committed results, one folder a run (data/results/<study>/<run>/) and their index: `load`,
   `run_info`, `write_run` (what every benchmark's `finish` puts a run in place with).
 - `claims`: what the docs say of a committed run, as data beside it (claims.json), and the checker.

@@ -555,3 +555,64 @@ def server_log_facts(text: str) -> dict[str, Any]:
     eager = re.search(r"gpu-(?:fused|lookup): capturing the drafting step (?:in a CUDA graph )?failed", text)
     return {"config": spec.group(1) if spec else "none", "planted": "hqlab_fault" in text, "vllm_runner": runner,
             "drafting_eager": eager is not None}
+
+
+def returned_logs(src: Path) -> list[tuple[str, str]]:
+    """(name, text) of every server log a GPU call returned: loose files and the members of serve_*_logs.tar.gz
+    archives (benchmarks/vllm_serve.py `together` packs them: a call returns at most eight files)."""
+    import tarfile
+
+    logs = [(f.name, f.read_text(errors="replace")) for f in sorted(src.glob("serve_*_[0-9]*.log"))]
+    for archive in sorted(src.glob("serve_*_logs.tar.gz")):
+        with tarfile.open(archive) as tar:
+            for member in tar.getmembers():
+                if member.isfile() and member.name.endswith(".log"):
+                    logs.append((member.name, tar.extractfile(member).read().decode(errors="replace")))
+    return logs
+
+
+def returned_run(returned: str | Path) -> tuple[str, dict[str, Any], dict[str, Path], list[Path]]:
+    """The files a GPU call of benchmarks/vllm_serve.py returned for one run -> (its tag, its tables: rows with the
+    model runner each server used and whether its drafting ran eagerly, as the server's own log says, samples and
+    greedy texts; the returned files to keep as they came; the host's logs). A folder holding two runs' rows is
+    refused: finish each from a folder of its own."""
+    import polars as pl
+
+    src = Path(returned)
+    raws = sorted(src.glob("vllm_serve_*.jsonl"))
+    tags = sorted({f.name.removeprefix("vllm_serve_").removesuffix(".jsonl") for f in raws})
+    if not tags:
+        raise SystemExit(f"no vllm_serve_*.jsonl rows under {src}")
+    if len(tags) > 1:
+        raise SystemExit(f"{src} holds the rows of {len(tags)} runs ({', '.join(tags)}): finish each run from a "
+                         "folder of its own files")
+    tag = tags[0]
+    frame = pl.DataFrame([json.loads(line) for line in raws[0].read_text().splitlines() if line.strip()])
+    frame = frame.select(SERVE_COLUMNS + [c for c in ["repeat", *STEADY_COLUMNS] if c in frame.columns])
+    runners, eager = {}, {}  # a served config's log names its spec
+    for name, text in returned_logs(src):
+        facts = server_log_facts(text)
+        if not facts["planted"]:
+            runners[facts["config"]] = facts["vllm_runner"]
+            eager[facts["config"]] = facts["drafting_eager"]
+            if facts["drafting_eager"]:
+                print(f"WARNING {name}: {facts['config']}'s drafting step ran eagerly (its CUDA graph capture "
+                      f"failed): its speed is not the config's", file=sys.stderr)
+    frame = frame.with_columns(pl.col("config").replace_strict(runners, default=None, return_dtype=pl.String)
+                               .alias("vllm_runner"),
+                               pl.col("config").replace_strict(eager, default=None, return_dtype=pl.Boolean)
+                               .alias("drafting_eager"))
+    tables: dict[str, Any] = {"rows": frame}
+    files: dict[str, Path] = {"raw.jsonl": raws[0]}
+    for kind in ("samples", "greedy"):
+        raw = src / f"serve_{kind}_{tag}.jsonl"
+        if raw.exists():
+            tables[kind] = pl.DataFrame([json.loads(line) for line in raw.read_text().splitlines() if line.strip()])
+            files[f"{kind}.jsonl"] = raw
+    if (src / f"serve_{tag}_logs.tar.gz").exists():
+        files["server_logs.tar.gz"] = src / f"serve_{tag}_logs.tar.gz"
+    for server_log in sorted(src.glob(f"serve_{tag}_[0-9]*.log")):
+        files[f"server_{server_log.stem.rsplit('_', 1)[1]}.log"] = server_log
+    host_logs = [f for f in sorted(src.glob("*.log")) + sorted(src.glob("*.log.gz"))
+                 if not f.name.startswith(f"serve_{tag}_")]
+    return tag, tables, files, host_logs

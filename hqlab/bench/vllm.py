@@ -199,3 +199,67 @@ def bench_suite(model: str | None, suite: str, specs: Sequence[str], decode: Dec
             "doc_tokens": doc_tokens, "tensor_parallel_size": tensor_parallel_size,
             "pipeline_parallel_size": pipeline_parallel_size}
     return frames_from_raw(runs, decode, meta, described)
+
+
+def finish_tables(raw: Sequence[str], run: str, *, reference: str | None = None, commit: str | None = None) -> dict:
+    """The raw files a GPU host returned for one run of benchmarks/vllm_gpu.py (several calls' files, the `none`
+    reference possibly from an earlier call's file) -> its tables: rows, steps, repeats and, where profiled, phases
+    and profile_steps, each with `run`. The commit: `commit`, else the one the call recorded, else this checkout's."""
+    from pathlib import Path
+
+    from hqlab import provenance
+    from hqlab.bench.runner import commit_of
+    from hqlab.bench.vllm_runs import runs_from_raw
+    from hqlab.io import read_json
+
+    runs, metas = [], []
+    source: dict[str, str] = {}
+    for path in [*raw, *([reference] if reference else [])]:
+        more = runs_from_raw(pl.read_parquet(path))
+        meta = read_json(Path(path).with_suffix(".json"))
+        if path == reference:  # only its `none` rows: the reference of a call run with --skip-reference
+            more = [r for r in more if r.config == "none"]
+            if not more:
+                raise SystemExit(f"--reference {path}: it holds no `none` run")
+            meta["engines"] = [e for e in meta["engines"] if e["config"] == "none"]
+        for config in dict.fromkeys(r.config for r in more):
+            if config in source:  # its repeats and batches would be pooled across calls (batch throughput doubled)
+                raise SystemExit(f"config {config!r} is in both {source[config]} and {path}: one run holds each "
+                                 f"config once; finish the calls as separate runs (--run, the later one with "
+                                 f"--reference EARLIER if it skipped `none`), or run the later call with "
+                                 f"--skip-reference")
+            source[config] = str(path)
+        runs += more
+        metas.append(meta)
+    keys = ("machine", "model", "dtype", "doc_tokens", "suite", "tensor_parallel_size", "pipeline_parallel_size")
+    meta = {k: metas[0][k] for k in keys if k in metas[0]}
+    decode = DecodeConfig(max_new_tokens=metas[0]["max_new_tokens"])
+    engines = [e for m in metas for e in m["engines"]]
+    results, steps = frames_from_raw(runs, decode, meta, engines)
+    # Provenance: versions and device as the GPU host reported them; the commit is the one whose code ran there
+    # (the host gets the working tree without its history).
+    host = metas[0].get("versions") or {}
+    results = results.with_columns(pl.lit(commit_of(commit, metas[0].get("commit"))).alias("git_commit"),
+                                   *(pl.lit(host.get(c), dtype=pl.String).alias(c)
+                                     for c in provenance.COLUMNS if c != "git_commit"))
+    phases = [{"config": e["config"], "prompt_id": p["prompt_id"], "category": p["category"], **ph}
+              for e in engines for p in e.get("profile", []) for ph in p["phases"]]
+    profile_steps = [{"config": e["config"], "prompt_id": p["prompt_id"], "category": p["category"], **st}
+                     for e in engines for p in e.get("profile", []) for st in p["steps"]]
+    tables = {"rows": results, "steps": steps, "repeats": repeat_rows(runs), "phases": pl.DataFrame(phases),
+              "profile_steps": pl.DataFrame(profile_steps).drop("proposed", "sources", strict=False)}
+    return {kind: frame.with_columns(pl.lit(run).alias("run")) for kind, frame in tables.items() if frame.height}
+
+
+def merge_replay(table: pl.DataFrame, existing: pl.DataFrame | None) -> pl.DataFrame:
+    """A raw file's replay rows (`fused_replay_check`, with `run`) in place of the rows of the same run and configs
+    in a run's replay table; its other runs and the run's other configs (a run's configs can come back in several
+    raw files) stay."""
+    if existing is None:
+        return table
+    if "run" not in existing.columns:
+        raise SystemExit(f"the replay table has no `run` column, so its rows cannot be told apart from run "
+                         f"{table['run'][0]!r}")
+    configs = table["config"].unique().to_list()
+    keep = existing.filter((pl.col("run") != table["run"][0]) | ~pl.col("config").is_in(configs))
+    return pl.concat([keep, table], how="diagonal_relaxed")

@@ -471,7 +471,8 @@ def gpu_phases(phases: pl.DataFrame, run: str, *, category: str | None = None) -
             .select("config", *GPU_PHASES, "gpu_ms").sort("propose"))
 
 
-# what a kernel of a drafting step is, by its name (benchmarks/fused_pass_kernels.py's profiler table), first match
+# what a kernel of a drafting step is, by its name (the profiler table of
+# experiments/drafting_step_profile/fused_pass_kernels.py), first match
 KERNEL_PARTS = [("Triton drafter layers (K1-K4)", ("_norm_qkv_rope_cache", "_linear_residual", "_norm_gate_up_silu")),
                 ("KV cache write", ("reshape_and_cache",)),  # before attention: vLLM names it ..._flash_kernel
                 ("attention", ("flash", "Flash", "_decode_attention")),
@@ -489,12 +490,13 @@ def pass_kernel_parts(profile: dict) -> pl.DataFrame:
             rows.append({"config": config, "part": part, "us": float(kernel["us_per_step"]),
                          "kernels": int(kernel["calls"])})
     if not rows:
-        raise ConfigError("the profile has no kernel tables (benchmarks/fused_pass_kernels.py writes them)")
+        raise ConfigError("the profile has no kernel tables (experiments/drafting_step_profile/fused_pass_kernels.py "
+                          "writes them)")
     return (pl.DataFrame(rows).group_by("config", "part", maintain_order=True)
             .agg(pl.col("us").sum(), pl.col("kernels").sum()))
 
 
-# the variants of benchmarks/fused_pass_kernels.py --prefill, by what they are
+# the variants of experiments/drafting_step_profile/fused_pass_kernels.py --prefill, by what they are
 PREFILL_LABELS = {"chunk1024": "eager, one call (served so far)", "chunk64": "eager, 64-token calls",
                   "chunk1024-nocompile": "eager, no torch.compile", "graph64": "graph, 64-token passes"}
 
@@ -511,18 +513,18 @@ def prefill_times(profile: dict) -> pl.DataFrame:
               "prompt": int(r["prompt"]), "call": "first", "ms": float(r["first_call_ms"]), "ms_min": None,
               "ms_max": None, "same_argmax": bool(r["same_argmax_as_first"])} for r in profile.get("fresh", [])]
     if not rows:
-        raise ConfigError("the profile has no prefill rows by variant (benchmarks/fused_pass_kernels.py --prefill "
-                          "writes them)")
+        raise ConfigError("the profile has no prefill rows by variant "
+                          "(experiments/drafting_step_profile/fused_pass_kernels.py --prefill writes them)")
     return pl.DataFrame(rows).sort("call", "variant", "prompt", descending=[True, False, False],
                                    maintain_order=True)
 
 
 def tile_sweep(sweep: dict) -> pl.DataFrame:
-    """Per (kernel, rows) of a tile sweep (benchmarks/drafter_layer_tiles.py's JSON): µs per launch of the product
-    alone in cuBLAS (or, for the attention, vLLM's FlashAttention), of the tiles the table held when the sweep ran,
-    and of the best candidate within the sweep's error bound; candidates tried and how many failed or missed. The
-    attention's rows are its requests, `q_len` its queries per request (16 unless the sweep says; the sweep keys
-    other query counts `attention@NqQ`)."""
+    """Per (kernel, rows) of a tile sweep (the JSON of experiments/drafter_kernel_tiles/drafter_layer_tiles.py): µs per
+    launch of the product alone in cuBLAS (or, for the attention, vLLM's FlashAttention), of the tiles the table held
+    when the sweep ran, and of the best candidate within the sweep's error bound; candidates tried and how many failed
+    or missed. The attention's rows are its requests, `q_len` its queries per request (16 unless the sweep says; the
+    sweep keys other query counts `attention@NqQ`)."""
     rows = []
     for ref in sweep.get("cublas", []):
         kernel, n, q = ref["kernel"], ref["rows"], ref.get("q_len", 16 if ref["kernel"] == "attention" else None)
@@ -535,7 +537,8 @@ def tile_sweep(sweep: dict) -> pl.DataFrame:
                      "table_us": float(ref["table_us"]), "best_us": float(best["us"]) if best else None,
                      "candidates": len(tried), "failed": sum("failed" in r for r in tried)})
     if not rows:
-        raise ConfigError("the sweep has no reference rows (benchmarks/drafter_layer_tiles.py writes them)")
+        raise ConfigError("the sweep has no reference rows (experiments/drafter_kernel_tiles/drafter_layer_tiles.py "
+                          "writes them)")
     return pl.DataFrame(rows)
 
 

@@ -412,10 +412,10 @@ def rows(traces: Sequence[Trace], specs: Sequence[str], *, costs: dict[str, Cost
 
 def step_models(frame: pl.DataFrame, *, model: str = "qwen2.5-0.5b", mode: str = "graph",
                 batches: Sequence[int] = (1, 8)) -> dict[str, CostModel]:
-    """{"b1": ..., "b8": ...}: step cost models fitted on measured verify steps (`benchmarks/step_cost_gpu.py`'s
-    table: model shape, mode, batch, context_len, verify_len, step_ms) for each batch size. A request's step at
-    batch b is priced at that batch's step (the batch verifies together; every request's ratio to its own
-    no-speculation price is what the projection uses)."""
+    """{"b1": ..., "b8": ...}: step cost models fitted on measured verify steps
+    (`experiments/verify_step_cost/step_cost_gpu.py`'s table: model shape, mode, batch, context_len, verify_len,
+    step_ms) for each batch size. A request's step at batch b is priced at that batch's step (the batch verifies
+    together; every request's ratio to its own no-speculation price is what the projection uses)."""
     need = {"model", "mode", "batch", "context_len", "verify_len", "step_ms"}
     missing = need - set(frame.columns)
     if missing:

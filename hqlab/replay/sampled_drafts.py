@@ -15,7 +15,7 @@ target (on the 1.5B/0.5B pair it does not, by more than a few thousandths: docs/
 
 Over the target's own sampled output (what a lossless engine emits), the mean of each is the acceptance of the
 drafter's first head token at a step, the whole of what a one-token head (`draft_block=1`) adds to a step where the
-lookup proposes nothing. `benchmarks/draft_sampling_cpu.py` measures it with the real models.
+lookup proposes nothing. `experiments/drawn_draft_heads/draft_sampling_cpu.py` measures it with the real models.
 """
 
 from __future__ import annotations
@@ -64,15 +64,16 @@ def draft_temperature_summary(rows: "pl.DataFrame") -> "pl.DataFrame":
 
 
 def head_summary(rows: "pl.DataFrame", *, resamples: int = 2000, seed: int = 0) -> "pl.DataFrame":
-    """Rows of `benchmarks/drawn_heads_cpu.py` (one per config, prompt and verify step; `head`, `draft` greedy or
-    drawn, `prompt`, `accepted`) -> one row per head: tokens a step (accepted + 1, over all steps) of the greedy and
-    the drawn drafts, their ratio, and its 95 % range by resampling prompts (both drafts' steps of a drawn prompt
-    together: they decoded the same prompts)."""
+    """Rows of `experiments/drawn_draft_heads/drawn_heads_cpu.py` (one per config, prompt and verify step; `head`,
+    `draft` greedy or drawn, `prompt`, `accepted`) -> one row per head: tokens a step (accepted + 1, over all steps) of
+    the greedy and the drawn drafts, their ratio, and its 95 % range by resampling prompts (both drafts' steps of a
+    drawn prompt together: they decoded the same prompts)."""
     import polars as pl
 
     missing = {"head", "draft", "prompt", "accepted"} - set(rows.columns)
     if missing:
-        raise ValueError(f"rows lack the columns {sorted(missing)} (benchmarks/drawn_heads_cpu.py writes them)")
+        raise ValueError(f"rows lack the columns {sorted(missing)} (experiments/drawn_draft_heads/drawn_heads_cpu.py "
+                         "writes them)")
     per = rows.group_by("head", "draft", "prompt").agg(tokens=(pl.col("accepted") + 1).sum(), steps=pl.len())
     rng = np.random.default_rng(seed)
     out = []
@@ -138,8 +139,9 @@ def head_speeds(serve_rows: "pl.DataFrame", run: str, *, dataset: str = "prose",
 
 
 def summary(rows: "pl.DataFrame") -> "pl.DataFrame":
-    """Rows of `benchmarks/draft_sampling_cpu.py` -> one row per (dataset, temperature, draft): the mean acceptance
-    over answer positions ("draft" is "greedy" or "sampled"), the lowest and highest prompt mean, and the prompts."""
+    """Rows of `experiments/drawn_draft_heads/draft_sampling_cpu.py` -> one row per (dataset, temperature, draft): the
+    mean acceptance over answer positions ("draft" is "greedy" or "sampled"), the lowest and highest prompt mean, and
+    the prompts."""
     import polars as pl
 
     per_prompt = rows.group_by("dataset", "temperature", "prompt").agg(

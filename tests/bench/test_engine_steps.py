@@ -59,17 +59,10 @@ def test_rows_without_step_facts_are_refused_by_name():
         engine_steps(_calls().drop("new_requests"))
 
 
-def test_finish_turns_a_profiled_runs_phases_into_one_admissions_row_a_point(tmp_path):
+def test_finish_turns_a_profiled_runs_phases_into_one_admissions_row_a_point():
     """benchmarks/vllm_corpus.py `finish` reads a `--profile` run's .phases.parquet through `admissions_table`: one row
     per point, tagged with its run."""
-    import importlib.util
-    import sys
-    from pathlib import Path
+    from hqlab.bench.corpus_runs import admissions_table
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_corpus.py"
-    spec = importlib.util.spec_from_file_location("vllm_corpus_bench", path)
-    vllm_corpus = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
-    spec.loader.exec_module(vllm_corpus)
-
-    table = vllm_corpus.admissions_table(_calls(), "c9")
+    table = admissions_table(_calls(), "c9")
     assert table["run"].to_list() == ["c9"] and table["admitting_steps"].to_list() == [1]

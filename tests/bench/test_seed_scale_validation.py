@@ -1,6 +1,6 @@
-"""benchmarks/seed_scale_validation.py (#41): which grid points the validation prices, the budget's skipping, and
-`finish` on a returned dir written by `run` itself with the GPU tools stood in for (the step-cost benchmark's `one`
-and vllm_gpu.py's bench write their files as they do on the host). No vLLM, no GPU."""
+"""benchmarks/seed_scale_validation.py (#41): which grid points the validation prices (`hqlab.bench.seed_scale`), the
+budget's skipping, and `finish` on a returned dir written by `run` itself with the GPU tools stood in for (the step-cost
+benchmark's `one` and vllm_gpu.py's bench write their files as they do on the host). No vLLM, no GPU."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 
 from benchmarks import seed_scale_validation as v
 from benchmarks import vllm_step_cost as grid_bench
-from hqlab.bench import results
+from hqlab.bench import results, runner
+from hqlab.bench import seed_scale as plan
 from hqlab.replay import scale
 
 MACHINE = "NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, vllm 0.26.0"
@@ -23,34 +24,34 @@ MACHINE = "NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, vllm 0.26.0"
 
 
 def test_verify_widths_and_bracketing_contexts():
-    assert [v.verify_width(c) for c in ("none", v.LOOKUP_15, v.LOOKUP_31, v.FUSED_15, v.FUSED_31_SKIP)] == \
-        [1, 16, 32, 16, 32]
+    configs = ("none", plan.LOOKUP_15, plan.LOOKUP_31, plan.FUSED_15, plan.FUSED_31_SKIP)
+    assert [plan.verify_width(c) for c in configs] == [1, 16, 32, 16, 32]
     with pytest.raises(ValueError, match="no integer k"):
-        v.verify_width("gpu-lookup:nmin=1")
+        plan.verify_width("gpu-lookup:nmin=1")
     with pytest.raises(ValueError, match="prices only"):
-        v.verify_width("lookup:k=31")  # the CPU lookup: its width varies step by step
-    assert v.bracketing_contexts(140, 2323) == (128, 256, 512, 1024, 2048, 2560)  # the top: the longest step's,
-    assert v.bracketing_contexts(1024, 1024) == (1024,)                           # rounded up to 512, not 4,096
-    assert v.bracketing_contexts(1025, 1030) == (1024, 1536)
-    assert v.bracketing_contexts(140, 2048) == (128, 256, 512, 1024, 2048)
-    assert v.bracketing_contexts(140, 2323, top_step=1) == (128, 256, 512, 1024, 2048, 2323)
+        plan.verify_width("lookup:k=31")  # the CPU lookup: its width varies step by step
+    assert plan.bracketing_contexts(140, 2323) == (128, 256, 512, 1024, 2048, 2560)  # the top: the longest step's,
+    assert plan.bracketing_contexts(1024, 1024) == (1024,)                           # rounded up to 512, not 4,096
+    assert plan.bracketing_contexts(1025, 1030) == (1024, 1536)
+    assert plan.bracketing_contexts(140, 2048) == (128, 256, 512, 1024, 2048)
+    assert plan.bracketing_contexts(140, 2323, top_step=1) == (128, 256, 512, 1024, 2048, 2323)
     with pytest.raises(ValueError, match="top_step"):
-        v.bracketing_contexts(140, 2323, top_step=0)
+        plan.bracketing_contexts(140, 2323, top_step=0)
 
 
 def test_plan_measures_batch_one_at_the_configs_widths_then_decodes():
-    items = v.make_plan(v.DEFAULT_CONFIGS)
+    items = plan.make_plan(plan.DEFAULT_CONFIGS)
     assert [(x.kind, x.model) for x in items] == [
         ("grid", "qwen2.5-coder-0.5b"), ("grid", "qwen2.5-coder-1.5b"),
         ("decode", "qwen2.5-coder-0.5b"), ("decode", "qwen2.5-coder-1.5b")]
     assert items[0].points == {"widths": (1, 16, 32), "contexts": (128, 256, 512, 1024, 2048, 2560),
                                "batches": (1,)}
-    assert v.grid_argv(items[0], "t", "c", 100.0, Path("w"))[-2:] == ["--steps", str(v.GRID_STEPS)]
+    assert v.grid_argv(items[0], "t", "c", 100.0, Path("w"))[-2:] == ["--steps", str(plan.GRID_STEPS)]
     assert items[1].points["widths"] == (1, 16, 32)  # gpu-lookup k=31 and gpu-fused k=15
     assert [x.profile for x in items[2:]] == [False, True]  # the fused pass from the 1.5B's own profile
     # the default plan fits the budget it is meant for
     assert sum(x.est_s for x in items) <= 520
-    fused = v.make_plan(v.DEFAULT_CONFIGS, fused_grid=True)
+    fused = plan.make_plan(plan.DEFAULT_CONFIGS, fused_grid=True)
     assert [(x.name, x.points.get("widths")) for x in fused if x.kind == "grid"][-1] == \
         ("grid qwen2.5-1.5b gpu-fused", (16,))
     assert not fused[-1].profile
@@ -67,14 +68,14 @@ def _flat_grid(shape: str, points: dict, ms: dict[int, float], config: str = "gp
 
 
 @pytest.mark.parametrize("study, run, configs, shape", [
-    ("vllm_gpu", "w2", [v.LOOKUP_15, v.LOOKUP_31], "qwen2.5-0.5b"),
-    ("vllm_fused", "fn2", [v.LOOKUP_15, v.LOOKUP_31, v.FUSED_15, v.FUSED_31_SKIP], "qwen2.5-1.5b")])
+    ("vllm_gpu", "w2", [plan.LOOKUP_15, plan.LOOKUP_31], "qwen2.5-0.5b"),
+    ("vllm_fused", "fn2", [plan.LOOKUP_15, plan.LOOKUP_31, plan.FUSED_15, plan.FUSED_31_SKIP], "qwen2.5-1.5b")])
 def test_the_chosen_points_price_every_step_of_the_committed_runs_without_clamping(study, run, configs, shape):
     """Every step of the committed H200 runs whose configs the validation decodes again (the same suite) lies inside
     the grid the plan measures: priced with outside_context="error"; a grid of fewer contexts is refused on the same
     steps."""
     steps, decodes = results.load(study, run, "steps"), results.load(study, run)
-    grid = v.grid_points(configs, v.step_contexts(configs), fused_grid=True)
+    grid = plan.grid_points(configs, plan.step_contexts(configs), fused_grid=True)
     ms = {1: 2.0, 16: 2.5, 32: 3.0}
     rows = _flat_grid(shape, grid["gpu-lookup"], ms)
     if "gpu-fused" in grid:
@@ -83,7 +84,7 @@ def test_the_chosen_points_price_every_step_of_the_committed_runs_without_clampi
     table = scale.validate(costs, steps, decodes, run, shape, configs=["none", *configs], fused_shape=shape,
                            outside_context="error")
     assert table.height == 7 * (1 + len(configs)) and (table["clamped_share"] == 0).all()
-    short = v.grid_points(configs, (1024, 2048))["gpu-lookup"]  # what the first H100 grid measured, about
+    short = plan.grid_points(configs, (1024, 2048))["gpu-lookup"]  # what the first H100 grid measured, about
     costs = pl.DataFrame(_flat_grid(shape, short, ms), schema=scale.STEP_COST_SCHEMA)
     with pytest.raises(scale.ScaleError, match="outside the grid"):
         scale.validate(costs, steps, decodes, run, shape, configs=["none", configs[0]], outside_context="error")
@@ -93,21 +94,21 @@ def test_the_chosen_points_price_every_step_of_the_committed_runs_without_clampi
 
 
 def test_each_item_keeps_the_later_items_minimum_and_skips_what_does_not_fit():
-    items = v.make_plan(v.DEFAULT_CONFIGS)
+    items = plan.make_plan(plan.DEFAULT_CONFIGS)
     ok = {"qwen2.5-coder-0.5b": True, "qwen2.5-coder-1.5b": True}
-    go, limit, _ = v.decide(items, 0, 520, {})
-    assert go and limit == pytest.approx(520 - v.END_MARGIN_S - sum(x.min_s for x in items[1:]))
-    go, limit, _ = v.decide(items, 0, 300, {})  # short of time: the first item still gets 1.5 x its estimate
+    go, limit, _ = plan.decide(items, 0, 520, {})
+    assert go and limit == pytest.approx(520 - plan.END_MARGIN_S - sum(x.min_s for x in items[1:]))
+    go, limit, _ = plan.decide(items, 0, 300, {})  # short of time: the first item still gets 1.5 x its estimate
     assert go and limit == pytest.approx(1.5 * items[0].est_s)
-    go, limit, _ = v.decide(items, 3, 520, ok)  # the last item gets what is left
-    assert go and limit == pytest.approx(520 - v.END_MARGIN_S)
-    go, _, why = v.decide(items, 3, items[3].min_s, ok)
+    go, limit, _ = plan.decide(items, 3, 520, ok)  # the last item gets what is left
+    assert go and limit == pytest.approx(520 - plan.END_MARGIN_S)
+    go, _, why = plan.decide(items, 3, items[3].min_s, ok)
     assert not go and "needs at least" in why
     # the 1.5B's grid failed: its decodes are skipped, and the 0.5B's decodes no longer keep time for them
     items[0].status, items[1].status = "done", "failed"
-    go, limit, _ = v.decide(items, 2, 300, {"qwen2.5-coder-0.5b": True, "qwen2.5-coder-1.5b": False})
-    assert go and limit == pytest.approx(300 - v.END_MARGIN_S)
-    go, _, why = v.decide(items, 3, 300, {"qwen2.5-coder-0.5b": True, "qwen2.5-coder-1.5b": False})
+    go, limit, _ = plan.decide(items, 2, 300, {"qwen2.5-coder-0.5b": True, "qwen2.5-coder-1.5b": False})
+    assert go and limit == pytest.approx(300 - plan.END_MARGIN_S)
+    go, _, why = plan.decide(items, 3, 300, {"qwen2.5-coder-0.5b": True, "qwen2.5-coder-1.5b": False})
     assert not go and "no grid rows" in why
 
 
@@ -116,7 +117,7 @@ def test_each_item_keeps_the_later_items_minimum_and_skips_what_does_not_fit():
 COST = {("qwen2.5-0.5b", 1): 2.0, ("qwen2.5-0.5b", 16): 2.4, ("qwen2.5-0.5b", 32): 2.6,
         ("qwen2.5-1.5b", 1): 2.8, ("qwen2.5-1.5b", 16): 3.0, ("qwen2.5-1.5b", 32): 3.3}
 PASS_MS = 1.1  # the 1.5B's fused drafter pass, as its profile times it
-SLOW = {v.LOOKUP_15: 1.25}  # this config's decodes ran 25 % slower than the grid says: a miss the check must show
+SLOW = {plan.LOOKUP_15: 1.25}  # this config's decodes ran 25 % slower than the grid says: a miss the check must show
 PROMPTS = [("copy", "copy", 2029), ("chat-module", "chat", 191)]
 
 
@@ -140,38 +141,36 @@ def _value(cmd: list[str], name: str) -> str:
 def _generation(config: str, shape: str, prompt_len: int, tokens: int = 32):
     from hqlab.trace import Generation, step_record
 
-    width = v.verify_width(config)
+    width = plan.verify_width(config)
     per_step = 1 if width == 1 else 8
-    ms = COST[(shape, width)] + (PASS_MS if v.config_kind(config) == "gpu-fused" else 0.0)
+    ms = COST[(shape, width)] + (PASS_MS if plan.config_kind(config) == "gpu-fused" else 0.0)
     ms *= SLOW.get(config, 1.0)
     records, t = [], 0.05
     for j in range(tokens // per_step):
         t += ms / 1e3
         records.append(step_record(config, j, context_len=prompt_len + j * per_step, accepted=per_step - 1,
                                    emitted=per_step, verify_len=width, step_s=ms / 1e3, t_end=t,
-                                   drafter_passes=1 if v.config_kind(config) == "gpu-fused" else -1))
+                                   drafter_passes=1 if plan.config_kind(config) == "gpu-fused" else -1))
     return Generation(config, prompt_len, list(range(tokens + 1)), "length", 0.05, t, t, records, [])
 
 
 def _write_bench(cmd: list[str], out: Path) -> None:
-    """What vllm_gpu.py bench writes into $OUT: the raw runs and their description."""
-    import pyarrow.parquet as pq
-
+    """What vllm_gpu.py bench writes into $OUT (through the runner's writers): the raw runs and their description."""
     from hqlab.bench.vllm_runs import Run, raw_table
 
     model, tag = _value(cmd, "--model"), _value(cmd, "--tag")
     configs = ["none", *[cmd[i + 1] for i, a in enumerate(cmd) if a == "--config"]]
-    shape = v.SHAPE_OF[model]
+    shape = plan.SHAPE_OF[model]
     runs = [Run("none", pid, cat, -1, _generation("none", shape, n)) for pid, cat, n in PROMPTS]
     for r in runs:
         r.generation.margins[:] = [5.0] * len(r.generation.output_ids)
     runs += [Run(c, pid, cat, rep, _generation(c, shape, n)) for rep in range(int(_value(cmd, "--repeats")))
              for pid, cat, n in PROMPTS for c in configs]
-    pq.write_table(raw_table(runs), out / f"vllm_gpu_{tag}.parquet")
+    runner.save_table(out / f"vllm_gpu_{tag}.parquet", raw_table(runs))
     engines = [{"config": c, "model_runner": "v1", "async_scheduling": False} for c in configs]
     if "--profile" in cmd:
         for e in engines:
-            phase = "propose (speculator)" if v.config_kind(e["config"]) == "gpu-fused" else "execute_model"
+            phase = "propose (speculator)" if plan.config_kind(e["config"]) == "gpu-fused" else "execute_model"
             e["profile"] = [{"prompt_id": pid, "category": cat, "steps": [],
                              "phases": [{"phase": phase, "host_start_ms": 0.0, "host_ms": 0.1, "gpu_start_ms": 0.0,
                                          "gpu_ms": PASS_MS}]} for pid, cat, _ in PROMPTS]
@@ -179,7 +178,7 @@ def _write_bench(cmd: list[str], out: Path) -> None:
             "doc_tokens": 2000, "suite": "all", "max_new_tokens": 32, "repeats": 2, "concurrency": 0,
             "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "parallel_start": True,
             "engines": engines}
-    (out / f"vllm_gpu_{tag}.json").write_text(json.dumps(meta) + "\n")
+    runner.save_json(out / f"vllm_gpu_{tag}.json", meta)
 
 
 def _one(cmd: list[str]) -> None:
@@ -202,7 +201,7 @@ def gpu_side(tmp_path, monkeypatch):
     clock = Clock()
     fake_time = types.SimpleNamespace(monotonic=clock.monotonic, strftime=lambda *a: "00:00:00")
     monkeypatch.setattr(v, "time", fake_time)
-    monkeypatch.setattr(grid_bench, "time", fake_time)
+    monkeypatch.setattr(runner, "time", fake_time)  # the budget's clock
     out = tmp_path / "out"
     monkeypatch.setenv("OUT", str(out))
     calls: list[tuple[str, float]] = []
@@ -221,7 +220,7 @@ def gpu_side(tmp_path, monkeypatch):
             _write_bench(list(cmd), out)
         return 0
 
-    monkeypatch.setattr(grid_bench, "run_bounded", bounded)
+    monkeypatch.setattr(runner, "run_bounded", bounded)
     return types.SimpleNamespace(out=out, calls=calls, took=took, work=tmp_path / "work")
 
 
@@ -324,9 +323,9 @@ def test_finish_reproduces_a_committed_run_from_its_returned_files(tmp_path):
 
 
 def test_the_none_grid_comes_last_at_width_one_and_the_lookups_contexts():
-    items = v.make_plan(v.DEFAULT_CONFIGS, none_grid=True)
+    items = plan.make_plan(plan.DEFAULT_CONFIGS, none_grid=True)
     assert [x.name for x in items[-2:]] == ["grid qwen2.5-0.5b none", "grid qwen2.5-1.5b none"]
-    assert items[:4] == v.make_plan(v.DEFAULT_CONFIGS)[:4]  # the rest of the plan, in its order, unchanged
+    assert items[:4] == plan.make_plan(plan.DEFAULT_CONFIGS)[:4]  # the rest of the plan, in its order, unchanged
     lookup, plain = items[0], items[-2]
     assert plain.points == {"widths": (1,), "contexts": lookup.points["contexts"], "batches": (1,)}
     assert grid_bench.points("none", "qwen2.5-0.5b", **plain.points) == [(c, 1, 1) for c in lookup.points["contexts"]]
@@ -352,14 +351,15 @@ def test_rounds_spread_a_points_steps_over_passes_of_the_whole_grid():
 
 
 def test_grid_rounds_reach_the_step_cost_benchmark_and_the_estimate():
-    plain = v.make_plan(v.DEFAULT_CONFIGS, none_grid=True)
-    longer = v.make_plan(v.DEFAULT_CONFIGS, none_grid=True, grid_steps=480, grid_rounds=8)
+    plain = plan.make_plan(plan.DEFAULT_CONFIGS, none_grid=True)
+    longer = plan.make_plan(plan.DEFAULT_CONFIGS, none_grid=True, grid_steps=480, grid_rounds=8)
     for a, b in zip(plain, longer):
         if a.kind == "decode":
             assert (a.est_s, a.min_s) == (b.est_s, b.min_s)
             continue
-        n = len(grid_bench.points(a.grid_config, v.SHAPE_OF[a.model], **a.points))
-        more = n * (480 + 8 * (grid_bench.WARM_STEPS + 1) - (v.GRID_STEPS + grid_bench.WARM_STEPS + 1)) * v.GRID_STEP_S
+        n = len(grid_bench.points(a.grid_config, plan.SHAPE_OF[a.model], **a.points))
+        warm = grid_bench.WARM_STEPS + 1
+        more = n * (480 + 8 * warm - (plan.GRID_STEPS + warm)) * plan.GRID_STEP_S
         assert b.est_s == pytest.approx(a.est_s + more) and b.min_s == pytest.approx(a.min_s + more)
     argv = v.grid_argv(longer[0], "t", "c", 100.0, Path("w"), steps=480, rounds=8)
     assert argv[-4:] == ["--steps", "480", "--rounds", "8"]

@@ -1,8 +1,9 @@
-"""benchmarks/vllm_corpus.py without a GPU: the plan (--dry-run), and `finish` with its exactness check on runs
-recorded by the real GpuLookupSpeculator (its Triton kernels in the interpreter) decoding real text: requests in a
-closed loop with 1 or 3 in flight, finished requests' documents delivered between steps as the plugin delivers them,
-the target's greedy output standing in as the recorded text. The replay (`hqlab.bench.corpus_check`) must predict
-every step exactly from the rows alone, and must notice a wrong insertion order.
+"""benchmarks/vllm_corpus.py without a GPU: the plan (--dry-run), and `finish` (`hqlab.bench.corpus_runs`) with its
+exactness check on runs recorded by the real GpuLookupSpeculator (its Triton kernels in the interpreter) decoding real
+text: requests in a closed loop with 1 or 3 in flight, finished requests' documents delivered between steps as the
+plugin delivers them, the target's greedy output standing in as the recorded text. The replay
+(`hqlab.bench.corpus_check`) must predict every step exactly from the rows alone, and must notice a wrong insertion
+order.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first @triton.jit definition
 
+from hqlab.bench import corpus_runs  # noqa: E402
 from hqlab.bench.corpus_check import emitted_tokens  # noqa: E402
+from hqlab.bench.corpus_report import without_corpus  # noqa: E402
 from hqlab.engines.vllm.gpu_lookup import GpuLookupSpeculator, lookup_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,7 +129,7 @@ def recorded():
 
 @pytest.mark.parametrize("load", [1, 3])
 def test_the_replay_predicts_every_recorded_step(recorded, load):
-    points = {r["config"]: r for r in bench.point_rows(recorded[load], "t")}
+    points = {r["config"]: r for r in corpus_runs.point_rows(recorded[load], "t")}
     corpus = points[CORPUS_OF[load]]
     assert corpus["replay_exact"] and corpus["replay_problems"] == "", corpus["replay_first_mismatch"]
     assert corpus["replay_exact_steps"] == corpus["replay_steps"] > 0
@@ -145,11 +148,11 @@ def test_the_replay_notices_a_wrong_insertion_order(recorded):
     assert sorted(seqs) == [-1, *range(len(rows) - 1)]  # the last request's document arrives after the last step
     a, b = rows[0], rows[1]
     a["corpus_seq"], b["corpus_seq"] = b["corpus_seq"], a["corpus_seq"]
-    swapped = bench.check_rows(rows, CORPUS)
+    swapped = corpus_runs.check_rows(rows, CORPUS)
     assert not swapped["replay_exact"] and swapped["replay_first_mismatch"]
     rows = [dict(r) for r in recorded[1] if r["config"] == CORPUS]
     rows[2]["corpus_doc_len"] += 1  # a document that is not the recorded output
-    assert "corpus document" in bench.check_rows(rows, CORPUS)["replay_problems"]
+    assert "corpus document" in corpus_runs.check_rows(rows, CORPUS)["replay_problems"]
 
 
 def test_finish_writes_points_and_requests(recorded, tmp_path, capsys):
@@ -192,13 +195,14 @@ def test_dry_run_prints_the_plan(tmp_path, capsys):
 
 
 def test_points_interleave_configs_and_keep_whole_repeats():
-    points = bench.plan_points(["a", "b"], ["none", "x", "y"], 2, (1, 8))
+    points = corpus_runs.plan_points(["a", "b"], ["none", "x", "y"], 2, (1, 8))
     assert len(points) == 24 and [p[0] for p in points] == [0] * 12 + [1] * 12
     groups = [points[i : i + 3] for i in range(0, 24, 3)]
     assert all(sorted(p[3] for p in g) == ["none", "x", "y"] for g in groups)
     assert len({g[0][3] for g in groups}) == 3  # the config that goes first rotates
-    assert bench.without_corpus(CORPUS, {"none", BASE, CORPUS}) == BASE
-    assert bench.without_corpus(BASE, {"none", BASE, CORPUS}) is None
-    assert bench.request_counts(["1=12", "8=16", "prose:1=6", "1=4"]) == {(None, 1): 4, (None, 8): 16, ("prose", 1): 6}
+    assert without_corpus(CORPUS, {"none", BASE, CORPUS}) == BASE
+    assert without_corpus(BASE, {"none", BASE, CORPUS}) is None
+    assert corpus_runs.request_counts(["1=12", "8=16", "prose:1=6", "1=4"]) == \
+        {(None, 1): 4, (None, 8): 16, ("prose", 1): 6}
     with pytest.raises(SystemExit, match="LOAD=N"):
-        bench.request_counts(["prose=3"])
+        corpus_runs.request_counts(["prose=3"])

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from hqlab.bench.corpus_report import without_corpus
+
 ROOT = Path(__file__).resolve().parents[2]
 PLAN = ROOT / "benchmarks" / "plans" / "corpus_c2.json"
 
@@ -35,7 +37,7 @@ def test_the_plan_of_five_configs_runs_every_multi_turn_request_as_planned(bench
     assert "(budget 480 s)" in out
     labels = set(configs)
     corpus = [c for c in configs if "corpus=" in c]
-    assert len(corpus) == 2 and all(bench.without_corpus(c, labels) in labels for c in corpus)
+    assert len(corpus) == 2 and all(without_corpus(c, labels) in labels for c in corpus)
     from hqlab.engines.vllm.gpu_lookup import lookup_config
 
     for c in configs[1:]:
@@ -53,7 +55,7 @@ def test_the_batch_job_plan_runs_every_request_at_8_in_flight(bench, capsys):
     assert "corpus_batch.jsonl: 153 requests in the file; load 1 runs 24, load 8 runs 153" in out
     configs = list(plan["configs"].values())
     corpus = [c for c in configs if "corpus=" in c]
-    assert len(corpus) == 1 and bench.without_corpus(corpus[0], set(configs)) in configs
+    assert len(corpus) == 1 and without_corpus(corpus[0], set(configs)) in configs
 
 
 def test_the_command_line_wins_over_the_plan(bench, tmp_path, capsys):
@@ -97,4 +99,4 @@ def test_each_pair_of_admission_plans_differs_in_the_capture_size_alone(bench, c
         assert f"(budget {plan['budget_s']} s)" in out
         configs = list(plan["configs"].values())
         corpus = [x for x in configs if "corpus=" in x]
-        assert corpus and all(bench.without_corpus(x, set(configs)) in configs for x in corpus), tag
+        assert corpus and all(without_corpus(x, set(configs)) in configs for x in corpus), tag

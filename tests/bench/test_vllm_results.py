@@ -417,10 +417,10 @@ def test_gpu_phases_take_the_drafting_step_out_of_sampling_and_add_up_to_the_fus
 
 
 def test_prefill_times_read_every_variant_and_call_of_a_prefill_profile():
-    """A committed prefill profile (benchmarks/fused_pass_kernels.py --prefill): four variants, five warm lengths
-    and eight first calls each; every warm median inside its repeats' range; the first variant's first calls agree
-    with themselves; the captured passes' warm time grows with the 64-position passes a prompt takes (one pass for
-    64 tokens, sixteen for 1,024); a JSON without variant rows is refused."""
+    """A committed prefill profile (experiments/drafting_step_profile/fused_pass_kernels.py --prefill): four variants,
+    five warm lengths and eight first calls each; every warm median inside its repeats' range; the first variant's first
+    calls agree with themselves; the captured passes' warm time grows with the 64-position passes a prompt takes (one
+    pass for 64 tokens, sixteen for 1,024); a JSON without variant rows is refused."""
     import json
 
     from hqlab.bench import vllm_report
@@ -442,9 +442,9 @@ def test_prefill_times_read_every_variant_and_call_of_a_prefill_profile():
 
 
 def test_pass_kernel_parts_split_the_profiled_drafting_step_by_what_its_kernels_do():
-    """Committed kernel tables (benchmarks/fused_pass_kernels.py, the one-pass config at 2,048 tokens): the parts add
-    up to the table, each of the 0.5B's 24 layers launches one cache write and three attention kernels
-    (FlashAttention, its combine, its scheduler); plan_once drops the scheduler from all but one call; with
+    """Committed kernel tables (experiments/drafting_step_profile/fused_pass_kernels.py, the one-pass config at 2,048
+    tokens): the parts add up to the table, each of the 0.5B's 24 layers launches one cache write and three attention
+    kernels (FlashAttention, its combine, its scheduler); plan_once drops the scheduler from all but one call; with
     layers=triton a layer is four Triton kernels around the attention, one with the Triton attention too."""
     import json
 
@@ -480,9 +480,9 @@ def test_pass_kernel_parts_split_the_profiled_drafting_step_by_what_its_kernels_
 
 
 def test_tile_sweep_compares_each_kernels_first_and_best_tiles_with_cublas_and_flashattention():
-    """A committed tile sweep (benchmarks/drafter_layer_tiles.py): every kernel at 16 and 64 rows and the attention
-    at one and four requests has a reference, the table's time and a best that is no slower than the table's (the
-    table's tiles are among the candidates or the best beats them)."""
+    """A committed tile sweep (experiments/drafter_kernel_tiles/drafter_layer_tiles.py): every kernel at 16 and 64 rows
+    and the attention at one and four requests has a reference, the table's time and a best that is no slower than the
+    table's (the table's tiles are among the candidates or the best beats them)."""
     import json
 
     from hqlab.bench import vllm_report

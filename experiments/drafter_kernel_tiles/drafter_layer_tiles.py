@@ -7,13 +7,14 @@ kernel is checked against the torch formula on layer 0, then timed as a drafting
 launching it once per layer over 24 layers' own weights (715 MB, so nothing stays in L2 from one launch to the next),
 replayed; the time is per launch. cuBLAS runs the kernel's product alone (F.linear, the weights' reading floor of
 the torch path) the same way. The best passing candidate per (kernel, rows) is written as a TILES table that
-`fused_pass_kernels.py --tiles` and `StaticQwen2` take; the attention's best block_n, warps, stages and splits per
-batch as "attention@n" entries (fused_pass_kernels.py applies those too).
+`fused_pass_kernels.py --tiles` (experiments/drafting_step_profile/) and `StaticQwen2` take; the attention's best
+block_n, warps, stages and splits per batch as "attention@n" entries (fused_pass_kernels.py applies those too).
 
 Compiling ~100 variants per kernel is what takes the time: worker processes compile them first (Triton's on-disk
 cache), the timing process then loads them.
 
-  GPU:  python3 benchmarks/drafter_layer_tiles.py [--tag a] [--rows 16 64] [--workers 12] [--quick]
+  GPU:  python3 experiments/drafter_kernel_tiles/drafter_layer_tiles.py [--tag a] [--rows 16 64] [--workers 12] \\
+            [--quick]
   writes $OUT/drafter_layer_tiles_<tag>.json: every candidate's time and error, the cuBLAS times, the best table.
 """
 
@@ -28,7 +29,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # a bare checkout on the GPU host
 
 H, HEADS, KV_HEADS, D, INTER, LAYERS = 896, 14, 2, 64, 4864, 24  # Qwen2.5-0.5B
 QKV = (HEADS + 2 * KV_HEADS) * D
@@ -152,7 +153,7 @@ def error(problem: Problem, tiles: dict | None) -> float:
 
 def per_launch_us(fn_layer, repeats: int = 20) -> float:
     """µs per launch of fn_layer(l) for l over the LAYERS layers, from one CUDA graph of all of them."""
-    from benchmarks.gpu_step_timing import graph_ms
+    from hqlab.bench.gpu_timing import graph_ms
 
     return graph_ms(lambda: [fn_layer(layer) for layer in range(LAYERS)], repeats) * 1000 / LAYERS
 

@@ -1,6 +1,6 @@
-"""What the GPU benchmarks of the fused drafting step share: a CUDA-event timer, a CUDA-graph timer and the
-speculator built outside vLLM on vLLM-shaped state (random token histories, so the lookup finds no match and the
-drafter's pass runs)."""
+"""GPU timers for the probes that time kernels outside vLLM (experiments/): a CUDA-event timer, a CUDA-graph timer,
+the median of a captured graph's replays, and the fused speculator built outside vLLM on vLLM-shaped state (random
+token histories, so the lookup finds no match and the drafter's pass runs). torch is imported inside each."""
 
 from __future__ import annotations
 
@@ -35,6 +35,23 @@ def graph_ms(fn, repeats: int = 50) -> float:
     with torch.cuda.graph(graph):
         fn()
     return cuda_ms(graph.replay, repeats)
+
+
+def median_replay_ms(graph: Any, reps: int) -> float:
+    """Median GPU ms of `reps` replays of a captured CUDA graph, each timed by a pair of events."""
+    import statistics
+
+    import torch
+
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def standalone_speculator(spec_text: str, *, slots: int, width: int) -> tuple[Any, Any]:

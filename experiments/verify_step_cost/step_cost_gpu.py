@@ -10,12 +10,13 @@ weights are downloaded: timing does not depend on their values). Two ways of run
   replayed as a CUDA graph, which is how serving engines remove launch overhead. The decoder shares the
   transformers model's weight tensors; `--check` compares its logits with transformers' on a small config.
 
-Self-contained (torch, transformers, pyarrow): the GPU machine has no polars and no hqlab dependencies.
+torch, transformers and pyarrow (the GPU machine has no polars), and hqlab's graph timer (`hqlab.bench.gpu_timing`).
 Writes OUT/step_cost_gpu.parquet (rows: model, mode, batch, context, verify_len, step_ms, ...) after every model,
 so a run stopped by its time limit still returns what it measured.
 
-Usage: python benchmarks/step_cost_gpu.py --out DIR [--models 0.5b,1.5b,7b,32b] [--budget-s 270] [--check]
-       python benchmarks/step_cost_gpu.py --smoke --device cpu   (tiny shapes: exercises every path on a CPU)
+Usage: python experiments/verify_step_cost/step_cost_gpu.py --out DIR [--models 0.5b,1.5b,7b,32b] [--budget-s 270]
+           [--check]
+       python experiments/verify_step_cost/step_cost_gpu.py --smoke --device cpu  (tiny shapes: every path on a CPU)
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # a bare checkout on the GPU host
+
+from hqlab.bench.gpu_timing import median_replay_ms  # noqa: E402  (torch only)
 
 ROPE_THETA = 1e6
 # Qwen2.5 shapes (the published configs' values).
@@ -249,19 +254,6 @@ def time_graph(model, batch: int, ctx: int, n: int, reps: int, device: str) -> f
         ms = median_replay_ms(graph, reps)
         del graph
         return ms
-
-
-def median_replay_ms(graph, reps: int) -> float:
-    """Median GPU ms of `reps` replays of a captured CUDA graph, each timed by a pair of events."""
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def time_eager(model, batch: int, ctx: int, n: int, reps: int, device: str) -> float:

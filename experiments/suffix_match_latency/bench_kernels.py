@@ -1,9 +1,9 @@
 """Latency per decode step of the suffix-match lookup: Triton kernels against baselines and the hardware floor.
 
-    python benchmarks/bench_kernels.py                 # on a CUDA GPU: measure, write the parquet, plot if it can
-    python benchmarks/bench_kernels.py --plot-only     # anywhere: figure + tables from the committed parquet
-    python benchmarks/bench_kernels.py --smoke         # CPU dry run of the whole pipeline in the Triton interpreter
-    python benchmarks/bench_kernels.py --sweep         # on a CUDA GPU: split kernels over BLOCK x num_warps
+  python experiments/suffix_match_latency/bench_kernels.py              # a CUDA GPU: measure, write the parquet, plot
+  python experiments/suffix_match_latency/bench_kernels.py --plot-only  # anywhere: figure + tables from the parquet
+  python experiments/suffix_match_latency/bench_kernels.py --smoke      # CPU dry run of it all in Triton's interpreter
+  python experiments/suffix_match_latency/bench_kernels.py --sweep      # a CUDA GPU: split kernels, BLOCK x num_warps
 
 Workload: B requests of L tokens each, ids uniform over a 151,936-token vocabulary (Qwen's), the last 16 tokens
 of every request copied from a random earlier span so that each request has a match; nmin 6, nmax 12, k 15,
@@ -44,7 +44,7 @@ import numpy as np
 
 from hqlab.rules.lookup import suffix_match
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # the committed run's tables (data/results/kernels/h200/, hqlab.bench.results): a GPU run rewrites them in place
 RESULTS = ROOT / "data" / "results" / "kernels" / "h200" / "rows.parquet"
 SWEEP_RESULTS = ROOT / "data" / "results" / "kernels" / "h200" / "sweep.parquet"

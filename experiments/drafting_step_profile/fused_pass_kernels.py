@@ -4,7 +4,8 @@ piece captured in a CUDA graph of its own (the lookup, the drafter's catch-up pa
 the whole step's graph, and a torch.profiler table of the whole step's kernels over graph replays.
 
   GPU (through tools/gpu_host/vllm_host.py run, which converts the 0.5B):
-      python3 benchmarks/fused_pass_kernels.py [--tag a] [--config SPEC ...] [--tiles SWEEP.json]
+      python3 experiments/drafting_step_profile/fused_pass_kernels.py [--tag a] [--config SPEC ...] \\
+          [--tiles SWEEP.json]
   writes $OUT/fused_pass_kernels_<tag>.json and prints one JSON row per (config, history) and the kernel table.
 
   With --prefill: instead, the drafter's eager prompt prefill (`drafter_prompts.PromptReader.read`, what a new request
@@ -15,7 +16,7 @@ the whole step's graph, and a torch.profiler table of the whole step's kernels o
   lengths not seen before (what a served request meets: a recompile would show there, not in the warmed medians)
   with the drafter's next-token logits after it (each variant against the first: the same argmax?), and one call's
   host and GPU time from torch.profiler:
-      python3 benchmarks/fused_pass_kernels.py --prefill --tag p1      # -> $OUT/fused_prefill_<tag>.json
+      python3 experiments/drafting_step_profile/fused_pass_kernels.py --prefill --tag p1  # -> fused_prefill_p1.json
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # a bare checkout on the GPU host
 
-from benchmarks.gpu_step_timing import cuda_ms, graph_ms, standalone_speculator  # noqa: E402
+from hqlab.bench.gpu_timing import cuda_ms, graph_ms, standalone_speculator  # noqa: E402
 
 # the one-pass configs of runs fj1 and fk1 (docs/vllm.md)
 CONFIGS = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,"
@@ -124,7 +125,7 @@ def main() -> None:
     p.add_argument("--tag", default="a")
     p.add_argument("--config", action="append", default=None, help="gpu-fused spec (repeatable); default: "
                    "the one-pass configs of the fused benchmark")
-    p.add_argument("--tiles", type=Path, help="a tile sweep's JSON (benchmarks/drafter_layer_tiles.py): its best "
+    p.add_argument("--tiles", type=Path, help="a tile sweep's JSON (experiments/drafter_kernel_tiles/): its best "
                    "tiles replace the Triton layers' table before the drafters are built")
     p.add_argument("--pdl", action="store_true", help="Triton kernels with programmatic dependent launch (run "
                    "t2 ran with it, t2n without; without is the kernels' default)")

@@ -8,17 +8,18 @@ greedy-draft twin (`temperature=0`) proposes the drafter's argmax as a point mas
 Both run the settings of plan s5 (k 15, the long schedule, nmax 32, ties to the earliest, nmin_tail 1), without the
 GPU-only keys (they change where work runs, not what is proposed) and without `device_skip` (every step drafts).
 
-`benchmarks/draft_sampling_cpu.py` measures one drafted position; this measures whole steps, where a drawn head's
-tokens are accepted together and the lookup's tail follows, so what plan s5's GPU run should find in tokens a step
-is measured, not assumed. Tokens a step do not depend on the machine (up to float rounding of near ties); no timing.
+`draft_sampling_cpu.py` (beside this file) measures one drafted position; this measures whole steps, where a drawn
+head's tokens are accepted together and the lookup's tail follows, so what plan s5's GPU run should find in tokens a
+step is measured, not assumed. Tokens a step do not depend on the machine (up to float rounding of near ties); no
+timing.
 
 Target Qwen2.5-Coder-1.5B-Instruct, drafter Qwen2.5-Coder-0.5B-Instruct, fp32, one request at a time, the serving
 benchmark's prose set (`data/workloads/prose.jsonl`, chat-templated), seeded sampling at the temperature.
 
 Writes the run data/results/drawn_heads/cpu/ (one row per config, prompt and verify step); the figure comes from
 notebooks/serving.py.
-Usage: python benchmarks/drawn_heads_cpu.py [--prompts 12] [--new-tokens 96] [--temperature 0.7] [--heads 1,2,3]
-       (~30 min on 2 cores)
+Usage: python experiments/drawn_draft_heads/drawn_heads_cpu.py [--prompts 12] [--new-tokens 96] [--temperature 0.7]
+           [--heads 1,2,3]   (~30 min on 2 cores)
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pathlib import Path
 import polars as pl
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from hqlab.config import DecodeConfig  # noqa: E402
@@ -94,7 +95,7 @@ def main() -> None:
         seed=pl.lit(args.seed), machine=pl.lit(machine_description("cpu")), git_commit=pl.lit(git_commit()))
     folder = results.write_run("drawn_heads", "cpu", card="cpu", tables={"rows": rows}, root=args.results,
                                info={"commit": git_commit(), "command": results.command_line(),
-                                     "benchmark": "benchmarks/drawn_heads_cpu.py"})
+                                     "benchmark": "experiments/drawn_draft_heads/drawn_heads_cpu.py"})
     print(head_summary(rows))
     print(f"wrote {folder}")
 

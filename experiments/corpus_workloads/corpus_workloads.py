@@ -5,9 +5,9 @@ assistant message is the 0.5B model's own greedy answer to the request before it
 generated in waves (all sessions' turn t, then turn t + 1), batched on the transformers engine, and written in that
 order, which is the order a client running every session at once sends them:
 
-    python benchmarks/corpus_workloads.py                 # all three, then data/results/traces/0.5b_corpus_128/
-    python benchmarks/corpus_workloads.py --dry-run       # the first wave's prompts and their token counts only
-    python benchmarks/corpus_workloads.py --workloads prose   # traces of the control set (prose.jsonl) only
+    python experiments/corpus_workloads/corpus_workloads.py             # all, then data/results/traces/0.5b_corpus_128/
+    python experiments/corpus_workloads/corpus_workloads.py --dry-run   # the first wave's prompts and their token counts
+    python experiments/corpus_workloads/corpus_workloads.py --workloads prose  # traces of the control set (prose.jsonl)
 
 Outputs: data/workloads/corpus_{multiturn,template,agent}.jsonl, data/workloads/corpus_workloads.meta.json
 (sha256 of each file, model, dtype, device, versions, settings) and the trace set of every request (the prompt's
@@ -380,11 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     save_traces(traces, TRACES, model=shipped_model(origin))
     results.write_run("traces", TRACE_SET, card=results.card_of(origin.device),
                       info={"commit": provenance.git_commit(), "command": results.command_line(),
-                            "benchmark": "benchmarks/corpus_workloads.py"})
+                            "benchmark": "experiments/corpus_workloads/corpus_workloads.py"})
     if not set(which) & set(WORKLOADS):  # a control's traces only: the workloads' record stays as it was
         print(f"wrote {TRACES.relative_to(REPO)} ({len(traces)} traces)")
         return 0
-    record = {"generator": "benchmarks/corpus_workloads.py", "git_commit": provenance.git_commit(),
+    record = {"generator": "experiments/corpus_workloads/corpus_workloads.py", "git_commit": provenance.git_commit(),
               "model": origin.model, "sha256": origin.sha256, "dtype": origin.dtype, "device": origin.device,
               "max_new_tokens": args.max_new_tokens, "batch": args.batch, "threads": args.threads,
               "versions": provenance.versions(), "source": str(DOCUMENT.relative_to(REPO)),

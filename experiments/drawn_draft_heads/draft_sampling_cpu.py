@@ -16,8 +16,8 @@ request bring it closer to the target?
 Writes the run data/results/draft_sampling/cpu/ (one row per dataset, prompt, temperature and answer position)
 and, with --draft-scales, data/results/draft_temperature/cpu/ (the same, per scale); the figures come from
 notebooks/serving.py.
-Usage: python benchmarks/draft_sampling_cpu.py [--prompts 6] [--new-tokens 96] [--temperature 0.7 ...]
-           [--draft-scales 0.6,0.8,0.9,1,1.1,1.25]   (~15 min on 2 cores)
+Usage: python experiments/drawn_draft_heads/draft_sampling_cpu.py [--prompts 6] [--new-tokens 96]
+           [--temperature 0.7 ...] [--draft-scales 0.6,0.8,0.9,1,1.1,1.25]   (~15 min on 2 cores)
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import polars as pl
 import torch
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from hqlab import models  # noqa: E402
@@ -95,7 +95,8 @@ def main() -> None:
     provenance = dict(target=pl.lit(args.target), drafter=pl.lit(args.drafter),
                       machine=pl.lit(machine_description("cpu")), git_commit=pl.lit(git_commit()))
     rows = pl.concat(frames).with_columns(**provenance)
-    info = {"commit": git_commit(), "command": results.command_line(), "benchmark": "benchmarks/draft_sampling_cpu.py"}
+    info = {"commit": git_commit(), "command": results.command_line(),
+            "benchmark": "experiments/drawn_draft_heads/draft_sampling_cpu.py"}
     folder = results.write_run("draft_sampling", "cpu", card="cpu", tables={"rows": rows}, info=info,
                                root=args.results)
     if scale_frames:
