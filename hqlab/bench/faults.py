@@ -323,6 +323,24 @@ def process_tree_rss(pid: int) -> int:
     return total
 
 
+def gpu_mib(pids: Sequence[int]) -> float:
+    """GPU memory (MiB) the processes hold, from nvidia-smi; NaN where it cannot say."""
+    import subprocess
+
+    try:
+        text = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return float("nan")
+    used = {int(p): float(m) for p, m in (line.split(",") for line in text.splitlines() if line.strip())}
+    return sum(used.get(p, 0.0) for p in pids)
+
+
+def server_memory(pid: int) -> dict[str, float]:
+    """A server's resident memory (its process tree's, bytes) and the GPU memory it holds (MiB)."""
+    return {"rss_bytes": float(process_tree_rss(pid)), "gpu_mib": gpu_mib(process_tree(pid))}
+
+
 def fits_schema(text: str, schema: dict[str, Any] = PERSON) -> bool:
     """Whether `text` is JSON that fits an object schema of string, integer and string-array properties (the
     suite's schema)."""
@@ -478,6 +496,102 @@ def rows(records: Sequence[dict[str, Any]], reference: str = "none") -> list[dic
     return [row(r, ref.get((r["setting"], r["case"]))) for r in records]
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# the GPU host's side: a plan's servers for one setting, every case (benchmarks/vllm_faults.py run)
+
+
+def plan_prompts(plan: dict[str, Any], client: "Client", root: Any) -> tuple[list[list[int]], list[list[int]],
+                                                                          list[int]]:
+    """The chat prompts as token ids, prompts filled to the server's limit less 1 to 4 tokens (of the plan's long
+    document, a path under `root`), and the JSON case's prompt."""
+    from pathlib import Path
+
+    texts = []
+    for path in plan["prompts"]["chat"]:
+        lines = (Path(root) / path).read_text().splitlines()
+        texts += [json.loads(line)["prompt"] for line in lines if line.strip()][:plan["prompts"]["per_file"]]
+    document, limit = client.text_tokens((Path(root) / plan["prompts"]["long"]).read_text())
+    new = 4  # the long_prompt case's max_tokens (case_calls)
+    long = [document[i * 97:i * 97 + limit - new - i] for i in range(4)]
+    return [client.chat_tokens(t) for t in texts], long, client.chat_tokens(PERSON_PROMPT)
+
+
+def start_servers(plan: dict[str, Any], setting: str, tag: str, out: Any, *, port: int,
+                  start_timeout: float) -> list[tuple[str, Any]]:
+    """One `vllm serve` per config of the plan, all started at once (each its own port, KV cache of the plan's few
+    blocks, prefix caching as the setting says, compile cache)."""
+    import sys
+    from pathlib import Path
+
+    from hqlab import models
+    from hqlab.bench import serve
+    from hqlab.engines.vllm.gpu_fused import fused_config
+    from hqlab.engines.vllm.serving import serve_command
+
+    srv, model = plan["server"], models.prepare(plan["model"])
+    for spec in plan["configs"].values():
+        if spec.startswith("gpu-fused"):
+            models.prepare(fused_config(spec).model)
+    share, servers = 0.9 / len(plan["configs"]), []
+    for n, (name, spec) in enumerate(plan["configs"].items()):
+        extra = ["--served-model-name", "target", "--max-model-len", str(srv["max_model_len"]),
+                 "--num-gpu-blocks-override", str(srv["kv_blocks"]), "--gpu-memory-utilization", f"{share:.3f}",
+                 "--enable-prefix-caching" if plan["settings"][setting]["prefix_caching"]
+                 else "--no-enable-prefix-caching", "--disable-uvicorn-access-log", "--seed", "0"]
+        argv = [sys.executable, "-m", "vllm.entrypoints.cli.main"] + serve_command(
+            model, spec, max_num_seqs=srv["max_num_seqs"], port=port + n, extra=extra)[1:]
+        env = {**os.environ, "VLLM_CACHE_ROOT": str(Path(out) / f"vllm-cache-{n}")}
+        servers.append((name, serve.Server(argv, Path(out) / f"faults_{tag}_{name}.log", port=port + n, env=env,
+                                           timeout_s=start_timeout)))
+    for _, server in servers:
+        server.start()
+    return servers
+
+
+def run_suite(plan: dict[str, Any], setting: str, tag: str, out: Any, *, port: int, start_timeout: float,
+              budget: Any, root: Any, log: Any = print) -> int:
+    """Every case of the plan against every live server in turn, one record a (config, case) appended to
+    `out/faults_<tag>.jsonl` as it completes, with the server's memory before and after; no case starts that the
+    `budget` (a `runner.Budget`) cannot fit. Returns 1 where no server started."""
+    from pathlib import Path
+
+    from hqlab.bench import runner
+
+    limits = Limits(**plan["limits"])
+    records = Path(out) / f"faults_{tag}.jsonl"
+    servers, live = start_servers(plan, setting, tag, out, port=port, start_timeout=start_timeout), []
+    try:
+        for name, server in servers:
+            try:
+                live.append((name, server.wait(), Client(server.port, "target", limits)))
+                log(f"{name}: ready in {server.ready_s:.0f} s")
+            except Exception as e:  # noqa: BLE001 - the other servers still run
+                log(f"{name}: FAILED to start: {type(e).__name__}: {str(e)[-1500:]}")
+        if not live:
+            return 1
+        chat, long, person = plan_prompts(plan, live[0][2], root)
+        for case in plan["cases"]:
+            calls = case_calls(case, chat, long_prompts=long, json_prompt=person, seed=plan["seed"])
+            for name, server, client in live:
+                if not budget.fits(limits.case_s + limits.drain_s):
+                    log(f"budget: {case} on {name} and later cases not run")
+                    return 0
+                before = server_memory(server.proc.pid)
+                result = run_case(client, calls)
+                result["state_before"].update(before)
+                result["state_after"].update(server_memory(server.proc.pid))
+                record = case_record(name, setting, case, calls, result)
+                runner.append_jsonl(records, record)
+                r = row(record, None)
+                log(f"{case} on {name}: {r['requests']} requests, {r['errors']} errors, {r['hangs']} hangs, "
+                    f"{r['left_on_server']} left on the server, {r['preemptions']:.0f} preemptions, "
+                    f"{r['wall_s']:.1f} s")
+    finally:
+        for _, server in servers:
+            server.stop()
+    return 0
+
+
 __all__ = ["LOOPBACK", "CASES", "FAULT_COLUMNS", "PERSON", "PERSON_PROMPT", "Limits", "Call", "Choice", "Reply",
-           "Client", "parse_choice", "parse_metrics", "process_tree", "process_tree_rss", "fits_schema", "case_calls",
+           "Client", "parse_choice", "parse_metrics", "process_tree", "process_tree_rss", "gpu_mib", "server_memory", "plan_prompts", "start_servers", "run_suite", "fits_schema", "case_calls",
            "run_case", "case_record", "row", "compare_records", "rows"]

@@ -302,12 +302,19 @@ def test_the_driver_turns_returned_records_into_one_row_per_config_and_case(tmp_
 
     from benchmarks.vllm_faults import main
 
+    from hqlab.bench import results
+
     records = [record("none", "logprobs", [[1, 2, 3]] * 3), record("lookup", "logprobs", [[1, 2, 3]] * 3),
                record("lookup", "json_schema", [[1, 2]])]
-    (tmp_path / "faults_x.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    assert main(["finish", str(tmp_path), "--out", str(tmp_path / "faults.parquet")]) == 0
-    table = pl.read_parquet(tmp_path / "faults.parquet")
-    assert table.columns == faults.FAULT_COLUMNS and table.height == 3
+    returned, store = tmp_path / "returned", tmp_path / "results"
+    returned.mkdir()
+    (returned / "faults_x.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (returned / "faults_x.json").write_text(json.dumps({"machine": "NVIDIA H100 80GB HBM3", "setting": "prefix-on",
+                                                         "commit": "abc1234"}))
+    assert main(["finish", str(returned), "--results", str(store)]) == 0
+    table = results.load("faults", "x", root=store)
+    assert results.run_info("faults", "x", root=store)["card"] == "h100"
+    assert table.drop("run").columns == faults.FAULT_COLUMNS and table.height == 3
     assert table.filter(pl.col("config") == "lookup", pl.col("case") == "logprobs")["greedy_equal"].item() == 3
     with pytest.raises(SystemExit):
         main(["run", "--plan", "benchmarks/plans/faults_f1.json", "--setting", "prefix-on", "--tag", "x",
