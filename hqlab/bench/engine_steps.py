@@ -15,40 +15,49 @@ import polars as pl
 POINT = ["config", "workload_file", "load", "repeat", "point"]
 
 
-def engine_steps(phases: pl.DataFrame) -> pl.DataFrame:
-    """One row per engine step of every point: its interval (ms), the host and GPU ms of `execute_model`, the host
-    ms of `sample_tokens`, `propose` and `corpus_step` (0 where a step had none), and what the scheduler gave it
-    (tokens, requests, new_requests, finished_requests)."""
-    need = {*POINT, "phase", "host_start_ms", "host_ms", "gpu_ms", "tokens", "new_requests"}
+# the timer's phase names -> this module's column stems (several runner methods may time one thing)
+PHASE_STEMS = {"execute_model": "execute", "sample_tokens": "sample", "propose (speculator)": "propose",
+               "propose (drafter)": "propose", "corpus_step (speculator)": "corpus_step",
+               "run_fullgraph (cudagraph_manager)": "forward", "run_pw_graph (cudagraph_manager)": "forward",
+               "sample": "sampler"}
+TIMED = ("sample", "propose", "corpus_step", "forward", "sampler")  # the phases besides execute_model, 0 where absent
+
+
+def engine_steps(phases: pl.DataFrame, keys: list[str] = POINT) -> pl.DataFrame:
+    """One row per engine step of every point (`keys` name a point): its interval (ms), the host and GPU ms of
+    `execute_model` and of each phase in TIMED (0 where a step had none: `sample_host_ms` is `sample_tokens`,
+    `sampler_*` the logits and (rejection) sampler inside it, `forward_*` the forward's graph replay inside
+    `execute_model`, absent where it ran eagerly), and what the scheduler gave it (tokens, requests, new_requests,
+    finished_requests)."""
+    need = {*keys, "phase", "host_start_ms", "host_ms", "gpu_ms", "tokens", "new_requests"}
     missing = need - set(phases.columns)
     if missing:
         raise ValueError(f"not StepTimer rows with step facts (benchmarks/vllm_corpus.py --profile): missing "
                          f"{sorted(missing)}")
-    calls = (phases.sort([*POINT, "host_start_ms"])
-             .with_columns((pl.col("phase") == "execute_model").cast(pl.Int32).cum_sum().over(POINT).alias("step")))
+    unknown = set(phases["phase"].unique()) - set(PHASE_STEMS)
+    if unknown:
+        raise ValueError(f"phases the step table does not know: {sorted(unknown)} (hqlab.engines.vllm.worker.StepTimer"
+                         f" names {sorted(PHASE_STEMS)})")
+    calls = (phases.sort([*keys, "host_start_ms"])
+             .with_columns((pl.col("phase") == "execute_model").cast(pl.Int32).cum_sum().over(keys).alias("step"),
+                           pl.col("phase").replace_strict(PHASE_STEMS).alias("stem")))
     if calls.filter(pl.col("step") == 0).height:
         raise ValueError("a point's first timed call is not execute_model: its calls cannot be split into steps")
-    by_phase = (calls.group_by([*POINT, "step", "phase"])
-                .agg(pl.col("host_ms").sum())
-                .pivot(on="phase", index=[*POINT, "step"], values="host_ms"))
-    execute = calls.filter(pl.col("phase") == "execute_model").select(
-        *POINT, "step", "host_start_ms", pl.col("gpu_ms").alias("execute_gpu_ms"), "tokens", "requests",
-        "new_requests", "finished_requests")
-    rename = {"execute_model": "execute_host_ms", "sample_tokens": "sample_host_ms",
-              "propose (speculator)": "propose_host_ms", "propose (drafter)": "propose_host_ms",
-              "corpus_step (speculator)": "corpus_step_host_ms"}
-    by_phase = by_phase.rename({k: v for k, v in rename.items() if k in by_phase.columns})
-    for column in ("sample_host_ms", "propose_host_ms", "corpus_step_host_ms"):
-        if column not in by_phase.columns:
-            by_phase = by_phase.with_columns(pl.lit(0.0).alias(column))
-    return (execute.join(by_phase, on=[*POINT, "step"])
-            .sort([*POINT, "step"])
-            .with_columns((pl.col("host_start_ms").shift(-1).over(POINT) - pl.col("host_start_ms"))
-                          .alias("interval_ms"),
-                          pl.col("sample_host_ms", "propose_host_ms", "corpus_step_host_ms").fill_null(0.0))
-            .select(*POINT, "step", "interval_ms", "execute_host_ms", "execute_gpu_ms", "sample_host_ms",
-                    "propose_host_ms", "corpus_step_host_ms", "tokens", "requests", "new_requests",
-                    "finished_requests"))
+    by_phase = (calls.filter(pl.col("stem") != "execute").group_by([*keys, "step", "stem"])
+                .agg(pl.col("host_ms").sum().alias("host"), pl.col("gpu_ms").sum().alias("gpu")))
+    wide = calls.filter(pl.col("phase") == "execute_model").select(
+        *keys, "step", "host_start_ms", pl.col("host_ms").alias("execute_host_ms"),
+        pl.col("gpu_ms").alias("execute_gpu_ms"), "tokens", "requests", "new_requests", "finished_requests")
+    for stem in TIMED:
+        part = by_phase.filter(pl.col("stem") == stem).select(
+            *keys, "step", pl.col("host").alias(f"{stem}_host_ms"), pl.col("gpu").alias(f"{stem}_gpu_ms"))
+        wide = wide.join(part, on=[*keys, "step"], how="left")
+    columns = [f"{stem}_{side}_ms" for stem in TIMED for side in ("host", "gpu")]
+    return (wide.sort([*keys, "step"])
+            .with_columns((pl.col("host_start_ms").shift(-1).over(keys) - pl.col("host_start_ms"))
+                          .alias("interval_ms"), pl.col(columns).fill_null(0.0))
+            .select(*keys, "step", "interval_ms", "execute_host_ms", "execute_gpu_ms", *columns, "tokens", "requests",
+                    "new_requests", "finished_requests"))
 
 
 def admissions(steps: pl.DataFrame) -> pl.DataFrame:
@@ -78,4 +87,43 @@ def admissions(steps: pl.DataFrame) -> pl.DataFrame:
             .drop("_admit_mean"))
 
 
-__all__ = ["engine_steps", "admissions", "POINT"]
+# A step's time split twice, so that each split sums to the step: the host's timeline (the worker's calls in order,
+# and what the engine core did between them) and the GPU's (spans of the same calls; a span counts the GPU from
+# the call's first queued work to its last, idle gaps inside it included).
+HOST_PARTS = {"execute_model (host)": pl.col("execute_host_ms"),
+              "sampler (host)": pl.col("sampler_host_ms"),
+              "speculator (host)": pl.col("propose_host_ms"),
+              "bookkeeping (host)": pl.col("sample_host_ms") - pl.col("sampler_host_ms") - pl.col("propose_host_ms"),
+              "engine core (host)": pl.col("interval_ms") - pl.col("execute_host_ms") - pl.col("sample_host_ms")}
+_FORWARD = pl.when(pl.col("forward_gpu_ms") > 0).then(pl.col("forward_gpu_ms")).otherwise(pl.col("execute_gpu_ms"))
+GPU_PARTS = {"forward (GPU)": _FORWARD,
+             "sampler (GPU)": pl.col("sampler_gpu_ms"),
+             "speculator (GPU)": pl.col("propose_gpu_ms"),
+             "other (GPU)": pl.col("execute_gpu_ms") - _FORWARD + pl.col("sample_gpu_ms") - pl.col("sampler_gpu_ms")
+             - pl.col("propose_gpu_ms"),
+             "idle (GPU)": (pl.col("interval_ms") - pl.col("execute_gpu_ms") - pl.col("sample_gpu_ms")).clip(0.0)}
+
+
+def step_parts(steps: pl.DataFrame, keys: list[str], load: str | None = None) -> pl.DataFrame:
+    """Mean ms a step spends in each part (HOST_PARTS, GPU_PARTS), per group of `keys`, over the steps that have
+    an interval; with `load` (a column of the group: requests in flight) only the steps that ran that many requests
+    (the point's steady state, without its ramp-up and drain). Long: one row per (group, timeline, part) with `ms`,
+    the group's `interval_ms` (its mean step) and `steps` (those averaged; `all_steps` before the load filter).
+    The forward is the graph replay's span, or `execute_model`'s where every step ran it eagerly."""
+    timed = steps.filter(pl.col("interval_ms").is_not_null())
+    counted = timed.group_by(keys).agg(pl.len().alias("all_steps"))
+    if load is not None:
+        timed = timed.filter(pl.col("requests") == pl.col(load))
+    parts = {**HOST_PARTS, **GPU_PARTS}
+    wide = (timed.group_by(keys, maintain_order=True)
+            .agg(pl.len().alias("steps"), pl.col("interval_ms").mean(),
+                 *[expr.mean().alias(name) for name, expr in parts.items()])
+            .join(counted, on=keys))
+    return (wide.unpivot(index=[*keys, "steps", "all_steps", "interval_ms"], on=list(parts), variable_name="part",
+                         value_name="ms")
+            .with_columns(pl.when(pl.col("part").is_in(list(HOST_PARTS))).then(pl.lit("host"))
+                          .otherwise(pl.lit("GPU")).alias("timeline")))
+
+
+__all__ = ["engine_steps", "admissions", "step_parts", "POINT", "PHASE_STEMS", "TIMED", "HOST_PARTS",
+           "GPU_PARTS"]

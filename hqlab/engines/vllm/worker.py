@@ -35,15 +35,19 @@ def step_facts(scheduler_output: Any) -> dict[str, int]:
 
 class StepTimer:
     """Where a step's time goes inside vLLM's worker: host time and GPU span of the model runner's
-    `execute_model` (inputs + forward), `sample_tokens` (sampling, bookkeeping and, on V2, the speculator) and the
-    proposer's `propose`, per call, with what the scheduler gave the step (`step_facts`: its tokens, requests and
-    the requests it admitted or finished). GPU spans come from CUDA events (no synchronisation while decoding); they are
-    read once, in `stop`. Installed on one runner instance (instance attributes shadow its methods), removed by
-    `stop`."""
+    `execute_model` (inputs + forward), within it the forward's CUDA-graph replay (`run_fullgraph` for uniform decode
+    steps, `run_pw_graph` for mixed ones; a step too large for every graph runs its forward eagerly and has no such
+    call), `sample_tokens` (sampling, bookkeeping and, on V2, the speculator), within it `sample` (the logits and the
+    sampler, or the rejection sampler where the step verifies drafts), and the proposer's `propose`, per call, with
+    what the scheduler gave the step (`step_facts`: its tokens, requests and the requests it admitted or finished).
+    GPU spans come from CUDA events (no synchronisation while decoding), read once, in `stop`; on a runner without
+    CUDA the rows carry host times and NaN spans. Installed on one runner instance (instance attributes shadow its
+    methods), removed by `stop`."""
 
     # (method, the runner's attribute that holds it; None: the runner's own). The corpus's `corpus_step` runs inside
     # `execute_model` (vLLM's `finish_requests`), so its time is part of that phase's too.
-    PHASES = (("execute_model", None), ("sample_tokens", None), ("propose", "drafter"), ("propose", "speculator"),
+    PHASES = (("execute_model", None), ("run_fullgraph", "cudagraph_manager"), ("run_pw_graph", "cudagraph_manager"),
+              ("sample_tokens", None), ("sample", None), ("propose", "drafter"), ("propose", "speculator"),
               ("corpus_step", "speculator"))
 
     def __init__(self, runner: Any) -> None:
@@ -57,14 +61,18 @@ class StepTimer:
         import torch
 
         original = getattr(owner, name)
+        cuda = torch.cuda.is_available()
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start = end = None
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
             t0 = time.perf_counter()
             out = original(*args, **kwargs)
             t1 = time.perf_counter()
-            end.record()
+            if cuda:
+                end.record()
             facts = step_facts(args[0] if args else kwargs.get("scheduler_output"))
             self.calls.append((phase, t0, t1, start, end, facts))
             return out
@@ -77,12 +85,18 @@ class StepTimer:
 
         for owner, name in self.installed:
             delattr(owner, name)  # the class's method shows through again
-        torch.cuda.synchronize()
+        self.installed = []
         if not self.calls:
             return []
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         base_t, base_ev = self.calls[0][1], self.calls[0][3]
+
+        def span(a: Any, b: Any) -> float:
+            return a.elapsed_time(b) if a is not None and b is not None else float("nan")
+
         return [{"phase": phase, "host_start_ms": 1e3 * (t0 - base_t), "host_ms": 1e3 * (t1 - t0),
-                 "gpu_start_ms": base_ev.elapsed_time(start), "gpu_ms": start.elapsed_time(end), **facts}
+                 "gpu_start_ms": span(base_ev, start), "gpu_ms": span(start, end), **facts}
                 for phase, t0, t1, start, end, facts in self.calls]
 
 
