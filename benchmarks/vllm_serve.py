@@ -143,7 +143,7 @@ def take_samples(call: Call, server, label: str, args: argparse.Namespace) -> No
 
 
 def measure(call: Call, server, spec: str, point, args: argparse.Namespace, *, result_file: str, label: str,
-            repeat: int | None = None) -> None:
+            repeat: int | None = None, profiled: bool = False) -> None:
     """One load point on one server (`vllm bench serve` in this process): its row appended to the rows file, which
     goes to the returned folder at once (what a call cut at its limit still returns)."""
     from hqlab.bench import serve
@@ -154,7 +154,7 @@ def measure(call: Call, server, spec: str, point, args: argparse.Namespace, *, r
     row = serve.load_row(serve.run_load(bench_args), run=args.tag, config=spec, point=point, model=args.model,
                          machine=call.machine, vllm_version=call.version, git_commit=args.commit)
     if repeat is not None:
-        row["repeat"] = repeat
+        row["repeat"], row["profiled"] = repeat, profiled
     append_jsonl(call.rows, row)
     shutil.copy(call.rows, call.out / call.rows.name)
     log(f"{label}: {row['output_throughput']:.0f} tok/s, TPOT p50 {row['median_tpot_ms']:.2f} ms, TTFT p50 "
@@ -226,19 +226,22 @@ def apply_plan(args: argparse.Namespace, plan: dict) -> None:
     args.sample_config += [named[n] for n in plan.get("sample", [])]
     args.point += plan["points"]
     args.allow_short = args.allow_short or bool(plan.get("allow_short"))  # plans written before the rule
+    args.profile_repeat += plan.get("profile", [])
 
 
 def check_together(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Configs and points named, every point valid and (unless --allow-short) of at least 10 waves: a short point's
     ratio is ramp-up and drain. Refused before any server starts."""
+    from hqlab.bench import serve_profile
     from hqlab.config import ConfigError
 
     if not args.config or not args.point:
         parser.error("name the configs and points (--config/--point or --plan)")
     try:
-        for point, _ in map(parse_point, args.point):
+        for point, repeats in map(parse_point, args.point):
             if not args.allow_short:
                 point.require_waves()
+            serve_profile.check_repeats(args.profile_repeat, point, repeats)
     except ConfigError as e:
         parser.error(str(e))
 
@@ -249,7 +252,7 @@ def together(args: argparse.Namespace) -> int:
     whole run apart, so a drift of the host's speed touches them alike, and the servers' start-up is paid once."""
     import vllm  # noqa: F401
 
-    from hqlab.bench import serve
+    from hqlab.bench import serve, serve_profile
 
     points = [parse_point(p) for p in args.point]
     call = prepare(args, sorted({p.dataset for p, _ in points}))
@@ -260,12 +263,18 @@ def together(args: argparse.Namespace) -> int:
                            memory=["--gpu-memory-utilization", f"{share:.3f}", "--kv-cache-memory-bytes",
                                    str(int(args.kv_cache_gib * (1 << 30)))])
         env = {**os.environ, "VLLM_CACHE_ROOT": str(call.work / f"vllm-cache-{n}")}  # no two compiles share a file
+        if args.profile_repeat:  # every server alike, none included: its plain steps are timed the same way
+            argv, env = argv + serve_profile.profile_flags(), {**env, **serve_profile.PROFILE_ENV}
         servers.append((spec, serve.Server(argv, call.work / f"serve_{args.tag}_{n}.log", port=args.port + n,
                                            env=env, timeout_s=args.start_timeout)))
 
+    phases, phases_file = [], call.work / f"serve_phases_{args.tag}.parquet"  # the step timer's rows, if profiled
+
     def save() -> None:
-        save_together(call.out, [call.rows, call.greedy, call.samples], [srv.log_path for _, srv in servers],
-                      args.tag)
+        if phases:
+            runner.save_table(phases_file, phases)
+        serve.save_together(call.out, [call.rows, call.greedy, call.samples, phases_file],
+                            [srv.log_path for _, srv in servers], args.tag)
 
     live, eager = [], set()  # eager: servers whose drafting runs outside CUDA graphs (no load points)
     try:
@@ -300,28 +309,17 @@ def together(args: argparse.Namespace) -> int:
                         log(f"budget of {args.budget_s:.0f} s spent: {name} repeat {repeat} and later not run")
                         save()
                         return 0
-                    measure(call, server, spec, point, args, result_file=f"{n}_{name}_r{repeat}.json",
-                            label=f"{short(spec)} {name} r{repeat}", repeat=repeat)
+                    profiled = repeat in args.profile_repeat
+                    with serve_profile.step_profile(server.base_url, phases, on=profiled, run=args.tag, config=spec,
+                                                    repeat=repeat, **point.__dict__):
+                        measure(call, server, spec, point, args, result_file=f"{n}_{name}_r{repeat}.json",
+                                label=f"{short(spec)} {name} r{repeat}", repeat=repeat, profiled=profiled)
         save()
     finally:
         for _, server in servers:
             server.stop()
         save()
     return 0
-
-
-def save_together(out: Path, results: list[Path], server_logs: list[Path], tag: str) -> None:
-    """The results as they are, the server logs in one archive: a GPU host call returns at most eight files."""
-    import tarfile
-
-    runner.copy_out(results, out)
-    logs = [f for f in server_logs if f.exists()]
-    if logs:
-        tmp = out / f".serve_{tag}_logs.tar.gz"
-        with tarfile.open(tmp, "w:gz") as tar:
-            for f in logs:
-                tar.add(f, arcname=f.name)
-        tmp.replace(out / f"serve_{tag}_logs.tar.gz")
 
 
 def warn_if_eager(label: str, server_log: Path, allow: bool) -> bool:
@@ -398,14 +396,16 @@ cmd.add_argument("--gpu-memory-utilization", type=float, default=0.6)
 cmd.add_argument("--fail-fast", action="store_true")
 add_server_options(cmd, start_timeout=600)
 cmd = CLI.gpu("together", together, "GPU host: every config's server at once, points interleaved, repeats",
-              plan=apply_plan, plan_keys=("configs", "batch1", "sample", "points", "allow_short"), budget_s=560,
-              check=check_together)
+              plan=apply_plan, plan_keys=("configs", "batch1", "sample", "points", "allow_short", "profile"),
+              budget_s=560, check=check_together)
 cmd.add_argument("--config", action="append", default=[])
 cmd.add_argument("--point", action="append", default=[],
                  help="DATASET:TEMPERATURE:CONCURRENCY:PROMPTS[:REPEATS], run in the order given")
 cmd.add_argument("--batch1-config", action="append", default=[], help="a config run at concurrency 1 only")
 cmd.add_argument("--sample-config", action="append", default=[], help="a config whose sampling-test samples are taken")
 cmd.add_argument("--kv-cache-gib", type=float, default=4.0)
+cmd.add_argument("--profile-repeat", action="append", type=int, default=[], help="a repeat whose points time the "
+                 "worker's steps (hqlab.bench.serve_profile): phases.parquet; its rows say profiled")
 cmd.add_argument("--allow-short", action="store_true", help="run points of fewer than 10 waves (prompts < 10 x "
                  "concurrency; default: refused, since ramp-up and drain dominate them)")
 add_server_options(cmd, start_timeout=420)

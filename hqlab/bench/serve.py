@@ -557,6 +557,23 @@ def server_log_facts(text: str) -> dict[str, Any]:
             "drafting_eager": eager is not None}
 
 
+def save_together(out: Path, results: list[Path], server_logs: list[Path], tag: str) -> None:
+    """On the GPU host: the result files as they are, the server logs in one archive (a GPU host call returns at most
+    eight files; `returned_logs` reads it back)."""
+    import tarfile
+
+    from hqlab.bench import runner
+
+    runner.copy_out(results, out)
+    logs = [f for f in server_logs if f.exists()]
+    if logs:
+        tmp = out / f".serve_{tag}_logs.tar.gz"
+        with tarfile.open(tmp, "w:gz") as tar:
+            for f in logs:
+                tar.add(f, arcname=f.name)
+        tmp.replace(out / f"serve_{tag}_logs.tar.gz")
+
+
 def returned_logs(src: Path) -> list[tuple[str, str]]:
     """(name, text) of every server log a GPU call returned: loose files and the members of serve_*_logs.tar.gz
     archives (benchmarks/vllm_serve.py `together` packs them: a call returns at most eight files)."""
@@ -573,9 +590,9 @@ def returned_logs(src: Path) -> list[tuple[str, str]]:
 
 def returned_run(returned: str | Path) -> tuple[str, dict[str, Any], dict[str, Path], list[Path]]:
     """The files a GPU call of benchmarks/vllm_serve.py returned for one run -> (its tag, its tables: rows with the
-    model runner each server used and whether its drafting ran eagerly, as the server's own log says, samples and
-    greedy texts; the returned files to keep as they came; the host's logs). A folder holding two runs' rows is
-    refused: finish each from a folder of its own."""
+    model runner each server used and whether its drafting ran eagerly, as the server's own log says, samples,
+    greedy texts and the step timer's phases of profiled points (`serve_profile`); the returned files to keep as
+    they came; the host's logs). A folder holding two runs' rows is refused: finish each from a folder of its own."""
     import polars as pl
 
     src = Path(returned)
@@ -588,7 +605,7 @@ def returned_run(returned: str | Path) -> tuple[str, dict[str, Any], dict[str, P
                          "folder of its own files")
     tag = tags[0]
     frame = pl.DataFrame([json.loads(line) for line in raws[0].read_text().splitlines() if line.strip()])
-    frame = frame.select(SERVE_COLUMNS + [c for c in ["repeat", *STEADY_COLUMNS] if c in frame.columns])
+    frame = frame.select(SERVE_COLUMNS + [c for c in ["repeat", "profiled", *STEADY_COLUMNS] if c in frame.columns])
     runners, eager = {}, {}  # a served config's log names its spec
     for name, text in returned_logs(src):
         facts = server_log_facts(text)
@@ -609,6 +626,8 @@ def returned_run(returned: str | Path) -> tuple[str, dict[str, Any], dict[str, P
         if raw.exists():
             tables[kind] = pl.DataFrame([json.loads(line) for line in raw.read_text().splitlines() if line.strip()])
             files[f"{kind}.jsonl"] = raw
+    if (src / f"serve_phases_{tag}.parquet").exists():  # the step timer's rows of the profiled points
+        tables["phases"] = pl.read_parquet(src / f"serve_phases_{tag}.parquet")
     if (src / f"serve_{tag}_logs.tar.gz").exists():
         files["server_logs.tar.gz"] = src / f"serve_{tag}_logs.tar.gz"
     for server_log in sorted(src.glob(f"serve_{tag}_[0-9]*.log")):

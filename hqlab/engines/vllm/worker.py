@@ -41,8 +41,8 @@ class StepTimer:
     sampler, or the rejection sampler where the step verifies drafts), and the proposer's `propose`, per call, with
     what the scheduler gave the step (`step_facts`: its tokens, requests and the requests it admitted or finished).
     GPU spans come from CUDA events (no synchronisation while decoding), read once, in `stop`; on a runner without
-    CUDA the rows carry host times and NaN spans. Installed on one runner instance (instance attributes shadow its
-    methods), removed by `stop`."""
+    CUDA the rows carry host times and no spans (None). Installed on one runner instance (instance attributes
+    shadow its methods), removed by `stop`."""
 
     # (method, the runner's attribute that holds it; None: the runner's own). The corpus's `corpus_step` runs inside
     # `execute_model` (vLLM's `finish_requests`), so its time is part of that phase's too.
@@ -92,8 +92,8 @@ class StepTimer:
             torch.cuda.synchronize()
         base_t, base_ev = self.calls[0][1], self.calls[0][3]
 
-        def span(a: Any, b: Any) -> float:
-            return a.elapsed_time(b) if a is not None and b is not None else float("nan")
+        def span(a: Any, b: Any) -> float | None:  # None, not NaN: the rows travel as JSON from a server
+            return a.elapsed_time(b) if a is not None and b is not None else None
 
         return [{"phase": phase, "host_start_ms": 1e3 * (t0 - base_t), "host_ms": 1e3 * (t1 - t0),
                  "gpu_start_ms": span(base_ev, start), "gpu_ms": span(start, end), **facts}
