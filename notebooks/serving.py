@@ -54,6 +54,7 @@ prefill_run = "p1"  # a run of the study fused_pass_kernels
 prefill_runs = ["s5a", "s6"]  # serving runs of projection_config on sampled prose at one request (s6: also with
 # prefill_graph=1024, the drafter's prompt read from the captured graph)
 load_runs = ["s7a", "s7b"]  # serving runs whose points are ten waves with steady-state rates (throughput under load)
+profile_run = "p2"  # a serving run whose profiled repeats timed the worker's steps (phases.parquet; plan serve_p2)
 gate_plot = ["prose 1.5B", "chat 1.5B", "prose 0.5B", "template 0.5B", "multiturn 0.5B", "agent 0.5B", "qa 1.5B",
              "copy 1.5B"]  # the workloads drawn (the table and the parquet have all)
 
@@ -63,9 +64,10 @@ from pathlib import Path
 
 import altair as alt
 import polars as pl
+from IPython.display import display
 
 from hqlab import plots
-from hqlab.bench import results, serve, vllm_report
+from hqlab.bench import results, serve, serve_profile, vllm_report
 from hqlab.replay import sampled_drafts
 
 alt.renderers.enable("svg")
@@ -126,6 +128,31 @@ chart
 
 # %%
 loaded.select("group", "load", "label", "ratio", "ratio_min", "ratio_max", "repeats")
+
+# %% [markdown]
+# ## Where a served step's time goes
+#
+# Run `profile_run`'s profiled repeats timed every engine step inside each server (`hqlab.bench.serve_profile`: the
+# worker's step timer through vLLM's `/collective_rpc`). Mean ms a step at the point's full load, split twice: on
+# the host (the worker's `execute_model`, the sampler, the speculator's `propose`, the rest of `sample_tokens`, and
+# what the engine core did between steps, waits included) and on the GPU (spans of the forward's graph replay, the
+# sampler, the speculator, the rest, and what is left of the step: idle). Then each served step's cost ÷ `none`'s
+# from the unprofiled repeats (time per output token × tokens a step), issue #62's acceptance number.
+
+# %%
+try:
+    phases = results.load("serve", profile_run, "phases")
+except results.MissingRun as missing:
+    phases = None
+    print(f"no served profile yet ({missing}): run plan benchmarks/plans/serve_{profile_run}.json on a GPU host")
+if phases is not None:
+    parts = serve_profile.served_parts(phases)
+    chart = plots.stacked_time(serve_profile.part_bars(parts), "bar", sorted(set(parts["part"])), facet="load")
+    plots.save(chart, Path(figures_dir) / "served_step_profile.svg")
+    display(chart)
+    display(parts.filter(pl.col("config") != "none").pivot(on="max_concurrency", index=["label", "part"],
+                                                           values="extra_ms").sort("label", "part"))
+    display(serve_profile.step_cost_ratios(results.load("serve", profile_run)))
 
 # %% [markdown]
 # The sampling test: each speculator's samples against `none`'s (same prompt, temperature 1), and a server with a
