@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
+from pathlib import Path
 
 from hqlab.cli import main
 
@@ -42,3 +44,21 @@ def test_none_with_the_speculative_configs_capture_size(capsys):
                       ("none:k=3", "one key, capture=N")):
         assert main(["serve-command", "m", bad]) == 2
         assert says in capsys.readouterr().err
+
+
+def test_the_fused_goodput_line_of_the_goodput_page(capsys, monkeypatch):
+    """docs/goodput.md's gpu-fused line: the spec with its costs file (a path from the repository root, where the
+    server starts) passes to vLLM whole, with plain-step graphs at every batch size beside batch_k's widths."""
+    repo = Path(__file__).resolve().parents[2]
+    page = (repo / "docs" / "goodput.md").read_text()
+    spec = re.search(r'"(gpu-fused:[^"]*goodput=[^"]*)"', page).group(1)
+    monkeypatch.chdir(repo)
+    assert main(["serve-command", "Qwen/Qwen2.5-Coder-1.5B-Instruct", spec]) == 0
+    argv = shlex.split(capsys.readouterr().out)
+    flags = dict(zip(argv[3::2], argv[4::2]))
+    speculative = json.loads(flags["--speculative-config"])
+    assert speculative["model"] == "hqlab.engines.vllm.gpu_fused.GpuFusedSpeculator"
+    assert speculative["num_speculative_tokens_per_batch_size"] == [[1, 1, 15], [2, 4, 7], [5, 65536, 0]]
+    assert json.loads(flags["--additional-config"]) == {"hqlab_proposer": spec}
+    assert main(["serve-command", "m", spec.replace("fused_served_x3.05", "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -155,3 +155,13 @@ def test_the_default_step_costs_are_the_committed_grids(tmp_path):
         step_costs_from_grid(tied, "qwen2.5-1.5b")
     with pytest.raises(ConfigError, match="has no"):
         step_costs_from_grid(grid, "qwen2.5-1.5b", context=3)
+
+
+def test_the_fused_served_costs_are_the_grid_with_its_width_excess_scaled():
+    """data/goodput/fused_served_x3.05.json (the fused spec's costs in docs/goodput.md) is what its source says: the
+    grid's costs with each width's excess x3.05, so that a 15-wide step at one request costs 1.46x a plain one."""
+    served = StepCosts.from_json(RESULTS.parent / "goodput" / "fused_served_x3.05.json")
+    want = dearer_widths(DEFAULT_STEP_COSTS, 3.05)
+    assert (served.batches, served.widths) == (want.batches, want.widths)
+    assert np.allclose(served.ms, want.ms, atol=5e-5)
+    assert round(served.at(1, 15) / served.at(1, 0), 2) == 1.46

@@ -1,6 +1,6 @@
-"""vLLM 0.26's own `AsyncScheduler`, built on the CPU for a served `gpu-lookup` spec with hqlab's plugin registered:
-what the replays of the scheduler-side rules (the gate, the goodput controller) are checked against step for step,
-with no GPU and no model weights (the model folder supplies only its config and tokenizer)."""
+"""vLLM 0.26's own `AsyncScheduler`, built on the CPU for a served `gpu-lookup` or `gpu-fused` spec with hqlab's
+plugin registered: what the replays of the scheduler-side rules (the gate, the goodput controller) are checked
+against step for step, with no GPU and no model weights (the model folder supplies only its config and tokenizer)."""
 
 from __future__ import annotations
 
@@ -18,17 +18,18 @@ def cpu_async_scheduler(spec: str, *, max_len: int, max_num_seqs: int, batched_t
     from vllm.v1.structured_output import StructuredOutputManager
 
     from hqlab import models
-    from hqlab.engines.vllm import gpu_lookup, plugin
+    from hqlab.engines.vllm import gpu_fused, gpu_lookup, plugin
 
     plugin.register()
+    module = gpu_fused if spec.strip().startswith(gpu_fused.NAME) else gpu_lookup
     config = VllmConfig(
         model_config=ModelConfig(model=str(models.prepare("qwen2.5-coder-0.5b")), dtype="float32",
                                  max_model_len=max_len),
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_len,
                                          max_num_batched_tokens=batched_tokens or max_len, is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=16, enable_prefix_caching=False),
-        speculative_config=SpeculativeConfig(**gpu_lookup.speculative_config(spec)),
-        device_config=DeviceConfig("cpu"), additional_config={gpu_lookup.SPEC_KEY: spec})
+        speculative_config=SpeculativeConfig(**module.speculative_config(spec)),
+        device_config=DeviceConfig("cpu"), additional_config={module.SPEC_KEY: spec})
     if not config.scheduler_config.async_scheduling:  # the plugin turns it on, as vLLM does for EAGLE
         raise RuntimeError(f"{spec!r}: vLLM's config kept synchronous scheduling; is hqlab's plugin registered?")
     config.cache_config.num_gpu_blocks = blocks

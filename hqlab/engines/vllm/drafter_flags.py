@@ -3,10 +3,10 @@
 `gpu_fused`'s drafter keeps its own KV cache and reads a request's tokens only at a step that needs its token. A step
 does not need it where the lookup alone decides every sampling row's block (`device_skip`: with one drafter token a
 step and the threshold rule, a match of at least nstrong with a token to propose makes the block the lookup's
-whatever the drafter says), nor where the step verifies nothing (`batch_k` width 0: the host knows that before the
-step and launches none of it). Either way the drafter falls behind; the next step that needs it first reads what it
-missed, in a loop of wide passes while a row lags more than one wide pass feeds, then one narrow (k + 1 positions) or
-wide pass that also yields its token.
+whatever the drafter says), nor where the next step verifies nothing (width 0, `batch_k`'s or goodput's: the host
+knows it before the step and launches none of it). Either way the drafter falls behind; the next step that needs it
+first reads what it missed, in a loop of wide passes while a row lags more than one wide pass feeds, then one narrow
+(k + 1 positions) or wide pass that also yields its token.
 
 The flags sit in one int32 device buffer, so that the step's CUDA graph branches on them without a host read
 (`conditional.run_if`, `run_while`); `DrafterFlags` names its entries. The three functions compute all of them at

@@ -2,7 +2,7 @@
 
 vLLM prefills a prompt in chunks; the host knows each chunk's bounds from its input batch, so nothing is read back.
 The drafter reads a request's prompt tokens it has not read at the next step that drafts (`take`): at once where
-that step drafts, later where the load controller's width is 0 (`batch_k`: the step verifies nothing, and an eager
+that step drafts, later where the next step's width is 0 (`batch_k`, `goodput`: it verifies nothing, and an eager
 drafter prefill inside a loaded server's steps would delay every request), so a request on width-0 steps costs the
 drafter nothing until drafting resumes while it runs. A request's first sampled token is remembered the same way:
 the step that reads the end of its prompt is the request's first step for the fusion rule (its scheduler state is

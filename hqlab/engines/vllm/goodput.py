@@ -21,12 +21,14 @@ What it reads, all on the host:
 Nothing is read from the GPU; the replay (`hqlab.replay.goodput.replay_engine`) reproduces every decision, and
 tests/engines/vllm/test_vllm_goodput.py drives vLLM's own scheduler to check it, step for step.
 
-The drafts are unchanged: the GPU speculator drafts k positions every step from the full current history (with
-goodput it never skips drafting, since any captured width may come at any batch size), and a step verifies the
-first `width` of them.
+The drafts are unchanged, and a step verifies the first `width` of them. `gpu-lookup` drafts k positions every step
+(with goodput its table forecast is off: any captured width may come at any batch size). `gpu-fused` (same knob)
+skips its drafter on the steps that verify nothing and only those: the plugin hands it the width vLLM's scheduler
+fixed for the step its drafts go to (`V2Speculator.next_width`), so a step at width 0 runs no drafter work, prompts
+included, and the next drafting step catches up, as after `batch_k`'s width 0.
 
-gpu-fused: the rule takes a drafter-confidence feature (`GoodputConfig.confidence_edges`), but its speculator
-keeps the drafter's confidence on the GPU; this hook passes none, and gpu-fused has no goodput knob yet.
+The rule takes a drafter-confidence feature (`GoodputConfig.confidence_edges`); this hook passes none
+(docs/goodput.md's Limits says why).
 
 Nothing here imports vLLM; the plugin (`plugin._patch_scheduler`) calls it.
 """
@@ -36,9 +38,40 @@ from __future__ import annotations
 from itertools import islice
 from typing import Any
 
+from hqlab.config import require
+from hqlab.engines.vllm import batch_k
 from hqlab.rules.goodput import Cell, GoodputConfig, GoodputController, RequestFeatures, StepCosts, step_costs
 
 PENDING_LIMIT = 16  # scheduler outputs whose outcome is awaited; more means some were never processed (empty steps)
+
+
+def check_knob(goodput: str, *, gate: int = 0) -> None:
+    """A spec's `goodput=` value checked when its config is built (gpu-lookup's and gpu-fused's alike): exclusive
+    with the gate, and a costs file that exists and parses."""
+    if goodput:
+        require(not gate, "gate and goodput both set each step's width: keep one (goodput generalises gate)")
+        step_costs(goodput)  # a missing or malformed costs file fails here, with what to fix
+
+
+def plain_steps(config: Any) -> bool:
+    """Whether a speculator's config sets widths per step (the gate, goodput), so that vLLM must capture plain
+    steps' graphs at every batch size (`batch_k.with_plain_steps`)."""
+    return getattr(config, "gate", 0) > 0 or bool(getattr(config, "goodput", ""))
+
+
+def speculator_table(vllm_config: Any, config: Any) -> list[int] | None:
+    """A speculator's width forecast by batch size (`batch_k.next_k`), checked against vLLM's schedule; None with
+    goodput, whose widths do not follow the batch size (the speculator then drafts unless vLLM's scheduler says the
+    step is plain: `V2Speculator.next_width`)."""
+    table = batch_k.table_for(vllm_config, config.batch_k, config.k, plain_steps=plain_steps(config))
+    return None if config.goodput else table
+
+
+def standalone_table(config: Any, max_num_reqs: int) -> list[int] | None:
+    """`speculator_table` for a speculator built without vLLM's config (tests, micro-benchmarks)."""
+    if getattr(config, "goodput", "") or not getattr(config, "batch_k", ""):
+        return None
+    return batch_k.dense(batch_k.parse(config.batch_k, config.k), max_num_reqs, config.k)
 
 
 def captured(vllm_config: Any) -> tuple[int, ...]:
@@ -124,4 +157,5 @@ class SchedulerGoodput:
         self.features.pop(request_id, None)
 
 
-__all__ = ["SchedulerGoodput", "captured", "PENDING_LIMIT"]
+__all__ = ["SchedulerGoodput", "captured", "check_knob", "plain_steps", "speculator_table", "standalone_table",
+           "PENDING_LIMIT"]

@@ -14,9 +14,9 @@ is one drafting step for the batch:
 5. record: the blocks and decisions stay on the GPU until `take_records` (`fused_records`).
 
 Steps 2-5 have static shapes and read nothing back: they replay from one CUDA graph per (batch size, attention
-bucket), the drafter behind conditional nodes (`conditional`), so a step without it meets one IF node. A step that
-verifies nothing (`batch_k` width 0) runs none of this, prefill included: the drafter reads what it missed at the
-next step that drafts, as after steps the lookup decided.
+bucket), the drafter behind conditional nodes (`conditional`), so a step without it meets one IF node. A step whose
+drafts the next verifies none of (width 0, by `batch_k` or `goodput`: `next_width`) runs none of this, prefill
+included: the drafter reads what it missed at the next step that drafts, as after steps the lookup decided.
 
 The drafter (`drafter.StaticQwen2`) keeps its own KV cache, one row per request slot, outside vLLM's paged cache (V2
 has no plain draft-model path; docs/vllm-internals.md): layers x slots x (max_model_len + 8 (k + 1) + draft_block)
@@ -33,11 +33,12 @@ import numpy as np
 import torch
 
 from hqlab.config import ConfigError
-from hqlab.engines.vllm import batch_k, drafter_flags
+from hqlab.engines.vllm import drafter_flags
 from hqlab.engines.vllm.draft_sampling import DraftDistributions
 from hqlab.engines.vllm.drafter_flags import WIDE_STEPS, DrafterFlags
 from hqlab.engines.vllm.drafter_prompts import PromptReader
 from hqlab.engines.vllm.fused_records import FusedRecorder, record_meta
+from hqlab.engines.vllm.goodput import speculator_table, standalone_table
 from hqlab.engines.vllm.gpu_fused_config import (CLASS_PATH, NAME, PREFILL_CHUNK, RETIRED, GpuFusedConfig,
                                                  fused_config, is_gpu_fused, recorded_rules, speculative_config)
 from hqlab.engines.vllm.speculator import (RECORD_KEY, SPEC_KEY, V2Speculator, bind_histories, gpu_spec, pad_token,
@@ -72,7 +73,7 @@ class GpuFusedSpeculator(V2Speculator):
                     max_model_len=int(vllm_config.model_config.max_model_len), pad=pad_token(vllm_config),
                     device=device, dtype=dtype if isinstance(dtype, torch.dtype) else torch.bfloat16,
                     record=recording(vllm_config))
-        self.k_table = batch_k.table_for(vllm_config, self.config.batch_k, self.config.k)
+        self.k_table = speculator_table(vllm_config, self.config)
 
     @classmethod
     def standalone(cls, config: GpuFusedConfig, *, max_num_reqs: int, max_model_len: int, pad: int,
@@ -83,8 +84,7 @@ class GpuFusedSpeculator(V2Speculator):
         self.spec, self.config, self.vocab = f"{NAME}:...", config, None
         self._setup(max_num_reqs=max_num_reqs, max_model_len=max_model_len, pad=pad, device=device, dtype=dtype,
                     record=record)
-        self.k_table = batch_k.dense(batch_k.parse(config.batch_k, config.k), max_num_reqs, config.k) \
-            if config.batch_k else None
+        self.k_table = standalone_table(config, max_num_reqs)
         return self
 
     def _setup(self, *, max_num_reqs: int, max_model_len: int, pad: int, device: torch.device | str,
@@ -258,7 +258,7 @@ class GpuFusedSpeculator(V2Speculator):
         start = time.perf_counter()
         n = len(req_ids)
         self.prompts.note(req_ids, slots_np, prefilling, computed_prefill + scheduled, prefill_len)
-        if batch_k.next_k(self.k_table, n, self.k) == 0:  # the next step verifies nothing: no drafting at all
+        if self.next_width(n) == 0:  # the next step verifies nothing: no drafting at all
             self.off_steps += 1
             return self.out[:n]
         first = self.prompts.take(req_ids, slots_np)  # prefill

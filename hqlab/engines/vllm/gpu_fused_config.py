@@ -10,6 +10,7 @@ from typing import Any
 
 from hqlab.config import ConfigError, parse_spec, resolve_spec
 from hqlab.engines.vllm import batch_k
+from hqlab.engines.vllm.goodput import check_knob, plain_steps
 from hqlab.engines.vllm.speculator import Retired, custom_class_config, is_custom_class, refuse_retired
 from hqlab.proposers.fused import FusedConfig
 
@@ -59,6 +60,10 @@ class GpuFusedConfig(FusedConfig):
         only with draft_block=1 and the threshold rule, so refused otherwise; decision for decision as without it.
     batch_k: the width vLLM verifies by batch size (`batch_k`, e.g. 1:15/4:7/0); at width 0 no drafting step runs,
         and the drafter reads the prompts and tokens it missed at the next step that drafts.
+    goodput: each step's width among batch_k's widths and 0 (k and 0 without batch_k), chosen by vLLM's scheduler
+        for expected tokens per ms (`hqlab.engines.vllm.goodput`, as for gpu-lookup): "default" (gpu-lookup's step
+        costs: no drafter pass priced in) or a StepCosts JSON file; "" = off. A step at width 0 runs no drafter work,
+        as at batch_k's width 0, whatever the batch size.
     prefill_chunk: prompt tokens the drafter reads per eager call (bounds its activation memory).
     prefill_graph: a prompt with at most this many unread tokens is read in 64-position passes replayed from one
         captured CUDA graph instead (0: always eager; about 1.4 ms a pass against 12-36 ms for an eager prompt on an
@@ -76,6 +81,7 @@ class GpuFusedConfig(FusedConfig):
     compile_rule: bool = False
     device_skip: bool = False
     batch_k: str = ""
+    goodput: str = ""
     prefill_chunk: int = PREFILL_CHUNK
     prefill_graph: int = 0
     draft_sample: str = "greedy"
@@ -87,6 +93,7 @@ class GpuFusedConfig(FusedConfig):
                 raise ConfigError(f"{NAME}: '{key}' was retired ({RETIRED[key].why}); {RETIRED[key].instead}")
         if self.batch_k:
             batch_k.parse(self.batch_k, self.k)
+        check_knob(self.goodput)
         if self.device_skip and (self.draft_block != 1 or self.rule != "threshold"):
             # exact only where the drafter's tokens cannot change the block: one head token, which the lookup
             # replaces at a strong match under the threshold rule
@@ -135,8 +142,8 @@ def recorded_rules(spec: str) -> FusedConfig:
 
 def speculative_config(spec: str) -> dict[str, Any]:
     """vLLM's `speculative_config` for a `gpu-fused` spec (`speculator.custom_class_config`)."""
-    config = fused_config(spec)
-    return custom_class_config(CLASS_PATH, config.k, config.batch_k)
+    config = fused_config(spec)  # goodput's steps that verify nothing need their CUDA graphs at every batch size
+    return custom_class_config(CLASS_PATH, config.k, config.batch_k, plain_steps=plain_steps(config))
 
 
 def is_gpu_fused(speculative_config: Any) -> bool:

@@ -45,8 +45,8 @@ import torch
 
 from hqlab.config import ConfigError, LookupConfig, require, resolve_spec
 from hqlab.engines.vllm import batch_k
+from hqlab.engines.vllm.goodput import check_knob, plain_steps, speculator_table, standalone_table
 from hqlab.rules.corpus import CHOICE_POLICIES, CorpusConfig
-from hqlab.rules.goodput import step_costs
 from hqlab.engines.vllm.speculator import (PAD_KEY, RECORD_KEY, SPEC_KEY, RecordRing, RequestState, Retired,
                                            V2Speculator, bind_histories, custom_class_config, gpu_spec,
                                            is_custom_class, pad_token, recording, refuse_retired)
@@ -86,9 +86,7 @@ class GpuLookupConfig(LookupConfig):
             batch_k.parse(self.batch_k, self.k)
         require(self.gate >= 0, f"gate is the match length (tokens) a step needs to speculate, 0 for no gate "
                                 f"(got {self.gate})")
-        if self.goodput:
-            require(not self.gate, "gate and goodput both set each step's width: keep one (goodput generalises gate)")
-            step_costs(self.goodput)  # a missing or malformed costs file fails here, with what to fix
+        check_knob(self.goodput, gate=self.gate)
         require(self.corpus >= 0, f"corpus is the most tokens the corpus keeps, 0 for none (got {self.corpus})")
         require(self.corpus_policy in CHOICE_POLICIES,
                 f"corpus_policy must be one of {CHOICE_POLICIES} (got {self.corpus_policy!r})")
@@ -128,9 +126,8 @@ def lookup_config(spec: str) -> GpuLookupConfig:
 
 def speculative_config(spec: str) -> dict[str, Any]:
     """vLLM's `speculative_config` for a `gpu-lookup` spec (`speculator.custom_class_config`)."""
-    config = lookup_config(spec)
-    plain_steps = config.gate > 0 or bool(config.goodput)  # steps that verify nothing need their CUDA graphs
-    return custom_class_config(CLASS_PATH, config.k, config.batch_k, plain_steps=plain_steps)
+    config = lookup_config(spec)  # steps that verify nothing (gate, goodput) need their CUDA graphs
+    return custom_class_config(CLASS_PATH, config.k, config.batch_k, plain_steps=plain_steps(config))
 
 
 def is_gpu_lookup(speculative_config: Any) -> bool:
@@ -231,10 +228,7 @@ class GpuLookupSpeculator(V2Speculator):
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.pad = pad_token(vllm_config)
         self._setup(record=recording(vllm_config))
-        self.k_table = batch_k.table_for(vllm_config, self.config.batch_k, self.k,
-                                         plain_steps=self.config.gate > 0 or bool(self.config.goodput))
-        if self.config.goodput:  # the controller may give any captured width at any batch size: always draft
-            self.k_table = None
+        self.k_table = speculator_table(vllm_config, self.config)  # None with goodput: always draft
 
     @classmethod
     def standalone(cls, config: LookupConfig, *, max_num_reqs: int, max_model_len: int, pad: int,
@@ -245,8 +239,7 @@ class GpuLookupSpeculator(V2Speculator):
         self.device, self.max_num_reqs, self.max_model_len, self.pad = torch.device(device), max_num_reqs, \
             max_model_len, pad
         self._setup(record=record)
-        self.k_table = batch_k.dense(batch_k.parse(config.batch_k, config.k), max_num_reqs, config.k) \
-            if getattr(config, "batch_k", "") else None
+        self.k_table = standalone_table(config, max_num_reqs)
         return self
 
     def _setup(self, *, record: bool) -> None:

@@ -17,9 +17,9 @@ For the step-cost benchmark it adds one utility method to vLLM's engine core, `h
 which fixes the verify width of every later step; nothing calls it unless a client asks.
 
 For a `gpu-lookup` with the speculation gate (`gate=G`) the scheduler sets each step's verify width from the
-lookup's match state before it schedules (`hqlab.engines.vllm.gate`, patched in `_patch_scheduler`); with the goodput
-controller (`goodput=default`) from expected tokens per ms, learning from each step's outcome
-(`hqlab.engines.vllm.goodput`).
+lookup's match state before it schedules (`hqlab.engines.vllm.gate`, patched in `_patch_scheduler`); for a
+`gpu-lookup` or `gpu-fused` with the goodput controller (`goodput=default`) from expected tokens per ms, learning
+from each step's outcome (`hqlab.engines.vllm.goodput`).
 
 For a `gpu-lookup` with a corpus (`corpus=N`) it also carries finished requests to the speculator
 (`_patch_scheduler`): vLLM's scheduler notes each freed request's prompt and output ids and attaches them to
@@ -29,7 +29,9 @@ past the stop. Configs without a corpus or a gate are untouched (the wrappers re
 
 For both speculators the runner's `finish_requests` also tells the speculator which request slots it frees, finished,
 aborted or preempted (`_patch_finish_requests`, `V2Speculator.release`), so that per-request state on the host lives
-exactly as long as vLLM's own (tests/engines/vllm/test_vllm_lifecycle.py).
+exactly as long as vLLM's own (tests/engines/vllm/test_vllm_lifecycle.py), and hands it the width the scheduler fixed
+for the step its drafts go to (`V2Speculator.scheduled_width`: the scheduler output's `num_spec_tokens_to_schedule`,
+which vLLM's V2 runner itself does not read).
 
 Nothing of vLLM is forked or copied. On any other vLLM version `register` patches nothing and says so, and a
 config that asks for the speculator fails with a clear error (`check_vllm_version`).
@@ -218,32 +220,43 @@ def _attach_freed(scheduler: Any, scheduler_output: Any) -> None:
         setattr(scheduler_output, CORPUS_DOCS, scheduler.__dict__.pop("_hqlab_freed", []))
 
 
+def _width_knobs(vllm_config: Any) -> tuple[int, str]:
+    """(gate, goodput) of the config's spec: a gpu-lookup's, a gpu-fused's (which has no gate), else (0, "")."""
+    from hqlab.engines.vllm.gpu_fused import fused_config, is_gpu_fused
+    from hqlab.engines.vllm.gpu_lookup import is_gpu_lookup, lookup_config
+    from hqlab.engines.vllm.speculator import proposer_spec
+
+    spec = getattr(vllm_config, "speculative_config", None)
+    if is_gpu_lookup(spec):
+        lookup = lookup_config(proposer_spec(vllm_config))
+        return lookup.gate, lookup.goodput
+    if is_gpu_fused(spec):
+        return 0, fused_config(proposer_spec(vllm_config)).goodput
+    return 0, ""
+
+
 def _gate(scheduler: Any) -> Any:
     """This scheduler's width hook: the speculation gate (`gate.SchedulerGate`) for a gpu-lookup with `gate=G`,
-    the goodput controller (`goodput.SchedulerGoodput`) for one with `goodput=...`, else None (read once per
-    scheduler)."""
+    the goodput controller (`goodput.SchedulerGoodput`) for a gpu-lookup or gpu-fused with `goodput=...`, else None
+    (read once per scheduler)."""
     if "_hqlab_gate" not in scheduler.__dict__:
-        from hqlab.engines.vllm.gpu_lookup import is_gpu_lookup, lookup_config
-        from hqlab.engines.vllm.speculator import proposer_spec
-
         found = None
         config = scheduler.vllm_config
-        if is_gpu_lookup(getattr(config, "speculative_config", None)):
-            lookup = lookup_config(proposer_spec(config))
-            if lookup.gate or lookup.goodput:
-                table = getattr(scheduler, "dynamic_sd_lookup", None)
-                if table is None:
-                    raise ConfigError("gate and goodput need vLLM's num_speculative_tokens_per_batch_size schedule "
-                                      "(with a width-0 range): build the speculative config with gpu_lookup's "
-                                      "speculative_config(spec)")
-                if lookup.goodput:
-                    from hqlab.engines.vllm.goodput import SchedulerGoodput
+        gate, goodput = _width_knobs(config)
+        if gate or goodput:
+            table = getattr(scheduler, "dynamic_sd_lookup", None)
+            if table is None:
+                raise ConfigError("gate and goodput need vLLM's num_speculative_tokens_per_batch_size schedule "
+                                  "(with a width-0 range): build the speculative config with the speculator "
+                                  "module's speculative_config(spec) (gpu_lookup's or gpu_fused's)")
+            if goodput:
+                from hqlab.engines.vllm.goodput import SchedulerGoodput
 
-                    found = SchedulerGoodput.from_spec(lookup.goodput, table, config)
-                else:
-                    from hqlab.engines.vllm.gate import SchedulerGate
+                found = SchedulerGoodput.from_spec(goodput, table, config)
+            else:
+                from hqlab.engines.vllm.gate import SchedulerGate
 
-                    found = SchedulerGate(lookup.gate, table)
+                found = SchedulerGate(gate, table)
         scheduler.__dict__["_hqlab_gate"] = found
     return scheduler.__dict__["_hqlab_gate"]
 
@@ -310,8 +323,9 @@ def _freed_slots(runner: Any, scheduler_output: Any) -> list[tuple[str, int]]:
 
 
 def _patch_finish_requests() -> None:
-    """Runner: around `finish_requests` (model runner V2's first act of a step), tell the speculator which slots vLLM
-    frees (`V2Speculator.release`), then `_deliver` the corpus's documents."""
+    """Runner: around `finish_requests` (model runner V2's first act of a step, run for real steps only), tell the
+    speculator the width of the step its drafts go to and which slots vLLM frees (`V2Speculator.release`), then
+    `_deliver` the corpus's documents."""
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     from hqlab.engines.vllm.speculator import V2Speculator
@@ -321,6 +335,8 @@ def _patch_finish_requests() -> None:
             speculator = getattr(self, "speculator", None)
             ours = isinstance(speculator, V2Speculator)
             freed = _freed_slots(self, scheduler_output) if ours else []
+            if ours:  # fixed by the scheduler when it made this step, for the step after it (vLLM's async placeholders)
+                speculator.scheduled_width = int(scheduler_output.num_spec_tokens_to_schedule)
             result = original(self, scheduler_output)
             if freed:
                 speculator.release(freed)

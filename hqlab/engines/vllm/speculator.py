@@ -179,6 +179,22 @@ class V2Speculator:
     state) that EAGLE-style speculators need; hqlab's read vLLM's histories instead, so they implement the narrow
     `draft(input_batch, num_sampled, dummy_run)` and this class takes vLLM's call."""
 
+    k: int
+    k_table: list[int] | None  # the width forecast by batch size (`batch_k`); None: always k
+    # The width vLLM's scheduler fixed for the step that verifies this step's drafts (the scheduler output's
+    # `num_spec_tokens_to_schedule`), handed over by the plugin before each step; None where no scheduler runs.
+    scheduled_width: int | None = None
+
+    def next_width(self, batch: int) -> int:
+        """How many of this step's drafts the next step verifies: the scheduler's own width where the plugin handed
+        it over (exact, whoever chose it: `batch_k`, the gate, goodput), else the forecast from the width table by
+        this step's batch size (exact for `batch_k`, whose width vLLM looks up by the same batch size)."""
+        if self.scheduled_width is not None:
+            return self.scheduled_width
+        from hqlab.engines.vllm import batch_k
+
+        return batch_k.next_k(self.k_table, batch, self.k)
+
     def propose(self, input_batch: Any, attn_metadata: Any = None, slot_mappings: Any = None,
                 last_hidden_states: Any = None, aux_hidden_states: Any = None, num_sampled: Any = None,
                 num_rejected: Any = None, last_sampled: Any = None, next_prefill_tokens: Any = None,

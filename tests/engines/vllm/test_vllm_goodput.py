@@ -8,7 +8,11 @@ outputs and the lookup's acceptance over them (the lookup drafts from the whole 
 `GpuLookupSpeculator` does on the GPU, so a width w accepts the first min(w, accepted at k) drafts). The engine
 core's order is vLLM's batch queue (`EngineCore.step_with_batch_queue`): schedule step n + 1, then process step
 n's output, through the scheduler's own `update_from_output` (which the plugin wraps to show the controller each
-outcome)."""
+outcome).
+
+`gpu-fused` takes the same knob and the same hook: its spec is served here too, the worker played by the same
+acceptance (the controller decides from the histories and the outcomes the scheduler holds, whoever drafted), and
+test_vllm_lifecycle.py runs the fused speculator itself under the widths the controller chooses."""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vllm extra is not installed (make setup-vllm)")
 
 from hqlab.config import ConfigError  # noqa: E402
-from hqlab.engines.vllm import gpu_lookup, plugin  # noqa: E402
+from hqlab.engines.vllm import gpu_fused, gpu_lookup, plugin  # noqa: E402
 from hqlab.engines.vllm.goodput import SchedulerGoodput  # noqa: E402
 from hqlab.engines.vllm.cpu_scheduler import cpu_async_scheduler, drive  # noqa: E402
 from hqlab.replay.goodput import Policy, TraceTables, captured_widths, replay_engine  # noqa: E402
@@ -28,6 +32,18 @@ from hqlab.rules.goodput import DEFAULT_STEP_COSTS, GoodputConfig, StepCosts  # 
 
 RESULTS = Path(__file__).resolve().parents[3] / "data" / "results"
 LOOKUP = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,batch_k=1:15/4:7/0"
+# the served fused config (docs/serving.md), whose lookup is the one above
+FUSED = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,compile=true,schedule=long,nmin_tail=1,"
+         "compile_rule=true,device_skip=true,batch_k=1:15/4:7/0,prefill_graph=1024")
+
+
+def configs_of(spec: str):
+    """(the spec's settings, its lookup's): gpu-lookup's are one, gpu-fused holds a lookup."""
+    if spec.startswith(gpu_fused.NAME):
+        config = gpu_fused.fused_config(spec)
+        return config, config.lookup_config()
+    config = gpu_lookup.lookup_config(spec)
+    return config, config
 
 
 def scheduler_for(spec: str, max_len: int, max_num_seqs: int):
@@ -105,19 +121,20 @@ def steep_costs(tmp_path_factory):
 
 
 def served_and_replayed(spec: str, traces, concurrency: int, costs, behind: int = 3):
-    lookup = gpu_lookup.lookup_config(spec)
+    config, lookup = configs_of(spec)
     tables = TraceTables(lookup)
     served = serve(spec, traces, tables, concurrency)
-    policy = Policy.controller(captured_widths(lookup.batch_k, lookup.k), GoodputConfig(behind=behind))
+    policy = Policy.controller(captured_widths(config.batch_k, config.k), GoodputConfig(behind=behind))
     return served, replay_engine(traces, lookup, policy, concurrency=concurrency, costs=costs, tables=tables)
 
 
 @pytest.mark.parametrize("concurrency", [1, 3])
 @pytest.mark.parametrize("costs", ["default", "steep"])
-def test_vllms_scheduler_fixes_the_widths_the_replay_predicts(traces, steep_costs, costs, concurrency):
+@pytest.mark.parametrize("base", [LOOKUP, FUSED], ids=["lookup", "fused"])
+def test_vllms_scheduler_fixes_the_widths_the_replay_predicts(traces, steep_costs, costs, concurrency, base):
     name, table = ("default", DEFAULT_STEP_COSTS) if costs == "default" else (str(steep_costs), STEEP)
     (scheduler, batch, width, request_widths, request_emitted), replayed = served_and_replayed(
-        f"{LOOKUP},goodput={name}", traces, concurrency, table)
+        f"{base},goodput={name}", traces, concurrency, table)
     assert batch == replayed.batch
     assert width == replayed.width
     assert request_widths == replayed.request_widths
@@ -171,3 +188,28 @@ def test_a_bad_goodput_knob_says_what_to_fix(tmp_path):
         from types import SimpleNamespace
 
         plugin.set_width(SimpleNamespace(scheduler=forced, model_executor=None), 3)
+
+
+def test_gpu_fused_takes_the_knob_as_gpu_lookup_does(tmp_path):
+    """The fused spec's goodput key: validated by the lookup's code, plain-step graphs asked of vLLM, the controller
+    on its scheduler, and a speculator with no width forecast (it drafts unless the scheduler's width for the next
+    step, handed over by the plugin, is 0)."""
+    spec = f"{FUSED},goodput=default"
+    assert gpu_fused.fused_config(spec).goodput == "default"
+    bare = gpu_fused.speculative_config("gpu-fused:k=15,draft_block=1,goodput=default")
+    assert [w for _, _, w in bare["num_speculative_tokens_per_batch_size"]] == [15, 0]  # graphs for plain steps
+    assert "num_speculative_tokens_per_batch_size" not in gpu_fused.speculative_config("gpu-fused:k=15,draft_block=1")
+    with pytest.raises(ConfigError, match="does not exist"):
+        gpu_fused.fused_config(f"{FUSED},goodput={tmp_path / 'missing.json'}")
+    with pytest.raises(ConfigError, match="goodput=default or goodput=PATH.json"):
+        gpu_fused.fused_config(f"{FUSED},goodput=fast")
+    scheduler = scheduler_for(spec, 256, 4)
+    hook = plugin._gate(scheduler)
+    assert isinstance(hook, SchedulerGoodput) and hook.widths == (0, 7, 15)
+    speculator = gpu_fused.GpuFusedSpeculator(scheduler.vllm_config, "cpu")
+    assert speculator.k_table is None and speculator.next_width(4) == 15  # no forecast: any width at any batch
+    speculator.scheduled_width = 0  # what the plugin hands over before a step whose next verifies nothing
+    assert speculator.next_width(1) == 0
+    plain = scheduler_for(FUSED, 256, 4)
+    assert gpu_fused.GpuFusedSpeculator(plain.vllm_config, "cpu").k_table[1:] == [15, 7, 7, 7]
+    assert plugin._gate(plain) is None

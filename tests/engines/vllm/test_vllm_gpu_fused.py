@@ -12,6 +12,7 @@ The GPU run (graphs, vLLM itself) is benchmarks/vllm_gpu.py; the config plumbing
 
 from __future__ import annotations
 
+import itertools
 import json
 import warnings
 from pathlib import Path
@@ -515,9 +516,12 @@ def test_a_prompt_resumed_in_a_slot_another_request_used_is_prefilled_again():
 
 
 def drive(spec: GpuFusedSpeculator, reqs: dict[str, tuple[list[int], list[int]]], slot_of: dict[str, int],
-          ids: torch.Tensor, total: torch.Tensor, k: int) -> list[dict[str, list[int]]]:
+          ids: torch.Tensor, total: torch.Tensor, k: int, widths: tuple[int, ...] = ()) -> list[dict[str, list[int]]]:
     """Step `spec` the way vLLM's runner does (whole-prompt prefill, then decode steps verified against each
-    request's fixed target output) until every target is emitted; each step's drafts per request."""
+    request's fixed target output) until every target is emitted; each step's drafts per request. `widths`: the
+    width the scheduler hands over for the step after each step, cycled (a step verifies that many of the drafts
+    before it, none at 0); default every step k, with no width handed over."""
+    script = itertools.cycle(widths) if widths else None
     state = {r: {"out": [], "drafts": None, "fresh": True} for r in reqs}
     for r, (prompt, _) in reqs.items():
         ids[slot_of[r], :len(prompt)] = torch.tensor(prompt, dtype=torch.int32)
@@ -531,7 +535,7 @@ def drive(spec: GpuFusedSpeculator, reqs: dict[str, tuple[list[int], list[int]]]
             if st["fresh"]:  # the prompt's only chunk: it samples the first output token
                 emitted = [target[0]]
             else:
-                emitted = verified(st["drafts"], target, done)
+                emitted = verified(st["drafts"][:st["width"]], target, done)
             prefilling.append(st["fresh"])
             start = len(prompt) + done
             ids[slot_of[r], start:start + len(emitted)] = torch.tensor(emitted, dtype=torch.int32)
@@ -541,12 +545,14 @@ def drive(spec: GpuFusedSpeculator, reqs: dict[str, tuple[list[int], list[int]]]
         slots = np.array([slot_of[r] for r in rows], dtype=np.int32)
         plen = np.array([len(reqs[r][0]) for r in rows])
         computed = np.array([len(reqs[r][0]) + len(state[r]["out"]) - n for r, n in zip(rows, num_sampled)])
+        spec.scheduled_width = next(script) if script is not None else None
         out = spec.step(rows, torch.from_numpy(slots), slots, torch.tensor(num_sampled, dtype=torch.int32),
                         np.array(prefilling), np.where(prefilling, 0, plen), np.where(prefilling, plen, 1 + k), plen,
                         computed)
         steps.append({r: out[i].tolist() for i, r in enumerate(rows)})
         for i, r in enumerate(rows):
             state[r]["drafts"], state[r]["fresh"] = out[i].tolist(), False
+            state[r]["width"] = k if spec.scheduled_width is None else spec.scheduled_width
     return steps
 
 
@@ -742,3 +748,35 @@ def test_the_drafter_flags_decide_as_their_definition_compiled_or_not():
                 assert before_last_pass(flags, total_len, dlen, slots, ns, narrow, wide, head).tolist() == want, trial
             # not needed: no pass
             assert before_last_pass(flags * 0, total_len, dlen, slots, ns, narrow, wide, 3).tolist() == [0] * 6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_widths_flipping_at_one_batch_size_in_cuda_graphs_change_no_draft():
+    """The goodput controller's widths on the GPU: vLLM's scheduler hands the speculator 15, 0, 7, 15, ... for the
+    step after each step at one batch size. With the drafting step captured in CUDA graphs (the drafter behind its
+    conditional nodes), the steps that draft give the drafts of the same steps run eagerly (float32), the steps at
+    width 0 launch nothing (the drafting-step counters), and the drafter's catch-up after them ran narrow and wide
+    passes. The CPU half (the blocks equal the reference's through vLLM's scheduler) is
+    test_vllm_lifecycle.py's flip test."""
+    flips = (15, 0, 7, 15)
+    runs = []
+    for graphs in (True, False):
+        config = fused_config("gpu-fused:k=15,draft_block=1,nmax=16,schedule=long,nmin_tail=1,device_skip=true,"
+                              "batch_k=1:15/2:7/0")
+        spec = GpuFusedSpeculator.standalone(config, max_num_reqs=2, max_model_len=480, pad=63, device="cuda",
+                                             dtype=torch.float32, record=True)
+        ids = torch.zeros(2, 480, dtype=torch.int32, device="cuda")
+        total = torch.zeros(2, dtype=torch.int32, device="cuda")
+        spec.bind(ids, total)
+        spec.attach_drafter(tiny_qwen2(2, spec.cache_len, device="cuda", dtype=torch.float32, attention="sdpa"))
+        if graphs:
+            spec.init_cudagraph_manager(SimpleNamespace(name="FULL"))
+            spec.capture()
+            assert spec.graphs, "capturing the drafting step failed"
+        steps = drive(spec, copy_and_prose(), {"copy": 1, "prose": 0}, ids, total, config.k, widths=flips)
+        runs.append((steps, spec.take_records(), spec.drafting_steps, spec.off_steps))
+    (steps, records, drafting, off), (eager, _, eager_drafting, eager_off) = runs
+    assert (drafting, off) == (eager_drafting, eager_off) and off >= len(steps) // 4 - 1
+    plain = {i for i in range(len(steps)) if flips[i % len(flips)] == 0}  # their drafts are never verified
+    assert [s for i, s in enumerate(steps) if i not in plain] == [s for i, s in enumerate(eager) if i not in plain]
+    assert {r["drafter_width"] for r in records} >= {16, 16 * WIDE_STEPS}  # narrow and wide catch-up passes ran

@@ -12,8 +12,8 @@ CPU tensors (`CpuRunner`: vLLM's own `RequestState` and `finish_requests`, the p
 step's drafts as a greedy target does.
 
 What is checked, for `gpu-lookup` (with and without prefix caching), its corpus, its gate and goodput hooks, and
-`gpu-fused` (every-step drafting in prompt chunks, and the served shape: one drafter token, device skip, width-0
-steps):
+`gpu-fused` (every-step drafting in prompt chunks, the served shape: one drafter token, device skip, width-0 steps;
+with goodput, and with widths that flip 15 -> 0 -> 7 -> 15 at one batch size):
 - every step's drafts are the pure reference's on the history vLLM holds at that step: `hqlab.rules.lookup`,
   `hqlab.rules.corpus` over the corpus its log rebuilds, `FusedProposer` with a drafter that reads each history
   whole into an empty cache; so a request preempted and prefilled again drafts what an uninterrupted one drafts at
@@ -33,7 +33,9 @@ The server-side suite (vllm serve on a GPU, clients that disconnect, every sampl
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
+import tempfile
 import time
 from collections import deque
 from copy import copy
@@ -51,11 +53,12 @@ from hqlab import models  # noqa: E402
 from hqlab.engines.vllm import gpu_fused, gpu_lookup, plugin  # noqa: E402
 from hqlab.engines.vllm.drafter_prompts import PromptReader  # noqa: E402
 from hqlab.engines.vllm.gate import SchedulerGate  # noqa: E402
-from hqlab.engines.vllm.goodput import PENDING_LIMIT, SchedulerGoodput  # noqa: E402
+from hqlab.engines.vllm.goodput import PENDING_LIMIT, SchedulerGoodput, speculator_table  # noqa: E402
 from hqlab.engines.vllm.gpu_fused import GpuFusedSpeculator, fused_config  # noqa: E402
 from hqlab.engines.vllm.gpu_lookup import GpuLookupSpeculator  # noqa: E402
 from hqlab.rules.corpus import Corpus, propose as corpus_propose  # noqa: E402
 from hqlab.rules.gate import SuffixGate  # noqa: E402
+from hqlab.rules.goodput import StepCosts  # noqa: E402
 from hqlab.rules.lookup import suffix_match  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
@@ -158,6 +161,7 @@ class CpuRunner:
         self.decode_query_len = k + 1
         speculator.bind(self.req_states.all_token_ids.gpu, self.req_states.total_len.gpu)  # as the plugin binds it
         self.admitted: list[tuple[str, int, int, int]] = []  # (request, slot, prompt length, tokens to prefill)
+        self.verified: list[set[int]] = []  # per step that ran: the widths its decoding requests verified
 
     def _remove_request(self, req_id: str) -> bool:
         """GPUModelRunner._remove_request, for the request state (the model's other states are not built here)."""
@@ -176,6 +180,7 @@ class CpuRunner:
         if out.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self._prepare(out)
+        self.verified.append({len(v) for v in out.scheduled_spec_decode_tokens.values()})
         sampled = self._sample(batch, out)
         num_sampled = torch.tensor([len(t) for t in sampled], dtype=torch.int32)
         self._post_update(batch, sampled)
@@ -747,13 +752,15 @@ class FusedCheck:
         self.reference = FusedProposer(FusedConfig(**{**rules, "dtype": "float32", "device": "cpu"}), drafter)
         self.states: dict[str, Any] = {}  # request -> its scheduler state, as the speculator's slot holds it
         self.seen_admitted, self.drafting, self.rows, self.resumed_rows = 0, speculator.drafting_steps, 0, 0
+        self.widths: list[tuple[int | None, bool]] = []  # per step: the width handed over for the next, drafted
 
     def __call__(self, runner: CpuRunner, batch: Any, num_sampled: torch.Tensor, drafts: torch.Tensor) -> None:
         for rid, *_ in runner.admitted[self.seen_admitted:]:
             self.states.pop(rid, None)  # (re)admitted: its scheduler state starts again
         self.seen_admitted = len(runner.admitted)
         check_prompt_notes(self.speculator.prompts, runner)
-        if self.speculator.drafting_steps == self.drafting:  # batch_k's width 0: nothing drafted this step
+        self.widths.append((self.speculator.scheduled_width, self.speculator.drafting_steps != self.drafting))
+        if self.speculator.drafting_steps == self.drafting:  # the next step's width is 0: nothing drafted this step
             return
         self.drafting = self.speculator.drafting_steps
         rows = [i for i in range(len(batch.req_ids)) if int(num_sampled[i]) > 0]
@@ -794,7 +801,7 @@ def fused_speculator(spec: str, scheduler: Any, slots: int = SLOTS) -> GpuFusedS
     config = fused_config(spec)
     speculator = GpuFusedSpeculator.standalone(config, max_num_reqs=slots, max_model_len=LEN, pad=FUSED_PAD,
                                                device="cpu", dtype=torch.float32)
-    assert speculator.k_table == gpu_fused.batch_k.table_for(scheduler.vllm_config, config.batch_k, config.k)
+    assert speculator.k_table == speculator_table(scheduler.vllm_config, config)
     speculator.attach_drafter(tiny_drafter(slots, speculator.cache_len))
     return speculator
 
@@ -810,19 +817,48 @@ def fused_run(spec: str, plans: list[Planned], *, prefix_caching: bool, budget: 
     return scheduler, runner, check, serve(scheduler, runner, plans)
 
 
+# wide steps dear: priced so, the controller gives these requests each of the widths 0, 2 and 4 (the knob's JSON form)
+STEEP = StepCosts((1, 4), (0, 2, 4), ((3.0, 4.2, 5.6), (3.3, 5.2, 7.2)), source="a test's: wide steps dear")
+FUSED_GOODPUT = ("gpu-fused:k=4,draft_block=1,nmax=16,policy=earliest,schedule=long,nmin_tail=1,device_skip=true,"
+                 "batch_k=2:4/3:2/0,goodput={costs}")
 FUSED_CASES = {"every-step-chunked-prompts": (FUSED_EVERY_STEP, False, 16, 12),  # spec, prefix caching, tokens a
-               "served-shape-prefix-cache": (FUSED_SERVED, True, 24, 10)}  # step, KV blocks (shared prompts use fewer)
+               "served-shape-prefix-cache": (FUSED_SERVED, True, 24, 10),  # step, KV blocks (shared prompts use fewer)
+               "served-shape-goodput": (FUSED_GOODPUT, True, 24, 10)}
+
+
+def check_widths_followed(runner: CpuRunner, check: FusedCheck) -> list[int]:
+    """The plugin handed the speculator, at every step, the width vLLM's scheduler fixed for the step after it: that
+    step's decoding requests verified at most that width (fewer only where a request nears its end), and the
+    speculator drafted exactly where it is not 0. Returns the widths, step by step."""
+    widths = [w for w, _ in check.widths]
+    assert None not in widths, "a step ran without the scheduler's width"
+    assert [drafted for _, drafted in check.widths] == [w > 0 for w in widths], \
+        "the speculator drafted where the next step verifies nothing, or skipped where it verifies drafts"
+    assert all(max(after, default=0) <= w for w, after in zip(widths, runner.verified[1:]))
+    exact = {w for w, after in zip(widths, runner.verified[1:]) if after == {w}}
+    assert exact == set(widths) - {0}, f"widths {sorted(set(widths))}, verified exactly: {sorted(exact)}"
+    return widths
+
+
 def fused_case(name: str) -> None:
     """The fused blocks are the reference's at every step (the drafter's cache rebuilt from a preempted request's
     prefill again, a reused slot's cache overwritten, children of n = 4 reading the whole prompt though vLLM's prefix
-    cache computed it once), and the prompt reader forgets every request vLLM frees."""
+    cache computed it once), and the prompt reader forgets every request vLLM frees. With goodput: the controller's
+    widths, 0 included, reach the speculator step by step, and it drafts where they are not 0."""
     spec, prefix_caching, budget, blocks = FUSED_CASES[name]
     plans = mixed_plans(24, 60, stop=7, prompt=(10, 60), out=(4, 24))
-    scheduler, runner, check, served = fused_run(spec, plans, prefix_caching=prefix_caching, budget=budget,
-                                                 num_blocks=blocks)
+    with tempfile.TemporaryDirectory() as folder:
+        spec = spec.format(costs=STEEP.to_json(Path(folder) / "steep.json"))
+        scheduler, runner, check, served = fused_run(spec, plans, prefix_caching=prefix_caching, budget=budget,
+                                                     num_blocks=blocks)
     check_streams(plans, served)
     check_cases_met(plans, served, runner)
     assert check.rows > 50 and check.resumed_rows > 0
+    widths = check_widths_followed(runner, check)
+    if "goodput" in spec:
+        hook = plugin._gate(scheduler)
+        assert isinstance(hook, SchedulerGoodput) and hook.widths == (0, 2, 4)
+        assert set(widths) == {0, 2, 4}, f"the controller fixed only the widths {sorted(set(widths))}"
     flush(scheduler, runner)
     reader = check.speculator.prompts
     assert (reader.owner, reader.read_upto, reader.unread) == ({}, {}, {})
@@ -832,6 +868,76 @@ def fused_case(name: str) -> None:
 @pytest.mark.parametrize("name", FUSED_CASES)
 def test_the_fused_speculator_drafts_the_reference_through_aborts_preemption_and_reused_slots(name):
     fused_case(name)
+
+
+FLIPS = (15, 0, 7, 15)  # the widths forced on successive steps, over and over
+# batch_k's table gives three requests width 0: a speculator that forecast the width from the batch size would
+# never draft here
+FUSED_FLIPS = ("gpu-fused:k=15,draft_block=1,nmax=16,policy=earliest,schedule=long,nmin_tail=1,device_skip=true,"
+               "batch_k=1:15/2:7/0")
+
+
+def flipping_plans() -> list[Planned]:
+    """Three requests that run side by side to the end: one copies a passage of its prompt (long blocks, the lookup
+    decides), two continue the text (the drafter's head decides)."""
+    text, plans = text_tokens(60), []
+    for i, start in enumerate((100, 900, 1700)):
+        prompt = text[start:start + 40].tolist()
+        target = (prompt[10:] * 4)[:90] if i == 0 else text[start + 40:start + 130].tolist()
+        plans.append(Planned(f"f{i}", prompt, [target], 60))
+    # and one arriving on each step of a flip cycle: one of them is admitted by a step at width 0, its prompt read
+    # by the drafter only at the next step that drafts
+    for i, start in enumerate((2500, 3300, 4100, 4900)):
+        plans.append(Planned(f"late{i}", text[start:start + 30].tolist(), [text[start + 30:start + 60].tolist()],
+                             12, arrive=40 + 13 * i))
+    return plans
+
+
+@INTERPRETED
+def test_the_fused_speculator_follows_widths_that_flip_at_one_batch_size():
+    """vLLM's scheduler verifies 15, 0, 7, 15, ... on successive steps while three requests run (the widths the
+    goodput controller may choose, forced here in vLLM's own width table, as the controller's hook sets it): the
+    speculator drafts exactly at the steps whose next step verifies drafts, its blocks are the reference's there
+    (the drafter caught up with what it missed at width 0, prompts included), each step that needed the drafter
+    leaves it at every sampling row's full history, and the prompt notes track vLLM's requests throughout."""
+    plans = flipping_plans()
+    scheduler = scheduler_for(FUSED_FLIPS, num_blocks=64, prefix_caching=False, budget=256)
+    speculator = fused_speculator(FUSED_FLIPS, scheduler)
+    check = FusedCheck(speculator)
+    table, script, schedule = scheduler.dynamic_sd_lookup, itertools.cycle(FLIPS), scheduler.schedule
+    assert table[3] == 0
+
+    def scripted() -> Any:
+        table[:] = [next(script)] * len(table)  # the width of the step after this one, at every batch size
+        return schedule()
+
+    caught_up, after_plain, batches, deferred = [], [], [], []
+
+    def on_step(runner: CpuRunner, batch: Any, num_sampled: torch.Tensor, drafts: torch.Tensor) -> None:
+        drafted_before = check.drafting
+        check(runner, batch, num_sampled, drafts)
+        batches.append(len(batch.req_ids))
+        if check.drafting == drafted_before:  # prompts vLLM prefilled at width 0 wait in the notes
+            deferred.extend(r for s, (r, _, _) in speculator.prompts.unread.items() if r.startswith("late"))
+        if check.drafting == drafted_before or not int(speculator.flags.need):
+            return
+        slots = [int(batch.idx_mapping_np[i]) for i in range(len(batch.req_ids)) if int(num_sampled[i]) > 0]
+        caught_up.append(all(int(speculator.dlen[s]) == int(runner.req_states.total_len.gpu[s]) for s in slots))
+        after_plain.append(len(check.widths) > 1 and check.widths[-2][0] == 0 and len(batch.req_ids) == 3)
+
+    scheduler.schedule = scripted
+    runner = CpuRunner(speculator, targets_of(plans), on_step, k=15)
+    served = serve(scheduler, runner, plans)
+    check_streams(plans, served)
+    widths = check_widths_followed(runner, check)
+    assert all(caught_up) and sum(after_plain) >= 3, (caught_up, after_plain)
+    assert deferred, "no prompt was prefilled by vLLM at a step whose next verifies nothing"
+    # the flips met at one batch size: 15 -> 0 -> 7 -> 15, the drafts verified at each width
+    at_three = {(widths[n], widths[n + 1]) for n in range(len(widths) - 1) if batches[n] == batches[n + 1] == 3}
+    assert {(15, 0), (0, 7), (7, 15)} <= at_three
+    assert check.rows > 20 and speculator.off_steps >= 5
+    flush(scheduler, runner)
+    assert (speculator.prompts.owner, speculator.prompts.read_upto, speculator.prompts.unread) == ({}, {}, {})
 
 
 # --- each check fails on a planted state bug ----------------------------------------------------------------------
@@ -960,7 +1066,34 @@ def plant_notes_kept(monkeypatch: Any) -> None:
     monkeypatch.setattr(PromptReader, "release", lambda self, freed: None)
 
 
+def plant_width_by_batch_size(monkeypatch: Any) -> None:
+    """The speculator forecasts the next step's width from its batch size (`batch_k`'s table), as before goodput:
+    with widths chosen per step it drafts where nothing is verified and verifies stale drafts."""
+    from hqlab.engines.vllm import batch_k
+    from hqlab.engines.vllm.speculator import V2Speculator
+
+    monkeypatch.setattr(V2Speculator, "next_width", lambda self, n: batch_k.next_k(self.k_table, n, self.k))
+
+
+def plant_missed_tokens_dropped(monkeypatch: Any) -> None:
+    """At a step that verifies nothing the drafter is marked as having read every sampling row's history: it never
+    reads the tokens it missed."""
+    step = GpuFusedSpeculator.step
+
+    def skip_missed(self: Any, req_ids: list[str], slots: torch.Tensor, slots_np: np.ndarray, *args: Any) -> Any:
+        if self.next_width(len(req_ids)) == 0 and self.state is not None:
+            self.dlen[torch.as_tensor(slots_np, dtype=torch.int64)] = self.state[1][slots.long()].long()
+        return step(self, req_ids, slots, slots_np, *args)
+
+    monkeypatch.setattr(GpuFusedSpeculator, "step", skip_missed)
+
+
 PLANTED = {  # the bug -> (how to plant it, the case that must catch it, what its failure says)
+    "width-by-batch-size": (plant_width_by_batch_size,
+                            test_the_fused_speculator_follows_widths_that_flip_at_one_batch_size, "skipped where"),
+    "missed-tokens-dropped": (plant_missed_tokens_dropped,
+                              test_the_fused_speculator_follows_widths_that_flip_at_one_batch_size,
+                              "differs from the reference"),
     "stale-slot-map": (plant_stale_slot_map, lambda: lookup_case("lookup"), "differ from the rule"),
     "unrewound-history": (plant_unrewound_history, lambda: lookup_case("lookup"), "differ from the rule"),
     # the corpus then holds a document no client received: the drafts or the insertions show it, whichever first
