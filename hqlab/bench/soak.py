@@ -573,16 +573,24 @@ def over_time(series: Any) -> Any:
             .with_columns(pl.col("measure").replace_strict(measures)))
 
 
-def figure(root: str | Path | None = None) -> Any:
-    """Throughput and memory over time per config, from every committed soak run (`results.load`); None, with a
-    printed note, where no soak run is committed yet."""
-    from hqlab import plots
+def committed(kind: str = "rows", root: str | Path | None = None) -> Any:
+    """The `kind` table of every committed soak run, stacked; None, with a printed note, where there is none yet."""
     from hqlab.bench import results
 
     try:
-        series = results.load(STUDY, kind="series", root=root)
-    except results.MissingRun as e:
-        print(f"no soak run committed yet ({e}); nothing to draw")
+        return results.load(STUDY, kind=kind, root=root)
+    except results.MissingRun:
+        print(f"no soak run committed yet (no {kind} table of the study {STUDY!r}): nothing to show")
+        return None
+
+
+def figure(root: str | Path | None = None) -> Any:
+    """Throughput and memory over time per config, from every committed soak run; None, with a printed note, where
+    no soak run is committed yet."""
+    from hqlab import plots
+
+    series = committed("series", root)
+    if series is None:
         return None
     data = over_time(series)
     if data.is_empty():
@@ -594,4 +602,4 @@ def figure(root: str | Path | None = None) -> Any:
 __all__ = ["STUDY", "SOAK_METRICS", "SERIES_COLUMNS", "REQUEST_COLUMNS", "SOAK_COLUMNS", "KINDS", "STATUSES",
            "LOOPBACK", "Bounds", "Mix", "Planned", "planned_call", "outcome", "run_load", "server_probe", "RawWriter",
            "soak_prompts", "check_plan", "run_soak", "read_returned", "series_table", "requests_table", "summary",
-           "criteria_verdicts", "finish", "report", "over_time", "figure"]
+           "criteria_verdicts", "finish", "report", "over_time", "committed", "figure"]

@@ -360,3 +360,48 @@ def test_the_figure_draws_throughput_and_memory_over_time_per_config_and_skips_w
     assert spec["facet"]["field"] == "measure" and spec["resolve"]["scale"]["y"] == "independent"
     assert spec["spec"]["encoding"]["x"]["field"] == "minutes" and spec["spec"]["encoding"]["color"]["field"] == \
         "server"
+
+
+def test_the_host_side_serves_one_config_loads_it_within_the_budget_and_stops_it(tmp_path, port, monkeypatch):
+    """`run_soak` with the loopback server in the place of `vllm serve` (no GPU here): one server for the config
+    asked, its prompts, the load cut to what the budget leaves after the tail, the raw files, the server stopped."""
+    from hqlab import models, provenance
+    from hqlab.bench import runner
+
+    started, stopped = [], []
+
+    class Started:
+        def __init__(self, configs):
+            self.port, self.ready_s, self.proc = port, 1.5, type("Proc", (), {"pid": os.getpid()})()
+            started.append(configs)
+
+        def wait(self):
+            return self
+
+        def stop(self):
+            stopped.append(True)
+
+    monkeypatch.setattr(faults, "start_servers", lambda plan, setting, tag, out, *, port, start_timeout, configs,
+                        prefix: [(next(iter(configs)), Started(configs))])
+    monkeypatch.setattr(soak, "soak_prompts", lambda client, datasets, model: {d: PROMPTS[d] for d in datasets})
+    monkeypatch.setattr(models, "prepare", lambda name: str(tmp_path / name))
+    monkeypatch.setattr(provenance, "machine_description", lambda vllm=False: "NVIDIA H200, torch 2.11")
+    plan = json.loads(PLAN.read_text())
+    plan["bounds"] = {**plan["bounds"], "in_flight": 3, "request_s": 1.0, "drain_s": 0.5, "sample_s": 0.2}
+    plan["mix"] = {**plan["mix"], "max_tokens": [4, 8]}
+    out = tmp_path / "out"
+    out.mkdir()
+    start = time.monotonic()
+    assert soak.run_soak(plan, "fused", "k9", out, port=port, start_timeout=5, budget=runner.Budget(3.0),
+                         commit="abc1234", plan_path="benchmarks/plans/soak_k1.json", tail_s=2.0) == 0
+    assert time.monotonic() - start < 1.0 + 1.0 + 0.5 + 1.0  # about a second of load (3 s less the tail)
+    assert started == [{"fused": plan["configs"]["fused"]}] and stopped == [True]
+    meta = json.loads((out / "soak_k9.json").read_text())
+    assert meta["duration_s"] < 1.0 and meta["spec"] == plan["configs"]["fused"] and meta["ready_s"] == 1.5
+    assert meta["end"]["left_on_server"] == 0 and meta["end"]["counts"]["sent"] > 0
+    assert meta["criteria"] == plan["criteria"] and meta["prompts"] == {"chat": 2, "prose": 1, "labd": 1}
+    folder, _ = soak.finish(out, script="benchmarks/vllm_faults.py", root=tmp_path / "results")
+    assert results.run_info("soak", "k9", root=tmp_path / "results")["card"] == "h200"
+    with pytest.raises(FileExistsError, match="one soak a tag and a folder"):
+        soak.run_soak(plan, "fused", "k9", out, port=port, start_timeout=5, budget=runner.Budget(3.0),
+                      commit="abc1234", plan_path=None, tail_s=2.0)
