@@ -299,6 +299,8 @@ class RawWriter:
         for path in (self.series_path, self.requests_path):
             if path.exists():
                 raise FileExistsError(f"{path} exists: one soak a tag and a folder")
+        for path in (self.series_path, self.requests_path):
+            path.touch()
 
     def meta(self, meta: dict[str, Any]) -> None:
         from hqlab.bench import runner
@@ -413,7 +415,7 @@ def read_returned(returned: str | Path) -> tuple[str, dict[str, Any], list[dict[
     for part in ("series", "requests"):
         path = src / f"soak_{tag}_{part}.jsonl"
         if not path.exists():
-            raise ValueError(f"{src}: soak {tag} returned no {path.name} (the load never ran)")
+            raise ValueError(f"{src}: soak {tag} returned no {path.name}")
         try:
             lines[part] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         except json.JSONDecodeError as e:
@@ -422,7 +424,7 @@ def read_returned(returned: str | Path) -> tuple[str, dict[str, Any], list[dict[
     if missing:
         raise ValueError(f"{metas[0]}: no {', '.join(sorted(missing))}")
     if not lines["series"]:
-        raise ValueError(f"{src}: soak {tag} has no sample")
+        raise ValueError(f"{src}: soak {tag} has no sample (the load never ran: its server's log says why)")
     return tag, meta, lines["series"], lines["requests"]
 
 
