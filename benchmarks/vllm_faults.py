@@ -1,14 +1,16 @@
-"""The fault-and-feature suite through `vllm serve` (#60): a plan's configs served at once for one setting (prefix
-caching on or off, a KV cache of a few blocks so that vLLM preempts), each case of `hqlab.bench.faults` sent to every
-server in turn, one record per (config, case) with the servers' memory before and after.
+"""The fault-and-feature suite and the soak through `vllm serve` (#60). `run`: a plan's configs served at once for one
+setting (prefix caching on or off, a KV cache of a few blocks so that vLLM preempts), each case of
+`hqlab.bench.faults` sent to every server in turn, one record per (config, case) with the servers' memory before and
+after. `soak`: one config's server under the plan's steady load with disconnects (`hqlab.bench.soak`), sampled
+every few seconds.
 
   GPU:  python3 benchmarks/vllm_faults.py run --plan benchmarks/plans/faults_f1.json --setting prefix-on --tag f1a
-  CPU:  python benchmarks/vllm_faults.py finish RETURNED_DIR   -> data/results/faults/<tag>/
+        python3 benchmarks/vllm_faults.py soak --plan benchmarks/plans/soak_k1.json --config lookup --tag k1a
+  CPU:  python benchmarks/vllm_faults.py finish RETURNED_DIR   -> data/results/faults/<tag>/ or soak/<tag>/
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from hqlab.bench import runner  # noqa: E402  (standard library only: the host h
 
 SCRIPT = "benchmarks/vllm_faults.py"
 PLAN_KEYS = ("model", "configs", "settings", "server", "limits", "cases", "prompts", "seed")
+SOAK_KEYS = ("model", "configs", "settings", "server", "bounds", "mix", "seed", "criteria")
 
 
 def run(args) -> int:
@@ -34,48 +37,58 @@ def run(args) -> int:
                             budget=args.budget, root=ROOT, log=runner.log)
 
 
+def soak(args) -> int:
+    import vllm  # noqa: F401  (first: a wheel missing from the carried set fails here)
+
+    from hqlab.bench.soak import run_soak
+
+    return run_soak(args.suite, args.config, args.tag, runner.out_dir(), port=args.port, budget=args.budget,
+                    start_timeout=args.start_timeout, commit=args.commit, plan_path=args.plan, log=runner.log)
+
+
 def finish(args) -> int:
-    import polars as pl
+    if any(Path(args.returned).glob("soak_*.json")):  # a soak's call
+        from hqlab.bench import soak
 
-    from hqlab.bench import results
-    from hqlab.bench.faults import FAULT_COLUMNS, rows
+        return soak.report(*soak.finish(args.returned, script=SCRIPT, commit=args.commit, root=args.results))
+    from hqlab.bench import faults
 
-    src = Path(args.returned)
-    raws = sorted(src.glob("faults_*.jsonl"))
-    tags = sorted({f.name.removeprefix("faults_").removesuffix(".jsonl") for f in raws})
-    if len(tags) != 1:
-        raise SystemExit(f"{src}: finish one run's returned files at a time (found runs {tags or 'none'})")
-    tag = tags[0]
-    records = [json.loads(line) for line in raws[0].read_text().splitlines() if line.strip()]
-    table = pl.DataFrame(rows(records), schema_overrides={"preemptions": pl.Float64}).select(FAULT_COLUMNS)
-    meta = json.loads((src / f"faults_{tag}.json").read_text())
-    folder = runner.finish_run("faults", tag, card=results.card_of(meta["machine"]), script=SCRIPT,
-                               tables={"rows": table}, files={"raw.jsonl": raws[0]},
-                               logs=runner.returned_logs(src, tag),
-                               info={"commit": runner.commit_of(args.commit, meta.get("commit")),
-                                     "plan": runner.plan_path("faults", tag.rstrip("ab"))},
-                               root=args.results)
-    print(table.select("config", "setting", "case", "requests", "errors", "hangs", "greedy_equal", "near_ties",
-                       "mismatches", "logprob_max_diff", "sampling_p", "preemptions"))
-    print(f"{table.height} rows of run {tag} -> {folder}")
+    faults.finish(args.returned, script=SCRIPT, commit=args.commit, root=args.results)
     return 0
 
 
 def check_run(args, parser) -> None:
     if getattr(args, "suite", None) is None:
-        parser.error("run needs --plan (benchmarks/plans/faults_*.json)")
-    if args.setting not in args.suite["settings"]:
+        parser.error(f"{args.cmd} needs --plan (benchmarks/plans/{'soak' if args.cmd == 'soak' else 'faults'}_*.json)")
+    if args.cmd == "soak":
+        from hqlab.bench.soak import check_plan
+
+        try:
+            check_plan(args.suite, args.config)
+        except ValueError as e:  # a ConfigError, or a criterion that is no claim
+            parser.error(f"--plan {args.plan}: {e}")
+    elif args.setting not in args.suite["settings"]:
         parser.error(f"--setting {args.setting!r}: the plan's settings are {', '.join(args.suite['settings'])}")
 
 
+def plan(args, loaded) -> None:
+    args.suite = loaded
+
+
 CLI = runner.Benchmark(SCRIPT, __doc__)
-cmd = CLI.gpu("run", run, "GPU host: the plan's servers for one setting, every case", plan=lambda args, plan: setattr(args, "suite", plan),
-              plan_keys=PLAN_KEYS, budget_s=560, check=check_run)
+cmd = CLI.gpu("run", run, "GPU host: the plan's servers for one setting, every case", plan=plan, plan_keys=PLAN_KEYS,
+              budget_s=560, check=check_run)
 cmd.add_argument("--setting", required=True, help="one of the plan's settings (prefix caching on or off)")
 cmd.add_argument("--port", type=int, default=8421)
 cmd.add_argument("--start-timeout", type=float, default=420)
-cmd = CLI.command("finish", finish, "CPU: one run's returned records -> data/results/faults/<tag>/", commit=True)
-cmd.add_argument("returned", help="the folder of one run's returned files")
+cmd = CLI.gpu("soak", soak, "GPU host: one config's server under the plan's steady load", plan=plan,
+              plan_keys=SOAK_KEYS, budget_s=560, check=check_run)
+cmd.add_argument("--config", required=True, help="the plan's config to serve (one server a call)")
+cmd.add_argument("--port", type=int, default=8431)
+cmd.add_argument("--start-timeout", type=float, default=300)
+cmd = CLI.command("finish", finish, "CPU: one call's returned files -> data/results/faults/<tag>/ or soak/<tag>/",
+                  commit=True)
+cmd.add_argument("returned", help="the folder of one call's returned files")
 main = CLI.main
 
 if __name__ == "__main__":

@@ -38,30 +38,15 @@ sys.path.insert(0, str(ROOT))  # a bare checkout on the GPU host
 
 from hqlab.bench import runner  # noqa: E402  (standard library only: the host has no polars)
 from hqlab.bench.runner import append_jsonl, log  # noqa: E402
+from hqlab.bench.serve import DATASETS, dataset_prompts  # noqa: E402
 
 SCRIPT = "benchmarks/vllm_serve.py"
 TARGET = "qwen2.5-coder-1.5b"
-DATASETS = ("chat", "labd", "prose")
-PROSE = ROOT / "data" / "workloads" / "prose.jsonl"
 # the sampling test's prompt: a list the answer repeats, so the lookup drafts at most steps, and sampling at
 # temperature 1 leaves several likely tokens at most positions
 SAMPLE_PROMPT = ("Write the sequence 'red, green, blue, yellow' five times on one line, separated by commas, "
                  "then name one more colour.")
 GREEDY_PROMPTS = 3  # chat prompts whose greedy text every server returns through the openai package
-
-
-def dataset_prompts(name: str, tokenizer) -> list[str]:
-    """The user turn of each prompt of a dataset (`vllm bench serve` applies the chat template)."""
-    from hqlab.workloads import load_workload
-
-    prompts = load_workload(str(PROSE) if name == "prose" else name, doc_tokens=2000 if name == "labd" else None,
-                            tokenizer=tokenizer)
-    out = []
-    for p in prompts:
-        if len(p.messages) != 1 or p.messages[0]["role"] != "user":
-            raise ValueError(f"{name}:{p.id}: the load benchmark sends one user turn per request")
-        out.append(p.messages[0]["content"])
-    return out
 
 
 def done_configs(path: Path) -> set[str]:

@@ -267,6 +267,22 @@ def panel_lines(data: pl.DataFrame, x: str, y: str, color: str, *, panel: str, o
     return chart.facet(alt.Facet(f"{panel}:N", title=None, sort=sort), columns=columns, data=data)
 
 
+def time_panels(data: pl.DataFrame, x: str, y: str, color: str, *, panel: str, x_title: str | None = None,
+                columns: int = 1) -> alt.TopLevelMixin:
+    """Lines of `y` against time `x` per `color`, one panel per `panel` value (in order of appearance), each panel
+    with its own y scale from the data's range (measures of different units over one time axis, e.g. a server's
+    throughput and its memory over a soak); no points, for series of hundreds of samples."""
+    chart = alt.Chart().mark_line(strokeWidth=1.5).encode(
+        x=alt.X(f"{x}:Q", title=x_title or x),
+        y=alt.Y(f"{y}:Q", title=None, scale=alt.Scale(zero=False)),
+        color=alt.Color(f"{color}:N", sort=None, legend=alt.Legend(orient="bottom", columns=2, labelLimit=400)),
+        tooltip=[color, panel, alt.Tooltip(f"{x}:Q", format=".3g"), alt.Tooltip(f"{y}:Q", format=".4g")],
+    ).properties(width=WIDTH * 3, height=140)
+    order = list(dict.fromkeys(data[panel].to_list()))
+    return chart.facet(alt.Facet(f"{panel}:N", title=None, sort=order, header=alt.Header(labelLimit=400)),
+                       columns=columns, data=data).resolve_scale(y="independent")
+
+
 def ranges(data: pl.DataFrame, x: str, y: str, lo: str, hi: str, color: str, *, facet: str | None = None,
            rules: dict[str, float] | None = None, y_title: str | None = None,
            width: int = WIDTH * 2) -> alt.TopLevelMixin:

@@ -67,7 +67,7 @@ import polars as pl
 from IPython.display import display
 
 from hqlab import plots
-from hqlab.bench import results, serve, serve_profile, vllm_report
+from hqlab.bench import results, serve, serve_profile, soak, vllm_report
 from hqlab.replay import sampled_drafts
 
 alt.renderers.enable("svg")
@@ -404,3 +404,25 @@ first_token.select("served run", "label", "ratio", "ratio_min", "ratio_max", "re
 
 # %%
 chart
+
+# %% [markdown]
+# ## The soak (#60)
+#
+# One `vllm serve` a config kept at 64 requests in flight for five minutes by clients that mix chat, prose and the
+# handbook's tasks, token limits from 8 to 256, greedy and sampled requests, n = 2, log-probabilities, streams, and
+# disconnect from a tenth of their requests at a random point (plan `benchmarks/plans/soak_k1.json`,
+# `hqlab.bench.soak`). Every 5 s: the server's output tokens a second, its processes' resident memory and the card's
+# GPU memory in use, one line per config; then each run's totals and the plan's pass criteria that failed. Until a
+# soak run is committed, these cells print a note and draw nothing.
+
+# %%
+chart = soak.figure()
+if chart is not None:
+    plots.save(chart, Path(figures_dir) / "soak.svg")
+chart
+
+# %%
+soak_rows = soak.committed("rows")
+soak_rows if soak_rows is None else soak_rows.select(
+    "run", "config", "duration_s", "requests", "served", "errors", "hangs", "disconnects", "left_on_server",
+    "tokens_per_s", "throughput_drift", "rss_growth", "gpu_growth", "failed_criteria")

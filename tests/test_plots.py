@@ -71,3 +71,11 @@ def test_lines_with_mark_put_the_reference_point_in_every_panel():
     layers = spec["spec"]["layer"]
     assert len(layers) == 4  # the lines, the rule, the point, its label
     assert layers[2]["encoding"]["x"] == {"datum": 27.0} and layers[2]["encoding"]["y"] == {"datum": 2.4}
+
+
+def test_time_panels_give_each_measure_its_own_y_scale_in_the_order_given():
+    frame = pl.DataFrame({"minutes": [0.1, 0.2, 0.1, 0.2], "value": [9000.0, 9100.0, 5200.0, 5210.0],
+                          "measure": ["tok/s", "tok/s", "MiB", "MiB"], "server": ["lookup (k1a)"] * 4})
+    spec = plots.time_panels(frame, "minutes", "value", "server", panel="measure").to_dict()
+    assert spec["facet"]["sort"] == ["tok/s", "MiB"] and spec["resolve"]["scale"]["y"] == "independent"
+    assert spec["spec"]["mark"]["type"] == "line" and spec["spec"]["encoding"]["y"]["scale"]["zero"] is False

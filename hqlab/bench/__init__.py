@@ -18,6 +18,8 @@ records, written together (`write_results`: `<out>.parquet` and `<out>.steps.par
 - `results`: the committed results, one folder a run (data/results/<study>/<run>/) and their index: `load`,
   `run_info`, `write_run` (what every benchmark's `finish` puts a run in place with).
 - `claims`: what the docs say of a committed run, as data beside it (claims.json), and the checker.
+- `faults`, `soak`: what clients do to a served config (#60): the fault-and-feature suite (its loopback client, cases
+  and rows against `none`), and the soak (a bounded load at 64 in flight with disconnects, sampled over time).
 - `lossless`: is an output identical to the reference, or a near-tie flip; chi-square checks for sampling.
 
 The names below load their module on first use, so importing `hqlab.bench.vllm_runs` on a GPU host does not import

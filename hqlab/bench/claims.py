@@ -442,7 +442,18 @@ def holds(op: str, found: Any, value: Any, tol: float = 0.005) -> bool:
 
 def check(claim: Claim, data: RunData) -> Verdict:
     """Evaluate one claim on a run: its metric over the view's (filtered) rows, per group where `by` names them."""
-    frame = frame_of(claim, data)
+    return _verdict(claim, frame_of(claim, data))
+
+
+def check_frame(claim: Claim, rows: pl.DataFrame) -> Verdict:
+    """Evaluate a claim on a run's rows in hand, before they are committed (a plan's pass criteria checked by the
+    `finish` that writes the run): its filter, grouping and metric over `rows`. Only a claim on the rows table."""
+    if claim.view != "rows" or claim.args:
+        raise ClaimError(f"{claim.what!r}: a claim on rows in hand reads the rows table, not {claim.view!r}")
+    return _verdict(claim, _sql(claim, rows, f"SELECT * FROM self WHERE {claim.filter}") if claim.filter else rows)
+
+
+def _verdict(claim: Claim, frame: pl.DataFrame) -> Verdict:
     keys = ", ".join(f'"{k}"' for k in claim.by)
     query = (f"SELECT {keys}, {claim.metric} AS value FROM self GROUP BY {keys}" if claim.by
              else f"SELECT {claim.metric} AS value FROM self")
@@ -476,4 +487,4 @@ def check_run(study: str, run: str, root: str | Path | None = None) -> list[Verd
 
 
 __all__ = ["CLAIMS", "OPS", "Claim", "ClaimError", "Verdict", "RunData", "VIEWS", "frame_of", "holds", "check",
-           "claims_of", "manifest", "check_run"]
+           "check_frame", "claims_of", "manifest", "check_run"]

@@ -54,6 +54,9 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
                                            "languages": {"type": "array", "items": {"type": "string"}}},
           "required": ["name", "age", "languages"], "additionalProperties": False}
 PERSON_PROMPT = "Invent a software engineer and describe them as JSON with their name, age and languages."
+# what `Client.state` reads of vLLM's /metrics (counters carry Prometheus' `_total`)
+STATE_METRICS = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+                 "vllm:kv_cache_usage_perc": "kv_cache_usage", "vllm:num_preemptions_total": "preemptions"}
 
 
 @dataclass(frozen=True)
@@ -158,13 +161,12 @@ class Client:
         reply = self.post("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": False})
         return [int(t) for t in reply["tokens"]], int(reply["max_model_len"])
 
-    def state(self) -> dict[str, float]:
-        """The server's gauges and counters this suite watches (`/metrics`), summed over label sets; `unreachable`
-        where the server does not answer (it crashed: the case's row counts an error)."""
-        wanted = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
-                  "vllm:kv_cache_usage_perc": "kv_cache_usage", "vllm:num_preemptions_total": "preemptions"}
+    def state(self, wanted: dict[str, str] | None = None) -> dict[str, float]:
+        """The server's gauges and counters this suite watches (`/metrics`; `wanted`: metric -> short name, default
+        STATE_METRICS), summed over label sets; `unreachable` where the server does not answer (it crashed: the
+        case's row counts an error)."""
         try:
-            return parse_metrics(self.get("/metrics"), wanted)
+            return parse_metrics(self.get("/metrics"), wanted or STATE_METRICS)
         except (OSError, RuntimeError, ValueError, http.client.HTTPException):
             return {"unreachable": 1.0}
 
@@ -336,6 +338,20 @@ def gpu_mib(pids: Sequence[int]) -> float:
     return sum(used.get(p, 0.0) for p in pids)
 
 
+def gpu_used_mib() -> float:
+    """GPU memory in use on the first card (MiB), whoever holds it, from nvidia-smi; NaN where it cannot say. Where
+    one server has the card to itself this is its memory even when nvidia-smi cannot map a container's process ids
+    to the card's processes (then `gpu_mib` of the server's processes reads 0)."""
+    import subprocess
+
+    try:
+        text = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=30, check=True).stdout
+        return float(text.split()[0])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return float("nan")
+
+
 def server_memory(pid: int) -> dict[str, float]:
     """A server's resident memory (its process tree's, bytes) and the GPU memory it holds (MiB)."""
     return {"rss_bytes": float(process_tree_rss(pid)), "gpu_mib": gpu_mib(process_tree(pid))}
@@ -422,15 +438,26 @@ def _errors(record: dict[str, Any]) -> list[str]:
     not fit the schema, and a server that stopped answering."""
     out = ["the server did not answer /metrics after the case"] if record["state_after"].get("unreachable") else []
     for i, (call, reply) in enumerate(zip(record["calls"], record["replies"])):
-        if reply["error"]:
-            out.append(f"{i}: {reply['error']}")
-        elif not (reply["cut"] or reply["hung"]):
-            want = call["body"].get("n", 1)
-            if len(reply["choices"]) != want or any(c["finish_reason"] is None for c in reply["choices"]):
-                out.append(f"{i}: {len(reply['choices'])} choices of {want}, or one without a finish reason")
-            elif record["case"] == "json_schema" and not all(fits_schema(c["text"]) for c in reply["choices"]):
-                out.append(f"{i}: a reply that does not fit the schema")
+        error = reply_error(call["body"], reply, schema=record["case"] == "json_schema")
+        if error:
+            out.append(f"{i}: {error}")
     return out
+
+
+def reply_error(body: dict[str, Any], reply: dict[str, Any], *, schema: bool = False) -> str | None:
+    """What is wrong with one reply (as `asdict(Reply)`) to a request of `body`: its error, or, where it was neither
+    cut nor hung, a count of choices other than the request's `n` or one without a finish reason, or (`schema`) a
+    reply that does not fit the JSON case's schema; None where nothing is."""
+    if reply["error"]:
+        return reply["error"]
+    if reply["cut"] or reply["hung"]:
+        return None
+    want = body.get("n", 1)
+    if len(reply["choices"]) != want or any(c["finish_reason"] is None for c in reply["choices"]):
+        return f"{len(reply['choices'])} choices of {want}, or one without a finish reason"
+    if schema and not all(fits_schema(c["text"]) for c in reply["choices"]):
+        return "a reply that does not fit the schema"
+    return None
 
 
 def row(record: dict[str, Any], reference: dict[str, Any] | None) -> dict[str, Any]:
@@ -516,11 +543,14 @@ def plan_prompts(plan: dict[str, Any], client: "Client", root: Any) -> tuple[lis
     return [client.chat_tokens(t) for t in texts], long, client.chat_tokens(PERSON_PROMPT)
 
 
-def start_servers(plan: dict[str, Any], setting: str, tag: str, out: Any, *, port: int,
-                  start_timeout: float) -> list[tuple[str, Any]]:
-    """One `vllm serve` per config of the plan, all started at once (each its own port, KV cache of the plan's few
-    blocks, prefix caching as the setting says, compile cache)."""
+def start_servers(plan: dict[str, Any], setting: str, tag: str, out: Any, *, port: int, start_timeout: float,
+                  configs: dict[str, str] | None = None, prefix: str = "faults") -> list[tuple[str, Any]]:
+    """One `vllm serve` per config of the plan (or of `configs`), all started at once, each on its own port with
+    its share of the GPU, prefix caching as the setting says, a KV cache of the plan's `server.kv_blocks` where it
+    names them (else what the share leaves), its log `out/<prefix>_<config>_<tag>.log` (the name `finish` finds
+    with the run's logs) and its compile cache in a work folder outside `out` (a call returns 8 files at most)."""
     import sys
+    import tempfile
     from pathlib import Path
 
     from hqlab import models
@@ -528,20 +558,23 @@ def start_servers(plan: dict[str, Any], setting: str, tag: str, out: Any, *, por
     from hqlab.engines.vllm.gpu_fused import fused_config
     from hqlab.engines.vllm.serving import serve_command
 
+    configs = plan["configs"] if configs is None else configs
     srv, model = plan["server"], models.prepare(plan["model"])
-    for spec in plan["configs"].values():
+    for spec in configs.values():
         if spec.startswith("gpu-fused"):
             models.prepare(fused_config(spec).model)
-    share, servers = 0.9 / len(plan["configs"]), []
-    for n, (name, spec) in enumerate(plan["configs"].items()):
-        extra = ["--served-model-name", "target", "--max-model-len", str(srv["max_model_len"]),
-                 "--num-gpu-blocks-override", str(srv["kv_blocks"]), "--gpu-memory-utilization", f"{share:.3f}",
+    share, servers = 0.9 / len(configs), []
+    work = Path(tempfile.gettempdir()) / f"hqlab-{prefix}" / tag
+    for n, (name, spec) in enumerate(configs.items()):
+        blocks = ["--num-gpu-blocks-override", str(srv["kv_blocks"])] if srv.get("kv_blocks") else []
+        extra = ["--served-model-name", "target", "--max-model-len", str(srv["max_model_len"]), *blocks,
+                 "--gpu-memory-utilization", f"{share:.3f}",
                  "--enable-prefix-caching" if plan["settings"][setting]["prefix_caching"]
                  else "--no-enable-prefix-caching", "--disable-uvicorn-access-log", "--seed", "0"]
         argv = [sys.executable, "-m", "vllm.entrypoints.cli.main"] + serve_command(
             model, spec, max_num_seqs=srv["max_num_seqs"], port=port + n, extra=extra)[1:]
-        env = {**os.environ, "VLLM_CACHE_ROOT": str(Path(out) / f"vllm-cache-{n}")}
-        servers.append((name, serve.Server(argv, Path(out) / f"faults_{tag}_{name}.log", port=port + n, env=env,
+        env = {**os.environ, "VLLM_CACHE_ROOT": str(work / f"vllm-cache-{n}")}
+        servers.append((name, serve.Server(argv, Path(out) / f"{prefix}_{name}_{tag}.log", port=port + n, env=env,
                                            timeout_s=start_timeout)))
     for _, server in servers:
         server.start()
@@ -592,6 +625,37 @@ def run_suite(plan: dict[str, Any], setting: str, tag: str, out: Any, *, port: i
     return 0
 
 
+def finish(returned: Any, *, script: str, commit: str | None = None, root: Any = None,
+           log: Any = print) -> Any:
+    """One call's returned records (faults_<tag>.jsonl, faults_<tag>.json, its logs) -> data/results/faults/<tag>/:
+    FAULT_COLUMNS rows, the raw records, the logs; the plan is faults_<tag less its a/b>.json. Returns the folder."""
+    from pathlib import Path
+
+    import polars as pl
+
+    from hqlab.bench import results, runner
+
+    src = Path(returned)
+    raws = sorted(src.glob("faults_*.jsonl"))
+    tags = sorted({f.name.removeprefix("faults_").removesuffix(".jsonl") for f in raws})
+    if len(tags) != 1:
+        raise SystemExit(f"{src}: finish one run's returned files at a time (found runs {tags or 'none'})")
+    tag = tags[0]
+    records = [json.loads(line) for line in raws[0].read_text().splitlines() if line.strip()]
+    table = pl.DataFrame(rows(records), schema_overrides={"preemptions": pl.Float64}).select(FAULT_COLUMNS)
+    meta = json.loads((src / f"faults_{tag}.json").read_text())
+    folder = runner.finish_run("faults", tag, card=results.card_of(meta["machine"]), script=script,
+                               tables={"rows": table}, files={"raw.jsonl": raws[0]},
+                               logs=runner.returned_logs(src, tag),
+                               info={"commit": runner.commit_of(commit, meta.get("commit")),
+                                     "plan": runner.plan_path("faults", tag.rstrip("ab"))}, root=root)
+    log(table.select("config", "setting", "case", "requests", "errors", "hangs", "greedy_equal", "near_ties",
+                     "mismatches", "logprob_max_diff", "sampling_p", "preemptions"))
+    log(f"{table.height} rows of run {tag} -> {folder}")
+    return folder
+
+
 __all__ = ["LOOPBACK", "CASES", "FAULT_COLUMNS", "PERSON", "PERSON_PROMPT", "Limits", "Call", "Choice", "Reply",
-           "Client", "parse_choice", "parse_metrics", "process_tree", "process_tree_rss", "gpu_mib", "server_memory", "plan_prompts", "start_servers", "run_suite", "fits_schema", "case_calls",
-           "run_case", "case_record", "row", "compare_records", "rows"]
+           "Client", "STATE_METRICS", "parse_choice", "parse_metrics", "process_tree", "process_tree_rss", "gpu_mib",
+           "gpu_used_mib", "server_memory", "plan_prompts", "start_servers", "run_suite", "fits_schema", "case_calls",
+           "run_case", "case_record", "row", "reply_error", "compare_records", "rows", "finish"]

@@ -85,6 +85,27 @@ def load_points(datasets: Sequence[str], temperatures: Sequence[float], concurre
             for d in datasets for t in temperatures for c in concurrencies]
 
 
+DATASETS = ("chat", "labd", "prose")  # the serving benchmarks' prompt sets (`dataset_prompts`)
+
+
+def dataset_prompts(name: str, tokenizer: Any) -> list[str]:
+    """The user turn of each prompt of a dataset: `chat` (data/workloads/chat.jsonl), `prose`
+    (data/workloads/prose.jsonl), `labd` (the handbook's six tasks over its first 2,000 tokens by `tokenizer`)."""
+    from hqlab.io import REPO
+    from hqlab.workloads import load_workload
+
+    if name not in DATASETS:
+        raise ConfigError(f"dataset {name!r}: one of {', '.join(DATASETS)}")
+    source = str(REPO / "data" / "workloads" / "prose.jsonl") if name == "prose" else name
+    prompts = load_workload(source, doc_tokens=2000 if name == "labd" else None, tokenizer=tokenizer)
+    out = []
+    for p in prompts:
+        if len(p.messages) != 1 or p.messages[0]["role"] != "user":
+            raise ValueError(f"{name}:{p.id}: the load benchmark sends one user turn per request")
+        out.append(p.messages[0]["content"])
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the server
 
