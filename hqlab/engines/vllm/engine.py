@@ -47,6 +47,10 @@ NATIVE = {"vllm-ngram": "ngram", "vllm-ngram-gpu": "ngram_gpu", "arctic-suffix":
 UNKNOWN_TOKEN = -1  # a drafted position whose token id vLLM does not report
 
 
+# vLLM 0.26's CUDAGraphMode names (vllm.config.compilation.CUDAGraphMode)
+CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+
+
 @dataclass(frozen=True)
 class VLLMOptions:
     """How every engine of a benchmark is built (the same for all configs, so they differ only in speculation)."""
@@ -58,6 +62,10 @@ class VLLMOptions:
     # CUDA graphs up to this many tokens per step; 0: serving.capture_size, room for an admitted prompt beside
     # max_num_seqs requests verifying k + 1 each, the same as a served config
     max_cudagraph_capture_size: int = 0
+    # vLLM's CUDA-graph mode; "": vLLM's default (FULL_AND_PIECEWISE: full graphs for uniform decode steps, piecewise
+    # ones for steps that admit a prompt, whose attention then runs eagerly). FULL also captures mixed steps whole,
+    # which FlashAttention 3 (Hopper) supports.
+    cudagraph_mode: str = ""
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = False
     enable_prefix_caching: bool = False  # off: every repeat pays its prefill, as in hqlab's own engine
@@ -80,6 +88,9 @@ class VLLMOptions:
         if self.max_cudagraph_capture_size < 0:
             raise ConfigError(f"max_cudagraph_capture_size must be >= 0, 0 meaning automatic "
                               f"(got {self.max_cudagraph_capture_size})")
+        if self.cudagraph_mode and self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ConfigError(f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)} or empty for vLLM's "
+                              f"default (got {self.cudagraph_mode!r})")
         if not 0.05 <= self.gpu_memory_utilization <= 0.95:
             raise ConfigError(f"gpu_memory_utilization must be in [0.05, 0.95] (got {self.gpu_memory_utilization})")
         if self.kv_cache_bytes < 0:
@@ -315,7 +326,9 @@ def engine_args(options: VLLMOptions, setting: EngineSetting) -> Any:
                       seed=options.seed, speculative_config=speculative,
                       tensor_parallel_size=options.tensor_parallel_size,
                       pipeline_parallel_size=options.pipeline_parallel_size,
-                      compilation_config={"max_cudagraph_capture_size": options.capture_size(setting.k)},
+                      compilation_config={"max_cudagraph_capture_size": options.capture_size(setting.k),
+                                          **({"cudagraph_mode": options.cudagraph_mode} if options.cudagraph_mode
+                                             else {})},
                       additional_config=dict(setting.additional_config),
                       # every engine gets hqlab's worker extension: step records and the phase timer
                       worker_extension_cls=setting.worker_extension_cls or EXTENSION_PATH,

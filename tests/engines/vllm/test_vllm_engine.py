@@ -112,3 +112,18 @@ def test_interleaved_runs_visit_every_engine_once_per_prompt_and_check_their_lim
         run_interleaved(options, settings * 6, [], DecodeConfig())
     with pytest.raises(ConfigError, match="gpu_memory_utilization must be in"):
         VLLMOptions(model="unused", gpu_memory_utilization=0.99)
+
+
+def test_cudagraph_mode_reaches_vllms_compilation_config_and_a_bad_one_is_refused():
+    from vllm.config.compilation import CUDAGraphMode
+
+    from hqlab.engines.vllm import setting_for
+    from hqlab.engines.vllm.engine import CUDAGRAPH_MODES, VLLMOptions, engine_args
+
+    assert set(CUDAGRAPH_MODES) == {m.name for m in CUDAGraphMode}  # the names vLLM parses, no more
+    setting = setting_for("gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest")
+    full = engine_args(VLLMOptions(model="m", cudagraph_mode="FULL"), setting).compilation_config
+    assert full.cudagraph_mode == CUDAGraphMode.FULL and full.max_cudagraph_capture_size == 1024
+    assert engine_args(VLLMOptions(model="m"), setting).compilation_config.cudagraph_mode is None  # vLLM decides
+    with pytest.raises(ConfigError, match="cudagraph_mode must be one of NONE, PIECEWISE, FULL"):
+        VLLMOptions(model="m", cudagraph_mode="full")
