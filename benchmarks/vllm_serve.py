@@ -131,11 +131,11 @@ def measure(call: Call, server, spec: str, point, args: argparse.Namespace, *, r
             repeat: int | None = None, profiled: bool = False) -> None:
     """One load point on one server (`vllm bench serve` in this process): its row appended to the rows file, which
     goes to the returned folder at once (what a call cut at its limit still returns)."""
-    from hqlab.bench import serve
+    from hqlab.bench import serve, serve_profile
 
     (call.work / "bench").mkdir(exist_ok=True)
     if serve.ordered(point.dataset):  # a corpus workload's point starts from an empty corpus and prefix cache
-        serve.reset_server(server.base_url, spec)
+        serve_profile.reset_server(server.base_url, spec)
     bench_args = serve.bench_args(server.base_url, "target", call.model, serve.point_dataset(call.data, point), point,
                                   output_len=args.output_len, result_dir=call.work / "bench", result_file=result_file)
     row = serve.load_row(serve.run_load(bench_args), run=args.tag, config=spec, point=point, model=args.model,

@@ -110,14 +110,15 @@ def load_points(datasets: Sequence[str], temperatures: Sequence[float], concurre
 
 # The corpus workloads (docs/corpus.md): request logs in which order is part of the workload, since the corpus drafts
 # from earlier requests' answers. A point of P prompts sends the file's requests in file order, pass after pass
-# (request i of the point is request i mod n of the file), each prompt its messages through the model's chat template
-# (system turn included); vLLM's load generator keeps that order (no shuffle, no oversampling, no warm-up or test
-# request, which would put request 0's answer in the corpus first), and the benchmark empties the corpus and the
-# prefix cache of every server before each such point (`reset_server`), so every point starts from nothing. A
-# re-sent request finds its own earlier answer only while the corpus still holds it: the batch job's 153 documents
-# hold more tokens than the served bound of 32,768 (its prompts alone: `test_serve_corpus.py`), so its later passes
-# draft from the job's recent answers as the first pass did; the template's 24 fit, so its passes beyond the first are
-# retries of answers in the corpus.
+# (request i of the point is request i mod n of the file), each its messages through the model's chat template (system
+# turn included); vLLM's load generator keeps that order (no shuffle, no oversampling, no warm-up or test request,
+# which would put request 0's answer in the corpus first), and the benchmark empties every server's corpus and prefix
+# cache before each such point (`serve_profile.reset_server`), so every point starts from nothing. A re-sent request
+# finds its own earlier answer only while the corpus still holds it: between the two, about n - C other documents
+# enter (C in flight); with the batch job's documents as served (run c4c) those hold more than the served bound of
+# 32,768 tokens at up to 32 in flight, so later passes draft as the first did, but at 64 in flight about half the
+# re-sent requests still find their own; the template's 24 documents fit, so its passes after the first are retries
+# (tests/bench/test_serve_corpus.py).
 CORPUS_DATASETS = {"batch": "corpus_batch.jsonl", "template": "corpus_template.jsonl"}
 PROMPT_SETS = ("chat", "labd", "prose")  # sent in vLLM's shuffled order, with its warm-up requests
 DATASETS = (*PROMPT_SETS, *CORPUS_DATASETS)  # the serving benchmarks' prompt sets (`dataset_prompts`)
@@ -274,24 +275,6 @@ def point_dataset(folder: Path, point: LoadPoint) -> Path:
             raise ValueError(f"{whole}: no prompts")
         path.write_text("".join(lines[i % len(lines)] + "\n" for i in range(point.num_prompts)))
     return path
-
-
-def reset_server(base_url: str, spec: str, *, timeout_s: float = 120.0) -> None:
-    """Empty a server's corpus and prefix cache before a corpus workload's point, through vLLM's development routes
-    (the server started with `serve_profile.profile_flags()` and `PROFILE_ENV`), so that the point's corpus holds
-    only its own earlier answers and every repeat pays the same prefills. Raises where a config with a corpus did not
-    empty one, or the prefix cache was not reset."""
-    from hqlab.bench.serve_profile import worker_rpc
-    from hqlab.config import parse_spec
-
-    has_corpus = parse_spec(spec)[1].get("corpus", "0") != "0"
-    emptied = [str(x) for x in worker_rpc(base_url, "hqlab_corpus_reset", timeout_s=timeout_s)]
-    if emptied != [str(has_corpus)]:
-        raise RuntimeError(f"{base_url}: corpus reset answered {emptied} for {spec!r} (expected [{has_corpus}])")
-    request = urllib.request.Request(base_url + "/reset_prefix_cache", data=b"", method="POST")
-    with urllib.request.urlopen(request, timeout=timeout_s) as reply:
-        if not json.loads(reply.read() or b"{}").get("success"):
-            raise RuntimeError(f"{base_url}: the prefix cache was not reset (requests still running?)")
 
 
 def bench_namespace(args: list[str]) -> Any:
