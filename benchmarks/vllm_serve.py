@@ -327,8 +327,9 @@ def finish(args: argparse.Namespace) -> int:
         raise SystemExit(f"run {tag}'s rows name {len(cards)} cards ({sorted(cards)}): one run is one machine")
     folder = runner.finish_run("serve", tag, card=cards.pop(), script=SCRIPT, tables=tables, files=files,
                                logs=host_logs, root=args.results,
-                               info={"commit": rows["git_commit"][0], "plan": runner.plan_path("serve", tag),
-                                     "vllm_runner": runner.vllm_runners(rows["vllm_runner"].to_list())})
+                               info={"commit": rows["git_commit"][0], "vllm_runner": runner.vllm_runners(
+                                   rows["vllm_runner"].to_list()), "plan": runner.plan_path("serve", tag)
+                                   or runner.plan_path("corpus", tag)})  # corpus_c5*: corpus plans served
     print(f"{rows.height} load rows of run {tag} -> {folder}")
     return 0
 
