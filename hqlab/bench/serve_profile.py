@@ -21,6 +21,7 @@ Standard library only at import: the GPU host runs the first half without polars
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -58,10 +59,13 @@ def reset_server(base_url: str, spec: str, *, timeout_s: float = 120.0) -> None:
     emptied = [str(x) for x in worker_rpc(base_url, "hqlab_corpus_reset", timeout_s=timeout_s)]
     if emptied != [str(has_corpus)]:
         raise RuntimeError(f"{base_url}: corpus reset answered {emptied} for {spec!r} (expected [{has_corpus}])")
-    request = urllib.request.Request(base_url + "/reset_prefix_cache", data=b"", method="POST")
-    with urllib.request.urlopen(request, timeout=timeout_s) as reply:
-        if not json.loads(reply.read() or b"{}").get("success"):
-            raise RuntimeError(f"{base_url}: the prefix cache was not reset (requests still running?)")
+    for attempt in range(5):  # vLLM refuses while blocks are still held (a finished point's last frees), then agrees
+        request = urllib.request.Request(base_url + "/reset_prefix_cache", data=b"", method="POST")
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+            if json.loads(reply.read() or b"{}").get("success"):
+                return
+        time.sleep(1.0)
+    raise RuntimeError(f"{base_url}: the prefix cache was not reset after 5 tries (requests still running?)")
 
 
 def check_repeats(repeats: list[int], point: Any, runs: int) -> None:
