@@ -115,7 +115,7 @@ def load_points(datasets: Sequence[str], temperatures: Sequence[float], concurre
 # which would put request 0's answer in the corpus first), and the benchmark empties every server's corpus and prefix
 # cache before each such point (`serve_profile.reset_server`), so every point starts from nothing. A re-sent request
 # finds its own earlier answer only while the corpus still holds it: between the two, about n - C other documents
-# enter (C in flight); with the batch job's documents as served (run c4c) those hold more than the served bound of
+# enter (C in flight); with the batch job's documents as vLLM served them those hold more than the served bound of
 # 32,768 tokens at up to 32 in flight, so later passes draft as the first did, but at 64 in flight about half the
 # re-sent requests still find their own; the template's 24 documents fit, so its passes after the first are retries
 # (tests/bench/test_serve_corpus.py).
