@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))  # a bare checkout on the GPU host
 
 from hqlab.bench import runner  # noqa: E402  (standard library only: the host has no polars)
 from hqlab.bench.runner import append_jsonl, log  # noqa: E402
-from hqlab.bench.serve import DATASETS, dataset_prompts  # noqa: E402
+from hqlab.bench.serve import PROMPT_SETS, dataset_prompts, parse_point  # noqa: E402
 
 SCRIPT = "benchmarks/vllm_serve.py"
 TARGET = "qwen2.5-coder-1.5b"
@@ -131,10 +131,12 @@ def measure(call: Call, server, spec: str, point, args: argparse.Namespace, *, r
             repeat: int | None = None, profiled: bool = False) -> None:
     """One load point on one server (`vllm bench serve` in this process): its row appended to the rows file, which
     goes to the returned folder at once (what a call cut at its limit still returns)."""
-    from hqlab.bench import serve
+    from hqlab.bench import serve, serve_profile
 
     (call.work / "bench").mkdir(exist_ok=True)
-    bench_args = serve.bench_args(server.base_url, "target", call.model, call.data / f"{point.dataset}.jsonl", point,
+    if serve.ordered(point.dataset):  # a corpus workload's point starts from an empty corpus and prefix cache
+        serve_profile.reset_server(server.base_url, spec)
+    bench_args = serve.bench_args(server.base_url, "target", call.model, serve.point_dataset(call.data, point), point,
                                   output_len=args.output_len, result_dir=call.work / "bench", result_file=result_file)
     row = serve.load_row(serve.run_load(bench_args), run=args.tag, config=spec, point=point, model=args.model,
                          machine=call.machine, vllm_version=call.version, git_commit=args.commit)
@@ -190,18 +192,6 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def parse_point(text: str) -> tuple["object", int]:
-    """`prose:0.7:1:12:3` -> (LoadPoint(prose, T 0.7, 1 in flight, 12 prompts), 3 repeats); the repeats default to 1."""
-    from hqlab.bench.serve import LoadPoint
-
-    parts = text.split(":")
-    if len(parts) not in (4, 5):
-        raise SystemExit(f"--point {text!r}: write DATASET:TEMPERATURE:CONCURRENCY:PROMPTS[:REPEATS]")
-    if parts[0] not in DATASETS:
-        raise SystemExit(f"--point {text!r}: dataset must be one of {', '.join(DATASETS)}")
-    return LoadPoint(parts[0], float(parts[1]), int(parts[2]), int(parts[3])), int(parts[4]) if len(parts) == 5 else 1
-
-
 def apply_plan(args: argparse.Namespace, plan: dict) -> None:
     """A committed plan (benchmarks/plans/serve_*.json): its configs by name, which of them run at one request only
     (`batch1`) and which are sampled (`sample`), its points; added to what the command line names."""
@@ -248,7 +238,8 @@ def together(args: argparse.Namespace) -> int:
                            memory=["--gpu-memory-utilization", f"{share:.3f}", "--kv-cache-memory-bytes",
                                    str(int(args.kv_cache_gib * (1 << 30)))])
         env = {**os.environ, "VLLM_CACHE_ROOT": str(call.work / f"vllm-cache-{n}")}  # no two compiles share a file
-        if args.profile_repeat:  # every server alike, none included: its plain steps are timed the same way
+        if args.profile_repeat or any(serve.ordered(p.dataset) for p, _ in points):  # the step timer's or the
+            # corpus reset's routes (serve.reset_server); every server alike, none included
             argv, env = argv + serve_profile.profile_flags(), {**env, **serve_profile.PROFILE_ENV}
         servers.append((spec, serve.Server(argv, call.work / f"serve_{args.tag}_{n}.log", port=args.port + n,
                                            env=env, timeout_s=args.start_timeout)))
@@ -336,14 +327,15 @@ def finish(args: argparse.Namespace) -> int:
         raise SystemExit(f"run {tag}'s rows name {len(cards)} cards ({sorted(cards)}): one run is one machine")
     folder = runner.finish_run("serve", tag, card=cards.pop(), script=SCRIPT, tables=tables, files=files,
                                logs=host_logs, root=args.results,
-                               info={"commit": rows["git_commit"][0], "plan": runner.plan_path("serve", tag),
-                                     "vllm_runner": runner.vllm_runners(rows["vllm_runner"].to_list())})
+                               info={"commit": rows["git_commit"][0], "vllm_runner": runner.vllm_runners(
+                                   rows["vllm_runner"].to_list()), "plan": runner.plan_path("serve", tag)
+                                   or runner.plan_path("corpus", tag)})  # corpus_c5*: corpus plans served
     print(f"{rows.height} load rows of run {tag} -> {folder}")
     return 0
 
 
 def check_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    args.dataset = args.dataset or list(DATASETS)
+    args.dataset = args.dataset or list(PROMPT_SETS)  # the corpus workloads run in `together`, which resets them
     args.temperature = args.temperature or [0.0, 0.7]
     args.concurrency = args.concurrency or [1, 32]
     if not args.config and not args.planted_fault:
@@ -374,7 +366,7 @@ CLI = runner.Benchmark(SCRIPT, __doc__)
 cmd = CLI.gpu("bench", bench, "GPU host: one vllm serve per config, loads, greedy texts, samples", check=check_bench)
 cmd.add_argument("--config", action="append", default=[], help="a served config (none, gpu-lookup:..., gpu-fused:...)")
 cmd.add_argument("--planted-fault", action="append", default=[], help="a config to serve with the planted bug")
-cmd.add_argument("--dataset", action="append", choices=DATASETS, default=None)
+cmd.add_argument("--dataset", action="append", choices=PROMPT_SETS, default=None)
 cmd.add_argument("--temperature", action="append", type=float, default=None)
 cmd.add_argument("--concurrency", action="append", type=int, default=None)
 cmd.add_argument("--gpu-memory-utilization", type=float, default=0.6)

@@ -21,7 +21,7 @@ SOURCES = ["hqlab", "kernels", "notebooks", "tests", "benchmarks", "experiments"
 LOCAL = {"hqlab", "hqlab_kernels", "benchmarks", "kernels", "conftest"}
 # import name -> distribution, for packages this environment does not have (vLLM's live in their own environment)
 NOT_HERE = {"vllm": "vllm", "numba": "numba", "arctic_inference": "arctic-inference", "cuda": "cuda-bindings",
-            "openai": "openai"}
+            "openai": "openai", "fastapi": "fastapi", "uvicorn": "uvicorn"}
 
 
 def _norm(name: str) -> str:

@@ -77,6 +77,29 @@ class LoadPoint:
         return self
 
 
+def parse_point(text: str) -> tuple[LoadPoint, int]:
+    """A point of a serving plan, DATASET:TEMPERATURE:CONCURRENCY:PROMPTS[:REPEATS] (`prose:0.7:1:12:3`,
+    `batch:0:32:320:3`) -> (its LoadPoint, its repeats, 1 by default); a ConfigError naming the part at fault."""
+    parts = text.split(":")
+    if len(parts) not in (4, 5):
+        raise ConfigError(f"point {text!r}: write DATASET:TEMPERATURE:CONCURRENCY:PROMPTS[:REPEATS]")
+    if parts[0] not in DATASETS:
+        raise ConfigError(f"point {text!r}: dataset must be one of {', '.join(DATASETS)}")
+    try:
+        temperature = float(parts[1])
+    except ValueError:
+        raise ConfigError(f"point {text!r}: temperature {parts[1]!r} is not a number") from None
+    whole = []
+    for name, value in zip(("concurrency", "prompts", "repeats"), parts[2:]):
+        if not value.isdigit():
+            raise ConfigError(f"point {text!r}: {name} {value!r} is not a whole number")
+        whole.append(int(value))
+    repeats = whole[2] if len(whole) == 3 else 1
+    if repeats < 1:
+        raise ConfigError(f"point {text!r}: repeats must be >= 1")
+    return LoadPoint(parts[0], temperature, whole[0], whole[1]), repeats
+
+
 def load_points(datasets: Sequence[str], temperatures: Sequence[float], concurrencies: Sequence[int], *,
                 prompts_per_slot: int = MIN_WAVES, min_prompts: int = 12) -> list[LoadPoint]:
     """Every (dataset, temperature, concurrency), with enough prompts that each concurrency slot runs
@@ -85,17 +108,41 @@ def load_points(datasets: Sequence[str], temperatures: Sequence[float], concurre
             for d in datasets for t in temperatures for c in concurrencies]
 
 
-DATASETS = ("chat", "labd", "prose")  # the serving benchmarks' prompt sets (`dataset_prompts`)
+# The corpus workloads (docs/corpus.md): request logs in which order is part of the workload, since the corpus drafts
+# from earlier requests' answers. A point of P prompts sends the file's requests in file order, pass after pass
+# (request i of the point is request i mod n of the file), each its messages through the model's chat template (system
+# turn included); vLLM's load generator keeps that order (no shuffle, no oversampling, no warm-up or test request,
+# which would put request 0's answer in the corpus first), and the benchmark empties every server's corpus and prefix
+# cache before each such point (`serve_profile.reset_server`), so every point starts from nothing. A re-sent request
+# finds its own earlier answer only while the corpus still holds it: between the two, about n - C other documents
+# enter (C in flight); with the batch job's documents as vLLM served them those hold more than the served bound of
+# 32,768 tokens at up to 32 in flight, so later passes draft as the first did, but at 64 in flight about half the
+# re-sent requests still find their own; the template's 24 documents fit, so its passes after the first are retries
+# (tests/bench/test_serve_corpus.py).
+CORPUS_DATASETS = {"batch": "corpus_batch.jsonl", "template": "corpus_template.jsonl"}
+PROMPT_SETS = ("chat", "labd", "prose")  # sent in vLLM's shuffled order, with its warm-up requests
+DATASETS = (*PROMPT_SETS, *CORPUS_DATASETS)  # the serving benchmarks' prompt sets (`dataset_prompts`)
+
+
+def ordered(dataset: str) -> bool:
+    """Whether a dataset's points send its requests in file order from an emptied corpus (the corpus workloads)."""
+    return dataset in CORPUS_DATASETS
 
 
 def dataset_prompts(name: str, tokenizer: Any) -> list[str]:
-    """The user turn of each prompt of a dataset: `chat` (data/workloads/chat.jsonl), `prose`
-    (data/workloads/prose.jsonl), `labd` (the handbook's six tasks over its first 2,000 tokens by `tokenizer`)."""
+    """The prompts of a dataset: the user turn of each prompt of `chat` (data/workloads/chat.jsonl), `prose`
+    (data/workloads/prose.jsonl) and `labd` (the handbook's six tasks over its first 2,000 tokens by `tokenizer`),
+    which vLLM's load generator sends through the chat template; for the corpus workloads (CORPUS_DATASETS) each
+    request's whole chat with the template applied by `tokenizer` (`hqlab.workloads.encode_chat`'s text), in file
+    order."""
     from hqlab.io import REPO
-    from hqlab.workloads import load_workload
+    from hqlab.workloads import load_workload, read_requests
 
     if name not in DATASETS:
         raise ConfigError(f"dataset {name!r}: one of {', '.join(DATASETS)}")
+    if ordered(name):
+        return [tokenizer.apply_chat_template(list(r.messages), add_generation_prompt=True, tokenize=False)
+                for r in read_requests(REPO / "data" / "workloads" / CORPUS_DATASETS[name])]
     source = str(REPO / "data" / "workloads" / "prose.jsonl") if name == "prose" else name
     prompts = load_workload(source, doc_tokens=2000 if name == "labd" else None, tokenizer=tokenizer)
     out = []
@@ -207,9 +254,27 @@ def bench_args(base_url: str, served_model: str, tokenizer: str, dataset_path: s
             "--dataset-name", "custom", "--dataset-path", str(dataset_path), "--custom-output-len", str(output_len),
             "--num-prompts", str(point.num_prompts), "--max-concurrency", str(point.max_concurrency),
             "--request-rate", "inf", "--temperature", str(point.temperature), "--top-p", "1.0", "--seed", str(seed),
-            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-            "--num-warmups", str(min(2, point.max_concurrency)), "--disable-tqdm",
-            "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", result_file]
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",
+            "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", result_file,
+            *(["--skip-chat-template", "--disable-shuffle", "--no-oversample", "--num-warmups", "0",
+               "--ready-check-timeout-sec", "0"] if ordered(point.dataset)
+              else ["--num-warmups", str(min(2, point.max_concurrency))])]
+
+
+def point_dataset(folder: Path, point: LoadPoint) -> Path:
+    """The prompt file a point sends: the dataset's (`folder/<dataset>.jsonl`, written by the benchmark from
+    `dataset_prompts`); for a corpus workload exactly the point's prompts in order, pass after pass
+    (`<dataset>_<P>.jsonl`, written here once)."""
+    whole = Path(folder) / f"{point.dataset}.jsonl"
+    if not ordered(point.dataset):
+        return whole
+    path = Path(folder) / f"{point.dataset}_{point.num_prompts}.jsonl"
+    if not path.exists():
+        lines = [line for line in whole.read_text().splitlines() if line.strip()]
+        if not lines:
+            raise ValueError(f"{whole}: no prompts")
+        path.write_text("".join(lines[i % len(lines)] + "\n" for i in range(point.num_prompts)))
+    return path
 
 
 def bench_namespace(args: list[str]) -> Any:
@@ -254,7 +319,10 @@ def load_row(result: dict[str, Any], *, run: str, config: str, point: LoadPoint,
             "vllm_version": vllm_version, "git_commit": git_commit,
             "waves": point.waves, "failed": int(result.get("failed", 0) or 0),
             "steady_window_s": steady["window_s"], "steady_output_tokens": steady["tokens"],
-            "steady_output_throughput": steady["throughput"]}
+            "steady_output_throughput": steady["throughput"],
+            # a corpus workload's greedy texts one request at a time, in sending order, for `greedy_partings`
+            **({"texts": list(result.get("generated_texts") or [])}
+               if ordered(point.dataset) and point.temperature == 0 and point.max_concurrency == 1 else {})}
 
 
 def steady_state(start_times: Sequence[float], ttfts: Sequence[float], itls: Sequence[Sequence[float]],
@@ -351,6 +419,37 @@ def greedy_partings(rows: Any, reference: str = "none") -> list[tuple[str, int, 
             if at is not None:
                 out.append((row["config"], i, at, float(margins[at]) if at < len(margins) else float("inf")))
     return out
+
+
+def point_text_partings(rows: Any, reference: str = "none") -> Any:
+    """Where the greedy texts of a corpus workload's points one request at a time (the load rows' `texts`, in sending
+    order) part from the reference's in the same (run, dataset, repeat): one row per such point of every other config
+    with how many requests it sent, how many texts differ and the first that does (-1: none). Texts, not token ids:
+    vLLM's load generator keeps no ids, and two equal texts come from equal tokens but at a tokenizer's rare
+    re-spellings of one text."""
+    import polars as pl
+
+    keys = ["run", "dataset", "repeat"]
+    if "texts" not in rows.columns:
+        raise ValueError("no `texts` column: the rows hold no corpus workload's greedy point at one request")
+    rows = rows.filter(pl.col("texts").is_not_null() & (pl.col("texts").list.len() > 0))
+    if "repeat" not in rows.columns:
+        rows = rows.with_columns(pl.lit(0).alias("repeat"))
+    ref = {tuple(r[k] for k in keys): r["texts"]
+           for r in rows.filter(pl.col("config") == reference).iter_rows(named=True)}
+    out = []
+    for r in rows.filter(pl.col("config") != reference).iter_rows(named=True):
+        want = ref.get(tuple(r[k] for k in keys))
+        if want is None:
+            raise ValueError(f"no {reference!r} texts for {r['dataset']} repeat {r['repeat']} of run {r['run']}")
+        if len(want) != len(r["texts"]):
+            raise ValueError(f"{r['config']} sent {len(r['texts'])} requests of {r['dataset']}, {reference} "
+                             f"{len(want)}: not the same point")
+        differ = [i for i, (a, b) in enumerate(zip(want, r["texts"])) if a != b]
+        out.append({**{k: r[k] for k in keys}, "config": r["config"], "requests": len(want), "differ": len(differ),
+                    "first": differ[0] if differ else -1})
+    return pl.DataFrame(out, schema={"run": pl.String, "dataset": pl.String, "repeat": pl.Int64, "config": pl.String,
+                                     "requests": pl.Int64, "differ": pl.Int64, "first": pl.Int64})
 
 
 def sample_token_ids(base_url: str, served_model: str, prompt: str, *, samples: int, max_tokens: int,
@@ -626,7 +725,8 @@ def returned_run(returned: str | Path) -> tuple[str, dict[str, Any], dict[str, P
                          "folder of its own files")
     tag = tags[0]
     frame = pl.DataFrame([json.loads(line) for line in raws[0].read_text().splitlines() if line.strip()])
-    frame = frame.select(SERVE_COLUMNS + [c for c in ["repeat", "profiled", *STEADY_COLUMNS] if c in frame.columns])
+    frame = frame.select(SERVE_COLUMNS + [c for c in ["repeat", "profiled", *STEADY_COLUMNS, "texts"]
+                                         if c in frame.columns])
     runners, eager = {}, {}  # a served config's log names its spec
     for name, text in returned_logs(src):
         facts = server_log_facts(text)

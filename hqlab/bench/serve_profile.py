@@ -5,7 +5,8 @@ what it returns.
 - A profiled server gets hqlab's worker extension (`--worker-extension-cls`, `PROFILE_FLAGS`) and vLLM's development
   routes (`VLLM_SERVER_DEV_MODE=1`, `PROFILE_ENV`), among them `POST /collective_rpc`, which calls a method on every
   worker: `hqlab_profile_start` before a point, `hqlab_profile_stop` after it (`step_profile`), whose rows are the
-  timer's calls of that point. Every config of a run gets the same flags, `none` included, so that their plain steps
+  timer's calls of that point; and `hqlab_corpus_reset` with `POST /reset_prefix_cache` before a corpus workload's
+  point (`reset_server`). Every config of a run gets the same flags, `none` included, so that their plain steps
   are timed the same way; the timer costs a few microseconds a call (two CUDA events and a clock read), which is why
   the benchmark profiles chosen repeats only (`profiled` in the load rows) and the others measure the speed.
 - `served_steps` turns a run's `phases.parquet` (the timer's rows tagged with the point) into one row per engine step
@@ -20,6 +21,7 @@ Standard library only at import: the GPU host runs the first half without polars
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -44,6 +46,26 @@ def worker_rpc(base_url: str, method: str, *, timeout_s: float = 120.0) -> list[
     if not isinstance(body.get("results"), list):
         raise RuntimeError(f"{base_url}/collective_rpc {method}: no results in the reply ({str(body)[:200]})")
     return body["results"]
+
+
+def reset_server(base_url: str, spec: str, *, timeout_s: float = 120.0) -> None:
+    """Empty a server's corpus and prefix cache before a corpus workload's point, through vLLM's development routes
+    (the server started with `profile_flags()` and `PROFILE_ENV`), so that the point's corpus holds
+    only its own earlier answers and every repeat pays the same prefills. Raises where a config with a corpus did not
+    empty one, or the prefix cache was not reset."""
+    from hqlab.config import parse_spec
+
+    has_corpus = parse_spec(spec)[1].get("corpus", "0") != "0"
+    emptied = [str(x) for x in worker_rpc(base_url, "hqlab_corpus_reset", timeout_s=timeout_s)]
+    if emptied != [str(has_corpus)]:
+        raise RuntimeError(f"{base_url}: corpus reset answered {emptied} for {spec!r} (expected [{has_corpus}])")
+    for attempt in range(5):  # vLLM refuses while blocks are still held (a finished point's last frees), then agrees
+        request = urllib.request.Request(base_url + "/reset_prefix_cache", data=b"", method="POST")
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+            if json.loads(reply.read() or b"{}").get("success"):
+                return
+        time.sleep(1.0)
+    raise RuntimeError(f"{base_url}: the prefix cache was not reset after 5 tries (requests still running?)")
 
 
 def check_repeats(repeats: list[int], point: Any, runs: int) -> None:

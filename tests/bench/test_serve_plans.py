@@ -15,8 +15,10 @@ from hqlab.engines.vllm.gpu_fused import fused_config
 from hqlab.engines.vllm.gpu_lookup import lookup_config
 from hqlab.engines.vllm.serving import engine_configs
 
-# the serving plans (the corpus benchmark's plans are tested by test_vllm_corpus_plan.py)
-PLANS = sorted((Path(__file__).resolve().parents[2] / "benchmarks" / "plans").glob("serve_*.json"))
+# the serving plans, and the corpus plans served through it (c5 on; the corpus benchmark's own plans are tested by
+# test_vllm_corpus_plan.py)
+PLANS = sorted(p for p in (Path(__file__).resolve().parents[2] / "benchmarks" / "plans").glob("*.json")
+               if p.name.startswith("serve_") or "benchmarks/vllm_serve.py" in json.loads(p.read_text())["command"])
 
 
 @pytest.mark.parametrize("path", PLANS, ids=[p.stem for p in PLANS])

@@ -177,6 +177,12 @@ def test_the_load_benchmarks_flags_are_vllm_bench_serves_own():
     assert (ns.dataset_name, ns.max_concurrency, ns.temperature, ns.num_prompts) == ("custom", 8, 0.7, 16)
     assert ns.custom_output_len == 256 and ns.save_result and ns.percentile_metrics == "ttft,tpot,itl,e2el"
     assert ns.metric_percentiles == "50,99" and ns.base_url == "http://127.0.0.1:8321"
+    # a corpus workload's point: its file's order, no shuffle, no oversampling, nothing sent before it
+    batch = serve.bench_namespace(serve.bench_args("http://127.0.0.1:8321", "target", "/models/target", "b.jsonl",
+                                                   serve.LoadPoint("batch", 0.0, 32, 320), output_len=256,
+                                                   result_dir="/tmp/r", result_file="r.json"))
+    assert batch.skip_chat_template and batch.disable_shuffle and batch.no_oversample
+    assert (batch.num_warmups, batch.ready_check_timeout_sec, batch.num_prompts) == (0, 0, 320)
 
 
 @pytest.mark.parametrize("settings", ["draft_block=1,schedule=long,nmin_tail=1,device_skip=true",
