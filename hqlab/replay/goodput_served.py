@@ -180,4 +180,37 @@ def replay_served(frame: pl.DataFrame, header: dict[str, Any], traces: Sequence[
                        first_mismatch)
 
 
-__all__ = ["record_frame", "rerun_rule", "RuleCheck", "replay_served", "ReplayCheck", "COLUMNS"]
+def served_records(frame: pl.DataFrame) -> list[tuple[str, dict[str, Any], pl.DataFrame]]:
+    """A serving run's `goodput_decisions.parquet` (`hqlab.bench.serve_servers.collect`) split per server: (its
+    config label, the record's header, its rows in record order)."""
+    import json
+
+    for key in ("config", "header", "truncated"):
+        require(key in frame.columns, f"no {key!r} column: not a serving run's goodput decisions")
+    return [(config, {**json.loads(rows["header"][0]), "truncated": bool(rows["truncated"][0])}, rows.select(COLUMNS))
+            for (config,), rows in frame.group_by("config", maintain_order=True)]
+
+
+def check_run(frame: pl.DataFrame) -> pl.DataFrame:
+    """`rerun_rule` on every server of a serving run's decisions: one row per server."""
+    rows = []
+    for config, header, rows_ in served_records(frame):
+        found = rerun_rule(rows_, header)
+        rows.append({"config": config, "decisions": found.decisions, "outcomes": found.outcomes,
+                     "width_mismatches": found.width_mismatches, "accept_mismatches": found.accept_mismatches,
+                     "drafted_mismatches": found.drafted_mismatches, "truncated": header["truncated"],
+                     "same_widths": found.ok})
+    return pl.DataFrame(rows)
+
+
+def greedy_traces(prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]], *,
+                  max_new_tokens: int) -> list[Trace]:
+    """The requests a server answered first, one at a time, as `replay_served` takes them: the serve benchmark's
+    greedy chat prompts (through the model's chat template, as the server's tokens) and the token ids of the
+    server's greedy row (`greedy.parquet`)."""
+    require(len(prompt_ids) == len(output_ids), f"{len(prompt_ids)} prompts for {len(output_ids)} outputs")
+    return [Trace.of(list(p), list(o), max_new_tokens, prompt_id=str(i), category="served greedy")
+            for i, (p, o) in enumerate(zip(prompt_ids, output_ids))]
+
+
+__all__ = ["served_records", "check_run", "greedy_traces", "record_frame", "rerun_rule", "RuleCheck", "replay_served", "ReplayCheck", "COLUMNS"]

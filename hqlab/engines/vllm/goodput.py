@@ -188,5 +188,5 @@ class SchedulerGoodput:
         self.features.pop(request_id, None)
 
 
-__all__ = ["SchedulerGoodput", "captured", "record_header", "check_knob", "plain_steps", "speculator_table", "standalone_table",
-           "PENDING_LIMIT"]
+__all__ = ["SchedulerGoodput", "captured", "record_header", "check_knob", "plain_steps", "speculator_table",
+           "standalone_table", "PENDING_LIMIT"]

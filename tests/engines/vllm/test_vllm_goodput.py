@@ -17,6 +17,7 @@ test_vllm_lifecycle.py runs the fused speculator itself under the widths the con
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -291,3 +292,25 @@ def test_the_replay_predicts_a_served_record_of_requests_answered_one_at_a_time(
     _, header, frame = recorded(spec, traces, 1, tmp_path / "planted.bin", monkeypatch, one_at_a_time=True)
     assert not replay_served(frame, header, traces).ok
     assert rerun_rule(frame, header).drafted_mismatches > 0
+
+
+def test_a_runs_records_collected_on_the_host_are_checked_server_by_server(traces, steep_costs, tmp_path,
+                                                                            monkeypatch):
+    """What the serve benchmark does with the records (`serve_servers.collect` on the GPU host, `check_run` at
+    finish): one parquet file, one check per server, a server that recorded nothing absent."""
+    import polars as pl
+
+    from hqlab.bench import serve_servers
+    from hqlab.replay.goodput_served import check_run
+
+    spec = f"{LOOKUP},goodput={steep_costs}"
+    served = serve_servers.servers(SimpleNamespace(config=["none", spec], decisions=[spec], sample_prefix_off=[spec],
+                                                   planted=[spec]))
+    assert [s.record for s in served] == [False, True, True, False]
+    for n, concurrency in ((1, 3), (2, 1)):
+        recorded(spec, traces, concurrency, serve_servers.record_path(tmp_path, n), monkeypatch)
+    frame = pl.read_parquet(serve_servers.collect(served, tmp_path, "t"))
+    table = check_run(frame)
+    assert table["config"].to_list() == [spec, f"{spec} [prefix caching off]"]
+    assert table["same_widths"].all() and (table["decisions"] > 0).all() and not table["truncated"].any()
+    assert frame.filter(pl.col("drafted").is_null()).height > 0  # prefills and width-0 calls verify nothing
