@@ -70,6 +70,7 @@ class DecisionLog:
         self._limit = limit_bytes
         self._buf = array("i")
         self._ids: dict[str, int] = {}
+        self._codes: dict[tuple[int, int, int], int] = {}  # cells met so far, packed
         self._flushed = time.monotonic()
         self.truncated = False
         atexit.register(self.close)
@@ -83,14 +84,22 @@ class DecisionLog:
             self._buf.frombytes(name + b"\0" * (-len(name) % 4))
         return index
 
+    def _code(self, cell: tuple[int, int, int]) -> int:
+        code = self._codes[cell] = pack_cell(cell)
+        return code
+
     def decision(self, call: int, width: int, entries: Iterable[tuple[str, int, tuple[int, int, int]]]) -> None:
         """Call `call` fixed `width` from these (request id, tokens held, cell)."""
         if self.truncated:
             return
-        words = []
+        ids, codes = self._ids, self._codes
+        words = [DECISION, call, width, 0]
         for rid, tokens, cell in entries:
-            words += (self._index(rid), tokens, pack_cell(cell))
-        self._buf.extend((DECISION, call, width, len(words) // 3))
+            index = ids.get(rid)
+            code = codes.get(cell)
+            words += (self._index(rid) if index is None else index, tokens,
+                      self._code(cell) if code is None else code)
+        words[3] = len(words) // 3 - 1
         self._buf.extend(words)
         self._maybe_flush()
 
@@ -99,11 +108,13 @@ class DecisionLog:
         verifying request (id, drafted, accepted)."""
         if self.truncated:
             return
-        words = []
+        ids = self._ids
+        words = [OUTCOMES, fixed_by, before, 0]
         for rid, drafted, accepted in entries:
-            words += (self._index(rid), drafted, accepted)
-        if words:
-            self._buf.extend((OUTCOMES, fixed_by, before, len(words) // 3))
+            index = ids.get(rid)
+            words += (self._index(rid) if index is None else index, drafted, accepted)
+        if len(words) > 4:
+            words[3] = len(words) // 3 - 1
             self._buf.extend(words)
             self._maybe_flush()
 
