@@ -129,5 +129,32 @@ def collect(served: Sequence[Served], work: Path, tag: str) -> Path:
     return out
 
 
-__all__ = ["PLAN_KEYS", "Served", "apply_plan", "servers", "record_env", "record_path", "collect", "PREFIX_OFF",
+def replay_greedy(decisions: Any, greedy: Any, *, model: str = "qwen2.5-coder-1.5b", prompts: int = 3,
+                  max_tokens: int = 128) -> dict[str, Any]:
+    """The replay check (`hqlab.replay.goodput_served.replay_served`) of every recording server of a run that has a
+    greedy row (`greedy.parquet`: the first `prompts` chat prompts, answered one at a time before anything else,
+    `max_tokens` new tokens at most): config label -> its `ReplayCheck`. The prompts' tokens are the chat template's
+    through `model`'s tokenizer, as the server renders them (a record that opens with other prompt lengths is
+    refused)."""
+    import polars as pl
+    from transformers import AutoTokenizer
+
+    from hqlab import models
+    from hqlab.bench.serve import dataset_prompts
+    from hqlab.replay.goodput_served import greedy_traces, replay_served, served_records
+
+    tokenizer = AutoTokenizer.from_pretrained(models.prepare(model))
+    ids = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                   tokenize=False), add_special_tokens=False)["input_ids"]
+           for p in dataset_prompts("chat", tokenizer)[:prompts]]
+    out = {}
+    for config, header, rows in served_records(decisions):
+        row = greedy.filter(pl.col("config") == config)
+        if row.height == 1:
+            traces = greedy_traces(ids, row["token_ids"][0].to_list(), max_new_tokens=max_tokens)
+            out[config] = replay_served(rows, header, traces)
+    return out
+
+
+__all__ = ["replay_greedy", "PLAN_KEYS", "Served", "apply_plan", "servers", "record_env", "record_path", "collect", "PREFIX_OFF",
            "PLANTED"]

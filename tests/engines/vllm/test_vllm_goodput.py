@@ -314,3 +314,23 @@ def test_a_runs_records_collected_on_the_host_are_checked_server_by_server(trace
     assert table["config"].to_list() == [spec, f"{spec} [prefix caching off]"]
     assert table["same_widths"].all() and (table["decisions"] > 0).all() and not table["truncated"].any()
     assert frame.filter(pl.col("drafted").is_null()).height > 0  # prefills and width-0 calls verify nothing
+
+
+def test_a_runs_greedy_chat_requests_replay_to_its_recorded_opening(tmp_path, monkeypatch):
+    """`serve_servers.replay_greedy` as `finish`'s reader uses it: the serve benchmark's three greedy chat prompts
+    (through the 1.5B's chat template), answered one at a time, their token ids from the run's greedy row."""
+    import polars as pl
+
+    from hqlab.bench import serve_servers
+
+    chat = [t for t in load_traces(RESULTS / "traces" / "1.5b_prose_chat_256" / "traces.parquet")
+            if t.category == "chat"][:3]
+    spec = f"{LOOKUP},goodput=default"
+    served = [serve_servers.Served(spec, spec, record=True)]
+    recorded(spec, chat, 1, serve_servers.record_path(tmp_path, 0), monkeypatch, one_at_a_time=True)
+    decisions = pl.read_parquet(serve_servers.collect(served, tmp_path, "t"))
+    greedy = pl.DataFrame({"config": [spec], "token_ids": [[list(t.output_ids) for t in chat]]})
+    found = serve_servers.replay_greedy(decisions, greedy, max_tokens=256)
+    assert list(found) == [spec] and found[spec].ok and found[spec].decisions > 100
+    wrong = pl.DataFrame({"config": [spec], "token_ids": [[list(t.output_ids[:-9]) for t in chat]]})
+    assert not serve_servers.replay_greedy(decisions, wrong, max_tokens=256)[spec].ok  # outputs not the served ones
