@@ -147,8 +147,9 @@ def read_record(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     `decision` (the call's index), `width`, `request` (index into `columns["request_ids"]`, a list), `tokens`,
     `match`, `accept`, `confidence`, and the outcome of the step the call's width went to, where the request
     verified it: `drafted`, `accepted` and `observed_before` (calls decided before the scheduler processed it),
-    -1 elsewhere. `columns["truncated"]` says whether the writer stopped at its size limit. A file this writer
-    cannot have written raises ValueError."""
+    -1 elsewhere. `columns["truncated"]` says whether the writer stopped at its size limit or the file ends inside
+    an event (its server killed mid-write): the rows are then the run's first ones. A file this writer cannot have
+    written raises ValueError."""
     import numpy as np
 
     raw = Path(path).read_bytes()
@@ -158,23 +159,31 @@ def read_record(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     if version != VERSION:
         raise ValueError(f"{path}: record version {version}, this reader reads {VERSION}")
     header = json.loads(raw[12:12 + size])
-    words = np.frombuffer(raw[12 + size:], dtype=np.int32)
+    body = raw[12 + size:]
+    words = np.frombuffer(body[:len(body) // 4 * 4], dtype=np.int32)
     ids: list[str] = []
     decisions, outcomes = [], []
-    p, truncated = 0, False
+    p, truncated = 0, len(body) % 4 != 0
     while p < len(words):
         tag = words[p]
+        if tag != TRUNCATED and p + (3 if tag == REQUEST else 4) > len(words):
+            truncated = True
+            break
         if tag == REQUEST:
             index, length = int(words[p + 1]), int(words[p + 2])
+            if p + 3 + (length + 3) // 4 > len(words):
+                truncated = True
+                break
             if index != len(ids):
                 raise ValueError(f"{path}: request {index} named out of order at word {p}")
             ids.append(words[p + 3:p + 3 + (length + 3) // 4].tobytes()[:length].decode())
             p += 3 + (length + 3) // 4
         elif tag in (DECISION, OUTCOMES):
             a, b, n = (int(x) for x in words[p + 1:p + 4])
+            if p + 4 + 3 * n > len(words):  # a server killed mid-write: what precedes is whole
+                truncated = True
+                break
             block = words[p + 4:p + 4 + 3 * n].reshape(n, 3)
-            if len(block) != n:
-                raise ValueError(f"{path}: event at word {p} ends early (a cut file)")
             (decisions if tag == DECISION else outcomes).append((a, b, block))
             p += 4 + 3 * n
         elif tag == TRUNCATED:

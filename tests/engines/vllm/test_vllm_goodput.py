@@ -264,6 +264,12 @@ def test_a_served_record_is_decided_again_by_the_rule(traces, steep_costs, tmp_p
     wrong = frame.with_columns(pl.when(pl.col("decision") == call).then(pl.col("accept") + 1)
                                .otherwise(pl.col("accept")).alias("accept"))
     assert rerun_rule(wrong, header).accept_mismatches == frame.filter(pl.col("decision") == call).height
+    # a server killed mid-write leaves a file cut inside an event: its whole events are the run's first calls
+    cut = tmp_path / "cut.bin"
+    cut.write_bytes((tmp_path / "r.bin").read_bytes()[:-37])
+    header_cut, first = record_frame(cut)
+    assert header_cut["truncated"] and not header["truncated"] and 0 < first.height < frame.height
+    assert rerun_rule(first, header_cut).ok
 
 
 def credits_the_next_call(self, scheduler_output) -> None:
