@@ -17,8 +17,9 @@ load point.
     samples.parquet, greedy.parquet, the returned files as they came (raw.jsonl, samples.jsonl, greedy.jsonl, the
     server logs) and the call's log as run.log, with run.json (card, commit, plan, vLLM runner, command, date).
 
---planted-fault CONFIG starts one more server for CONFIG with the planted verification bug (hqlab.engines.vllm.fault)
-and takes only the sampling test's samples from it (the test must fail there).
+--planted-fault CONFIG (bench), a plan's `planted` or `sample_prefix_off` (together) add a samples-only server of CONFIG
+with the planted verification bug (hqlab.engines.vllm.fault: the sampling test must fail) or prefix caching off; a
+plan's `decisions` has goodput servers record their decisions (hqlab.bench.serve_servers: goodput_decisions.parquet).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # a bare checkout on the GPU host
 
-from hqlab.bench import runner  # noqa: E402  (standard library only: the host has no polars)
+from hqlab.bench import runner, serve_servers  # noqa: E402  (standard library only: the host has no polars)
 from hqlab.bench.runner import append_jsonl, log  # noqa: E402
 from hqlab.bench.serve import PROMPT_SETS, dataset_prompts, parse_point  # noqa: E402
 
@@ -202,6 +203,7 @@ def apply_plan(args: argparse.Namespace, plan: dict) -> None:
     args.point += plan["points"]
     args.allow_short = args.allow_short or bool(plan.get("allow_short"))  # plans written before the rule
     args.profile_repeat += plan.get("profile", [])
+    serve_servers.apply_plan(args, plan)
 
 
 def check_together(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -231,28 +233,29 @@ def together(args: argparse.Namespace) -> int:
 
     points = [parse_point(p) for p in args.point]
     call = prepare(args, sorted({p.dataset for p, _ in points}))
-    share = min(0.9 / len(args.config), 0.9)
-    servers = []
-    for n, spec in enumerate(args.config):
-        argv = server_argv(call, spec, args, port=args.port + n,
+    served = serve_servers.servers(args)  # the configs, then their sampling variants (prefix caching off, planted)
+    share, servers = min(0.9 / len(served), 0.9), []
+    for n, srv in enumerate(served):
+        argv = server_argv(call, srv.spec, args, port=args.port + n, planted=srv.planted,
                            memory=["--gpu-memory-utilization", f"{share:.3f}", "--kv-cache-memory-bytes",
-                                   str(int(args.kv_cache_gib * (1 << 30)))])
-        env = {**os.environ, "VLLM_CACHE_ROOT": str(call.work / f"vllm-cache-{n}")}  # no two compiles share a file
+                                   str(int(args.kv_cache_gib * (1 << 30))), *srv.flags])
+        env = {**os.environ, "VLLM_CACHE_ROOT": str(call.work / f"vllm-cache-{n}"),  # no two compiles share a file
+               **serve_servers.record_env(srv, call.work, n)}  # the goodput controller's decisions, if asked
         if args.profile_repeat or any(serve.ordered(p.dataset) for p, _ in points):  # the step timer's or the
             # corpus reset's routes (serve.reset_server); every server alike, none included
             argv, env = argv + serve_profile.profile_flags(), {**env, **serve_profile.PROFILE_ENV}
-        servers.append((spec, serve.Server(argv, call.work / f"serve_{args.tag}_{n}.log", port=args.port + n,
-                                           env=env, timeout_s=args.start_timeout)))
-
+        servers.append((srv.label, serve.Server(argv, call.work / f"serve_{args.tag}_{n}.log", port=args.port + n,
+                                                env=env, timeout_s=args.start_timeout)))
     phases, phases_file = [], call.work / f"serve_phases_{args.tag}.parquet"  # the step timer's rows, if profiled
 
     def save() -> None:
         if phases:
             runner.save_table(phases_file, phases)
-        serve.save_together(call.out, [call.rows, call.greedy, call.samples, phases_file],
+        serve.save_together(call.out, [call.rows, call.greedy, call.samples, phases_file,
+                                       serve_servers.collect(served, call.work, args.tag)],  # decisions, if any
                             [srv.log_path for _, srv in servers], args.tag)
-
-    live, eager = [], set()  # eager: servers whose drafting runs outside CUDA graphs (no load points)
+    variants = {s.label for s in served if s.samples_only}  # the sampling test's samples only
+    live, eager = [], set(variants)  # eager: servers whose drafting runs outside CUDA graphs: no load points
     try:
         for spec, server in servers:
             server.start()
@@ -265,14 +268,12 @@ def together(args: argparse.Namespace) -> int:
                     eager.add(spec)
             except Exception as e:
                 log(f"{spec}: FAILED to start: {type(e).__name__}: {str(e)[-2000:]}")
-        for spec, server in live:
-            greedy = serve.greedy_tokens(server.base_url, "target", call.chat, max_tokens=args.greedy_tokens)
-            append_jsonl(call.greedy, {"run": args.tag, "config": spec, "texts": [g["text"] for g in greedy],
-                                       "token_ids": [g["token_ids"] for g in greedy],
-                                       "margins": [g["margins"] for g in greedy]})
+        for spec, server in [(spec, server) for spec, server in live if spec not in variants]:
+            append_jsonl(call.greedy, serve.greedy_row(server.base_url, "target", call.chat, run=args.tag,
+                                                       config=spec, max_tokens=args.greedy_tokens))
         save()
         for spec, server in live:
-            if spec in args.sample_config:
+            if spec in args.sample_config or spec in variants:
                 take_samples(call, server, spec, args)
         save()
         for point, repeats in points:
@@ -373,7 +374,8 @@ cmd.add_argument("--gpu-memory-utilization", type=float, default=0.6)
 cmd.add_argument("--fail-fast", action="store_true")
 add_server_options(cmd, start_timeout=600)
 cmd = CLI.gpu("together", together, "GPU host: every config's server at once, points interleaved, repeats",
-              plan=apply_plan, plan_keys=("configs", "batch1", "sample", "points", "allow_short", "profile"),
+              plan=apply_plan, plan_keys=("configs", "batch1", "sample", "points", "allow_short", "profile",
+                                          *serve_servers.PLAN_KEYS),  # decisions, sample_prefix_off, planted
               budget_s=560, check=check_together)
 cmd.add_argument("--config", action="append", default=[])
 cmd.add_argument("--point", action="append", default=[],

@@ -393,6 +393,15 @@ def greedy_tokens(base_url: str, served_model: str, prompts: Sequence[str], *, m
     return out
 
 
+def greedy_row(base_url: str, served_model: str, prompts: Sequence[str], *, run: str, config: str,
+               max_tokens: int) -> dict[str, Any]:
+    """A server's greedy texts of `prompts` as the serve benchmark's greedy file keeps them (one row a server):
+    texts, token ids and margins per prompt (`greedy_tokens`)."""
+    greedy = greedy_tokens(base_url, served_model, prompts, max_tokens=max_tokens)
+    return {"run": run, "config": config, "texts": [g["text"] for g in greedy],
+            "token_ids": [g["token_ids"] for g in greedy], "margins": [g["margins"] for g in greedy]}
+
+
 def first_divergence(reference: Sequence[int], other: Sequence[int]) -> int | None:
     """The first position where two token sequences differ (a shorter one differs where it ends); None if equal."""
     for i, (a, b) in enumerate(zip(reference, other)):
@@ -577,6 +586,7 @@ def short_config(config: str) -> str:
     suffix += " sampled drafts" if values.get("draft_sample", "greedy") != "greedy" else ""
     suffix += " corpus" if values.get("corpus", "0") != "0" else ""
     suffix += " prefill graph" if values.get("prefill_graph", "0") != "0" else ""
+    suffix += f" goodput={Path(values['goodput']).stem}" if values.get("goodput") else ""
     suffix += f" [{fault}" if bracket else ""
     return (f"{name}{block} {values['batch_k']}{suffix}" if "batch_k" in values
             else f"{name}{block} k={values.get('k', '?')}{suffix}")
@@ -749,6 +759,13 @@ def returned_run(returned: str | Path) -> tuple[str, dict[str, Any], dict[str, P
             files[f"{kind}.jsonl"] = raw
     if (src / f"serve_phases_{tag}.parquet").exists():  # the step timer's rows of the profiled points
         tables["phases"] = pl.read_parquet(src / f"serve_phases_{tag}.parquet")
+    if (src / f"serve_goodput_decisions_{tag}.parquet").exists():  # hqlab.bench.serve_servers.collect
+        tables["goodput_decisions"] = pl.read_parquet(src / f"serve_goodput_decisions_{tag}.parquet")
+        from hqlab.replay.goodput_served import check_run
+
+        for r in check_run(tables["goodput_decisions"]).iter_rows(named=True):  # the served widths, decided again
+            print(f"goodput decisions of {short_config(r['config'])}: {r['decisions']} calls, {r['outcomes']} "
+                  f"outcomes, the rule fixes every recorded width: {'yes' if r['same_widths'] else 'NO'} ({r})")
     if (src / f"serve_{tag}_logs.tar.gz").exists():
         files["server_logs.tar.gz"] = src / f"serve_{tag}_logs.tar.gz"
     for server_log in sorted(src.glob(f"serve_{tag}_[0-9]*.log")):

@@ -43,10 +43,12 @@ def host(tmp_path, monkeypatch):
     clock = Clock(point_s=10.0)
     loads: list[tuple[int, str]] = []
     started: list[list[str]] = []
+    envs: list[dict] = []
 
     class Server:
         def __init__(self, argv, log_path, *, port, env=None, timeout_s=900.0):
             self.argv, self.log_path, self.port, self.ready_s = argv, Path(log_path), port, 1.0
+            envs.append(env)
             self.base_url = f"http://127.0.0.1:{port}"
 
         def start(self):
@@ -93,7 +95,7 @@ def host(tmp_path, monkeypatch):
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps(PLAN))
     return types.SimpleNamespace(script=vllm_serve, out=out, loads=loads, started=started, clock=clock, plan=plan,
-                                 work=tmp_path / "work")
+                                 work=tmp_path / "work", envs=envs)
 
 
 def rows(out: Path, tag: str) -> list[dict]:
@@ -125,6 +127,35 @@ def test_together_measures_each_point_server_by_server_and_returns_every_file(ho
     assert host.script.main(["finish", str(host.out), "--results", str(tmp_path / "results")]) == 0
     finished = results.load("serve", "t1", root=tmp_path / "results")
     assert finished.height == 8 and results.run_info("serve", "t1", tmp_path / "results")["commit"] == "abc"
+
+
+def test_a_plans_sampling_variants_and_decision_records(host, tmp_path):
+    """`sample_prefix_off` and `planted` add samples-only servers of a config (no greedy texts, no load points),
+    labelled by a bracket; `decisions` sets the record's variable for the goodput config's servers alone."""
+    from hqlab.engines.vllm.goodput_record import RECORD_ENV
+
+    goodput = f"{LOOKUP},batch_k=1:15/4:7/0,goodput=default"
+    plan = {"why": "a test", "configs": {"none": "none", "goodput": goodput}, "sample": ["goodput"],
+            "decisions": ["goodput"], "sample_prefix_off": ["goodput"], "planted": ["goodput"],
+            "points": ["chat:0:1:10"]}
+    host.plan.write_text(json.dumps(plan))
+    assert host.script.main(["together", "--plan", str(host.plan), "--tag", "t5", "--work", str(host.work)]) == 0
+    assert len(host.started) == 4 and [port for port, _ in host.loads] == [8321, 8322]  # variants: no points
+    assert "--no-enable-prefix-caching" in host.started[2] and "--no-enable-prefix-caching" not in host.started[1]
+    assert "hqlab_fault" in " ".join(host.started[3]) and "hqlab_fault" not in " ".join(host.started[1])
+    assert [RECORD_ENV in env for env in host.envs] == [False, True, True, False]
+    assert len({env[RECORD_ENV] for env in host.envs if RECORD_ENV in env}) == 2  # one file a server
+    samples = [json.loads(line)["config"] for line in (host.out / "serve_samples_t5.jsonl").read_text().splitlines()]
+    assert samples == [goodput, f"{goodput} [prefix caching off]", f"{goodput} [planted accept_first_draft]"]
+    greedy = [json.loads(line)["config"] for line in (host.out / "serve_greedy_t5.jsonl").read_text().splitlines()]
+    assert greedy == ["none", goodput]
+    bad = {**plan, "decisions": ["none"]}
+    host.plan.write_text(json.dumps(bad))
+    with pytest.raises(Exception, match="only a goodput config records decisions"):
+        host.script.main(["together", "--plan", str(host.plan), "--tag", "t6", "--work", str(host.work)])
+    host.plan.write_text(json.dumps({**plan, "planted": ["nothing"]}))
+    with pytest.raises(Exception, match="not among its configs"):
+        host.script.main(["together", "--plan", str(host.plan), "--tag", "t7", "--work", str(host.work)])
 
 
 def test_together_starts_no_point_past_its_budget(host, capsys):

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from benchmarks.vllm_serve import parse_point
+from hqlab.bench import serve_servers
 from hqlab.engines.vllm.gpu_fused import fused_config
 from hqlab.engines.vllm.gpu_lookup import lookup_config
 from hqlab.engines.vllm.serving import engine_configs
@@ -34,6 +36,9 @@ def test_plan_is_runnable(path):
             (fused_config if spec.startswith("gpu-fused") else lookup_config)(spec)
     for name in plan.get("batch1", []) + plan.get("sample", []):
         assert name in configs, f"{path.name}: {name!r} is not one of its configs"
+    args = SimpleNamespace(config=list(configs.values()))
+    serve_servers.apply_plan(args, plan)  # decisions, sampling variants: of its configs, records of goodput ones
+    serve_servers.servers(args)
     for point in plan["points"]:
         load, _ = parse_point(point)
         if not plan.get("allow_short"):  # plans written since points must measure: >= 10 waves each

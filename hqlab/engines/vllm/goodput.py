@@ -19,7 +19,9 @@ What it reads, all on the host:
   fed to the calibration with the cell the request had when that width was fixed. Which cells fixed a step's width
   travels with the step: `after_schedule` keys them by the scheduler output.
 Nothing is read from the GPU; the replay (`hqlab.replay.goodput.replay_engine`) reproduces every decision, and
-tests/engines/vllm/test_vllm_goodput.py drives vLLM's own scheduler to check it, step for step.
+tests/engines/vllm/test_vllm_goodput.py drives vLLM's own scheduler to check it, step for step. A served engine
+records its decisions where `HQLAB_GOODPUT_RECORD` names a file (`goodput_record`: each call's candidates, tokens,
+cells and width, each outcome), which `hqlab.replay.goodput_served` checks against the rule.
 
 The drafts are unchanged, and a step verifies the first `width` of them. `gpu-lookup` drafts k positions every step
 (with goodput its table forecast is off: any captured width may come at any batch size). `gpu-fused` (same knob)
@@ -35,11 +37,13 @@ Nothing here imports vLLM; the plugin (`plugin._patch_scheduler`) calls it.
 
 from __future__ import annotations
 
+import os
 from itertools import islice
 from typing import Any
 
 from hqlab.config import require
 from hqlab.engines.vllm import batch_k
+from hqlab.engines.vllm.goodput_record import RECORD_ENV, DecisionLog
 from hqlab.rules.goodput import Cell, GoodputConfig, GoodputController, RequestFeatures, StepCosts, step_costs
 
 PENDING_LIMIT = 16  # scheduler outputs whose outcome is awaited; more means some were never processed (empty steps)
@@ -81,25 +85,43 @@ def captured(vllm_config: Any) -> tuple[int, ...]:
     return tuple(sorted({int(entry[2]) for entry in schedule} | {0}))
 
 
+def record_header(spec: str, widths: tuple[int, ...], costs: StepCosts, config: GoodputConfig) -> dict[str, Any]:
+    """What a decisions record says of the controller that wrote it: enough to decide again (`GoodputController`)."""
+    from dataclasses import asdict
+
+    return {"spec": spec, "widths": sorted(set(widths) | {0}), "costs": costs.to_dict(), "config": asdict(config)}
+
+
 class SchedulerGoodput:
     """The controller for one vLLM scheduler: per-request features, the calibration, and the table it hands vLLM."""
 
-    def __init__(self, config: GoodputConfig, costs: StepCosts, table: list[int], widths: tuple[int, ...]) -> None:
+    def __init__(self, config: GoodputConfig, costs: StepCosts, table: list[int], widths: tuple[int, ...],
+                 log: DecisionLog | None = None) -> None:
         self.config = config
         self.widths = tuple(sorted(set(widths) | {0}))
         self.controller = GoodputController(config, self.widths, costs)
         self.tables = {w: [w] * len(table) for w in self.widths}  # what vLLM looks up: one width at every batch size
         self.features: dict[str, RequestFeatures] = {}
+        self.log = log  # the decisions record (goodput_record), when the server was asked for one
+        self.decisions = 0  # schedule() calls that priced requests: the record's call index
         self._cells: dict[str, Cell] = {}  # cells of this call's candidates: they fix the next step's width
-        self._last: dict[str, Cell] = {}  # cells that fixed the width of the step the next schedule() makes
-        self._pending: dict[int, tuple[Any, dict[str, Cell]]] = {}  # id(scheduler output) -> (it, its cells)
+        self._last: tuple[int, dict[str, Cell]] = (-1, {})  # (call, cells) that fixed the next step's width
+        self._pending: dict[int, tuple[Any, int, dict[str, Cell]]] = {}  # id(scheduler output) -> (it, call, cells)
         self.steps_by_width = {w: 0 for w in self.widths}  # plain counters: widths fixed so far
 
     @classmethod
     def from_spec(cls, name: str, table: list[int], vllm_config: Any) -> "SchedulerGoodput":
         """The hook of a `goodput=NAME` knob for vLLM's width table `table`: the default step costs or a StepCosts
-        JSON file, default settings, the widths vLLM captured graphs for."""
-        return cls(GoodputConfig(), step_costs(name), table, captured(vllm_config))
+        JSON file, default settings, the widths vLLM captured graphs for; its decisions recorded to the file
+        `HQLAB_GOODPUT_RECORD` names, if set (`goodput_record`)."""
+        config, costs, widths = GoodputConfig(), step_costs(name), captured(vllm_config)
+        path = os.environ.get(RECORD_ENV)
+        log = None
+        if path:
+            from hqlab.engines.vllm.speculator import proposer_spec
+
+            log = DecisionLog(path, record_header(proposer_spec(vllm_config), widths, costs, config))
+        return cls(config, costs, table, widths, log)
 
     def _state(self, request: Any) -> RequestFeatures:
         state = self.features.get(request.request_id)
@@ -111,14 +133,19 @@ class SchedulerGoodput:
         """Fix the width of the step after the one `schedule()` is about to make, from that step's requests."""
         running = list(scheduler.running)
         free = max(0, int(scheduler.max_num_running_reqs) - len(running))
+        candidates = running + list(islice(scheduler.waiting, free))
         cells = {}
-        for request in running + list(islice(scheduler.waiting, free)):
+        for request in candidates:
             cells[request.request_id] = self._state(request).cell(self.config, request.all_token_ids)
         width = self.controller.decide(cells.values())
         scheduler.dynamic_sd_lookup = self.tables[width]
         self._cells = cells
         if cells:
             self.steps_by_width[width] += 1
+            if self.log is not None:
+                self.log.decision(self.decisions, width, [(r.request_id, self.features[r.request_id].ladder.length,
+                                                           cells[r.request_id]) for r in candidates])
+            self.decisions += 1
 
     def after_schedule(self, scheduler_output: Any) -> None:
         """The step just scheduled verifies the width fixed at the previous call that scheduled a step: keep that
@@ -127,8 +154,8 @@ class SchedulerGoodput:
             return
         if len(self._pending) >= PENDING_LIMIT:
             self._pending.pop(next(iter(self._pending)))
-        self._pending[id(scheduler_output)] = (scheduler_output, self._last)
-        self._last = self._cells
+        self._pending[id(scheduler_output)] = (scheduler_output, *self._last)
+        self._last = (self.decisions - 1 if self._cells else -1, self._cells)
 
     def observe(self, scheduler: Any, scheduler_output: Any, runner_output: Any) -> None:
         """A step's outcome, as vLLM's scheduler is about to process it: per verifying request, drafts verified and
@@ -137,9 +164,10 @@ class SchedulerGoodput:
         entry = self._pending.pop(id(scheduler_output), None)
         if entry is None or entry[0] is not scheduler_output:
             return
-        cells = entry[1]
+        _, call, cells = entry
         sampled = runner_output.sampled_token_ids
         index = runner_output.req_id_to_index
+        seen = []
         for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
             request = scheduler.requests.get(rid)
             at = index.get(rid)
@@ -151,11 +179,14 @@ class SchedulerGoodput:
             state = self.features.get(rid)
             if state is not None:
                 state.last_accepted = accepted
+            seen.append((rid, len(drafts), accepted))
+        if self.log is not None and seen:
+            self.log.outcomes(call, self.decisions, seen)
 
     def forget(self, request_id: str) -> None:
         """vLLM frees the request: drop its features."""
         self.features.pop(request_id, None)
 
 
-__all__ = ["SchedulerGoodput", "captured", "check_knob", "plain_steps", "speculator_table", "standalone_table",
-           "PENDING_LIMIT"]
+__all__ = ["SchedulerGoodput", "captured", "record_header", "check_knob", "plain_steps", "speculator_table",
+           "standalone_table", "PENDING_LIMIT"]

@@ -17,6 +17,7 @@ test_vllm_lifecycle.py runs the fused speculator itself under the widths the con
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -25,6 +26,8 @@ pytest.importorskip("vllm", reason="the vllm extra is not installed (make setup-
 from hqlab.config import ConfigError  # noqa: E402
 from hqlab.engines.vllm import gpu_fused, gpu_lookup, plugin  # noqa: E402
 from hqlab.engines.vllm.goodput import SchedulerGoodput  # noqa: E402
+from hqlab.engines.vllm.goodput_record import RECORD_ENV  # noqa: E402
+from hqlab.replay.goodput_served import record_frame, replay_served, rerun_rule  # noqa: E402
 from hqlab.engines.vllm.cpu_scheduler import cpu_async_scheduler, drive  # noqa: E402
 from hqlab.replay.goodput import Policy, TraceTables, captured_widths, replay_engine  # noqa: E402
 from hqlab.replay.traces import load_traces  # noqa: E402
@@ -52,20 +55,22 @@ def scheduler_for(spec: str, max_len: int, max_num_seqs: int):
                                batched_tokens=max_len * max_num_seqs, blocks=16384)
 
 
-def serve(spec: str, traces, tables: TraceTables, concurrency: int):
+def serve(spec: str, traces, tables: TraceTables, concurrency: int, *, one_at_a_time: bool = False):
     """Serve `traces` (request i is trace i) through vLLM's scheduler with `concurrency` slots: per step the batch
     size and the width its verifying requests verified, and per request the width and tokens of each step whose
-    output counted."""
+    output counted. `one_at_a_time`: each request arrives once the one before it is done (as a client that waits
+    for each answer sends them), else all are queued at the start."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
     longest = max(len(t.prompt_ids) + len(t.output_ids) for t in traces)
     scheduler = scheduler_for(spec, longest + 64, concurrency)
-    for i, t in enumerate(traces):
-        scheduler.add_request(Request(request_id=str(i), prompt_token_ids=list(t.prompt_ids), pooling_params=None,
-                                      sampling_params=SamplingParams(max_tokens=len(t.output_ids), temperature=0,
-                                                                     ignore_eos=True)))
+    requests = [Request(request_id=str(i), prompt_token_ids=list(t.prompt_ids), pooling_params=None,
+                        sampling_params=SamplingParams(max_tokens=len(t.output_ids), temperature=0, ignore_eos=True))
+                for i, t in enumerate(traces)]
+    for request in [] if one_at_a_time else requests:
+        scheduler.add_request(request)
     accept = [tables.acceptance(t) for t in traces]
     pos = [0] * len(traces)
     batch, width = [], []
@@ -97,7 +102,10 @@ def serve(spec: str, traces, tables: TraceTables, concurrency: int):
         width.append(widths.pop() if widths else 0)
         assert decoding or width[-1] == 0
 
-    drive(scheduler, run, scheduled)
+    for request in requests if one_at_a_time else [None]:
+        if request is not None:
+            scheduler.add_request(request)
+        drive(scheduler, run, scheduled)
     assert pos == [len(t.output_ids) for t in traces]
     return scheduler, batch, width, request_widths, request_emitted
 
@@ -213,3 +221,122 @@ def test_gpu_fused_takes_the_knob_as_gpu_lookup_does(tmp_path):
     plain = scheduler_for(FUSED, 256, 4)
     assert gpu_fused.GpuFusedSpeculator(plain.vllm_config, "cpu").k_table[1:] == [15, 7, 7, 7]
     assert plugin._gate(plain) is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the decisions record a served hook writes (HQLAB_GOODPUT_RECORD), checked as a served run's is
+
+
+def recorded(spec: str, traces, concurrency: int, path: Path, monkeypatch, *, one_at_a_time: bool = False):
+    """Serve `traces` through vLLM's scheduler with the record asked for by its environment variable, as the serve
+    benchmark asks a server: (the hook, the record's header, its rows)."""
+    monkeypatch.setenv(RECORD_ENV, str(path))
+    _, lookup = configs_of(spec)
+    scheduler = serve(spec, traces, TraceTables(lookup), concurrency, one_at_a_time=one_at_a_time)[0]
+    hook = plugin._gate(scheduler)
+    hook.log.close()
+    header, frame = record_frame(path)
+    return hook, header, frame
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_a_served_record_is_decided_again_by_the_rule(traces, steep_costs, tmp_path, monkeypatch, concurrency):
+    import polars as pl
+
+    hook, header, frame = recorded(f"{LOOKUP},goodput={steep_costs}", traces, concurrency, tmp_path / "r.bin",
+                                   monkeypatch)
+    check = rerun_rule(frame, header)
+    assert check.ok, check
+    assert check.decisions == hook.decisions == sum(hook.steps_by_width.values())
+    assert check.outcomes == hook.controller.calibration.observed > 0
+    assert set(check.widths) == {0, 7, 15} and header["widths"] == [0, 7, 15]
+    assert sorted(frame["request_id"].unique()) == sorted(str(i) for i in range(len(traces)))
+    assert frame.group_by("decision").len()["len"].max() == concurrency
+    # planted: one call's recorded width is not the one the rule fixes
+    call, width = frame.filter(pl.col("decision") > 20).row(0)[:2]
+    tampered = frame.with_columns(pl.when(pl.col("decision") == call).then(7 if width != 7 else 15)
+                                  .otherwise(pl.col("width")).alias("width"))
+    found = rerun_rule(tampered, header)
+    assert not found.ok and found.first_mismatch[0] == call and found.width_mismatches == 1
+    # planted: a controller that priced its steps with other costs than its record says
+    assert rerun_rule(frame, {**header, "costs": DEFAULT_STEP_COSTS.to_dict()}).width_mismatches > 0
+    # planted: a request's recent acceptance that is not its last outcome's
+    wrong = frame.with_columns(pl.when(pl.col("decision") == call).then(pl.col("accept") + 1)
+                               .otherwise(pl.col("accept")).alias("accept"))
+    assert rerun_rule(wrong, header).accept_mismatches == frame.filter(pl.col("decision") == call).height
+    # a server killed mid-write leaves a file cut inside an event: its whole events are the run's first calls
+    cut = tmp_path / "cut.bin"
+    cut.write_bytes((tmp_path / "r.bin").read_bytes()[:-37])
+    header_cut, first = record_frame(cut)
+    assert header_cut["truncated"] and not header["truncated"] and 0 < first.height < frame.height
+    assert rerun_rule(first, header_cut).ok
+
+
+def credits_the_next_call(self, scheduler_output) -> None:
+    """The planted hook bug: a step's outcome credited to the cells of the call that scheduled it (which fixed the
+    next step's width), not of the call before, whose width the step verifies."""
+    if scheduler_output.total_num_scheduled_tokens == 0:
+        return
+    self._last = (self.decisions - 1 if self._cells else -1, self._cells)
+    self._pending[id(scheduler_output)] = (scheduler_output, *self._last)
+
+
+def test_the_replay_predicts_a_served_record_of_requests_answered_one_at_a_time(traces, steep_costs, tmp_path,
+                                                                                 monkeypatch):
+    spec = f"{LOOKUP},goodput={steep_costs}"
+    hook, header, frame = recorded(spec, traces, 1, tmp_path / "r.bin", monkeypatch, one_at_a_time=True)
+    check = replay_served(frame, header, traces)
+    assert check.ok and check.decisions == hook.decisions and check.outcomes > 0, check
+    assert rerun_rule(frame, header).ok
+    opening = replay_served(frame, header, traces[:2])  # the requests a server answered first, the rest unknown
+    assert opening.ok and 0 < opening.decisions < check.decisions
+    from hqlab.config import ConfigError
+
+    with pytest.raises(ConfigError, match="answered first"):
+        replay_served(frame, header, traces[1:])
+    monkeypatch.setattr(SchedulerGoodput, "after_schedule", credits_the_next_call)
+    _, header, frame = recorded(spec, traces, 1, tmp_path / "planted.bin", monkeypatch, one_at_a_time=True)
+    assert not replay_served(frame, header, traces).ok
+    assert rerun_rule(frame, header).drafted_mismatches > 0
+
+
+def test_a_runs_records_collected_on_the_host_are_checked_server_by_server(traces, steep_costs, tmp_path,
+                                                                            monkeypatch):
+    """What the serve benchmark does with the records (`serve_servers.collect` on the GPU host, `check_run` at
+    finish): one parquet file, one check per server, a server that recorded nothing absent."""
+    import polars as pl
+
+    from hqlab.bench import serve_servers
+    from hqlab.replay.goodput_served import check_run
+
+    spec = f"{LOOKUP},goodput={steep_costs}"
+    served = serve_servers.servers(SimpleNamespace(config=["none", spec], decisions=[spec], sample_prefix_off=[spec],
+                                                   planted=[spec]))
+    assert [s.record for s in served] == [False, True, True, False]
+    for n, concurrency in ((1, 3), (2, 1)):
+        recorded(spec, traces, concurrency, serve_servers.record_path(tmp_path, n), monkeypatch)
+    frame = pl.read_parquet(serve_servers.collect(served, tmp_path, "t"))
+    table = check_run(frame)
+    assert table["config"].to_list() == [spec, f"{spec} [prefix caching off]"]
+    assert table["same_widths"].all() and (table["decisions"] > 0).all() and not table["truncated"].any()
+    assert frame.filter(pl.col("drafted").is_null()).height > 0  # prefills and width-0 calls verify nothing
+
+
+def test_a_runs_greedy_chat_requests_replay_to_its_recorded_opening(tmp_path, monkeypatch):
+    """`serve_servers.replay_greedy` as `finish`'s reader uses it: the serve benchmark's three greedy chat prompts
+    (through the 1.5B's chat template), answered one at a time, their token ids from the run's greedy row."""
+    import polars as pl
+
+    from hqlab.bench import serve_servers
+
+    chat = [t for t in load_traces(RESULTS / "traces" / "1.5b_prose_chat_256" / "traces.parquet")
+            if t.category == "chat"][:3]
+    spec = f"{LOOKUP},goodput=default"
+    served = [serve_servers.Served(spec, spec, record=True)]
+    recorded(spec, chat, 1, serve_servers.record_path(tmp_path, 0), monkeypatch, one_at_a_time=True)
+    decisions = pl.read_parquet(serve_servers.collect(served, tmp_path, "t"))
+    greedy = pl.DataFrame({"config": [spec], "token_ids": [[list(t.output_ids) for t in chat]]})
+    found = serve_servers.replay_greedy(decisions, greedy, max_tokens=256)
+    assert list(found) == [spec] and found[spec].ok and found[spec].decisions > 100
+    wrong = pl.DataFrame({"config": [spec], "token_ids": [[list(t.output_ids[:-9]) for t in chat]]})
+    assert not serve_servers.replay_greedy(decisions, wrong, max_tokens=256)[spec].ok  # outputs not the served ones
