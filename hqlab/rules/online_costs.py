@@ -68,13 +68,13 @@ def costs_for(name: str) -> "StepCosts | OnlineCosts":
 
 @dataclass(frozen=True)
 class OnlineConfig:
-    """window: intervals kept per (width, batch) cell, the newest (its value is their median); min_samples: a cell
-    counts once it has seen this many; prior_weight: samples the prior weighs against a width's (and each scale's)
+    """window: intervals kept per (width, batch) cell, the newest (its value is their median); min_samples: a width's
+    cells count once it has been timed this many times, at any batch sizes; prior_weight: samples the prior weighs against a width's (and each scale's)
     measurements; floor: a cost never falls below this fraction of the scaled prior."""
 
     window: int = 32
     min_samples: int = 4
-    prior_weight: float = 8.0
+    prior_weight: float = 4.0
     floor: float = 0.25
 
     def __post_init__(self) -> None:
@@ -165,15 +165,22 @@ class OnlineCosts:
         self._fit = None
         return True
 
+    def timed(self, width: int) -> int:
+        """Decode steps timed at `width`, every batch size."""
+        return sum(n for (w, _), n in self.counts.items() if w == width)
+
     def counted(self) -> list[tuple[int, int, int, float]]:
-        """(width, batch, samples, median ms) of every cell with `min_samples`, in a fixed order."""
+        """(width, batch, samples, median ms) of every cell of the widths timed `min_samples` times, in a fixed
+        order."""
         least = self.config.min_samples
-        return [(w, b, n, self._medians[(w, b)] / 1000) for (w, b), n in sorted(self.counts.items()) if n >= least]
+        return [(w, b, n, self._medians[(w, b)] / 1000) for (w, b), n in sorted(self.counts.items())
+                if self.timed(w) >= least]
 
     def wanted(self, widths: Sequence[int]) -> int | None:
-        """Among `widths`, the narrowest with no counted cell (None: every one is measured)."""
-        have = {w for w, _, _, _ in self.counted()}
-        return next((w for w in sorted(widths) if w not in have), None)
+        """0 while plain steps are among `widths` and timed fewer than `min_samples` times, else None. Only the
+        plain step is asked for: a wide width never chosen is priced by the excess the measured ones show, and a
+        controller that stays plain verifies a wide width every `explore_every` steps anyway."""
+        return 0 if 0 in widths and self.timed(0) < self.config.min_samples else None
 
     def measured(self, batch: int) -> bool:
         return self.prior.measured(batch) or any(b == batch for _, b, _, _ in self.counted())
