@@ -26,7 +26,9 @@ from hqlab.config import ConfigError  # noqa: E402
 from hqlab.engines.vllm import gpu_fused, gpu_lookup, plugin  # noqa: E402
 from hqlab.engines.vllm.goodput import SchedulerGoodput  # noqa: E402
 from hqlab.engines.vllm.cpu_scheduler import cpu_async_scheduler, drive  # noqa: E402
-from hqlab.replay.goodput import Policy, TraceTables, captured_widths, replay_engine  # noqa: E402
+from hqlab.replay.goodput import (Policy, TraceTables, captured_widths, dearer_widths, replay_engine,  # noqa: E402
+                                  timed)
+from hqlab.rules.online_costs import OnlineCosts  # noqa: E402
 from hqlab.replay.traces import load_traces  # noqa: E402
 from hqlab.rules.goodput import DEFAULT_STEP_COSTS, GoodputConfig, StepCosts  # noqa: E402
 
@@ -52,16 +54,21 @@ def scheduler_for(spec: str, max_len: int, max_num_seqs: int):
                                batched_tokens=max_len * max_num_seqs, blocks=16384)
 
 
-def serve(spec: str, traces, tables: TraceTables, concurrency: int):
+def serve(spec: str, traces, tables: TraceTables, concurrency: int, step_ms=None, log: dict | None = None):
     """Serve `traces` (request i is trace i) through vLLM's scheduler with `concurrency` slots: per step the batch
     size and the width its verifying requests verified, and per request the width and tokens of each step whose
-    output counted."""
+    output counted. With `step_ms(step index, batch, width, prompts admitted)`, the engine core's clock, as the hook
+    reads it, moves on by that much as each step runs (the worker's time); `log` then gets, per step, the ms fed,
+    how many steps had been processed when it was scheduled, and whether it admitted no prompt."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
     longest = max(len(t.prompt_ids) + len(t.output_ids) for t in traces)
     scheduler = scheduler_for(spec, longest + 64, concurrency)
+    now, fed, at_schedule, decode = [0], [], [], []
+    if step_ms is not None:
+        plugin._gate(scheduler).clock = lambda: now[0]  # the only stand-in: the host's clock
     for i, t in enumerate(traces):
         scheduler.add_request(Request(request_id=str(i), prompt_token_ids=list(t.prompt_ids), pooling_params=None,
                                       sampling_params=SamplingParams(max_tokens=len(t.output_ids), temperature=0,
@@ -73,6 +80,10 @@ def serve(spec: str, traces, tables: TraceTables, concurrency: int):
 
     def run(step) -> ModelRunnerOutput:  # the worker
         ids = list(step.num_scheduled_tokens)
+        if step_ms is not None:
+            widths = [len(v) for v in step.scheduled_spec_decode_tokens.values()]
+            fed.append(step_ms(len(fed), len(ids), max(widths, default=0), len(step.scheduled_new_reqs)))
+            now[0] += round(fed[-1] * 1e6)
         sampled = []
         for rid in ids:
             r = int(rid)
@@ -96,9 +107,13 @@ def serve(spec: str, traces, tables: TraceTables, concurrency: int):
         decoding = len(step.num_scheduled_tokens) > len(step.scheduled_new_reqs)
         width.append(widths.pop() if widths else 0)
         assert decoding or width[-1] == 0
+        at_schedule.append(len(fed))
+        decode.append(not step.scheduled_new_reqs)
 
     drive(scheduler, run, scheduled)
     assert pos == [len(t.output_ids) for t in traces]
+    if log is not None:
+        log.update(fed=fed, at_schedule=at_schedule, decode=decode)
     return scheduler, batch, width, request_widths, request_emitted
 
 
@@ -213,3 +228,40 @@ def test_gpu_fused_takes_the_knob_as_gpu_lookup_does(tmp_path):
     plain = scheduler_for(FUSED, 256, 4)
     assert gpu_fused.GpuFusedSpeculator(plain.vllm_config, "cpu").k_table[1:] == [15, 7, 7, 7]
     assert plugin._gate(plain) is None
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_online_costs_time_the_intervals_vllm_processes_and_decide_as_the_replay(traces, concurrency):
+    """goodput=online on vLLM's scheduler, its clock moved on by each step's time on a host whose wide steps cost
+    four times the default grid's excess (5 % noise, prompts 20 ms dearer): the hook times exactly the decode steps
+    scheduled before the previous step's output was processed, with the intervals fed; the replay fed the same
+    times measures the same cells and fixes the same widths; and those widths are not the prior's."""
+    truth = dearer_widths(DEFAULT_STEP_COSTS, 4.0)
+    step_ms = timed(truth, noise=0.05, seed=concurrency)
+    config, lookup = configs_of(LOOKUP)
+    tables = TraceTables(lookup)
+    log: dict = {}
+    scheduler, batch, width, request_widths, _ = serve(f"{LOOKUP},goodput=online", traces, tables, concurrency,
+                                                       step_ms=step_ms, log=log)
+    hook = plugin._gate(scheduler)
+    costs = hook.controller.costs
+    assert isinstance(costs, OnlineCosts) and costs.prior is DEFAULT_STEP_COSTS
+
+    expected: dict = {}  # the timing rule, restated: step i's interval counts if i was queued behind step i - 1
+    for i, ms in enumerate(log["fed"]):
+        if i >= 1 and log["at_schedule"][i] < i and log["decode"][i]:
+            expected.setdefault((width[i], batch[i]), []).append(round(round(ms * 1e6) / 1e6 * 1000))
+    assert costs.counts == {cell: len(v) for cell, v in expected.items()}
+    assert costs.samples == {cell: v[-costs.config.window:] for cell, v in expected.items()}
+    assert costs.prompt_steps == sum(1 for i in range(1, len(batch)) if log["at_schedule"][i] < i
+                                     and not log["decode"][i]) > 0
+
+    policy = Policy.controller(captured_widths(config.batch_k, config.k))
+    replayed = replay_engine(traces, lookup, policy, concurrency=concurrency, costs=OnlineCosts(DEFAULT_STEP_COSTS),
+                             tables=tables, step_ms=log["fed"])
+    assert (batch, width, request_widths) == (replayed.batch, replayed.width, replayed.request_widths)
+    assert replayed.costs.samples == costs.samples and replayed.costs.counts == costs.counts
+    assert hook.controller.priced == replayed.decisions[-1].priced
+    prior_only = replay_engine(traces, lookup, policy, concurrency=concurrency, costs=DEFAULT_STEP_COSTS, tables=tables)
+    assert width != prior_only.width  # the measured costs changed decisions
+    assert costs.scales()[1] > 2  # the excess learnt: four times the grid's, shrunk by the prior
