@@ -69,8 +69,9 @@ def costs_for(name: str) -> "StepCosts | OnlineCosts":
 @dataclass(frozen=True)
 class OnlineConfig:
     """window: intervals kept per (width, batch) cell, the newest (its value is their median); min_samples: a width's
-    cells count once it has been timed this many times, at any batch sizes; prior_weight: samples the prior weighs against a width's (and each scale's)
-    measurements; floor: a cost never falls below this fraction of the scaled prior."""
+    cells count once it has been timed this many times, at any batch sizes; prior_weight: samples the prior weighs
+    against a width's (and each scale's) measurements; floor: a cost never falls below this fraction of the scaled
+    prior."""
 
     window: int = 32
     min_samples: int = 4
