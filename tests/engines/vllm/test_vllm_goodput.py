@@ -265,3 +265,8 @@ def test_online_costs_time_the_intervals_vllm_processes_and_decide_as_the_replay
     prior_only = replay_engine(traces, lookup, policy, concurrency=concurrency, costs=DEFAULT_STEP_COSTS, tables=tables)
     assert width != prior_only.width  # the measured costs changed decisions
     assert costs.scales()[1] > 2  # the excess learnt: four times the grid's, shrunk by the prior
+    from types import SimpleNamespace
+
+    read = plugin.goodput_costs(SimpleNamespace(scheduler=scheduler))  # what a client reads of the engine core
+    assert StepCosts.from_dict(read) == costs.table() and read["gx"] == costs.scales()[1]
+    assert plugin.goodput_costs(SimpleNamespace(scheduler=scheduler_for(f"{LOOKUP},goodput=default", 256, 4))) is None
