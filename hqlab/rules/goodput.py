@@ -46,6 +46,9 @@ with a request in a cell never verified verifies too (`explore_new_cells`), so t
 copy starting after prose) is not judged by the pool of all the others. Without either, with wide steps dear, the
 replay of the 1.5B's prose and chat stopped speculating for good (tests/replay/test_goodput.py, docs/goodput.md).
 
+The step costs are a fixed table (`StepCosts`) or measured by the server as it runs (`hqlab.rules.online_costs`,
+`goodput=online`); a decision prices its step once (`GoodputController.priced`, what a record of it carries).
+
 Pure, typed, deterministic; no vLLM import, no numpy in the decision path (the hook runs it every step).
 """
 
