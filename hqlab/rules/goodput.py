@@ -196,13 +196,17 @@ def step_costs(name: str) -> StepCosts:
     return StepCosts.from_json(name)
 
 
-class CostModel(Protocol):
+class Prices(Protocol):
+    """What `choose_width` reads: ms per step by batch size and width."""
+
+    def at(self, batch: int, width: int) -> float: ...
+
+
+class CostModel(Prices, Protocol):
     """What the controller prices steps with: a fixed `StepCosts`, or costs measured by the server
     (`hqlab.rules.online_costs.OnlineCosts`), which may ask for a width to be measured (`wanted`)."""
 
     widths: tuple[int, ...]
-
-    def at(self, batch: int, width: int) -> float: ...
 
     def wanted(self, widths: Sequence[int]) -> int | None: ...
 
@@ -395,7 +399,7 @@ class Calibration:
         return found
 
 
-def choose_width(counts: Mapping[Cell, int], calibration: Calibration, widths: Sequence[int], costs: StepCosts,
+def choose_width(counts: Mapping[Cell, int], calibration: Calibration, widths: Sequence[int], costs: Prices,
                  batch: int | None = None) -> int:
     """The width among `widths` that maximises expected emitted tokens per ms for a step whose requests fall in the
     cells `counts` (cell -> requests), priced at `batch` requests (default: the requests counted). Ties go to the
@@ -413,6 +417,18 @@ def choose_width(counts: Mapping[Cell, int], calibration: Calibration, widths: S
         if rate > best_rate:
             best, best_rate = w, rate
     return best
+
+
+class _Priced:
+    """One decision's prices by width (`GoodputController.priced`), as `choose_width` reads step costs."""
+
+    __slots__ = ("ms",)
+
+    def __init__(self, ms: dict[int, float]) -> None:
+        self.ms = ms
+
+    def at(self, batch: int, width: int) -> float:
+        return self.ms[width]
 
 
 @dataclass
@@ -451,7 +467,7 @@ class GoodputController:
             return 0
         batch = sum(counts.values())
         self.priced = tuple(self.costs.at(batch, w) for w in self.widths)
-        costs = StepCosts((batch,), self.widths, (self.priced,))  # the same numbers, priced once
+        costs = _Priced(dict(zip(self.widths, self.priced)))  # the same numbers, priced once
         width = choose_width(counts, self.calibration, self.widths, costs)
         if width > 0:
             self.plain_run = 0

@@ -135,6 +135,7 @@ class OnlineCosts:
         self.batches = prior.batches
         self.samples: dict[tuple[int, int], list[int]] = {}  # (width, batch) -> newest intervals (us), oldest first
         self.counts: dict[tuple[int, int], int] = {}  # (width, batch) -> intervals ever seen
+        self._timed: dict[int, int] = {}  # width -> intervals ever seen, every batch
         self._medians: dict[tuple[int, int], int] = {}
         self._base: dict[tuple[int, int], tuple[float, float]] = {}  # (width, batch) -> (p(b, 0), X(b, w))
         self.prompt_steps = 0  # steps with prompt tokens: timed, not fitted
@@ -159,6 +160,7 @@ class OnlineCosts:
         if len(window) > self.config.window:
             del window[0]
         self.counts[key] = self.counts.get(key, 0) + 1
+        self._timed[width] = self._timed.get(width, 0) + 1
         self._medians[key] = sorted(window)[(len(window) - 1) // 2]
         if key not in self._base:
             plain = self.prior.at(batch, 0)
@@ -168,7 +170,7 @@ class OnlineCosts:
 
     def timed(self, width: int) -> int:
         """Decode steps timed at `width`, every batch size."""
-        return sum(n for (w, _), n in self.counts.items() if w == width)
+        return self._timed.get(width, 0)
 
     def counted(self) -> list[tuple[int, int, int, float]]:
         """(width, batch, samples, median ms) of every cell of the widths timed `min_samples` times, in a fixed
