@@ -19,7 +19,8 @@ A step that admits prompts or continues one (`decode_only` false) is timed but p
 far more than a decode step of its batch, and the controller prices decode steps; such steps are counted, not fitted.
 
 The model (`OnlineCosts`). Intervals are kept as integer microseconds in cells (width, batch size): the last `window`
-of each, whose median is the cell's value, and how many were ever seen. A cell counts once it has `min_samples`.
+of each, whose median is the cell's value, and how many were ever seen. A width's cells count once it has been timed
+`min_samples` times, at any batch sizes.
 Writing p(b, w) for the prior, X(b, w) = p(b, w) - p(b, 0) for its excess over a plain step and K for
 `prior_weight` (samples the prior weighs):
 1. The prior's error, in two numbers. g0 = the counted plain cells' summed medians over the prior's (each weighted
@@ -33,10 +34,11 @@ Writing p(b, w) for the prior, X(b, w) = p(b, w) - p(b, 0) for its excess over a
    samples, give a line a + s (b - centre) with a = N mean(e) / (N + K) (the offset shrunk towards the scaled prior
    until N outweighs K) and s their weighted slope ridged by K (a slope from batches close together stays near the
    prior's). A width's cost is pi(b, w) + a + s (b - centre), at least `floor` pi(b, w).
-Noise: a cell is a median (one interval moves it by one rank), enters only with `min_samples`, and every fit is
-shrunk by K. The feedback loop (a width never chosen is never measured) is closed in the controller: while a
-candidate width has no counted cell, one decision in every `explore_every` verifies it (`wanted`,
-`GoodputController`), and the controller's exploration steps are timed as any other step.
+Noise: a cell is a median (one interval moves it by one rank), a width counts only once timed `min_samples` times,
+and every fit is shrunk by K. The feedback loop (a width never chosen is never measured) is closed in the
+controller: its exploration steps (a wide step after `explore_every` plain ones) are timed as any other step, and
+while plain steps are timed fewer than `min_samples` times one decision in every `explore_every` is plain (`wanted`,
+`GoodputController._probe`).
 
 Integer counts and microseconds, updated in processing order: the replay (`hqlab.replay.goodput`) fed the same
 intervals reproduces every price and every decision. The clock is read only by the engine-side hook

@@ -99,14 +99,16 @@ class SchedulerGoodput:
         self.features: dict[str, RequestFeatures] = {}
         self._cells: dict[str, Cell] = {}  # cells of this call's candidates: they fix the next step's width
         self._last: dict[str, Cell] = {}  # cells that fixed the width of the step the next schedule() makes
-        self._pending: dict[int, tuple[Any, dict[str, Cell]]] = {}  # id(scheduler output) -> (it, its cells)
+        # id(scheduler output) -> (it, its cells, its timer ticket)
+        self._pending: dict[int, tuple[Any, dict[str, Cell], tuple[int, int]]] = {}
         self.steps_by_width = {w: 0 for w in self.widths}  # plain counters: widths fixed so far
         self.timer, self.clock = StepTimer(), time.monotonic_ns  # online costs' clock (ns)
 
     @classmethod
     def from_spec(cls, name: str, table: list[int], vllm_config: Any) -> "SchedulerGoodput":
-        """The hook of a `goodput=NAME` knob for vLLM's width table `table`: the default step costs or a StepCosts
-        JSON file, default settings, the widths vLLM captured graphs for."""
+        """The hook of a `goodput=NAME` knob for vLLM's width table `table`: the default step costs, a StepCosts
+        JSON file, or costs measured online from either (`costs_for`), default settings, the widths vLLM captured
+        graphs for."""
         return cls(GoodputConfig(), costs_for(name), table, captured(vllm_config))
 
     def _state(self, request: Any) -> RequestFeatures:
