@@ -9,7 +9,8 @@ scheduling, all requests queued, at most `concurrency` running). Each point runs
 requests, cycling through the workload's traces; at one request every trace once). Step costs: the committed
 step-cost grid, H100 (`hqlab.rules.goodput.DEFAULT_STEP_COSTS`; batches above 8 extrapolated), and what-if costs
 with each width's excess over a plain step doubled and quadrupled (`dearer_widths`: the served range of
-docs/serving.md). The controller decides with the costs it is priced with.
+docs/serving.md). The controller decides with the costs it is priced with; where wide steps cost more than the grid
+says, also with the grid and measuring its own steps from it (goodput=online, `rg.compare_online`), priced alike.
 """
 
 from __future__ import annotations
@@ -55,13 +56,18 @@ def main(argv: list[str] | None = None) -> int:
             for load in LOADS:
                 frame = rg.compare(traces, lookup, costs, concurrency=load, batch_k_value=spec.batch_k,
                                    workload=name, waves=args.waves, tables=tables)
+                if factor > 1:  # the controller priced with the grid, and measuring its own steps from it
+                    online = rg.compare_online(traces, lookup, DEFAULT_STEP_COSTS, costs, tables=tables, workload=name,
+                                               concurrency=load, batch_k_value=spec.batch_k, waves=args.waves)
+                    frame = pl.concat([frame, online.filter(pl.col("policy").str.contains("prior|online"))],
+                                      how="diagonal")
                 frames.append(frame.with_columns(pl.lit(factor).alias("width_cost_factor"),
                                                  pl.lit(costs.source).alias("step_costs")))
                 row = frame.filter(pl.col("policy") == "goodput").row(0, named=True)
                 print(f"x{factor:g} {name:5s} {load:3d}: goodput {row['speedup']:.3f}x none, "
                       f"{row['vs_best_fixed']:.4f}x best fixed", flush=True)
-    out = pl.concat(frames).with_columns(pl.lit(SPEC).alias("spec"),
-                                         pl.lit(provenance.git_commit()).alias("git_commit"))
+    out = pl.concat(frames, how="diagonal").with_columns(pl.lit(SPEC).alias("spec"),
+                                                         pl.lit(provenance.git_commit()).alias("git_commit"))
     folder = results.write_run("goodput_replay", "cpu", card="cpu", tables={"rows": out}, root=args.results,
                                info={"commit": provenance.git_commit(), "command": results.command_line(),
                                      "benchmark": "benchmarks/goodput_replay.py"})

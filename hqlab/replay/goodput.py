@@ -21,13 +21,20 @@ tests/engines/vllm/test_vllm_goodput.py drives vLLM's own AsyncScheduler and che
 as decode steps: their prompt's compute is the same in every config and is left out). `compare` prices the
 controller against `none` (every step plain), every fixed width and a `batch_k` table on the same requests.
 `step_costs_from_grid` builds `StepCosts` from the committed vLLM step-cost grid (`hqlab.replay.scale`'s format).
+
+Costs measured online (`hqlab.rules.online_costs`): given the time each step took (`step_ms`: a sequence, one per
+step in schedule order, or a function of the step; `timed` prices a `StepCosts` "truth" with deterministic noise),
+the replay plays the engine core's clock, reading it where the vLLM hook does (as each step's output is processed),
+so a controller whose costs are an `OnlineCosts` measures what a server would and decides as it would.
+`compare_online` prices controllers that decide with a prior, with costs measured online from it, and with the
+truth, all with the truth.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence, Union
 
 import numpy as np
 import polars as pl
@@ -35,10 +42,13 @@ import polars as pl
 from hqlab.config import ConfigError, LookupConfig, require
 from hqlab.engines.vllm import batch_k
 from hqlab.replay.traces import Trace
-from hqlab.rules.goodput import Cell, GoodputConfig, GoodputController, MatchLadder, StepCosts
+from hqlab.rules.goodput import Cell, CostModel, GoodputConfig, GoodputController, MatchLadder, StepCosts
 from hqlab.rules.lookup import suffix_match
+from hqlab.rules.online_costs import OnlineCosts, StepTimer
 
 POLICIES = ("none", "fixed", "table", "goodput")
+# what each step took, ms: one per step in schedule order, or f(step index, batch, width, prompts admitted)
+StepMs = Union[Sequence[float], Callable[[int, int, int, int], float]]
 
 
 def lookup_acceptance(trace: Trace, lookup: LookupConfig) -> np.ndarray:
@@ -149,6 +159,7 @@ class Decision:
     index: int
     counts: dict[Cell, int]
     width: int
+    priced: tuple[float, ...] = ()  # ms per candidate width the decision priced its step at
 
 
 @dataclass
@@ -170,6 +181,7 @@ class EngineRun:
     request_emitted: list[list[int]] = field(default_factory=list)
     decisions: list[Decision] = field(default_factory=list)
     outcomes: list[tuple[int, Cell, int, int]] = field(default_factory=list)
+    costs: CostModel | None = None  # the controller's costs at the end (an OnlineCosts: what it measured)
 
     @property
     def tokens(self) -> int:
@@ -193,10 +205,12 @@ def _fixes(policy: Policy, table: list[int] | None, controller: GoodputControlle
 
 
 def replay_engine(traces: Sequence[Trace], lookup: LookupConfig, policy: Policy, *, concurrency: int,
-                  costs: StepCosts | None = None, tables: TraceTables | None = None) -> EngineRun:
+                  costs: StepCosts | OnlineCosts | None = None, tables: TraceTables | None = None,
+                  step_ms: StepMs | None = None) -> EngineRun:
     """The steps of `traces` (one request each, queued in order) served by vLLM's engine core under `policy`, at
-    most `concurrency` at once. `costs` are the controller's step costs (needed for `goodput`); `tables` what the
-    replay reads of each trace, when the caller keeps them across replays.
+    most `concurrency` at once. `costs` are the controller's step costs (needed for `goodput`; an `OnlineCosts`
+    starts afresh from its prior and measures `step_ms`, what each step took); `tables` what the replay reads of
+    each trace, when the caller keeps them across replays.
 
     The controller reads each request's history as the scheduler has it, `GoodputConfig.behind` steps old: 3 is
     vLLM's asynchronous scheduling; 2 and 1 let it read the output of the step in flight, and of the step being
@@ -213,9 +227,30 @@ def replay_engine(traces: Sequence[Trace], lookup: LookupConfig, policy: Policy,
         assert policy.goodput is not None and costs is not None
         require(policy.goodput.behind <= 3, f"the replay models vLLM's asynchronous scheduling, 3 steps behind at "
                                             f"most (got behind={policy.goodput.behind})")
+        if isinstance(costs, OnlineCosts):
+            require(step_ms is not None, "costs measured online need the time each step took (step_ms)")
+            costs = OnlineCosts(costs.prior, costs.config)
         controller = GoodputController(policy.goodput, policy.widths, costs)
     table = batch_k.dense(batch_k.parse(policy.table, lookup.k), concurrency, lookup.k) if policy.table else None
-    return _EngineLoop(traces, tables, policy, concurrency, controller, table).run()
+    loop = _EngineLoop(traces, tables, policy, concurrency, controller, table)
+    if step_ms is not None:
+        loop.clock = _Clock(step_ms)
+    return loop.run()
+
+
+class _Clock:
+    """The engine core's monotonic clock (ns) as the vLLM hook reads it, as each step's output is processed: the
+    GPU runs the steps back to back, so it has moved on by the step's time; and which intervals count
+    (`StepTimer`)."""
+
+    def __init__(self, step_ms: StepMs) -> None:
+        self.step_ms, self.now_ns, self.timer = step_ms, 0, StepTimer()
+
+    def processed(self, ticket: tuple[int, int], index: int, batch: int, width: int, prompts: int) -> float | None:
+        ms = self.step_ms(index, batch, width, prompts) if callable(self.step_ms) else self.step_ms[index]
+        self.now_ns += round(ms * 1e6)
+        interval = self.timer.processed(ticket, self.now_ns)
+        return None if interval is None else interval / 1e6
 
 
 class _EngineLoop:
@@ -238,12 +273,14 @@ class _EngineLoop:
         # accepted)}, the cells that fixed its width)
         self.queue: deque = deque()
         self.next_width, self.last_cells = 0, {}
+        self.clock: _Clock | None = None
 
     def run(self) -> EngineRun:
         while self.waiting or self.running or self.queue:
             if (self.waiting or self.running) and self.schedule() and len(self.queue) < 2:
                 continue
             self.process(*self.queue.popleft())
+        self.out.costs = self.controller.costs if self.controller is not None else None
         return self.out
 
     def outcome(self, r: int, w: int) -> tuple[int, int]:
@@ -282,7 +319,7 @@ class _EngineLoop:
             counts: dict[Cell, int] = {}
             for c in cells.values():
                 counts[c] = counts.get(c, 0) + 1
-            self.out.decisions.append(Decision(len(self.out.decisions), counts, width))
+            self.out.decisions.append(Decision(len(self.out.decisions), counts, width, self.controller.priced))
         if not step:  # vLLM runs (and fixes the next width by) only steps with tokens to compute
             return False
         for _ in admitted:
@@ -294,13 +331,22 @@ class _EngineLoop:
         out.prefills.append(len(admitted))
         out.emitted.append(0)
         out.fixed.append(width)
-        self.queue.append((len(out.batch) - 1, step, self.last_cells))
+        ticket = self.clock.timer.scheduled() if self.clock is not None else (0, 0)
+        self.queue.append((len(out.batch) - 1, step, self.last_cells, ticket))
         self.next_width, self.last_cells = width, cells
         return True
 
-    def process(self, index: int, step: dict[int, tuple[int, int, int]], cells: dict[int, Cell]) -> None:
-        """The scheduler processes a step's output: tokens, the controller's outcomes, finished requests freed."""
+    def process(self, index: int, step: dict[int, tuple[int, int, int]], cells: dict[int, Cell],
+                ticket: tuple[int, int]) -> None:
+        """The scheduler processes a step's output: its time, tokens, the controller's outcomes, finished requests
+        freed."""
         out = self.out
+        if self.clock is not None:
+            args = (out.batch[index], out.width[index], out.prefills[index])
+            ms = self.clock.processed(ticket, index, *args)
+            costs = self.controller.costs if self.controller is not None else None
+            if ms is not None and isinstance(costs, OnlineCosts):
+                costs.observe(args[0], args[1], ms, args[2] == 0)
         for r, (w, emitted, accepted) in step.items():
             if emitted == 0:
                 continue
@@ -355,6 +401,60 @@ def compare(traces: Sequence[Trace], lookup: LookupConfig, costs: StepCosts, *, 
     return pl.DataFrame(rows)
 
 
+_MASK = (1 << 64) - 1
+
+
+def _unit(seed: int, index: int) -> float:
+    """A deterministic number in [-1, 1) for step `index` (splitmix64 of the seed and the index)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return (z ^ (z >> 31)) / 2 ** 63 - 1
+
+
+def timed(truth: StepCosts, *, noise: float = 0.05, seed: int = 0,
+          prompt_ms: float = 20.0) -> Callable[[int, int, int, int], float]:
+    """What each step takes on a host whose decode steps cost `truth` (a `step_ms` for `replay_engine`): its batch
+    and width's cost times 1 + `noise` u, u in [-1, 1) fixed by (seed, step index); each prompt a step admits adds
+    `prompt_ms` (prompts are timed apart from decode steps, and must not leak into their prices)."""
+    require(0 <= noise < 1, f"noise is a fraction of the step's cost in [0, 1) (got {noise})")
+
+    def step_ms(index: int, batch: int, width: int, prompts: int) -> float:
+        return truth.at(batch, width) * (1 + noise * _unit(seed, index)) + prompts * prompt_ms
+    return step_ms
+
+
+def compare_online(traces: Sequence[Trace], lookup: LookupConfig, prior: StepCosts, truth: StepCosts, *,
+                   concurrency: int, batch_k_value: str, config: GoodputConfig | None = None, waves: int = 10,
+                   workload: str = "", tables: TraceTables | None = None, noise: float = 0.05,
+                   seed: int = 0) -> pl.DataFrame:
+    """Costs measured online against a wrong prior: on the same requests, priced with `truth`, the controller
+    deciding with `prior` ("goodput prior"), measuring its steps from `prior` on (`OnlineCosts`, the steps taking
+    `timed(truth, noise=noise, seed=seed)`: "goodput online"), and deciding with `truth` ("goodput truth"), with
+    `none` and each captured width fixed. `speedup` is tok/s over none's, `vs_truth` over the truth-priced
+    controller's; the online row also holds its final plain and excess scales (g0, gx) and its probes."""
+    requests = requests_for(traces, max(len(traces), waves * concurrency))
+    tables = tables if tables is not None else TraceTables(lookup)
+    widths = captured_widths(batch_k_value, lookup.k)
+    controller = Policy.controller(widths, config)
+    runs = [("none", Policy.none(), None, None)] + [(f"fixed {w}", Policy.fixed(w), None, None) for w in widths
+                                                     if w > 0]
+    runs += [("goodput prior", controller, prior, None),
+             ("goodput online", controller, OnlineCosts(prior), timed(truth, noise=noise, seed=seed)),
+             ("goodput truth", controller, truth, None)]
+    rows = []
+    for label, policy, costs, step_ms in runs:
+        run = replay_engine(requests, lookup, policy, concurrency=concurrency, costs=costs, tables=tables,
+                            step_ms=step_ms)
+        g0, gx = run.costs.scales() if isinstance(run.costs, OnlineCosts) else (float("nan"), float("nan"))
+        rows.append({"workload": workload, "concurrency": concurrency, "requests": len(requests), "policy": label,
+                     **price(run, truth), "g0": g0, "gx": gx, "prior": prior.source, "truth": truth.source})
+    none, best = rows[0]["tok_s"], rows[-1]["tok_s"]
+    for row in rows:
+        row["speedup"], row["vs_truth"] = row["tok_s"] / none, row["tok_s"] / best
+    return pl.DataFrame(rows)
+
+
 def dearer_widths(costs: StepCosts, factor: float) -> StepCosts:
     """What-if step costs: each width's excess over a plain step of the same batch multiplied by `factor` (1 returns
     `costs` itself). A served speculative step cost 1.22-1.59x a plain one at one request (docs/serving.md) where
@@ -398,4 +498,5 @@ def step_costs_from_grid(grid: pl.DataFrame, shape: str, *, config: str = "gpu-l
 
 
 __all__ = ["lookup_acceptance", "ladder_buckets", "TraceTables", "Policy", "captured_widths", "Decision", "EngineRun",
-           "replay_engine", "price", "requests_for", "compare", "dearer_widths", "step_costs_from_grid", "POLICIES"]
+           "replay_engine", "price", "requests_for", "compare", "compare_online", "timed", "dearer_widths",
+           "step_costs_from_grid", "POLICIES", "StepMs"]

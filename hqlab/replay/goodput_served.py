@@ -53,6 +53,10 @@ def _controller(header: dict[str, Any]) -> tuple[GoodputController, GoodputConfi
     for key in ("widths", "costs", "config"):
         if key not in header:
             raise ConfigError(f"the decisions record's header lacks {key!r}: not written by the goodput hook")
+    if header.get("online"):
+        raise ConfigError("this record's controller measured its step costs online (goodput=online): its prices "
+                          "moved during the run and the record holds the prior only, so the rule cannot decide again "
+                          "from it; check a fixed-cost server's record (goodput=default or PATH.json)")
     config = GoodputConfig(**header["config"])
     costs = StepCosts.from_dict(header["costs"], where="the record's step costs")
     return GoodputController(config, tuple(header["widths"]), costs), config, costs

@@ -46,6 +46,9 @@ with a request in a cell never verified verifies too (`explore_new_cells`), so t
 copy starting after prose) is not judged by the pool of all the others. Without either, with wide steps dear, the
 replay of the 1.5B's prose and chat stopped speculating for good (tests/replay/test_goodput.py, docs/goodput.md).
 
+The step costs are a fixed table (`StepCosts`) or measured by the server as it runs (`hqlab.rules.online_costs`,
+`goodput=online`); a decision prices its step once (`GoodputController.priced`, what a record of it carries).
+
 Pure, typed, deterministic; no vLLM import, no numpy in the decision path (the hook runs it every step).
 """
 
@@ -56,7 +59,7 @@ import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 from hqlab.config import ConfigError, require
 from hqlab.rules.gate import ASYNC_BEHIND
@@ -102,6 +105,10 @@ class StepCosts:
     def measured(self, batch: int) -> bool:
         """Whether `batch` lies within the measured batch sizes (else its cost is extrapolated)."""
         return self.batches[0] <= batch <= self.batches[-1]
+
+    def wanted(self, widths: Sequence[int]) -> int | None:
+        """A fixed table wants no width measured (`hqlab.rules.online_costs.OnlineCosts.wanted` does)."""
+        return None
 
     def at(self, batch: int, width: int) -> float:
         """The cost (ms) of a step of `batch` requests verifying `width` drafts each."""
@@ -184,8 +191,24 @@ def step_costs(name: str) -> StepCosts:
     if name == "default":
         return DEFAULT_STEP_COSTS
     if not name.endswith(".json"):
-        raise ConfigError(f"goodput={name!r}: write goodput=default or goodput=PATH.json (a StepCosts JSON file)")
+        raise ConfigError(f"goodput={name!r}: write goodput=default or goodput=PATH.json (a StepCosts JSON file), or "
+                          f"goodput=online / online:PATH.json (costs the server measures, starting from those)")
     return StepCosts.from_json(name)
+
+
+class Prices(Protocol):
+    """What `choose_width` reads: ms per step by batch size and width."""
+
+    def at(self, batch: int, width: int) -> float: ...
+
+
+class CostModel(Prices, Protocol):
+    """What the controller prices steps with: a fixed `StepCosts`, or costs measured by the server
+    (`hqlab.rules.online_costs.OnlineCosts`), which may ask for a width to be measured (`wanted`)."""
+
+    widths: tuple[int, ...]
+
+    def wanted(self, widths: Sequence[int]) -> int | None: ...
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -376,7 +399,7 @@ class Calibration:
         return found
 
 
-def choose_width(counts: Mapping[Cell, int], calibration: Calibration, widths: Sequence[int], costs: StepCosts,
+def choose_width(counts: Mapping[Cell, int], calibration: Calibration, widths: Sequence[int], costs: Prices,
                  batch: int | None = None) -> int:
     """The width among `widths` that maximises expected emitted tokens per ms for a step whose requests fall in the
     cells `counts` (cell -> requests), priced at `batch` requests (default: the requests counted). Ties go to the
@@ -396,17 +419,34 @@ def choose_width(counts: Mapping[Cell, int], calibration: Calibration, widths: S
     return best
 
 
+class _Priced:
+    """One decision's prices by width (`GoodputController.priced`), as `choose_width` reads step costs."""
+
+    __slots__ = ("ms",)
+
+    def __init__(self, ms: dict[int, float]) -> None:
+        self.ms = ms
+
+    def at(self, batch: int, width: int) -> float:
+        return self.ms[width]
+
+
 @dataclass
 class GoodputController:
     """The controller's online state for one engine: the calibration, the candidate widths and the step costs.
-    `decide` fixes a step's width from its requests' cells; `observe` feeds back what a verify step did."""
+    `decide` fixes a step's width from its requests' cells; `observe` feeds back what a verify step did. `priced`
+    holds the ms per candidate width the last decision priced its step at (what a record of the decision carries:
+    with costs measured online, the table it used exists only then)."""
 
     config: GoodputConfig
     widths: tuple[int, ...]
-    costs: StepCosts
+    costs: CostModel
     calibration: Calibration = field(init=False)
     plain_run: int = field(init=False, default=0)  # steps in a row the controller fixed at 0
     explored: int = field(init=False, default=0)  # steps fixed wide by `explore_every`
+    probed: int = field(init=False, default=0)  # steps fixed at a width whose cost is still unmeasured
+    since_probe: int = field(init=False, default=0)
+    priced: tuple[float, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
         self.widths = tuple(sorted(set(int(w) for w in self.widths)))
@@ -425,22 +465,44 @@ class GoodputController:
             counts[cell] = counts.get(cell, 0) + 1
         if not counts:
             return 0
-        width = choose_width(counts, self.calibration, self.widths, self.costs)
+        batch = sum(counts.values())
+        self.priced = tuple(self.costs.at(batch, w) for w in self.widths)
+        costs = _Priced(dict(zip(self.widths, self.priced)))  # the same numbers, priced once
+        width = choose_width(counts, self.calibration, self.widths, costs)
         if width > 0:
             self.plain_run = 0
+        else:
+            self.plain_run += 1
+            every = self.config.explore_every
+            unseen = self.config.explore_new_cells and any(c not in self.calibration.reached for c in counts)
+            if (unseen or (every and self.plain_run >= every)) and len(self.widths) > 1:
+                self.plain_run = 0
+                self.explored += 1
+                width = choose_width(counts, self.calibration, self.widths[1:], costs)
+        probe = self._probe(width)
+        if probe != width:
+            self.plain_run = self.plain_run + 1 if probe == 0 else 0
+        return probe
+
+    def _probe(self, width: int) -> int:
+        """Costs measured online: while a candidate width has no measurement, one decision in every `explore_every`
+        verifies it, so that every width's cost is measured however the controller chooses (the plain step's above
+        all: a controller that always verifies would never learn what verifying nothing saves)."""
+        wanted = self.costs.wanted(self.widths)
+        if wanted is None or not self.config.explore_every:
             return width
-        self.plain_run += 1
-        every = self.config.explore_every
-        unseen = self.config.explore_new_cells and any(c not in self.calibration.reached for c in counts)
-        if (unseen or (every and self.plain_run >= every)) and len(self.widths) > 1:
-            self.plain_run = 0
-            self.explored += 1
-            return choose_width(counts, self.calibration, self.widths[1:], self.costs)
-        return 0
+        self.since_probe += 1
+        if wanted == width:
+            self.since_probe = 0
+        if self.since_probe < self.config.explore_every:
+            return width
+        self.since_probe = 0
+        self.probed += 1
+        return wanted
 
     def observe(self, cell: Cell, drafted: int, accepted: int) -> None:
         self.calibration.observe(cell, drafted, accepted)
 
 
 __all__ = ["StepCosts", "DEFAULT_STEP_COSTS", "step_costs", "MatchLadder", "bucket_of", "GoodputConfig",
-           "RequestFeatures", "Calibration", "choose_width", "GoodputController", "Cell", "ASYNC_BEHIND"]
+           "RequestFeatures", "Calibration", "choose_width", "GoodputController", "Cell", "CostModel", "ASYNC_BEHIND"]

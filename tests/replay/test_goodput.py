@@ -14,10 +14,11 @@ from hqlab.bench import results
 
 from hqlab.config import ConfigError, LookupConfig
 from hqlab.replay.gate import replay_gated
-from hqlab.replay.goodput import (Policy, TraceTables, captured_widths, compare, dearer_widths, price, replay_engine,
-                                  requests_for, step_costs_from_grid)
+from hqlab.replay.goodput import (Policy, TraceTables, captured_widths, compare, compare_online, dearer_widths, price,
+                                  replay_engine, requests_for, step_costs_from_grid, timed)
 from hqlab.replay.traces import load_traces
 from hqlab.rules.goodput import DEFAULT_STEP_COSTS, GoodputConfig, StepCosts
+from hqlab.rules.online_costs import OnlineCosts
 
 RESULTS = Path(__file__).resolve().parents[2] / "data" / "results"
 LOOKUP = LookupConfig(nmin=1, nmax=32, k=15, policy="earliest")
@@ -165,3 +166,46 @@ def test_the_fused_served_costs_are_the_grid_with_its_width_excess_scaled():
     assert (served.batches, served.widths) == (want.batches, want.widths)
     assert np.allclose(served.ms, want.ms, atol=5e-5)
     assert round(served.at(1, 15) / served.at(1, 0), 2) == 1.46
+
+
+def test_online_costs_approach_the_controller_priced_with_the_truth(workloads, tables):
+    """The prior is the committed grid, the host's wide steps cost four times its excess (the served range's top):
+    priced with the prior the controller verifies 15 wide and falls below `none`; measuring its own steps (5 % noise)
+    it comes within 2 % of the controller priced with the truth, on chat and prose at 1, 8 and 32 in flight."""
+    truth = dearer_widths(DEFAULT_STEP_COSTS, 4.0)
+    for name in ("chat", "prose"):
+        for concurrency in (1, 8, 32):
+            rows = {r["policy"]: r for r in compare_online(workloads[name], LOOKUP, DEFAULT_STEP_COSTS, truth,
+                                                           concurrency=concurrency, batch_k_value=BATCH_K,
+                                                           tables=tables).iter_rows(named=True)}
+            online, prior = rows["goodput online"], rows["goodput prior"]
+            assert online["vs_truth"] >= 0.98 and prior["vs_truth"] < 0.97, (name, concurrency, rows)
+            assert online["speedup"] > 1.0 > prior["speedup"], (name, concurrency)
+            assert online["gx"] == pytest.approx(4, rel=0.1)
+
+
+def test_the_exploration_steps_refresh_the_costs_of_wide_steps(workloads, tables):
+    """A prior that prices wide steps out (excess x50) on a host where they cost the grid's: priced with it the
+    controller verifies on its exploration steps only (one decision in 15); those steps are timed, the costs learn
+    that wide steps are cheap, and the online controller verifies on most steps and runs over 10 % faster."""
+    prior = dearer_widths(DEFAULT_STEP_COSTS, 50.0)
+    requests = workloads["prose"]
+    policy = Policy.controller(captured_widths(BATCH_K, 15))
+    stuck = replay_engine(requests, LOOKUP, policy, concurrency=1, costs=prior, tables=tables)
+    assert 0 < sum(1 for d in stuck.decisions if d.width > 0) < len(stuck.decisions) / 14
+    online = replay_engine(requests, LOOKUP, policy, concurrency=1, costs=OnlineCosts(prior), tables=tables,
+                           step_ms=timed(DEFAULT_STEP_COSTS))
+    first_wide = next(i for i, (w, p) in enumerate(zip(online.width, online.prefills)) if w and not p)
+    assert online.width[:first_wide + 1] == stuck.width[:first_wide + 1]  # the same until a wide step was timed
+    assert online.costs.scales()[1] < 0.05 and sum(1 for d in online.decisions if d.width > 0) > 0.7 * len(
+        online.decisions)
+    assert price(online, DEFAULT_STEP_COSTS)["tok_s"] > 1.1 * price(stuck, DEFAULT_STEP_COSTS)["tok_s"]
+
+
+def test_timed_steps_are_deterministic_within_their_noise_and_prompts_cost_apart():
+    step_ms = timed(DEAR, noise=0.05, seed=3)
+    values = [step_ms(i, 8, 15, 0) / DEAR.at(8, 15) for i in range(2000)]
+    assert values == [timed(DEAR, noise=0.05, seed=3)(i, 8, 15, 0) / DEAR.at(8, 15) for i in range(2000)]
+    assert 0.95 <= min(values) < 0.951 and 1.049 < max(values) < 1.05
+    assert step_ms(7, 8, 15, 2) == pytest.approx(step_ms(7, 8, 15, 0) + 40.0)
+    assert timed(DEAR, seed=4)(7, 8, 15, 0) != step_ms(7, 8, 15, 0)

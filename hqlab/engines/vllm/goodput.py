@@ -29,6 +29,11 @@ skips its drafter on the steps that verify nothing and only those: the plugin ha
 fixed for the step its drafts go to (`V2Speculator.next_width`), so a step at width 0 runs no drafter work, prompts
 included, and the next drafting step catches up, as after `batch_k`'s width 0.
 
+With `goodput=online` (or `online:PATH.json`) the prices are measured here: the hook reads the host's monotonic clock
+as each `update_from_output` starts and hands the interval since the previous one, attributed to the step whose
+output it processes, with that step's batch size, width and whether it ran prompt tokens, to the controller's
+`OnlineCosts` (`hqlab.rules.online_costs`: which intervals count, and the model). The clock is the only thing read.
+
 The rule takes a drafter-confidence feature (`GoodputConfig.confidence_edges`); this hook passes none
 (docs/goodput.md's Limits says why).
 
@@ -38,13 +43,15 @@ Nothing here imports vLLM; the plugin (`plugin._patch_scheduler`) calls it.
 from __future__ import annotations
 
 import os
+import time
 from itertools import islice
 from typing import Any
 
 from hqlab.config import require
 from hqlab.engines.vllm import batch_k
 from hqlab.engines.vllm.goodput_record import RECORD_ENV, DecisionLog
-from hqlab.rules.goodput import Cell, GoodputConfig, GoodputController, RequestFeatures, StepCosts, step_costs
+from hqlab.rules.goodput import Cell, CostModel, GoodputConfig, GoodputController, RequestFeatures, StepCosts
+from hqlab.rules.online_costs import OnlineCosts, StepTimer, costs_for
 
 PENDING_LIMIT = 16  # scheduler outputs whose outcome is awaited; more means some were never processed (empty steps)
 
@@ -54,7 +61,7 @@ def check_knob(goodput: str, *, gate: int = 0) -> None:
     with the gate, and a costs file that exists and parses."""
     if goodput:
         require(not gate, "gate and goodput both set each step's width: keep one (goodput generalises gate)")
-        step_costs(goodput)  # a missing or malformed costs file fails here, with what to fix
+        costs_for(goodput)  # a missing or malformed costs file fails here, with what to fix
 
 
 def plain_steps(config: Any) -> bool:
@@ -85,17 +92,21 @@ def captured(vllm_config: Any) -> tuple[int, ...]:
     return tuple(sorted({int(entry[2]) for entry in schedule} | {0}))
 
 
-def record_header(spec: str, widths: tuple[int, ...], costs: StepCosts, config: GoodputConfig) -> dict[str, Any]:
-    """What a decisions record says of the controller that wrote it: enough to decide again (`GoodputController`)."""
+def record_header(spec: str, widths: tuple[int, ...], costs: CostModel, config: GoodputConfig) -> dict[str, Any]:
+    """What a decisions record says of the controller that wrote it: enough to decide again (`GoodputController`).
+    With costs measured online the table is the prior, and `online` says the prices moved during the run."""
     from dataclasses import asdict
 
-    return {"spec": spec, "widths": sorted(set(widths) | {0}), "costs": costs.to_dict(), "config": asdict(config)}
+    online = isinstance(costs, OnlineCosts)
+    table: StepCosts = costs.prior if online else costs  # type: ignore[assignment]
+    return {"spec": spec, "widths": sorted(set(widths) | {0}), "costs": table.to_dict(), "config": asdict(config),
+            "online": online}
 
 
 class SchedulerGoodput:
     """The controller for one vLLM scheduler: per-request features, the calibration, and the table it hands vLLM."""
 
-    def __init__(self, config: GoodputConfig, costs: StepCosts, table: list[int], widths: tuple[int, ...],
+    def __init__(self, config: GoodputConfig, costs: CostModel, table: list[int], widths: tuple[int, ...],
                  log: DecisionLog | None = None) -> None:
         self.config = config
         self.widths = tuple(sorted(set(widths) | {0}))
@@ -106,15 +117,17 @@ class SchedulerGoodput:
         self.decisions = 0  # schedule() calls that priced requests: the record's call index
         self._cells: dict[str, Cell] = {}  # cells of this call's candidates: they fix the next step's width
         self._last: tuple[int, dict[str, Cell]] = (-1, {})  # (call, cells) that fixed the next step's width
-        self._pending: dict[int, tuple[Any, int, dict[str, Cell]]] = {}  # id(scheduler output) -> (it, call, cells)
+        # id(scheduler output) -> (it, call, cells, its timer ticket)
+        self._pending: dict[int, tuple[Any, int, dict[str, Cell], tuple[int, int]]] = {}
         self.steps_by_width = {w: 0 for w in self.widths}  # plain counters: widths fixed so far
+        self.timer, self.clock = StepTimer(), time.monotonic_ns  # online costs' clock (ns)
 
     @classmethod
     def from_spec(cls, name: str, table: list[int], vllm_config: Any) -> "SchedulerGoodput":
-        """The hook of a `goodput=NAME` knob for vLLM's width table `table`: the default step costs or a StepCosts
-        JSON file, default settings, the widths vLLM captured graphs for; its decisions recorded to the file
-        `HQLAB_GOODPUT_RECORD` names, if set (`goodput_record`)."""
-        config, costs, widths = GoodputConfig(), step_costs(name), captured(vllm_config)
+        """The hook of a `goodput=NAME` knob for vLLM's width table `table`: the default step costs, a StepCosts
+        JSON file, or costs measured online from either (`costs_for`), default settings, the widths vLLM captured
+        graphs for; its decisions recorded to the file `HQLAB_GOODPUT_RECORD` names, if set (`goodput_record`)."""
+        config, costs, widths = GoodputConfig(), costs_for(name), captured(vllm_config)
         path = os.environ.get(RECORD_ENV)
         log = None
         if path:
@@ -154,17 +167,20 @@ class SchedulerGoodput:
             return
         if len(self._pending) >= PENDING_LIMIT:
             self._pending.pop(next(iter(self._pending)))
-        self._pending[id(scheduler_output)] = (scheduler_output, *self._last)
+        self._pending[id(scheduler_output)] = (scheduler_output, *self._last, self.timer.scheduled())
         self._last = (self.decisions - 1 if self._cells else -1, self._cells)
 
     def observe(self, scheduler: Any, scheduler_output: Any, runner_output: Any) -> None:
         """A step's outcome, as vLLM's scheduler is about to process it: per verifying request, drafts verified and
         accepted. Requests already finished (scheduled once more before their finish was known) are skipped, as
         vLLM drops their tokens."""
+        now = self.clock()
         entry = self._pending.pop(id(scheduler_output), None)
         if entry is None or entry[0] is not scheduler_output:
+            self.timer.processed(None, now)
             return
-        _, call, cells = entry
+        _, call, cells, ticket = entry
+        timed(self.controller.costs, scheduler_output, self.timer.processed(ticket, now))
         sampled = runner_output.sampled_token_ids
         index = runner_output.req_id_to_index
         seen = []
@@ -188,5 +204,17 @@ class SchedulerGoodput:
         self.features.pop(request_id, None)
 
 
-__all__ = ["SchedulerGoodput", "captured", "record_header", "check_knob", "plain_steps", "speculator_table",
+def timed(costs: CostModel, scheduler_output: Any, interval_ns: int | None) -> None:
+    """Online costs: a step's attributed interval, with its batch size, the width its requests verified, and whether
+    it ran only decode tokens (no prompt admitted or continued: each request runs 1 + its drafts)."""
+    if interval_ns is None or not isinstance(costs, OnlineCosts):
+        return
+    tokens = scheduler_output.num_scheduled_tokens
+    drafts = scheduler_output.scheduled_spec_decode_tokens
+    decode_only = not scheduler_output.scheduled_new_reqs and all(
+        n == 1 + len(drafts.get(rid, ())) for rid, n in tokens.items())
+    costs.observe(len(tokens), max((len(d) for d in drafts.values()), default=0), interval_ns / 1e6, decode_only)
+
+
+__all__ = ["SchedulerGoodput", "timed", "captured", "record_header", "check_knob", "plain_steps", "speculator_table",
            "standalone_table", "PENDING_LIMIT"]

@@ -62,8 +62,9 @@ class GpuFusedConfig(FusedConfig):
         and the drafter reads the prompts and tokens it missed at the next step that drafts.
     goodput: each step's width among batch_k's widths and 0 (k and 0 without batch_k), chosen by vLLM's scheduler
         for expected tokens per ms (`hqlab.engines.vllm.goodput`, as for gpu-lookup): "default" (gpu-lookup's step
-        costs: no drafter pass priced in) or a StepCosts JSON file; "" = off. A step at width 0 runs no drafter work,
-        as at batch_k's width 0, whatever the batch size.
+        costs: no drafter pass priced in), a StepCosts JSON file, or online / online:PATH.json (measured by the server
+        from that prior on); "" = off. A step at width 0 runs no drafter work, as at batch_k's width 0, whatever the
+        batch size.
     prefill_chunk: prompt tokens the drafter reads per eager call (bounds its activation memory).
     prefill_graph: a prompt with at most this many unread tokens is read in 64-position passes replayed from one
         captured CUDA graph instead (0: always eager; about 1.4 ms a pass against 12-36 ms for an eager prompt on an

@@ -77,7 +77,8 @@ class GpuLookupConfig(LookupConfig):
     # scheduler knows it, ends in `gate` tokens seen earlier in it; 0 = speculate on every step.
     gate: int = 0
     # The goodput controller (`hqlab.rules.goodput`): each step verifies the captured width (batch_k's widths and 0)
-    # with the most expected tokens per ms, priced by step costs: "default" or a StepCosts JSON file; "" = off.
+    # with the most expected tokens per ms, priced by step costs: "default" or a StepCosts JSON file, or "online" /
+    # "online:PATH.json" (measured by the server from that prior on, `hqlab.rules.online_costs`); "" = off.
     goodput: str = ""
 
     def __post_init__(self) -> None:

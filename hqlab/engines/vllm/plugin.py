@@ -14,7 +14,8 @@ that ask for an hqlab GPU speculator (`gpu_lookup.is_gpu_lookup`, `gpu_fused.is_
    runner's request state when vLLM loads the model (the fused one also loads its draft model then).
 
 For the step-cost benchmark it adds one utility method to vLLM's engine core, `hqlab_set_width` (`set_width`),
-which fixes the verify width of every later step; nothing calls it unless a client asks.
+which fixes the verify width of every later step, and one that reads the costs `goodput=online` measured,
+`hqlab_goodput_costs` (`goodput_costs`); nothing calls them unless a client asks.
 
 For a `gpu-lookup` with the speculation gate (`gate=G`) the scheduler sets each step's verify width from the
 lookup's match state before it schedules (`hqlab.engines.vllm.gate`, patched in `_patch_scheduler`); for a
@@ -377,12 +378,32 @@ def _set_worker_width(worker: Any, width: int, k: int) -> int:
     return len(table)
 
 
+COSTS_UTILITY = "hqlab_goodput_costs"  # the engine core's utility method that reads goodput=online's prices
+
+
+def goodput_costs(core: Any) -> dict[str, Any] | None:
+    """Run in the engine core's process: the step costs a `goodput=online` controller has measured so far, as a
+    StepCosts dict (`OnlineCosts.table`, servable with goodput=PATH.json) with its scales and timed steps; None
+    without online costs. A client reaches it with `engine_core.call_utility(COSTS_UTILITY)`."""
+    from hqlab.rules.online_costs import OnlineCosts
+
+    hook = _gate(core.scheduler)
+    costs = getattr(getattr(hook, "controller", None), "costs", None)
+    if not isinstance(costs, OnlineCosts):
+        return None
+    g0, gx = costs.scales()
+    return {**costs.table().to_dict(), "g0": g0, "gx": gx, "counts": {f"{w}x{b}": n for (w, b), n in
+                                                                     sorted(costs.counts.items())},
+            "prompt_steps": costs.prompt_steps}
+
+
 def _add_width_utility() -> None:
-    """Give vLLM's engine core the benchmark's utility method (an added method; nothing of vLLM changes)."""
+    """Give vLLM's engine core the benchmarks' utility methods (added methods; nothing of vLLM changes)."""
     from vllm.v1.engine.core import EngineCore
 
-    if not hasattr(EngineCore, WIDTH_UTILITY):
-        setattr(EngineCore, WIDTH_UTILITY, set_width)
+    for name, method in ((WIDTH_UTILITY, set_width), (COSTS_UTILITY, goodput_costs)):
+        if not hasattr(EngineCore, name):
+            setattr(EngineCore, name, method)
 
 
 __all__ = ["register", "check_vllm_version", "VLLM_VERSION"]

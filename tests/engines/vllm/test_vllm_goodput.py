@@ -29,7 +29,9 @@ from hqlab.engines.vllm.goodput import SchedulerGoodput  # noqa: E402
 from hqlab.engines.vllm.goodput_record import RECORD_ENV  # noqa: E402
 from hqlab.replay.goodput_served import record_frame, replay_served, rerun_rule  # noqa: E402
 from hqlab.engines.vllm.cpu_scheduler import cpu_async_scheduler, drive  # noqa: E402
-from hqlab.replay.goodput import Policy, TraceTables, captured_widths, replay_engine  # noqa: E402
+from hqlab.replay.goodput import (Policy, TraceTables, captured_widths, dearer_widths, replay_engine,  # noqa: E402
+                                  timed)
+from hqlab.rules.online_costs import OnlineCosts  # noqa: E402
 from hqlab.replay.traces import load_traces  # noqa: E402
 from hqlab.rules.goodput import DEFAULT_STEP_COSTS, GoodputConfig, StepCosts  # noqa: E402
 
@@ -55,17 +57,24 @@ def scheduler_for(spec: str, max_len: int, max_num_seqs: int):
                                batched_tokens=max_len * max_num_seqs, blocks=16384)
 
 
-def serve(spec: str, traces, tables: TraceTables, concurrency: int, *, one_at_a_time: bool = False):
+def serve(spec: str, traces, tables: TraceTables, concurrency: int, step_ms=None, log: dict | None = None, *,
+          one_at_a_time: bool = False):
     """Serve `traces` (request i is trace i) through vLLM's scheduler with `concurrency` slots: per step the batch
     size and the width its verifying requests verified, and per request the width and tokens of each step whose
-    output counted. `one_at_a_time`: each request arrives once the one before it is done (as a client that waits
-    for each answer sends them), else all are queued at the start."""
+    output counted. With `step_ms(step index, batch, width, prompts admitted)`, the engine core's clock, as the hook
+    reads it, moves on by that much as each step runs (the worker's time); `log` then gets, per step, the ms fed,
+    how many steps had been processed when it was scheduled, and whether it admitted no prompt. `one_at_a_time`:
+    each request arrives once the one before it is done (as a client that waits for each answer sends them), else
+    all are queued at the start."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
     longest = max(len(t.prompt_ids) + len(t.output_ids) for t in traces)
     scheduler = scheduler_for(spec, longest + 64, concurrency)
+    now, fed, at_schedule, decode = [0], [], [], []
+    if step_ms is not None:
+        plugin._gate(scheduler).clock = lambda: now[0]  # the only stand-in: the host's clock
     requests = [Request(request_id=str(i), prompt_token_ids=list(t.prompt_ids), pooling_params=None,
                         sampling_params=SamplingParams(max_tokens=len(t.output_ids), temperature=0, ignore_eos=True))
                 for i, t in enumerate(traces)]
@@ -78,6 +87,10 @@ def serve(spec: str, traces, tables: TraceTables, concurrency: int, *, one_at_a_
 
     def run(step) -> ModelRunnerOutput:  # the worker
         ids = list(step.num_scheduled_tokens)
+        if step_ms is not None:
+            widths = [len(v) for v in step.scheduled_spec_decode_tokens.values()]
+            fed.append(step_ms(len(fed), len(ids), max(widths, default=0), len(step.scheduled_new_reqs)))
+            now[0] += round(fed[-1] * 1e6)
         sampled = []
         for rid in ids:
             r = int(rid)
@@ -101,12 +114,16 @@ def serve(spec: str, traces, tables: TraceTables, concurrency: int, *, one_at_a_
         decoding = len(step.num_scheduled_tokens) > len(step.scheduled_new_reqs)
         width.append(widths.pop() if widths else 0)
         assert decoding or width[-1] == 0
+        at_schedule.append(len(fed))
+        decode.append(not step.scheduled_new_reqs)
 
     for request in requests if one_at_a_time else [None]:
         if request is not None:
             scheduler.add_request(request)
         drive(scheduler, run, scheduled)
     assert pos == [len(t.output_ids) for t in traces]
+    if log is not None:
+        log.update(fed=fed, at_schedule=at_schedule, decode=decode)
     return scheduler, batch, width, request_widths, request_emitted
 
 
@@ -278,7 +295,7 @@ def credits_the_next_call(self, scheduler_output) -> None:
     if scheduler_output.total_num_scheduled_tokens == 0:
         return
     self._last = (self.decisions - 1 if self._cells else -1, self._cells)
-    self._pending[id(scheduler_output)] = (scheduler_output, *self._last)
+    self._pending[id(scheduler_output)] = (scheduler_output, *self._last, self.timer.scheduled())
 
 
 def test_the_replay_predicts_a_served_record_of_requests_answered_one_at_a_time(traces, steep_costs, tmp_path,
@@ -340,3 +357,45 @@ def test_a_runs_greedy_chat_requests_replay_to_its_recorded_opening(tmp_path, mo
     assert list(found) == [spec] and found[spec].ok and found[spec].decisions > 100
     wrong = pl.DataFrame({"config": [spec], "token_ids": [[list(t.output_ids[:-9]) for t in chat]]})
     assert not serve_servers.replay_greedy(decisions, wrong, max_tokens=256)[spec].ok  # outputs not the served ones
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_online_costs_time_the_intervals_vllm_processes_and_decide_as_the_replay(traces, concurrency):
+    """goodput=online on vLLM's scheduler, its clock moved on by each step's time on a host whose wide steps cost
+    four times the default grid's excess (5 % noise, prompts 20 ms dearer): the hook times exactly the decode steps
+    scheduled before the previous step's output was processed, with the intervals fed; the replay fed the same
+    times measures the same cells and fixes the same widths; and those widths are not the prior's."""
+    truth = dearer_widths(DEFAULT_STEP_COSTS, 4.0)
+    step_ms = timed(truth, noise=0.05, seed=concurrency)
+    config, lookup = configs_of(LOOKUP)
+    tables = TraceTables(lookup)
+    log: dict = {}
+    scheduler, batch, width, request_widths, _ = serve(f"{LOOKUP},goodput=online", traces, tables, concurrency,
+                                                       step_ms=step_ms, log=log)
+    hook = plugin._gate(scheduler)
+    costs = hook.controller.costs
+    assert isinstance(costs, OnlineCosts) and costs.prior is DEFAULT_STEP_COSTS
+
+    expected: dict = {}  # the timing rule, restated: step i's interval counts if i was queued behind step i - 1
+    for i, ms in enumerate(log["fed"]):
+        if i >= 1 and log["at_schedule"][i] < i and log["decode"][i]:
+            expected.setdefault((width[i], batch[i]), []).append(round(round(ms * 1e6) / 1e6 * 1000))
+    assert costs.counts == {cell: len(v) for cell, v in expected.items()}
+    assert costs.samples == {cell: v[-costs.config.window:] for cell, v in expected.items()}
+    assert costs.prompt_steps == sum(1 for i in range(1, len(batch)) if log["at_schedule"][i] < i
+                                     and not log["decode"][i]) > 0
+
+    policy = Policy.controller(captured_widths(config.batch_k, config.k))
+    replayed = replay_engine(traces, lookup, policy, concurrency=concurrency, costs=OnlineCosts(DEFAULT_STEP_COSTS),
+                             tables=tables, step_ms=log["fed"])
+    assert (batch, width, request_widths) == (replayed.batch, replayed.width, replayed.request_widths)
+    assert replayed.costs.samples == costs.samples and replayed.costs.counts == costs.counts
+    assert hook.controller.priced == replayed.decisions[-1].priced
+    prior_only = replay_engine(traces, lookup, policy, concurrency=concurrency, costs=DEFAULT_STEP_COSTS, tables=tables)
+    assert width != prior_only.width  # the measured costs changed decisions
+    assert costs.scales()[1] > 2  # the excess learnt: four times the grid's, shrunk by the prior
+    from types import SimpleNamespace
+
+    read = plugin.goodput_costs(SimpleNamespace(scheduler=scheduler))  # what a client reads of the engine core
+    assert StepCosts.from_dict(read) == costs.table() and read["gx"] == costs.scales()[1]
+    assert plugin.goodput_costs(SimpleNamespace(scheduler=scheduler_for(f"{LOOKUP},goodput=default", 256, 4))) is None
