@@ -277,6 +277,11 @@ def test_a_served_record_is_decided_again_by_the_rule(traces, steep_costs, tmp_p
     assert not found.ok and found.first_mismatch[0] == call and found.width_mismatches == 1
     # planted: a controller that priced its steps with other costs than its record says
     assert rerun_rule(frame, {**header, "costs": DEFAULT_STEP_COSTS.to_dict()}).width_mismatches > 0
+    from hqlab.config import ConfigError
+
+    assert header["online"] is False  # a fixed table: the rule can decide again
+    with pytest.raises(ConfigError, match="measured its step costs online"):
+        rerun_rule(frame, {**header, "online": True})
     # planted: a request's recent acceptance that is not its last outcome's
     wrong = frame.with_columns(pl.when(pl.col("decision") == call).then(pl.col("accept") + 1)
                                .otherwise(pl.col("accept")).alias("accept"))
