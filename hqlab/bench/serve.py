@@ -764,8 +764,9 @@ def returned_run(returned: str | Path) -> tuple[str, dict[str, Any], dict[str, P
         from hqlab.replay.goodput_served import check_run
 
         for r in check_run(tables["goodput_decisions"]).iter_rows(named=True):  # the served widths, decided again
-            print(f"goodput decisions of {short_config(r['config'])}: {r['decisions']} calls, {r['outcomes']} "
-                  f"outcomes, the rule fixes every recorded width: {'yes' if r['same_widths'] else 'NO'} ({r})")
+            verdict = {True: "yes", False: "NO", None: "not checkable (priced online)"}[r["same_widths"]]
+            print(f"goodput decisions of {short_config(r['config'])}: {r['decisions']} calls, the rule fixes every "
+                  f"recorded width: {verdict} ({r})")
     if (src / f"serve_{tag}_logs.tar.gz").exists():
         files["server_logs.tar.gz"] = src / f"serve_{tag}_logs.tar.gz"
     for server_log in sorted(src.glob(f"serve_{tag}_[0-9]*.log")):

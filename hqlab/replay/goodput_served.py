@@ -196,9 +196,15 @@ def served_records(frame: pl.DataFrame) -> list[tuple[str, dict[str, Any], pl.Da
 
 
 def check_run(frame: pl.DataFrame) -> pl.DataFrame:
-    """`rerun_rule` on every server of a serving run's decisions: one row per server."""
+    """`rerun_rule` on every server of a serving run's decisions: one row per server. A server that priced its steps
+    online cannot be decided again from its record (`_controller`): its row has `same_widths` null and its widths'
+    counts only."""
     rows = []
     for config, header, rows_ in served_records(frame):
+        if header.get("online"):
+            rows.append({"config": config, "decisions": rows_["decision"].n_unique(), "truncated": header["truncated"],
+                         "same_widths": None})
+            continue
         found = rerun_rule(rows_, header)
         rows.append({"config": config, "decisions": found.decisions, "outcomes": found.outcomes,
                      "width_mismatches": found.width_mismatches, "accept_mismatches": found.accept_mismatches,

@@ -342,6 +342,13 @@ def test_a_runs_records_collected_on_the_host_are_checked_server_by_server(trace
     assert table["config"].to_list() == [spec, f"{spec} [prefix caching off]"]
     assert table["same_widths"].all() and (table["decisions"] > 0).all() and not table["truncated"].any()
     assert frame.filter(pl.col("drafted").is_null()).height > 0  # prefills and width-0 calls verify nothing
+    online = f"{LOOKUP},goodput=online"  # prices that move: recorded, not decided again
+    served = serve_servers.servers(SimpleNamespace(config=[online, spec], decisions=[online, spec],
+                                                   sample_prefix_off=[], planted=[]))
+    for n in range(2):
+        recorded(served[n].spec, traces, 3, serve_servers.record_path(tmp_path / "both", n), monkeypatch)
+    table = check_run(pl.read_parquet(serve_servers.collect(served, tmp_path / "both", "t")))
+    assert table["same_widths"].to_list() == [None, True] and (table["decisions"] > 0).all()
 
 
 def test_a_runs_greedy_chat_requests_replay_to_its_recorded_opening(tmp_path, monkeypatch):
