@@ -32,9 +32,10 @@ def test_reference_runs_are_full_length(fp32_suite):
     refs = [fp32_suite.reference(p) for p in PROMPTS]
     full = fp32_suite.decode.max_new_tokens
     lengths = [g.new_tokens for g in refs]
-    # every prompt produces the full 48 tokens unless the model ended its answer with EOS
+    # every prompt produces the full 48 tokens unless the model ended its answer with EOS, and most reach the
+    # limit (the summary, code and qa answers may end sooner)
     assert all(g.new_tokens == full or g.finish == "eos" for g in refs), lengths
-    assert sum(n == full for n in lengths) >= len(PROMPTS) - 1, lengths
+    assert sum(n == full for n in lengths) >= 4, lengths
 
 
 def test_greedy_outputs_identical_and_replay_exact(engine_05b_fp32, fp32_suite):
@@ -59,5 +60,4 @@ def test_greedy_outputs_identical_and_replay_exact(engine_05b_fp32, fp32_suite):
         assert [r.proposed for r in replayed] == [r.proposed for r in gen.records], (spec, prompt_id)
     # every config ran on document tasks and chat prompts, and actually speculated (accepted tokens)
     assert all(kind == {False, True} for kind in kinds.values()), kinds
-    print("SPECULATED", speculated, kinds)
     assert min(speculated.values()) > SPECULATED, f"the suite must actually exercise speculation: {speculated}"

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from hqlab.bench import results
+from hqlab.models import native_bf16
 from hqlab.site.notebooks import REPO, notebook_paths, run_all
 
 MODEL = "smollm2-135m"
@@ -35,6 +36,7 @@ def sweep_run(tmp_path_factory):
                       tables={"rows": results.load("kernels", "h200").filter(pl.col("batch") == 1)})
     params = {
         "defaults": {"model": MODEL, "suite": str(workload), "max_new_tokens": 12, "device": "cpu",
+                     "dtype": "bfloat16" if native_bf16() else "float32",  # emulated bf16 is slower than fp32
                      "figures_dir": str(tmp / "figures"), "results_dir": str(tmp / "results")},
         "suffix_lengths": {"nmin_grid": [1, 3], "nmax_grid": [4], "k_grid": [5], "policies": ["earliest"],
                            "live_configs": ["lookup:nmin=1,nmax=4,k=5,policy=earliest"],
