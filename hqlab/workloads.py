@@ -46,12 +46,17 @@ class Prompt:
     messages: tuple[dict[str, str], ...]
 
 
+def render_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> str:
+    """A chat as the text the model answers: the tokenizer's chat template with the generation prompt. The one
+    rendering of prompts: `encode_chat` tokenizes it, and the serving benchmarks send it to `vllm serve`."""
+    return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+
+
 def encode_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
-    """A chat's token ids, ready for the model to answer: the tokenizer's chat template with the generation prompt,
-    tokenized without adding special tokens again. The one encoding of prompts: every engine, the trace cache
-    (whose keys hold these ids) and self-generation use it."""
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    """A chat's token ids, ready for the model to answer: `render_chat`, tokenized without adding special tokens
+    again. The one encoding of prompts: every engine, the trace cache (whose keys hold these ids) and
+    self-generation use it."""
+    return list(tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False))
 
 
 def suite_names() -> list[str]:

@@ -88,8 +88,8 @@ def test_encode_chat_renders_the_template_with_the_generation_prompt():
 
 
 def test_chat_prompts_are_encoded_in_one_function_only():
-    """Every engine, the trace cache and self-generation encode prompts through `encode_chat`: the chat template is
-    applied nowhere else."""
+    """Every engine, the trace cache and self-generation encode prompts through `encode_chat`, and the serving
+    benchmarks render them through `render_chat`, which it calls: the chat template is applied nowhere else."""
     users = []
     for path in HQLAB.rglob("*.py"):
         for fn in ast.walk(ast.parse(path.read_text())):
@@ -97,4 +97,4 @@ def test_chat_prompts_are_encoded_in_one_function_only():
                     isinstance(c, ast.Call) and getattr(c.func, "attr", None) == "apply_chat_template"
                     for c in ast.walk(fn)):
                 users.append(f"{path.relative_to(HQLAB)}:{fn.name}")
-    assert users == ["workloads.py:encode_chat"]
+    assert users == ["workloads.py:render_chat"]

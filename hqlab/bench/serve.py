@@ -136,12 +136,12 @@ def dataset_prompts(name: str, tokenizer: Any) -> list[str]:
     request's whole chat with the template applied by `tokenizer` (`hqlab.workloads.encode_chat`'s text), in file
     order."""
     from hqlab.io import REPO
-    from hqlab.workloads import load_workload, read_requests
+    from hqlab.workloads import load_workload, read_requests, render_chat
 
     if name not in DATASETS:
         raise ConfigError(f"dataset {name!r}: one of {', '.join(DATASETS)}")
     if ordered(name):
-        return [tokenizer.apply_chat_template(list(r.messages), add_generation_prompt=True, tokenize=False)
+        return [render_chat(tokenizer, r.messages)
                 for r in read_requests(REPO / "data" / "workloads" / CORPUS_DATASETS[name])]
     source = str(REPO / "data" / "workloads" / "prose.jsonl") if name == "prose" else name
     prompts = load_workload(source, doc_tokens=2000 if name == "labd" else None, tokenizer=tokenizer)

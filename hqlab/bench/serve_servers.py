@@ -141,11 +141,11 @@ def replay_greedy(decisions: Any, greedy: Any, *, model: str = "qwen2.5-coder-1.
 
     from hqlab import models
     from hqlab.bench.serve import dataset_prompts
+    from hqlab.workloads import encode_chat
     from hqlab.replay.goodput_served import greedy_traces, replay_served, served_records
 
     tokenizer = AutoTokenizer.from_pretrained(models.prepare(model))
-    ids = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                   tokenize=False), add_special_tokens=False)["input_ids"]
+    ids = [encode_chat(tokenizer, [{"role": "user", "content": p}])
            for p in dataset_prompts("chat", tokenizer)[:prompts]]
     out = {}
     for config, header, rows in served_records(decisions):
