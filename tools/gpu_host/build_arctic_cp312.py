@@ -120,7 +120,7 @@ def build_extension(py: Path, src: Path, out: Path) -> Path:
     build = out / "cmake-build"
     shutil.rmtree(build, ignore_errors=True)
     run(["cmake", "-S", src / "csrc/suffix_decoding", "-B", build, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-         f"-DPython_EXECUTABLE={builder}", "-DCMAKE_SHARED_LINKER_FLAGS=-static-libstdc++ -static-libgcc"])
+         f"-DPython_EXECUTABLE={builder}", "-DCMAKE_MODULE_LINKER_FLAGS=-static-libstdc++ -static-libgcc"])  # nanobind links a MODULE library
     run(["cmake", "--build", build])
     built = list(build.glob("_C.cpython-312-x86_64-linux-gnu.so"))
     if len(built) != 1:

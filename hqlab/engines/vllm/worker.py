@@ -2,7 +2,7 @@
 `worker_extension_cls` (pass `EXTENSION_PATH`), through which the engine collects the step records hqlab's code kept
 inside vLLM (`llm.collective_rpc("hqlab_take_records")`) and times the model runner's phases (`StepTimer`,
 `hqlab_profile_start` / `hqlab_profile_stop`), and empties or reads the gpu-lookup corpus (`hqlab_corpus_reset`,
-`hqlab_take_corpus_log`).
+`hqlab_take_corpus_log`); the reset empties vLLM's own `suffix` method's global tree too.
 """
 
 from __future__ import annotations
@@ -100,6 +100,22 @@ class StepTimer:
                 for phase, t0, t1, start, end, facts in self.calls]
 
 
+def reset_suffix_cache(drafter: Any) -> bool:
+    """Give vLLM's `SuffixDecodingProposer` (the V1 runner's `drafter`: model runner V2 does not run `suffix`) a new,
+    empty `SuffixDecodingCache` of the same depth and size; False for any other drafter, and for one whose global tree
+    is off (max_cached_requests 0: nothing crosses requests). A new cache rather than evicting each cached response:
+    the requests of the point just ended stay active in the old cache until the next proposal (the proposer stops
+    them only when a later batch lacks them), and the new one forgets those prompts' trees as well."""
+    cache = getattr(drafter, "suffix_cache", None)
+    if cache is None or not hasattr(cache, "cached_requests"):
+        return False
+    if cache.max_cached_requests == 0:
+        return False
+    drafter.suffix_cache = type(cache)(max_tree_depth=cache.max_tree_depth,
+                                       max_cached_requests=cache.max_cached_requests)
+    return True
+
+
 class HqlabWorkerExtension:
     """Mixed into vLLM's worker (`worker_extension_cls`): lets the engine collect the step records hqlab's code
     kept inside vLLM — the adapter's (V1 runner: `model_runner.drafter`) or the GPU speculator's (V2 runner:
@@ -117,12 +133,13 @@ class HqlabWorkerExtension:
         return speculator if getattr(speculator, "corpus", None) is not None else None
 
     def hqlab_corpus_reset(self) -> bool:
-        """Empty the gpu-lookup corpus (a benchmark point starts from nothing); False where there is none."""
+        """Empty what drafts across requests (a benchmark point starts from nothing): the gpu-lookup corpus, or the
+        global tree of vLLM's `suffix` method; False where the server keeps neither."""
         speculator = self._hqlab_corpus_speculator()
-        if speculator is None:
-            return False
-        speculator.reset_corpus()
-        return True
+        if speculator is not None:
+            speculator.reset_corpus()
+            return True
+        return reset_suffix_cache(getattr(getattr(self, "model_runner", None), "drafter", None))
 
     def hqlab_take_corpus_log(self) -> list[dict[str, Any]]:
         """The documents that entered the gpu-lookup corpus since the last call, in order (empty without one)."""
