@@ -13,6 +13,7 @@ from typing import Any
 from hqlab.engines.vllm.adapter import HqlabProposer
 from hqlab.engines.vllm.gpu_fused import GpuFusedSpeculator
 from hqlab.engines.vllm.gpu_lookup import GpuLookupSpeculator
+from hqlab.engines.vllm.suffix_reset import reset_suffix_cache
 
 EXTENSION_PATH = "hqlab.engines.vllm.worker.HqlabWorkerExtension"  # vLLM imports it by this name in the worker
 
@@ -98,22 +99,6 @@ class StepTimer:
         return [{"phase": phase, "host_start_ms": 1e3 * (t0 - base_t), "host_ms": 1e3 * (t1 - t0),
                  "gpu_start_ms": span(base_ev, start), "gpu_ms": span(start, end), **facts}
                 for phase, t0, t1, start, end, facts in self.calls]
-
-
-def reset_suffix_cache(drafter: Any) -> bool:
-    """Give vLLM's `SuffixDecodingProposer` (the V1 runner's `drafter`: model runner V2 does not run `suffix`) a new,
-    empty `SuffixDecodingCache` of the same depth and size; False for any other drafter, and for one whose global tree
-    is off (max_cached_requests 0: nothing crosses requests). A new cache rather than evicting each cached response:
-    the requests of the point just ended stay active in the old cache until the next proposal (the proposer stops
-    them only when a later batch lacks them), and the new one forgets those prompts' trees as well."""
-    cache = getattr(drafter, "suffix_cache", None)
-    if cache is None or not hasattr(cache, "cached_requests"):
-        return False
-    if cache.max_cached_requests == 0:
-        return False
-    drafter.suffix_cache = type(cache)(max_tree_depth=cache.max_tree_depth,
-                                       max_cached_requests=cache.max_cached_requests)
-    return True
 
 
 class HqlabWorkerExtension:
