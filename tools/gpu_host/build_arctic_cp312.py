@@ -10,7 +10,10 @@ CPython 3.12, and its sdist's setup.py imports torch to build its CUDA ops, so i
   1. downloads the sdist (pip, --no-binary; pip prepares its metadata by running its setup.py, so run this script
      with a Python that imports torch and setuptools) and checks it against SDIST_SHA256;
   2. builds csrc/suffix_decoding with CMake, ninja and nanobind NANOBIND under the given CPython 3.12 (a fresh venv
-     under DIR), libstdc++ linked statically so the host's C++ runtime does not matter;
+     under DIR), against the system's C++ runtime, and prints the newest glibc and libstdc++ symbol versions the
+     module needs (the host must have them). Not linked statically: a static libstdc++ brings the build system's
+     newest glibc symbols with it (arc4random, glibc 2.36), which asks more of the host than the shared one
+     (glibc 2.32, GCC 11's libstdc++, built here with GCC 12 on glibc 2.36);
   3. assembles arctic_inference-0.3.0-cp312-cp312-linux_x86_64.whl from the package's `__init__.py`, the
      `suffix_decoding` package (`__init__.py`, `cache.py`) and the built `_C` module, with no entry points: the full
      package registers a `vllm.general_plugins` entry point that patches vLLM when it loads, which the host must not
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import base64
 import hashlib
+import re
 import shutil
 import subprocess
 import sys
@@ -120,12 +124,24 @@ def build_extension(py: Path, src: Path, out: Path) -> Path:
     build = out / "cmake-build"
     shutil.rmtree(build, ignore_errors=True)
     run(["cmake", "-S", src / "csrc/suffix_decoding", "-B", build, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-         f"-DPython_EXECUTABLE={builder}", "-DCMAKE_MODULE_LINKER_FLAGS=-static-libstdc++ -static-libgcc"])  # nanobind links a MODULE library
+         f"-DPython_EXECUTABLE={builder}"])
     run(["cmake", "--build", build])
     built = list(build.glob("_C.cpython-312-x86_64-linux-gnu.so"))
     if len(built) != 1:
         raise SystemExit(f"expected one _C.cpython-312 module in {build}, found {built}")
     return built[0]
+
+
+def symbol_floor(module: Path) -> str:
+    """The newest glibc, libstdc++ and C++ ABI symbol versions the module asks for (what the host must provide)."""
+    if not shutil.which("objdump"):
+        return "unknown (no objdump)"
+    dynamic = subprocess.run(["objdump", "-T", str(module)], check=True, capture_output=True, text=True).stdout
+    newest = {}
+    for lib, version in re.findall(r"\b(GLIBC|GLIBCXX|CXXABI)_([0-9.]+)", dynamic):
+        key = tuple(int(x) for x in version.split("."))
+        newest[lib] = max(newest.get(lib, key), key)
+    return ", ".join(f"{lib}_{'.'.join(map(str, v))}" for lib, v in sorted(newest.items()))
 
 
 def record_line(name: str, data: bytes) -> str:
@@ -181,6 +197,7 @@ def main() -> None:
         t.extractall(src_root, filter="data")
     src = src_root / f"arctic_inference-{VERSION}"
     extension = build_extension(py, src, out)
+    log(f"{extension.name} needs at most {symbol_floor(extension)}")
     wheel = out / WHEEL
     assemble(src, extension, wheel)
     check(py, wheel, out)

@@ -1,9 +1,11 @@
 """Carry vLLM 0.26 and a model to an offline GPU host (torch 2.11, python 3.12, no network, small transfers).
 
   1. here (CPU):  python tools/gpu_host/vllm_host.py prepare [--part-mib N] [--reuse] [--model NAME ...]
+                                                               [--arctic-wheel WHEEL]
        downloads the wheels vLLM needs there and the host lacks (tools/gpu_host/README.md lists them and why), trims vLLM's
        wheel to what an H200 running a dense model loads, takes each model's GGUF from the hqlab cache and packs all
        of it into checksummed parts under .parts/ (tools/gpu_host/pack_parts.py); prints the host commands.
+       --arctic-wheel adds the cp312 suffix-tree wheel of build_arctic_cp312.py (vLLM's `suffix` method).
   2. host, one call per part:  python3 tools/gpu_host/vllm_host.py stash .parts/part-NNN.bin
        checks the carried part against the manifest and keeps it in the host's work folder (GPU_WORK). A call that
        needs one model stages only the wheels' and that model's parts: `vllm_host.py parts --model NAME` (here)
