@@ -67,6 +67,18 @@ assert 'a' in cache.cached_requests and 'b' in cache.active_requests
 cache.stop_request('b')
 cache.evict_cached_response('a')
 assert 'a' not in cache.cached_requests
+# as vLLM calls it: int32 rows of its token array (the zero-copy ndarray overloads), a slice as the pattern
+import numpy as np
+rows = np.zeros((2, 16), dtype=np.int32)
+rows[0, :8] = [1, 2, 3, 4, 5, 6, 7, 8]
+rows[1, :5] = [9, 1, 2, 3, 4]
+cache.start_request('c', rows[0, :3])
+cache.add_active_response('c', rows[0, 3:8])
+cache.stop_request('c')
+cache.start_request('d', rows[1, :4])
+cache.add_active_response('d', rows[1, 4:5])
+assert list(cache.speculate('d', rows[1, 1:5], max_spec_tokens=8, max_spec_factor=4.0,
+                            min_token_prob=0.1).token_ids) == [5, 6, 7, 8]
 print('smoke ok: draft', list(draft.token_ids), 'cached', sorted(cache.cached_requests))
 """
 
