@@ -50,7 +50,7 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(not CHECK_PYTHON.exists(), reason="build the cp312 wheel first: tools/gpu_host/build_arctic_cp312.py")
+@pytest.mark.skipif(not CHECK_PYTHON.exists(), reason="build the wheel first: tools/gpu_host/build_arctic_cp312.py")
 def test_the_reset_empties_arctics_real_suffix_cache():
     out = subprocess.run([str(CHECK_PYTHON), "-c", SCRIPT, str(ROOT / "hqlab/engines/vllm/suffix_reset.py")],
                          capture_output=True, text=True, cwd="/")

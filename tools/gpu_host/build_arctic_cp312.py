@@ -215,7 +215,8 @@ def main() -> None:
     check(py, wheel, out)
     size = wheel.stat().st_size
     log(f"{wheel}  {size:,} bytes  sha256 {sha256(wheel)}")
-    log(f"carry it: python tools/gpu_host/vllm_host.py prepare --arctic-wheel {wheel.relative_to(ROOT) if wheel.is_relative_to(ROOT) else wheel} ...")
+    shown = wheel.relative_to(ROOT) if wheel.is_relative_to(ROOT) else wheel
+    log(f"carry it: python tools/gpu_host/vllm_host.py prepare --arctic-wheel {shown} ...")
 
 
 if __name__ == "__main__":
