@@ -20,11 +20,16 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture(scope="session")
-def engine_05b():
-    """bf16: the fast CPU dtype the benchmarks use."""
+def engine_05b(request):
+    """The real model for tests that need one, in bf16 (the dtype the benchmarks use) on a CPU with bf16 arithmetic;
+    on one without (`models.native_bf16`), where emulated bf16 is several times slower than fp32 wherever many
+    positions are scored at once, the fp32 engine (`engine_05b_fp32`, shared: one model in memory)."""
+    from hqlab import models
     from hqlab.engines.hf import HFEngine
 
     torch.manual_seed(0)
+    if not models.native_bf16():
+        return request.getfixturevalue("engine_05b_fp32")
     return HFEngine.load("qwen2.5-coder-0.5b", device="cpu", dtype="bfloat16")
 
 
@@ -35,6 +40,39 @@ def engine_05b_fp32():
     from hqlab.engines.hf import HFEngine
 
     return HFEngine.load("qwen2.5-coder-0.5b", device="cpu", dtype="float32")
+
+
+class Fp32Suite:
+    """The `all` workload over a 500-token document, encoded for the fp32 engine, and that engine's own
+    no-speculation output of 48 tokens for each prompt, computed the first time a test asks for it. The lossless
+    and the batched-decoding tests compare against the same references, so each is decoded once per session."""
+
+    DOC_TOKENS = 500
+    MAX_NEW_TOKENS = 48
+
+    def __init__(self, engine):
+        from hqlab.config import DecodeConfig
+        from hqlab.workloads import load_workload
+
+        self.engine, self.decode = engine, DecodeConfig(max_new_tokens=self.MAX_NEW_TOKENS)
+        self.prompts = {p.id: p for p in load_workload("all", doc_tokens=self.DOC_TOKENS, tokenizer=engine.tokenizer)}
+        self._ids: dict = {}
+        self._refs: dict = {}
+
+    def ids(self, prompt_id: str) -> list[int]:
+        if prompt_id not in self._ids:
+            self._ids[prompt_id] = self.engine.encode_chat(list(self.prompts[prompt_id].messages))
+        return self._ids[prompt_id]
+
+    def reference(self, prompt_id: str):
+        if prompt_id not in self._refs:
+            self._refs[prompt_id] = self.engine.generate(self.ids(prompt_id), None, self.decode, request=prompt_id)
+        return self._refs[prompt_id]
+
+
+@pytest.fixture(scope="session")
+def fp32_suite(engine_05b_fp32):
+    return Fp32Suite(engine_05b_fp32)
 
 
 @pytest.fixture

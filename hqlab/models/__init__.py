@@ -16,9 +16,9 @@ checkpoints, which the same code loads by hub id or path.
 
 from hqlab.models.gguf import (CONVERT_FORMAT, MARKER, assemble, cache_root, convert, ensure_converted, ensure_gguf,
                                gguf_general_name, locate_parts, marker_ok)
-from hqlab.models.load import ModelInfo, load, prepare, resolve_device, resolve_dtype
+from hqlab.models.load import ModelInfo, load, native_bf16, prepare, resolve_device, resolve_dtype
 from hqlab.models.registry import DEFAULT_MODEL, ModelError, OfflineModel, offline_entry, offline_names, resolve
 
 __all__ = ["CONVERT_FORMAT", "MARKER", "assemble", "cache_root", "convert", "ensure_converted", "ensure_gguf",
-           "gguf_general_name", "locate_parts", "marker_ok", "ModelInfo", "load", "prepare", "resolve_device",
+           "gguf_general_name", "locate_parts", "marker_ok", "ModelInfo", "load", "native_bf16", "prepare", "resolve_device",
            "resolve_dtype", "DEFAULT_MODEL", "ModelError", "OfflineModel", "offline_entry", "offline_names", "resolve"]

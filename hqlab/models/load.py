@@ -81,6 +81,16 @@ def resolve_dtype(dtype: str) -> str:
         raise ModelError(f"unknown dtype {dtype!r}; accepted: auto, {', '.join(_DTYPES)}") from None
 
 
+def native_bf16() -> bool:
+    """Whether this CPU computes in bf16 itself (x86: AVX512_BF16 or AMX-BF16; ARM64: the BF16 extension). Without
+    it PyTorch emulates bf16 matmuls, which is slower than fp32 wherever many positions are scored at once (see
+    `resolve_dtype`), so work that only needs some real model (the tests) runs in fp32 there."""
+    import torch
+
+    caps = torch.cpu.get_capabilities()
+    return any(caps.get(flag) for flag in ("avx512_bf16", "amx_bf16", "bf16"))
+
+
 def resolve_device(device: str) -> str:
     """"auto" is cuda when available, else cpu; an explicit cuda without CUDA is an error, not a silent cpu."""
     import torch

@@ -12,7 +12,7 @@
 - Replay reproduces a live run step by step, for the drafter alone and for the fused proposer with the most state
   (adaptive block, sticky exit: its drafter cache, lookup and block decisions all carry over between steps).
 - Teacher-forced replay (one drafter pass over the trace) gives the same steps as drafting for real, for three
-  fused rules on a copy and a summary request.
+  fused rules, each on a copy or a summary request.
 
 The drafter here is the 0.5B itself with its weights rounded to bf16, computed in fp32, drafting for the fp32
 target: the same tokenizer, a different model (its drafts are rejected sometimes, as bf16 arithmetic's are), and
@@ -31,7 +31,6 @@ from hqlab.bench.lossless import NEAR_TIE_TOL, compare
 from hqlab.proposers.draft import DraftConfig, DraftProposer
 from hqlab.proposers.fused import FusedConfig, FusedProposer
 from hqlab.replay import replay
-from hqlab.workloads import load_workload
 
 pytestmark = pytest.mark.slow
 
@@ -53,14 +52,15 @@ def drafter_model():
 
 
 @pytest.fixture(scope="module")
-def prompts(engine_05b_fp32):
-    by_id = {p.id: p for p in load_workload("labd", doc_tokens=500, tokenizer=engine_05b_fp32.tokenizer)}
-    return [engine_05b_fp32.encode_chat(list(by_id[t].messages)) for t in TASKS]
+def prompts(fp32_suite):
+    return [fp32_suite.ids(t) for t in TASKS]
 
 
 @pytest.fixture(scope="module")
-def references(engine_05b_fp32, prompts):
-    return [engine_05b_fp32.generate(ids, None, DECODE, request=t) for t, ids in zip(TASKS, prompts)]
+def references(fp32_suite):
+    """The batch-1 no-speculation outputs, shared with the lossless tests."""
+    assert fp32_suite.decode == DECODE
+    return [fp32_suite.reference(t) for t in TASKS]
 
 
 def fused(drafter_model, **kw) -> FusedProposer:
@@ -164,14 +164,16 @@ def test_teacher_forced_replay_equals_real_drafter(engine_05b_fp32, prompts, ref
     from hqlab.replay.teacher import TeacherForcedDrafter
 
     model = load_drafter("qwen2.5-coder-0.5b", "cpu", "float32")
-    for spec in [dict(k=15, sticky=3), dict(k=15, nstrong=8, agree=2), dict(k=7)]:
+    # each rule on one request, the copy and the summary request taken in turn (as the lossless tests take their
+    # configs): every rule and both kinds of request are compared
+    for i, spec in enumerate([dict(k=15, sticky=3), dict(k=15, nstrong=8, agree=2), dict(k=7)]):
         config = FusedConfig(dtype="float32", device="cpu", **spec)
-        for ids, ref in zip(prompts[:2], references[:2]):
-            real = replay(ids, ref.output_ids, FusedProposer(config, drafter=DraftProposer(
-                config.draft_config(), model=model)), max_new_tokens=DECODE.max_new_tokens)
-            teacher = TeacherForcedDrafter(DraftProposer(config.draft_config(), model=model), ids, ref.output_ids)
-            forced = replay(ids, ref.output_ids, FusedProposer(config, drafter=teacher),
-                            max_new_tokens=DECODE.max_new_tokens)
-            for key in ("accepted", "block", "verify_len", "sources"):
-                assert [getattr(r, key) for r in forced] == [getattr(r, key) for r in real], (spec, key)
-            assert teacher.real_calls < len(forced)  # most steps needed no real draft
+        ids, ref = prompts[i % 2], references[i % 2]
+        real = replay(ids, ref.output_ids, FusedProposer(config, drafter=DraftProposer(
+            config.draft_config(), model=model)), max_new_tokens=DECODE.max_new_tokens)
+        teacher = TeacherForcedDrafter(DraftProposer(config.draft_config(), model=model), ids, ref.output_ids)
+        forced = replay(ids, ref.output_ids, FusedProposer(config, drafter=teacher),
+                        max_new_tokens=DECODE.max_new_tokens)
+        for key in ("accepted", "block", "verify_len", "sources"):
+            assert [getattr(r, key) for r in forced] == [getattr(r, key) for r in real], (spec, key)
+        assert teacher.real_calls < len(forced)  # most steps needed no real draft

@@ -381,3 +381,15 @@ def test_hub_id_reaches_transformers():
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert "OTHER" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_native_bf16_agrees_with_the_cpu_flags():
+    """The fixtures' choice of dtype (tests/conftest.py) rests on this: on Linux x86 the kernel's CPU flags say
+    whether bf16 arithmetic is there (AVX512_BF16 or AMX-BF16)."""
+    import platform
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if platform.machine() not in ("x86_64", "AMD64") or not cpuinfo.exists():
+        pytest.skip("reads the x86 CPU flags of /proc/cpuinfo")
+    flags = next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")).split()
+    assert models.native_bf16() == bool({"avx512_bf16", "amx_bf16"} & set(flags))

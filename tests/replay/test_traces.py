@@ -37,15 +37,18 @@ def test_second_request_hits_the_cache_and_another_dtype_misses(tmp_path, engine
     """Recorded once with the engine, then served from the cache to a caller that loads no model; the same
     prompts in another dtype are not served those outputs."""
     cache = tmp_path / "traces"
-    first = traces.cached_traces("qwen2.5-coder-0.5b", "chat", 6, dtype="bfloat16", device="cpu", limit=2,
+    dtype = engine_05b.info.dtype  # bf16, or fp32 on a CPU without bf16 arithmetic (the fixture says why)
+    other = "float32" if dtype == "bfloat16" else "bfloat16"
+    asked = "auto" if dtype == "bfloat16" else dtype  # "auto" names bf16: served the bf16 traces
+    first = traces.cached_traces("qwen2.5-coder-0.5b", "chat", 6, dtype=dtype, device="cpu", limit=2,
                                 engine=engine_05b, cache_dir=cache)
     assert first.recorded == 2 and len(list(cache.glob("*.json"))) == 2
     record = json.loads(next(cache.glob("*.json")).read_text())
-    assert record["device"] == provenance.device_name("cpu") and record["dtype"] == "bfloat16"
+    assert record["device"] == provenance.device_name("cpu") and record["dtype"] == dtype
     assert record["provenance"]["git_commit"] == expected_commit
     assert record["provenance"]["transformers"] == installed("transformers")
 
-    again = traces.cached_traces("qwen2.5-coder-0.5b", "chat", 6, dtype="auto", device="cpu", limit=2,
+    again = traces.cached_traces("qwen2.5-coder-0.5b", "chat", 6, dtype=asked, device="cpu", limit=2,
                                 cache_dir=cache)
     assert again.recorded == 0 and again.engine is None  # no model was loaded
     assert [t.output_ids for t in again.traces] == [t.output_ids for t in first.traces]
@@ -53,15 +56,15 @@ def test_second_request_hits_the_cache_and_another_dtype_misses(tmp_path, engine
     # the engine-side entry point reads the same cache
     assert traces.record_traces(engine_05b, first.prompts, DecodeConfig(max_new_tokens=6), cache_dir=cache,
                                progress=False) == first.traces
-    with pytest.raises(traces.TracesMissing, match="float32"):
-        traces.cached_traces("qwen2.5-coder-0.5b", "chat", 6, dtype="float32", device="cpu", limit=2,
+    with pytest.raises(traces.TracesMissing, match=other):
+        traces.cached_traces("qwen2.5-coder-0.5b", "chat", 6, dtype=other, device="cpu", limit=2,
                             cache_dir=cache, record=False)
     with pytest.raises(traces.TracesMissing, match="max_new_tokens=7"):
-        traces.cached_traces("qwen2.5-coder-0.5b", "chat", 7, dtype="bfloat16", device="cpu", limit=2,
+        traces.cached_traces("qwen2.5-coder-0.5b", "chat", 7, dtype=dtype, device="cpu", limit=2,
                             cache_dir=cache, record=False)
     # an engine that is not what was asked for is refused, not silently used
     with pytest.raises(ConfigError, match="not the requested"):
-        traces.cached_traces("qwen2.5-coder-0.5b", "chat", 6, dtype="float32", device="cpu", limit=2,
+        traces.cached_traces("qwen2.5-coder-0.5b", "chat", 6, dtype=other, device="cpu", limit=2,
                             engine=engine_05b, cache_dir=cache)
     # saved with the trace set and read back
     saved = traces.load_traces(traces.save_traces(again.traces, tmp_path / "set.parquet"))

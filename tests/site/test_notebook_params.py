@@ -1,6 +1,7 @@
 """Notebooks run under papermill with non-default parameters, unedited: another model (SmolLM2-135M from the
 offline registry instead of the 0.5B), another workload file (a JSONL written here), other grids, and output
-folders elsewhere, all chosen by one YAML parameters file as `hqlab figures --params` takes it."""
+folders elsewhere, all chosen by one YAML parameters file as `hqlab figures --params` takes it. This sweep is also
+these notebooks' small run (tests/site/test_notebooks.py runs the others)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import pytest
 import yaml
 
 from hqlab.bench import results
+from hqlab.models import native_bf16
 from hqlab.site.notebooks import REPO, notebook_paths, run_all
 
 MODEL = "smollm2-135m"
+# every notebook that takes a model and a workload, and the kernels notebook on another results folder
+SWEPT = ("suffix_lengths", "core_benchmark", "new_proposer", "explorer", "kernels")
 
 # Two short prompts whose answers repeat their input (lookup has something to find) plus a chat one.
 WORKLOAD = [
@@ -35,6 +39,7 @@ def sweep_run(tmp_path_factory):
                       tables={"rows": results.load("kernels", "h200").filter(pl.col("batch") == 1)})
     params = {
         "defaults": {"model": MODEL, "suite": str(workload), "max_new_tokens": 12, "device": "cpu",
+                     "dtype": "bfloat16" if native_bf16() else "float32",  # emulated bf16 is slower than fp32
                      "figures_dir": str(tmp / "figures"), "results_dir": str(tmp / "results")},
         "suffix_lengths": {"nmin_grid": [1, 3], "nmax_grid": [4], "k_grid": [5], "policies": ["earliest"],
                            "live_configs": ["lookup:nmin=1,nmax=4,k=5,policy=earliest"],
@@ -47,6 +52,7 @@ def sweep_run(tmp_path_factory):
         "kernels": {"run": "batch1", "published_dir": str(kernels)},
     }
     stems = [p.stem for p in notebook_paths() if p.stem in params]
+    assert set(stems) == set(SWEPT)
     params_file = tmp / "sweep.yaml"
     params_file.write_text(yaml.safe_dump(params))
     assert run_all(params_file=params_file, only=stems, out_dir=tmp / "out") == 0
@@ -73,8 +79,10 @@ def test_parameters_reach_every_notebook(sweep_run):
         for key, value in params[stem].items():
             assert injected[key] == value, f"{stem}: {key}"
     figures = {p.name for p in (tmp / "figures").glob("*.svg")}
-    assert {"suffix_tokens_per_step.svg", "core_params_speedup.svg", "new_proposer_live.svg",
-            "explorer_timeline.svg", "kernels_latency.svg"} <= figures
+    # the acceptance curves exist only where the lookup drafted: the small run did the work
+    assert {"suffix_tokens_per_step.svg", "core_params_speedup.svg", "core_params_acceptance_by_position.svg",
+            "core_params_acceptance_hist.svg", "new_proposer_live.svg", "explorer_timeline.svg",
+            "kernels_latency.svg"} <= figures
     assert not any((REPO / "figures" / name).stat().st_mtime > (tmp / "sweep.yaml").stat().st_mtime
                    for name in figures if (REPO / "figures" / name).exists()), "a notebook wrote into figures/"
 
