@@ -587,6 +587,7 @@ def short_config(config: str) -> str:
     suffix += " corpus" if values.get("corpus", "0") != "0" else ""
     suffix += " prefill graph" if values.get("prefill_graph", "0") != "0" else ""
     suffix += f" goodput={Path(values['goodput']).stem}" if values.get("goodput") else ""
+    suffix += f" cached={values['cached']}" if name == "arctic-suffix" and "cached" in values else ""
     suffix += f" [{fault}" if bracket else ""
     return (f"{name}{block} {values['batch_k']}{suffix}" if "batch_k" in values
             else f"{name}{block} k={values.get('k', '?')}{suffix}")

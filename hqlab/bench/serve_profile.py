@@ -48,14 +48,23 @@ def worker_rpc(base_url: str, method: str, *, timeout_s: float = 120.0) -> list[
     return body["results"]
 
 
+def keeps_corpus(spec: str) -> bool:
+    """Whether a served config drafts from earlier requests, so that its reset must answer True: a gpu-lookup with
+    `corpus` > 0, or vLLM's suffix method (`arctic-suffix`) with a global tree (`cached` > 0)."""
+    from hqlab.config import parse_spec
+
+    name, values = parse_spec(spec)
+    if name == "arctic-suffix":
+        return values.get("cached", "0") != "0"
+    return values.get("corpus", "0") != "0"
+
+
 def reset_server(base_url: str, spec: str, *, timeout_s: float = 120.0) -> None:
     """Empty a server's corpus and prefix cache before a corpus workload's point, through vLLM's development routes
     (the server started with `profile_flags()` and `PROFILE_ENV`), so that the point's corpus holds
     only its own earlier answers and every repeat pays the same prefills. Raises where a config with a corpus did not
     empty one, or the prefix cache was not reset."""
-    from hqlab.config import parse_spec
-
-    has_corpus = parse_spec(spec)[1].get("corpus", "0") != "0"
+    has_corpus = keeps_corpus(spec)
     emptied = [str(x) for x in worker_rpc(base_url, "hqlab_corpus_reset", timeout_s=timeout_s)]
     if emptied != [str(has_corpus)]:
         raise RuntimeError(f"{base_url}: corpus reset answered {emptied} for {spec!r} (expected [{has_corpus}])")
@@ -160,5 +169,5 @@ def step_cost_ratios(rows: Any, reference: str = "none") -> Any:
             .sort(*keys, "config"))
 
 
-__all__ = ["PROFILE_ENV", "PROFILE_KEYS", "profile_flags", "worker_rpc", "check_repeats", "step_profile",
-           "served_steps", "served_parts", "part_bars", "step_cost_ratios"]
+__all__ = ["PROFILE_ENV", "PROFILE_KEYS", "profile_flags", "worker_rpc", "keeps_corpus", "reset_server",
+           "check_repeats", "step_profile", "served_steps", "served_parts", "part_bars", "step_cost_ratios"]

@@ -152,6 +152,8 @@ def test_short_config_names_the_gate():
         "gpu-fused 1:15/4:7/0 prefill graph"
     assert serve.short_config("gpu-fused:k=15,draft_block=1,batch_k=1:15/4:7/0,prefill_graph=0") == \
         "gpu-fused 1:15/4:7/0"
+    # vLLM's own suffix method, by the size of its global tree
+    assert serve.short_config("arctic-suffix:k=24,depth=24,min_prob=0.1,cached=90") == "arctic-suffix k=24 cached=90"
 
 
 # the GPU test logs of the drawn drafts before and after the fix of their CUDA graph capture

@@ -57,6 +57,32 @@ def test_a_resent_batch_request_finds_its_own_answer_gone_up_to_32_in_flight():
     assert 0 < sum(s <= CORPUS_BOUND for s in stretches(64)) < n
 
 
+
+def test_c5d_s_suffix_tree_holds_as_many_requests_as_the_corpus_and_never_a_resent_one():
+    """Plan c5d's vLLM suffix server keeps `cached` requests' answers (first in, first out by the order requests
+    start): as many as the corpus's 32,768 tokens hold of the batch job's documents (c4c's, prompt and answer: 84-92,
+    whichever request the window ends at), and fewer than the 152 requests that start between a request and its
+    re-sending, so a later pass drafts as the first did, as for the corpus (vLLM's default, 10,000, would retry)."""
+    import polars as pl
+
+    from hqlab.config import parse_spec
+
+    rows = pl.read_parquet(REPO / "data" / "results" / "corpus" / "c4c" / "requests.parquet")
+    rows = rows.filter((pl.col("config") == "none") & (pl.col("repeat") == 0)).sort("order")
+    docs = [len(p) + len(o) for p, o in zip(rows["prompt_ids"], rows["output_ids"])]
+    n = len(docs)
+
+    def held(i):  # documents the corpus holds once request i's has entered
+        k, total = 0, 0
+        while k < n and total + docs[(i - k) % n] <= CORPUS_BOUND:
+            total, k = total + docs[(i - k) % n], k + 1
+        return k
+
+    plan = json.loads((REPO / "benchmarks" / "plans" / "corpus_c5d.json").read_text())
+    cached = int(parse_spec(plan["configs"]["suffix"])[1]["cached"])
+    reach = [held(i) for i in range(n)]
+    assert min(reach) <= cached <= max(reach) and cached < n - 1
+
 def test_the_templates_prompts_fit_the_corpus(tokenizer):
     """The template's 24 prompts take under half the bound, so with their answers its passes beyond the first
     re-send requests whose answers the corpus still holds: retries."""

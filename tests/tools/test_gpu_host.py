@@ -144,3 +144,45 @@ def test_park_moves_committed_results_out_of_the_tree_and_back(tmp_path):
     assert subprocess.run(["git", "status", "--porcelain"], cwd=tmp_path, capture_output=True,
                           text=True).stdout == ""
     assert not (tmp_path / ".parked").exists()
+
+
+def _wheel(path: Path, files: dict[str, str]) -> Path:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    return path
+
+
+def test_the_arctic_wheel_is_checked_and_travels_with_every_call_s_wheels(tmp_path):
+    """`prepare --arctic-wheel`: the suffix tree's cp312 wheel is taken, and staged with the wheels for a call of any
+    one model (the host installs every carried wheel, --no-deps); a wheel for another Python, one without the
+    compiled tree and one registering Arctic's vLLM plugin are refused by name."""
+    vllm_host, pack_parts = _vllm_host(), _pack_parts()
+    ext = vllm_host.ARCTIC_EXTENSION
+    good = _wheel(tmp_path / "arctic_inference-0.3.0-cp312-cp312-linux_x86_64.whl",
+                  {ext: "so", "arctic_inference-0.3.0.dist-info/METADATA": "Name: arctic_inference\n"})
+    assert vllm_host.check_arctic_wheel(good) == good
+    with pytest.raises(SystemExit, match="not an arctic-inference wheel for cp312"):
+        vllm_host.check_arctic_wheel(_wheel(tmp_path / "arctic_inference-0.3.0-cp311-cp311-linux_x86_64.whl",
+                                            {ext: "so"}))
+    (tmp_path / "bare").mkdir()
+    with pytest.raises(SystemExit, match="no arctic_inference/suffix_decoding/_C"):
+        vllm_host.check_arctic_wheel(_wheel(tmp_path / "bare" / good.name, {"arctic_inference/__init__.py": ""}))
+    (tmp_path / "full").mkdir()
+    with pytest.raises(SystemExit, match="vllm.general_plugins"):
+        vllm_host.check_arctic_wheel(_wheel(tmp_path / "full" / good.name, {
+            ext: "so", "arctic_inference-0.3.0.dist-info/entry_points.txt":
+                "[vllm.general_plugins]\narctic_inference = arctic_inference.vllm.plugin:arctic_inference_plugin\n"}))
+    with pytest.raises(SystemExit, match="no such file"):
+        vllm_host.check_arctic_wheel(tmp_path / "missing.whl")
+    files = _random_files(tmp_path, {"vllm-0.26.0-cp38-abi3-linux_x86_64.whl": 1_200_000,
+                                     "m-large-q4.gguf": 2_000_000}, seed=4)
+    manifest = pack_parts.pack([files[0], good, files[1]], tmp_path / "parts", 1 << 20)
+    need = pack_parts.parts_for_models(manifest, ["m-large"])
+    arrived = tmp_path / "arrived"
+    pack_parts.stash(tmp_path / "parts" / "manifest.json", [tmp_path / "parts" / n for n in need], arrived)
+    assert good.name in pack_parts.complete_files(arrived)
+    out = pack_parts.unpack(arrived, tmp_path / "out", only={good.name})
+    assert out[0].read_bytes() == good.read_bytes()

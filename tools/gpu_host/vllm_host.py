@@ -1,9 +1,11 @@
 """Carry vLLM 0.26 and a model to an offline GPU host (torch 2.11, python 3.12, no network, small transfers).
 
   1. here (CPU):  python tools/gpu_host/vllm_host.py prepare [--part-mib N] [--reuse] [--model NAME ...]
+                                                               [--arctic-wheel WHEEL]
        downloads the wheels vLLM needs there and the host lacks (tools/gpu_host/README.md lists them and why), trims vLLM's
        wheel to what an H200 running a dense model loads, takes each model's GGUF from the hqlab cache and packs all
        of it into checksummed parts under .parts/ (tools/gpu_host/pack_parts.py); prints the host commands.
+       --arctic-wheel adds the cp312 suffix-tree wheel of build_arctic_cp312.py (vLLM's `suffix` method).
   2. host, one call per part:  python3 tools/gpu_host/vllm_host.py stash .parts/part-NNN.bin
        checks the carried part against the manifest and keeps it in the host's work folder (GPU_WORK). A call that
        needs one model stages only the wheels' and that model's parts: `vllm_host.py parts --model NAME` (here)
@@ -120,6 +122,29 @@ def trim_wheel(src: Path, dest: Path) -> tuple[int, int]:
     return dropped, dest.stat().st_size
 
 
+ARCTIC_EXTENSION = "arctic_inference/suffix_decoding/_C.cpython-312-x86_64-linux-gnu.so"
+
+
+def check_arctic_wheel(path: Path) -> Path:
+    """The wheel vLLM's `suffix` method needs on the host (tools/gpu_host/build_arctic_cp312.py), refused unless it is
+    arctic-inference for CPython 3.12 with the compiled suffix tree and no vLLM plugin: the host installs every
+    carried wheel, and the full package's `vllm.general_plugins` entry point would patch every server's vLLM."""
+    if not path.is_file():
+        raise SystemExit(f"--arctic-wheel {path}: no such file (build it: tools/gpu_host/build_arctic_cp312.py)")
+    if not re.fullmatch(r"arctic_inference-[\w.]+-cp312-cp312-(linux|manylinux\w*)_x86_64\.whl", path.name):
+        raise SystemExit(f"--arctic-wheel {path.name}: not an arctic-inference wheel for cp312 on x86_64 linux")
+    with zipfile.ZipFile(path) as z:
+        names = z.namelist()
+        plugins = [n for n in names if n.endswith(".dist-info/entry_points.txt")
+                   and "vllm.general_plugins" in z.read(n).decode()]
+    if ARCTIC_EXTENSION not in names:
+        raise SystemExit(f"--arctic-wheel {path.name}: no {ARCTIC_EXTENSION} (the suffix tree vLLM imports)")
+    if plugins:
+        raise SystemExit(f"--arctic-wheel {path.name}: registers a vllm.general_plugins entry point ({plugins[0]}), "
+                         f"which patches vLLM in every server; carry the suffix tree alone (build_arctic_cp312.py)")
+    return path
+
+
 def prepare(args: argparse.Namespace) -> None:
     from tools.gpu_host.pack_parts import pack
     from hqlab import models
@@ -140,7 +165,7 @@ def prepare(args: argparse.Namespace) -> None:
             f"({dropped / 2**20:.0f} MiB of unused kernels dropped, LZMA)")
     files = sorted(wheels.glob("*.whl"))
     if args.arctic_wheel:
-        files.append(Path(args.arctic_wheel))
+        files.append(check_arctic_wheel(Path(args.arctic_wheel)))
     for name in args.model or MODELS:
         files.append(models.ensure_gguf(models.offline_entry(name), models.cache_root()))
     for f in files:
@@ -336,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="part size; 0 (default): the largest that fits beside this working tree in one transfer")
     p.add_argument("--reuse", action="store_true", help="pack the wheels already prepared instead of downloading")
     p.add_argument("--model", action="append", default=None, help=f"offline model to carry (default: {MODELS})")
-    p.add_argument("--arctic-wheel", default=None, help="an arctic-inference wheel built for cp312 (suffix)")
+    p.add_argument("--arctic-wheel", default=None,
+                   help="the cp312 suffix-tree wheel of tools/gpu_host/build_arctic_cp312.py (vLLM's suffix method)")
     s = sub.add_parser("stash", help="GPU: keep one carried part")
     s.add_argument("parts", nargs="+")
     r = sub.add_parser("run", help="GPU: unpack and install once, then run COMMAND in that environment")

@@ -160,13 +160,9 @@ def setting_for(spec: str) -> EngineSetting:
         return EngineSetting(label, {"method": NATIVE[name], "num_speculative_tokens": config.k,
                                      "prompt_lookup_min": config.nmin, "prompt_lookup_max": config.nmax}, k=config.k)
     if name == "arctic-suffix":
-        if config.offset != 0 or config.cached < 0:
-            raise ConfigError(f"{label!r}: vLLM's suffix decoding has no offset and needs cached >= 0")
-        return EngineSetting(label, {"method": "suffix", "num_speculative_tokens": config.k,
-                                     "suffix_decoding_max_tree_depth": config.depth,
-                                     "suffix_decoding_max_spec_factor": config.factor,
-                                     "suffix_decoding_min_token_prob": config.min_prob,
-                                     "suffix_decoding_max_cached_requests": config.cached}, k=config.k)
+        from hqlab.engines.vllm.serving import suffix_speculative_config
+
+        return EngineSetting(label, suffix_speculative_config(label), k=config.k)
     k = REGISTRY[name](config).k  # builds it once here, so a bad spec fails before vLLM starts
     if k < 1:
         raise ConfigError(f"{label!r} proposes nothing (k=0); use 'none' for no speculation")

@@ -7,6 +7,7 @@ prints a `vllm serve` command line. hqlab's plugin (installed with `pip install 
 server needs nothing else: the speculator is named by `--speculative-config` (vLLM's `custom_class` method with
 hqlab's class path) and configured by `--additional-config` (the spec itself). The same dictionaries are what the
 offline `LLM(...)` takes (`speculative_config=`, `additional_config=`), so both paths build one engine config.
+`arctic-suffix:...,cached=N` serves vLLM's own `suffix` method (needs arctic-inference) beside them.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import json
 import shlex
 from typing import Any
 
-from hqlab.config import ConfigError, parse_spec
+from hqlab.config import ConfigError, parse_spec, resolve_spec
 from hqlab.engines.vllm import fault, gpu_fused, gpu_lookup
 
-SERVED = ("none", gpu_lookup.NAME, gpu_fused.NAME)  # what the server path runs
+SUFFIX = "arctic-suffix"  # vLLM's own `suffix` method (Arctic Inference's suffix tree), served as the baseline
+SERVED = ("none", gpu_lookup.NAME, gpu_fused.NAME, SUFFIX)  # what the server path runs
 
 # A step that admits a request carries its whole prompt (a few hundred tokens) beside the running requests' verify
 # blocks. vLLM's default capture size (sized for one position a request) sends such a step through eager kernels,
@@ -51,6 +53,24 @@ def none_capture(spec: str) -> int:
     return capture
 
 
+def suffix_speculative_config(spec: str, *, served: bool = False) -> dict[str, Any]:
+    """vLLM's speculative config for `arctic-suffix:k=..,depth=..,factor=..,min_prob=..,cached=N` (vLLM 0.26's key
+    names). `served`: `cached` must be given, since the two defaults disagree (hqlab's proposer keeps no global tree,
+    vLLM's server 10,000 requests) and a served comparison must say which store it ran."""
+    from hqlab.proposers import REGISTRY
+
+    label = spec.strip()
+    _, config = resolve_spec(label, {SUFFIX: REGISTRY[SUFFIX]})
+    if served and "cached" not in parse_spec(label)[1]:
+        raise ConfigError(f"{label!r}: a served arctic-suffix names its global tree's size, cached=N requests "
+                          f"(0: none; vLLM's default is 10000)")
+    if config.offset != 0 or config.cached < 0:
+        raise ConfigError(f"{label!r}: vLLM's suffix decoding has no offset and needs cached >= 0")
+    return {"method": "suffix", "num_speculative_tokens": config.k,
+            "suffix_decoding_max_tree_depth": config.depth, "suffix_decoding_max_spec_factor": config.factor,
+            "suffix_decoding_min_token_prob": config.min_prob, "suffix_decoding_max_cached_requests": config.cached}
+
+
 def engine_configs(spec: str, *, planted_fault: str | None = None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """(speculative_config, additional_config) of vLLM's engine for one served config; `planted_fault` plants a
     verification bug (`fault.py`) in a test server."""
@@ -64,6 +84,10 @@ def engine_configs(spec: str, *, planted_fault: str | None = None) -> tuple[dict
         speculative = gpu_lookup.speculative_config(spec)
     elif name == gpu_fused.NAME:
         speculative = gpu_fused.speculative_config(spec)
+    elif name == SUFFIX:  # vLLM's own method: no hqlab speculator, so no additional config and nothing to plant
+        if planted_fault:
+            raise ConfigError("a planted fault needs hqlab's speculator; arctic-suffix is vLLM's own")
+        return suffix_speculative_config(spec, served=True), {}
     else:
         raise ConfigError(f"{spec!r}: the server path runs {', '.join(SERVED)} (hqlab inside vLLM's GPU step); "
                           f"for vLLM's own methods pass vLLM's --speculative-config directly")
@@ -85,7 +109,7 @@ def vllm_args(spec: str, *, max_num_seqs: int = 32, planted_fault: str | None = 
         return ["--compilation-config", json.dumps({"max_cudagraph_capture_size": capture}, **compact)] if capture else []
     k = int(speculative["num_speculative_tokens"])
     return ["--speculative-config", json.dumps(speculative, **compact),
-            "--additional-config", json.dumps(extra, **compact),
+            *(["--additional-config", json.dumps(extra, **compact)] if extra else []),
             "--compilation-config", json.dumps({"max_cudagraph_capture_size": capture_size(max_num_seqs, k)},
                                                **compact)]
 

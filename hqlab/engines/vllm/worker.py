@@ -2,7 +2,7 @@
 `worker_extension_cls` (pass `EXTENSION_PATH`), through which the engine collects the step records hqlab's code kept
 inside vLLM (`llm.collective_rpc("hqlab_take_records")`) and times the model runner's phases (`StepTimer`,
 `hqlab_profile_start` / `hqlab_profile_stop`), and empties or reads the gpu-lookup corpus (`hqlab_corpus_reset`,
-`hqlab_take_corpus_log`).
+`hqlab_take_corpus_log`); the reset empties vLLM's own `suffix` method's global tree too.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 from hqlab.engines.vllm.adapter import HqlabProposer
 from hqlab.engines.vllm.gpu_fused import GpuFusedSpeculator
 from hqlab.engines.vllm.gpu_lookup import GpuLookupSpeculator
+from hqlab.engines.vllm.suffix_reset import reset_suffix_cache
 
 EXTENSION_PATH = "hqlab.engines.vllm.worker.HqlabWorkerExtension"  # vLLM imports it by this name in the worker
 
@@ -117,12 +118,13 @@ class HqlabWorkerExtension:
         return speculator if getattr(speculator, "corpus", None) is not None else None
 
     def hqlab_corpus_reset(self) -> bool:
-        """Empty the gpu-lookup corpus (a benchmark point starts from nothing); False where there is none."""
+        """Empty what drafts across requests (a benchmark point starts from nothing): the gpu-lookup corpus, or the
+        global tree of vLLM's `suffix` method; False where the server keeps neither."""
         speculator = self._hqlab_corpus_speculator()
-        if speculator is None:
-            return False
-        speculator.reset_corpus()
-        return True
+        if speculator is not None:
+            speculator.reset_corpus()
+            return True
+        return reset_suffix_cache(getattr(getattr(self, "model_runner", None), "drafter", None))
 
     def hqlab_take_corpus_log(self) -> list[dict[str, Any]]:
         """The documents that entered the gpu-lookup corpus since the last call, in order (empty without one)."""

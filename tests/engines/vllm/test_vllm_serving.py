@@ -235,3 +235,47 @@ def test_fused_drafting_off_under_load_reads_nothing_then_catches_up(settings):
     want = fresh.logits(torch.tensor([1]), ids[1, d - 1:d].long()[None], torch.tensor([d - 1]), torch.tensor([0]),
                         spec.cache_len)
     assert torch.allclose(got, want, atol=1e-4)
+
+
+SUFFIX = "arctic-suffix:k=24,depth=24,min_prob=0.1,cached=256"
+
+
+def test_vllm_serves_parser_hands_the_engine_vllms_suffix_config(cpu_platform):
+    """`arctic-suffix:...,cached=N` serves vLLM's own `suffix` method under vLLM 0.26's key names: no hqlab
+    additional config (hqlab's plugin leaves the server alone), the speculative configs' capture size; `cached` must be
+    named (hqlab's proposer keeps no global tree by default, vLLM's server 10,000 requests)."""
+    engine = parse_serve(serve_command("/models/target", SUFFIX, max_num_seqs=32, port=8321))
+    assert engine.speculative_config == {
+        "method": "suffix", "num_speculative_tokens": 24, "suffix_decoding_max_tree_depth": 24,
+        "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1,
+        "suffix_decoding_max_cached_requests": 256}
+    assert not engine.additional_config and engine.compilation_config.max_cudagraph_capture_size == 1024
+    from vllm.config.speculative import SpeculativeConfig
+
+    assert set(engine.speculative_config) - {"method", "num_speculative_tokens"} <= set(
+        SpeculativeConfig.__dataclass_fields__)
+    plugin.register()
+    assert not plugin._ours(type("C", (), {"speculative_config": engine.speculative_config})())
+    with pytest.raises(ConfigError, match="cached=N"):
+        engine_configs("arctic-suffix:k=24")
+    with pytest.raises(ConfigError, match="cached >= 0"):
+        engine_configs("arctic-suffix:k=24,cached=-1")
+    with pytest.raises(ConfigError, match="planted fault"):
+        engine_configs(SUFFIX, planted_fault="reject_all_drafts")
+
+
+def test_the_suffix_cache_the_reset_empties_is_where_vllm_keeps_it():
+    """The reset (`suffix_reset.reset_suffix_cache`, checked against Arctic's real cache in
+    tests/tools/test_arctic_suffix_reset.py) finds the cache at `model_runner.drafter.suffix_cache`: vLLM 0.26's V1
+    runner makes a SuffixDecodingProposer its drafter, which keeps the cache there; model runner V2 refuses `suffix`
+    (so a suffix server runs V1, whatever the hqlab servers beside it run)."""
+    import inspect
+
+    from vllm.config.vllm import VllmConfig
+    from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
+    from vllm.v1.worker import gpu_model_runner
+
+    assert "self.suffix_cache = SuffixDecodingCache(" in inspect.getsource(SuffixDecodingProposer.__init__)
+    assert "self.drafter = SuffixDecodingProposer(self.vllm_config)" in inspect.getsource(gpu_model_runner)
+    unsupported = inspect.getsource(VllmConfig._get_v2_model_runner_unsupported_features)
+    assert '"suffix"' not in unsupported and "unsupported.append(f\"speculative method" in unsupported
