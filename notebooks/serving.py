@@ -243,6 +243,25 @@ best = (by_cost.sort("speedup", descending=True).group_by("workload", "cost_rati
 best  # the gate length (0: none) with the best replayed speed, per workload and cost ratio
 
 # %% [markdown]
+# ## The goodput controller by load (replay)
+#
+# The controller fixes each step's width among 15, 7 and 0 by expected tokens per ms (docs/goodput.md). The committed
+# replay (`benchmarks/goodput_replay.py`, run `goodput_replay/cpu`) serves the greedy traces at 1 to 64 in flight,
+# ten waves a load, and prices every policy with the same step costs: the grid's, and the grid with each width's
+# excess over a plain step ×2 and ×4 (the range a served step measured). `goodput` decides with the costs it is
+# priced with, `goodput prior` with the grid whatever the truth, `goodput online` with its own steps' times, starting
+# from the grid (`fixed 15` lies under `goodput prior`). Speed ÷ `none`, same costs.
+
+# %%
+goodput_rows = results.load("goodput_replay", "cpu", "rows")
+shown = (goodput_rows.filter(pl.col("policy") != "none")
+         .with_columns(pl.format("wide steps: grid excess x{}", pl.col("width_cost_factor")).alias("costs")))
+chart = plots.line_grid(shown, "concurrency", "speedup", "policy", row="workload", column="costs",
+                        x_title="requests in flight", y_title="tok/s ÷ none (replay)", x_ticks=[1, 8, 16, 32, 64])
+plots.save(chart, Path(figures_dir) / "goodput_replay.svg")
+chart
+
+# %% [markdown]
 # ## The gate, served
 #
 # The gated lookup (`gate=1`, `gate=2`) beside the ungated lookup, `gpu-fused` and `none`, each a `vllm serve`
