@@ -20,6 +20,8 @@ VLLM_STAMP := $(VLLM_VENV)/.hqlab-installed
 # tests/engines/vllm out (in it, test_zoo's vllm/arctic tests skip: the extras are not installed there).
 VLLM_TESTS := tests/engines/vllm tests/replay/test_zoo.py -k "vllm or arctic"
 MAIN_TESTS := --ignore=tests/engines/vllm
+# a worker per core, at most four; each test file stays on one worker (tests/conftest.py)
+XDIST := -n auto --maxprocesses 4 --dist loadgroup
 
 # make notebooks / make lab: the jupytext notebooks to pair with .ipynb files
 NOTEBOOK_DIR ?= notebooks
@@ -77,14 +79,14 @@ lock-vllm:
 # target fails if either failed. Each run lists its slowest tests, so a CI log shows where the suite's time goes.
 test: setup setup-vllm
 	@status=0; \
-	$(VLLM_BIN)/python -m pytest --durations=15 $(VLLM_TESTS) || status=1; \
-	$(BIN)/python -m pytest --durations=40 $(MAIN_TESTS) || status=1; \
+	$(VLLM_BIN)/python -m pytest $(XDIST) --durations=15 $(VLLM_TESTS) || status=1; \
+	$(BIN)/python -m pytest $(XDIST) --durations=40 $(MAIN_TESTS) || status=1; \
 	exit $$status
 
 test-fast: setup setup-vllm
 	@status=0; \
-	$(VLLM_BIN)/python -m pytest -m "not slow" $(VLLM_TESTS) || status=1; \
-	$(BIN)/python -m pytest -m "not slow" $(MAIN_TESTS) || status=1; \
+	$(VLLM_BIN)/python -m pytest $(XDIST) -m "not slow" $(VLLM_TESTS) || status=1; \
+	$(BIN)/python -m pytest $(XDIST) -m "not slow" $(MAIN_TESTS) || status=1; \
 	exit $$status
 
 figures: setup

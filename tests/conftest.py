@@ -18,6 +18,25 @@ REPO = Path(__file__).resolve().parent.parent
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`make test` runs a worker per core, up to four) the workers share the cores: two workers of
+# two threads each on two cores spend their time in OpenMP's spin-waits. Notebook kernels inherit the variable.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Keep each test file on one xdist worker (its module fixtures are built once), and the files that share the
+    fp32 references on the same one (they are decoded once per worker)."""
+    def file(item) -> str:
+        return item.nodeid.split("::")[0]
+
+    sharing = {file(item) for item in items if "fp32_suite" in getattr(item, "fixturenames", ())}
+    for item in items:
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group("fp32_suite" if file(item) in sharing else file(item)))
+
 
 @pytest.fixture(scope="session")
 def engine_05b(request):
