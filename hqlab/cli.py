@@ -506,8 +506,8 @@ def build_parser() -> argparse.ArgumentParser:
     rs.set_defaults(func=cmd_results)
 
     sc = sub.add_parser("serve-command", help="print the `vllm serve` command for none, gpu-lookup:..., "
-                                              "gpu-fused:... (docs/serving.md) or vLLM's own suffix, "
-                                              "arctic-suffix:...,cached=N (docs/corpus.md)")
+                                              "gpu-fused:... or vLLM's own vllm-ngram-gpu:..., vllm-draft:... and "
+                                              "arctic-suffix:...,cached=N (docs/serving.md)")
     sc.add_argument("model", help="the model vLLM serves (a hub id or a folder)")
     sc.add_argument("spec", help='e.g. "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,batch_k=1:15/4:7/0"')
     sc.add_argument("--max-num-seqs", type=int, default=32, help="requests in flight at most (sizes CUDA graphs)")

@@ -571,8 +571,9 @@ def best_ratio(table: Any, reference: str = "none") -> Any:
 
 
 def short_config(config: str) -> str:
-    """A config's name for plots and tables: its proposer and batch schedule (the rest is in docs/serving.md), and a
-    planted fault's bracket where the server had one."""
+    """A config's name for plots and tables: its proposer and batch schedule (the rest is in docs/serving.md), the
+    settings that tell vLLM's own methods apart (the suffix tree's size, ngram_gpu's match lengths, the drafter), and
+    a planted fault's bracket where the server had one."""
     from hqlab.config import parse_spec
 
     if config == "none":
@@ -588,6 +589,8 @@ def short_config(config: str) -> str:
     suffix += " prefill graph" if values.get("prefill_graph", "0") != "0" else ""
     suffix += f" goodput={Path(values['goodput']).stem}" if values.get("goodput") else ""
     suffix += f" cached={values['cached']}" if name == "arctic-suffix" and "cached" in values else ""
+    suffix += f" nmin={values.get('nmin', '?')} nmax={values.get('nmax', '?')}" if name == "vllm-ngram-gpu" else ""
+    suffix += f" drafter={Path(values['model']).name}" if name == "vllm-draft" and "model" in values else ""
     suffix += f" [{fault}" if bracket else ""
     return (f"{name}{block} {values['batch_k']}{suffix}" if "batch_k" in values
             else f"{name}{block} k={values.get('k', '?')}{suffix}")

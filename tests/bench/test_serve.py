@@ -154,6 +154,9 @@ def test_short_config_names_the_gate():
         "gpu-fused 1:15/4:7/0"
     # vLLM's own suffix method, by the size of its global tree
     assert serve.short_config("arctic-suffix:k=24,depth=24,min_prob=0.1,cached=90") == "arctic-suffix k=24 cached=90"
+    # and its ngram_gpu and draft_model, by their match lengths and drafter
+    assert serve.short_config("vllm-ngram-gpu:nmin=2,nmax=5,k=7") == "vllm-ngram-gpu k=7 nmin=2 nmax=5"
+    assert serve.short_config("vllm-draft:model=qwen2.5-coder-0.5b,k=7") == "vllm-draft k=7 drafter=qwen2.5-coder-0.5b"
 
 
 # the GPU test logs of the drawn drafts before and after the fix of their CUDA graph capture

@@ -15,7 +15,7 @@ from benchmarks.vllm_serve import parse_point
 from hqlab.bench import serve_servers
 from hqlab.engines.vllm.gpu_fused import fused_config
 from hqlab.engines.vllm.gpu_lookup import lookup_config
-from hqlab.engines.vllm.serving import engine_configs
+from hqlab.engines.vllm.serving import SERVED_NATIVE, engine_configs
 
 # the serving plans, and the corpus plans served through it (c5 on; the corpus benchmark's own plans are tested by
 # test_vllm_corpus_plan.py)
@@ -30,7 +30,7 @@ def test_plan_is_runnable(path):
     configs = plan["configs"]
     assert "none" in configs.values()  # every group needs its reference
     for spec in configs.values():
-        if spec.startswith(("none", "arctic-suffix")):  # vLLM's own suffix: validated as the server path builds it
+        if spec.startswith(("none", *SERVED_NATIVE)):  # vLLM's own methods: validated as the server path builds them
             engine_configs(spec)
         else:
             (fused_config if spec.startswith("gpu-fused") else lookup_config)(spec)

@@ -62,3 +62,19 @@ def test_the_fused_goodput_line_of_the_goodput_page(capsys, monkeypatch):
     assert json.loads(flags["--additional-config"]) == {"hqlab_proposer": spec}
     assert main(["serve-command", "m", spec.replace("fused_served_x3.05", "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_vllms_own_draft_model_names_the_drafters_local_folder(capsys):
+    """`vllm-draft:model=..,k=..` prints vLLM's draft_model config with the drafter as the folder hqlab.models.prepare
+    made (what the server loads), no additional config; a key vLLM's method has no counterpart for is one line."""
+    from hqlab import models
+
+    assert main(["serve-command", "m", "vllm-draft:model=qwen2.5-coder-0.5b,k=7"]) == 0
+    argv = shlex.split(capsys.readouterr().out)
+    flags = dict(zip(argv[3::2], argv[4::2]))
+    assert json.loads(flags["--speculative-config"]) == {"method": "draft_model", "num_speculative_tokens": 7,
+                                                         "model": models.prepare("qwen2.5-coder-0.5b")}
+    assert "--additional-config" not in flags
+    assert main(["serve-command", "m", "vllm-draft:model=qwen2.5-coder-0.5b,k=7,vocab=v.json"]) == 2
+    err = capsys.readouterr().err
+    assert "takes only model and k (got vocab)" in err and err.count("\n") == 1

@@ -8,6 +8,9 @@ Configurations (the `--proposer` specs of `hqlab bench`, one vLLM engine each):
 - `arctic-suffix:k=..,depth=..,factor=..,min_prob=..,cached=..`: vLLM's suffix decoding (`method="suffix"`, needs
   arctic-inference) with the settings of hqlab's `arctic-suffix` proposer.
 - `vllm-ngram-gpu:nmin=..,nmax=..,k=..`: vLLM's GPU n-gram proposer (`method="ngram_gpu"`, V1 runner, async).
+- `vllm-draft:model=..,k=..`: vLLM's own independent draft model (`method="draft_model"`), the drafter made a folder
+  by `hqlab.models.prepare` when the engine starts. vLLM's own methods are translated by
+  `hqlab.engines.vllm.serving.native_speculative_config`, which the server path uses too.
 - `gpu-lookup:nmin=..,nmax=..,k=..,policy=..`: hqlab's lookup inside vLLM's GPU step (model runner V2, async
   scheduling), through hqlab's vLLM plugin (`hqlab.engines.vllm.gpu_lookup`, `hqlab.engines.vllm.plugin`).
 - any other hqlab proposer spec (`lookup:...`, `pld:...`): hqlab's own code inside vLLM through the
@@ -37,13 +40,12 @@ from typing import Any, Callable, Sequence
 from hqlab.config import ConfigError, DecodeConfig, parse_spec, resolve_spec
 from hqlab.engines.vllm import adapter as vllm_proposer
 from hqlab.engines.vllm import gpu_fused, gpu_lookup
+from hqlab.engines.vllm.serving import NATIVE, native_speculative_config
 from hqlab.engines.vllm.worker import EXTENSION_PATH
 from hqlab.proposers import REGISTRY
 from hqlab.trace import Generation, Source, StepRecord, step_record
 from hqlab.workloads import encode_chat
 
-NATIVE = {"vllm-ngram": "ngram", "vllm-ngram-gpu": "ngram_gpu", "arctic-suffix": "suffix",
-          "vllm-draft": "draft_model"}  # -> vLLM's own method
 UNKNOWN_TOKEN = -1  # a drafted position whose token id vLLM does not report
 
 
@@ -144,25 +146,14 @@ def setting_for(spec: str) -> EngineSetting:
         return EngineSetting(label, gpu_fused.speculative_config(label),
                              {gpu_lookup.SPEC_KEY: label, gpu_lookup.RECORD_KEY: True},
                              EXTENSION_PATH, k=config.k, fixed_width=True)
+    if name in NATIVE:  # vLLM's own method, translated as the server path translates it
+        speculative, drafter = native_speculative_config(label)
+        return EngineSetting(label, speculative, k=int(speculative["num_speculative_tokens"]), draft_model=drafter)
     unknown = (f"unknown proposer {{name!r}} in {{spec!r}}; the vllm engine runs none, {gpu_lookup.NAME}, "
                f"{gpu_fused.NAME} "
                f"(hqlab on vLLM's GPU step), {', '.join(sorted(NATIVE))} (vLLM's own) or any of "
                f"{', '.join(sorted(REGISTRY))} (through the custom_class adapter)")
-    name, config = resolve_spec(label, {**REGISTRY, "vllm-ngram-gpu": REGISTRY["vllm-ngram"],
-                                        "vllm-draft": REGISTRY["draft"]}, unknown=unknown)
-    if name == "vllm-draft":  # vLLM's own independent draft model: the baseline of the fused drafter
-        if config.vocab or config.temperature != 0 or config.dtype != "auto" or config.device != "auto":
-            raise ConfigError(f"{label!r}: vLLM's draft_model takes only model and k (it drafts with the full "
-                              f"vocabulary, in the engine's dtype and device, sampling as the request does)")
-        return EngineSetting(label, {"method": NATIVE[name], "num_speculative_tokens": config.k}, k=config.k,
-                             draft_model=config.model)
-    if name in ("vllm-ngram", "vllm-ngram-gpu"):
-        return EngineSetting(label, {"method": NATIVE[name], "num_speculative_tokens": config.k,
-                                     "prompt_lookup_min": config.nmin, "prompt_lookup_max": config.nmax}, k=config.k)
-    if name == "arctic-suffix":
-        from hqlab.engines.vllm.serving import suffix_speculative_config
-
-        return EngineSetting(label, suffix_speculative_config(label), k=config.k)
+    name, config = resolve_spec(label, REGISTRY, unknown=unknown)
     k = REGISTRY[name](config).k  # builds it once here, so a bad spec fails before vLLM starts
     if k < 1:
         raise ConfigError(f"{label!r} proposes nothing (k=0); use 'none' for no speculation")

@@ -7,7 +7,10 @@ prints a `vllm serve` command line. hqlab's plugin (installed with `pip install 
 server needs nothing else: the speculator is named by `--speculative-config` (vLLM's `custom_class` method with
 hqlab's class path) and configured by `--additional-config` (the spec itself). The same dictionaries are what the
 offline `LLM(...)` takes (`speculative_config=`, `additional_config=`), so both paths build one engine config.
-`arctic-suffix:...,cached=N` serves vLLM's own `suffix` method (needs arctic-inference) beside them.
+vLLM's own methods serve beside them as baselines (`NATIVE`, `native_speculative_config`, the one translation the
+offline engine uses too): `arctic-suffix:...,cached=N` (`suffix`, needs arctic-inference),
+`vllm-ngram-gpu:nmin=..,nmax=..,k=..` (`ngram_gpu`) and `vllm-draft:model=..,k=..` (`draft_model`, the drafter made a
+local folder by `hqlab.models.prepare`, as the target is).
 """
 
 from __future__ import annotations
@@ -19,8 +22,12 @@ from typing import Any
 from hqlab.config import ConfigError, parse_spec, resolve_spec
 from hqlab.engines.vllm import fault, gpu_fused, gpu_lookup
 
-SUFFIX = "arctic-suffix"  # vLLM's own `suffix` method (Arctic Inference's suffix tree), served as the baseline
-SERVED = ("none", gpu_lookup.NAME, gpu_fused.NAME, SUFFIX)  # what the server path runs
+SUFFIX = "arctic-suffix"  # vLLM's own `suffix` method (Arctic Inference's suffix tree)
+NGRAM_GPU = "vllm-ngram-gpu"  # vLLM's own `ngram_gpu` method (prompt lookup on the GPU)
+DRAFT = "vllm-draft"  # vLLM's own `draft_model` method (an independent draft model)
+NATIVE = {"vllm-ngram": "ngram", NGRAM_GPU: "ngram_gpu", SUFFIX: "suffix", DRAFT: "draft_model"}  # -> vLLM's method
+SERVED_NATIVE = (SUFFIX, NGRAM_GPU, DRAFT)  # vLLM's own methods the server path runs, as baselines
+SERVED = ("none", gpu_lookup.NAME, gpu_fused.NAME, *SERVED_NATIVE)  # what the server path runs
 
 # A step that admits a request carries its whole prompt (a few hundred tokens) beside the running requests' verify
 # blocks. vLLM's default capture size (sized for one position a request) sends such a step through eager kernels,
@@ -71,6 +78,34 @@ def suffix_speculative_config(spec: str, *, served: bool = False) -> dict[str, A
             "suffix_decoding_min_token_prob": config.min_prob, "suffix_decoding_max_cached_requests": config.cached}
 
 
+def native_speculative_config(spec: str, *, served: bool = False) -> tuple[dict[str, Any], str]:
+    """(vLLM's speculative config, the drafter's name) for one of vLLM's own methods (`NATIVE`), vLLM 0.26's key
+    names; the drafter's name ('' but for `vllm-draft`) is a registry name, hub id or path that
+    `hqlab.models.prepare` makes a folder, which the caller puts under `model`. `served`: as for
+    `suffix_speculative_config`."""
+    from hqlab.proposers import REGISTRY
+
+    label = spec.strip()
+    name, values = parse_spec(label)
+    if name == SUFFIX:
+        return suffix_speculative_config(label, served=served), ""
+    if name not in NATIVE:
+        raise ConfigError(f"{label!r}: vLLM's own methods here are {', '.join(sorted(NATIVE))}")
+    allowed, why = ((("model", "k"), ": it drafts with the full vocabulary, in the engine's dtype and device, "
+                                      "sampling as the request does") if name == DRAFT
+                    else (("nmin", "nmax", "k"), ": the engine's max_model_len bounds its matches"
+                          if "max_model_len" in values else ""))
+    extra = sorted(set(values) - set(allowed))
+    if extra:  # hqlab's proposer's other keys have no counterpart in vLLM's method
+        raise ConfigError(f"{label!r}: vLLM's {NATIVE[name]} takes only {', '.join(allowed[:-1])} and "
+                          f"{allowed[-1]} (got {', '.join(extra)}){why}")
+    _, config = resolve_spec(label, {name: REGISTRY["draft" if name == DRAFT else "vllm-ngram"]})
+    speculative: dict[str, Any] = {"method": NATIVE[name], "num_speculative_tokens": config.k}
+    if name == DRAFT:
+        return speculative, config.model
+    return {**speculative, "prompt_lookup_min": config.nmin, "prompt_lookup_max": config.nmax}, ""
+
+
 def engine_configs(spec: str, *, planted_fault: str | None = None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """(speculative_config, additional_config) of vLLM's engine for one served config; `planted_fault` plants a
     verification bug (`fault.py`) in a test server."""
@@ -84,13 +119,19 @@ def engine_configs(spec: str, *, planted_fault: str | None = None) -> tuple[dict
         speculative = gpu_lookup.speculative_config(spec)
     elif name == gpu_fused.NAME:
         speculative = gpu_fused.speculative_config(spec)
-    elif name == SUFFIX:  # vLLM's own method: no hqlab speculator, so no additional config and nothing to plant
+    elif name in SERVED_NATIVE:  # vLLM's own method: no hqlab speculator, so no additional config, nothing to plant
         if planted_fault:
-            raise ConfigError("a planted fault needs hqlab's speculator; arctic-suffix is vLLM's own")
-        return suffix_speculative_config(spec, served=True), {}
+            raise ConfigError(f"a planted fault needs hqlab's speculator; {name} is vLLM's own")
+        speculative, drafter = native_speculative_config(spec, served=True)
+        if drafter:  # the folder the host loads (converted once, cached), as the served target is
+            from hqlab import models
+
+            speculative["model"] = models.prepare(drafter)
+        return speculative, {}
     else:
-        raise ConfigError(f"{spec!r}: the server path runs {', '.join(SERVED)} (hqlab inside vLLM's GPU step); "
-                          f"for vLLM's own methods pass vLLM's --speculative-config directly")
+        raise ConfigError(f"{spec!r}: the server path runs none, {gpu_lookup.NAME}, {gpu_fused.NAME} (hqlab inside "
+                          f"vLLM's GPU step) and {', '.join(SERVED_NATIVE)} (vLLM's own); for another of vLLM's "
+                          f"methods pass vLLM's --speculative-config directly")
     extra: dict[str, Any] = {gpu_lookup.SPEC_KEY: spec.strip()}
     if planted_fault:
         if planted_fault not in fault.FAULTS:

@@ -279,3 +279,69 @@ def test_the_suffix_cache_the_reset_empties_is_where_vllm_keeps_it():
     assert "self.drafter = SuffixDecodingProposer(self.vllm_config)" in inspect.getsource(gpu_model_runner)
     unsupported = inspect.getsource(VllmConfig._get_v2_model_runner_unsupported_features)
     assert '"suffix"' not in unsupported and "unsupported.append(f\"speculative method" in unsupported
+
+
+NGRAM_GPU = "vllm-ngram-gpu:nmin=2,nmax=5,k=7"
+DRAFT = "vllm-draft:model=qwen2.5-coder-0.5b,k=7"
+
+
+def test_vllm_builds_its_own_ngram_gpu_and_draft_model_from_the_served_flags(cpu_platform):
+    """`vllm-ngram-gpu:...` and `vllm-draft:model=..,k=..` serve vLLM's own `ngram_gpu` and `draft_model`: `vllm
+    serve`'s parser takes the command, and vLLM's own SpeculativeConfig, built from it against the 1.5B's config as
+    the engine builds it, runs the method, widths and drafter the spec names (the drafter the local folder
+    `hqlab.models.prepare` made, at the target's tensor parallelism and context); no hqlab additional config, the
+    speculative configs' capture size, and the same translation as the offline engine's."""
+    from vllm.config import ParallelConfig
+
+    from hqlab import models
+    from hqlab.engines.vllm.engine import setting_for
+    from hqlab.engines.vllm.serving import vllm_args
+
+    target, drafter = models.prepare("qwen2.5-coder-1.5b"), models.prepare("qwen2.5-coder-0.5b")
+    ngram = parse_serve(serve_command(target, NGRAM_GPU, max_num_seqs=32, extra=["--max-model-len", "4096"]))
+    draft = parse_serve(serve_command(target, DRAFT, max_num_seqs=32, extra=["--max-model-len", "4096"]))
+    assert ngram.speculative_config == {"method": "ngram_gpu", "num_speculative_tokens": 7, "prompt_lookup_min": 2,
+                                        "prompt_lookup_max": 5}
+    assert draft.speculative_config == {"method": "draft_model", "num_speculative_tokens": 7, "model": drafter}
+    plugin.register()
+    for spec, args in ((NGRAM_GPU, ngram), (DRAFT, draft)):
+        assert not args.additional_config and args.compilation_config.max_cudagraph_capture_size == 1024
+        assert not plugin._ours(type("C", (), {"speculative_config": args.speculative_config})())
+        offline = setting_for(spec)  # one translation: the offline engine's differs only in preparing the drafter
+        assert offline.k == 7 and {**offline.speculative_config, **(
+            {"model": drafter} if offline.draft_model else {})} == args.speculative_config
+    target_config = draft.create_model_config()  # the 1.5B's, as `vllm serve` builds it
+    built = {spec: args.create_speculative_config(target_config, ParallelConfig())
+             for spec, args in ((NGRAM_GPU, ngram), (DRAFT, draft))}
+    n, d = built[NGRAM_GPU], built[DRAFT]
+    assert (n.method, n.num_speculative_tokens, n.prompt_lookup_min, n.prompt_lookup_max) == ("ngram_gpu", 7, 2, 5)
+    assert (d.method, d.num_speculative_tokens, d.draft_tensor_parallel_size) == ("draft_model", 7, 1)
+    assert d.draft_model_config.model == drafter and d.draft_model_config.max_model_len == 4096
+    assert d.draft_model_config.hf_config.num_hidden_layers < target_config.hf_config.num_hidden_layers
+    wide = vllm_args(NGRAM_GPU, max_num_seqs=256)
+    assert wide[wide.index("--compilation-config") + 1] == '{"max_cudagraph_capture_size":2048}'  # 256 x (7 + 1)
+
+
+@pytest.mark.parametrize("spec,says", [
+    ("vllm-draft:model=qwen2.5-coder-0.5b,k=7,temperature=0.5", "draft_model takes only model and k .got temperature"),
+    ("vllm-draft:vocab=x", "got vocab.: it drafts with the full vocabulary"),
+    ("vllm-draft:k=7,seed=1", "got seed"),
+    ("vllm-draft:k=0", "k must be >= 1"),
+    ("vllm-ngram-gpu:nmin=2,nmax=5,k=7,policy=earliest", "ngram_gpu takes only nmin, nmax and k .got policy.$"),
+    ("vllm-ngram-gpu:k=7,max_model_len=512", "got max_model_len.: the engine's max_model_len"),
+    ("vllm-ngram-gpu:nmin=6,nmax=5,k=7", "nmin <= nmax"),
+    ("vllm-ngram:nmin=2,nmax=5,k=7", "server path runs .* vllm-ngram-gpu, vllm-draft"),
+])
+def test_bad_native_specs_say_what_to_fix(spec, says):
+    with pytest.raises(ConfigError, match=says):
+        engine_configs(spec)
+
+
+def test_vllms_own_methods_take_no_planted_fault_and_a_missing_drafter_is_refused():
+    from hqlab.models import ModelError
+
+    for spec in (NGRAM_GPU, DRAFT):
+        with pytest.raises(ConfigError, match="planted fault needs hqlab's speculator"):
+            engine_configs(spec, planted_fault="accept_first_draft")
+    with pytest.raises(ModelError, match="does not exist"):
+        engine_configs("vllm-draft:model=/no/such/drafter,k=7")
