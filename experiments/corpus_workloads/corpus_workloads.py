@@ -8,11 +8,13 @@ order, which is the order a client running every session at once sends them:
     python experiments/corpus_workloads/corpus_workloads.py             # all, then data/results/traces/0.5b_corpus_128/
     python experiments/corpus_workloads/corpus_workloads.py --dry-run   # the first wave's prompts and their token counts
     python experiments/corpus_workloads/corpus_workloads.py --workloads prose  # traces of the control set (prose.jsonl)
+    python experiments/corpus_workloads/corpus_workloads.py --workloads records  # prompts only: no model runs
 
-Outputs: data/workloads/corpus_{multiturn,template,agent}.jsonl, data/workloads/corpus_workloads.meta.json
+Outputs: data/workloads/corpus_{multiturn,template,agent,batch,records}.jsonl, data/workloads/corpus_workloads.meta.json
 (sha256 of each file, model, dtype, device, versions, settings) and the trace set of every request (the prompt's
-token ids and the greedy output whose text later turns carry). Greedy outputs depend on the machine's numerics,
-so a rerun elsewhere may write different answers; the committed files and their hashes are the benchmark.
+token ids and the greedy output whose text later turns carry). The records job (PROMPTS_ONLY) is written as built,
+one request per passage: nothing decoded, no traces. Greedy outputs depend on the machine's numerics, so a rerun
+elsewhere may write different answers; the committed files and their hashes are the benchmark.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ OUT_DIR = REPO / "data" / "workloads"
 TRACE_SET = "0.5b_corpus_128"  # the run of the study `traces` (hqlab.bench.results) that holds their traces
 TRACES = REPO / "data" / "results" / "traces" / TRACE_SET / "traces.parquet"
 META = OUT_DIR / "corpus_workloads.meta.json"
-WORKLOADS = ("multiturn", "template", "agent", "batch")
+WORKLOADS = ("multiturn", "template", "agent", "batch", "records")
+PROMPTS_ONLY = ("records",)  # one request per input, no assistant messages: written without running a model
 CONTROLS = ("prose",)  # traces only: its request file is data/workloads/prose.jsonl
 
 
@@ -172,19 +175,18 @@ def template_entries(text: str, n: int = 24) -> list[str]:
     return entries[:n]
 
 
-def record_sessions(workload: str, entries: list[str], digits: int) -> list[Session]:
-    """One request per entry: the template's instruction over it, no conversation (a batch job)."""
+def record_sessions(workload: str, users: list[str], digits: int, system: str = TEMPLATE_SYSTEM) -> list[Session]:
+    """One request per user message, after the job's system prompt: no conversation (a batch job)."""
     out = []
-    for i, entry in enumerate(entries):
-        msgs = [{"role": "system", "content": TEMPLATE_SYSTEM},
-                {"role": "user", "content": TEMPLATE.format(entry=entry)}]
+    for i, user in enumerate(users):
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
         out.append(Session(workload, f"{workload}-{i:0{digits}d}", 1, lambda s, msgs=msgs: list(msgs)))
     return out
 
 
 def template_sessions(text: str) -> list[Session]:
     """A batch job: one instruction over 24 handbook entries, one request each (no conversation)."""
-    return record_sessions("template", template_entries(text), 2)
+    return record_sessions("template", [TEMPLATE.format(entry=e) for e in template_entries(text)], 2)
 
 
 def batch_entries(text: str) -> list[str]:
@@ -199,7 +201,62 @@ def batch_entries(text: str) -> list[str]:
 def batch_sessions(text: str) -> list[Session]:
     """The template's instruction over every level-3 entry of the handbook (153), one request each: a batch job long
     enough that its first wave, which finds the corpus empty, is a small part of it (with 8 in flight, 1 in 19)."""
-    return record_sessions("batch", batch_entries(text), 3)
+    return record_sessions("batch", [TEMPLATE.format(entry=e) for e in batch_entries(text)], 3)
+
+
+RECORDS_SYSTEM = "You write the FAQ of a product's support site from passages of the product's operator handbook."
+RECORDS = ("Section: {section}\n\nPassage:\n\n{passage}\n\nReturn only a JSON object with the keys \"question\" (a "
+           "question a user of the product would ask that the passage answers), \"answer\" (two sentences at most), "
+           "\"section\" (the section title above) and \"keywords\" (list of up to three lowercase keywords).")
+RECORDS_MIN_CHARS = 80  # shorter blocks are lead-ins to a code block ("On the primary:") or half a sentence
+RECORDS_MAX_CHARS = 1400
+
+
+def handbook_blocks(text: str) -> list[tuple[str, str]]:
+    """(section title, block) for every text block of the handbook in order: each run of non-blank lines outside code
+    fences that is neither a heading, a table nor a comment, i.e. a prose paragraph or a list; the title is the
+    nearest heading above it, as written."""
+    out: list[tuple[str, str]] = []
+    lines: list[str] = []
+    title, fenced = "", False
+
+    def flush() -> None:
+        if lines and not lines[0].startswith(("|", "<!--")):
+            out.append((title, "\n".join(lines)))
+        lines.clear()
+
+    for line in text.splitlines():
+        heading = None if fenced else re.match(r"^#{1,6} (.+)$", line)
+        if line.startswith("```") or heading or not line.strip():
+            flush()
+            fenced = fenced != line.startswith("```")
+            title = heading.group(1).strip() if heading else title
+        elif not fenced:
+            lines.append(line)
+    flush()
+    return out
+
+
+def clip_sentences(text: str, chars: int) -> str:
+    """`text` cut after the last sentence that ends before `chars` characters (whole if shorter)."""
+    if len(text) <= chars:
+        return text
+    ends = [m.end() for m in re.finditer(r"[.!?](?=\s)", text[:chars])]
+    return text[:ends[-1]] if ends else clip(text, chars)
+
+
+def records_passages(text: str) -> list[tuple[str, str]]:
+    """(section title, passage): every prose paragraph and list of the handbook of at least RECORDS_MIN_CHARS, in
+    document order, clipped at a sentence end before RECORDS_MAX_CHARS (the handbook's longest block has 661)."""
+    return [(title, clip_sentences(block, RECORDS_MAX_CHARS)) for title, block in handbook_blocks(text)
+            if len(block) >= RECORDS_MIN_CHARS]
+
+
+def records_sessions(text: str) -> list[Session]:
+    """Another batch job, of the template's kind (one fixed instruction whose answers share a JSON structure) over
+    other inputs: an FAQ entry from every passage of the handbook (335), one request each, in document order."""
+    prompts = [RECORDS.format(section=title, passage=p) for title, p in records_passages(text)]
+    return record_sessions("records", prompts, 3, system=RECORDS_SYSTEM)
 
 
 AGENT_SYSTEM = """You are an operations assistant for the Lantern log search service. You work by calling tools. \
@@ -296,7 +353,7 @@ def build_sessions(which: list[str]) -> dict[str, list[Session]]:
     text = DOCUMENT.read_text(encoding="utf-8")
     sections = handbook_sections(text)
     makers = {"multiturn": lambda: multiturn_sessions(sections), "template": lambda: template_sessions(text),
-              "batch": lambda: batch_sessions(text),
+              "batch": lambda: batch_sessions(text), "records": lambda: records_sessions(text),
               "agent": lambda: agent_sessions(sections), "prose": prose_sessions}
     return {w: makers[w]() for w in which}
 
@@ -340,6 +397,14 @@ def main(argv: list[str] | None = None) -> int:
             lens = [len(encode_chat(tok, s.request())) for s in ss]
             print(f"{w}: {len(ss)} sessions, first-wave prompt tokens {lens}")
         return 0
+    prompts_only = {"git_commit": provenance.git_commit(), "source_sha256": sha256_file(DOCUMENT), "model": None,
+                    "prompts_only": True}  # how a PROMPTS_ONLY file was made: no model ran, nothing decoded
+    for w in [w for w in which if w in PROMPTS_ONLY]:
+        write_requests(w, [{"workload": w, "session": s.name, "turn": 0, "messages": s.request()}
+                           for s in sessions.pop(w)])
+    if not sessions:
+        write_meta({}, {f"corpus_{w}.jsonl": prompts_only for w in which})
+        return 0
 
     from hqlab.engines.hf import HFEngine
 
@@ -367,12 +432,8 @@ def main(argv: list[str] | None = None) -> int:
                 s.messages = s.messages + [{"role": "assistant", "content": answer}]
                 rows.append({"workload": w, "session": s.name, "turn": turn, "messages": m})
                 traces.append(Trace(name, w, pid, list(g.output_ids), args.max_new_tokens, prov))
-        if w in CONTROLS:
-            continue
-        path = OUT_DIR / f"corpus_{w}.jsonl"
-        write_atomic(path, lambda tmp, rows=rows: tmp.write_text(
-            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8"))
-        print(f"wrote {path.relative_to(REPO)} ({len(rows)} requests)", flush=True)
+        if w not in CONTROLS:
+            write_requests(w, rows)
     bar.close()
     if TRACES.exists():  # keep the traces of the workloads not made this time
         traces = [t for t in load_traces(TRACES) if t.category not in which] + traces
@@ -390,20 +451,33 @@ def main(argv: list[str] | None = None) -> int:
               "versions": provenance.versions(), "source": str(DOCUMENT.relative_to(REPO)),
               "source_sha256": sha256_file(DOCUMENT),
               "traces": str(TRACES.relative_to(REPO))}
-    made = [f"corpus_{w}.jsonl" for w in which if w in WORKLOADS]
-    earlier = json.loads(META.read_text()) if META.exists() else None
-    if earlier is None or set(earlier.get("files", {})) <= set(made):
-        meta = record  # every file on record is made now: one record for all
-    else:  # some made now, the rest earlier (maybe on another machine): keep that record, add this run's per file
-        meta = earlier
-        meta.setdefault("made", {}).update({name: {k: v for k, v in record.items() if k not in ("generator",
-                                                                                                "source", "traces")}
-                                            for name in made})
+    write_meta({f"corpus_{w}.jsonl": record for w in which if w in WORKLOADS and w not in PROMPTS_ONLY},
+               {f"corpus_{w}.jsonl": prompts_only for w in which if w in PROMPTS_ONLY})
+    print(f"wrote {TRACES.relative_to(REPO)} ({len(traces)} traces)")
+    return 0
+
+
+def write_requests(workload: str, rows: list[dict]) -> None:
+    path = OUT_DIR / f"corpus_{workload}.jsonl"
+    write_atomic(path, lambda tmp: tmp.write_text(
+        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8"))
+    print(f"wrote {path.relative_to(REPO)} ({len(rows)} requests)", flush=True)
+
+
+def write_meta(decoded: dict[str, dict], prompts_only: dict[str, dict]) -> None:
+    """Record how the files made now were made (file name -> the run's record) and every file's sha256 in META."""
+    earlier = json.loads(META.read_text()) if META.exists() else {}
+    if decoded and set(earlier.get("files", {})) <= set(decoded) | set(prompts_only):
+        meta, made = dict(next(iter(decoded.values()))), {}  # one decoding run made every file: its record is all
+    else:  # the earlier record stays (maybe of another machine); each file made now gets its own under `made`
+        meta, made = earlier, {name: {k: v for k, v in r.items() if k not in ("generator", "source", "traces")}
+                               for name, r in decoded.items()}
+    if made | prompts_only:
+        meta["made"] = {**meta.get("made", {}), **made, **prompts_only}
     meta["files"] = {f"corpus_{w}.jsonl": sha256_file(OUT_DIR / f"corpus_{w}.jsonl") for w in WORKLOADS
                      if (OUT_DIR / f"corpus_{w}.jsonl").exists()}
     write_atomic(META, lambda tmp: tmp.write_text(json.dumps(meta, indent=1) + "\n"))
-    print(f"wrote {META.relative_to(REPO)} and {TRACES.relative_to(REPO)} ({len(traces)} traces)")
-    return 0
+    print(f"wrote {META.relative_to(REPO)}")
 
 
 if __name__ == "__main__":
