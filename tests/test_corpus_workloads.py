@@ -1,11 +1,13 @@
 """The corpus workloads (data/workloads/corpus_*.jsonl, issue #42): they parse as request logs, match their recorded
 hashes, every input comes from the frozen handbook as the generator builds it, later turns re-send what the client
-would, and the assistant messages are the recorded greedy outputs of the requests before them."""
+would, and the assistant messages are the recorded greedy outputs of the requests before them. The records job (no
+model ran for it) is one instruction over distinct paragraphs of the handbook, as many as 10 waves at 32 in flight."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -17,8 +19,9 @@ from hqlab.workloads import DOCUMENT, WorkloadError, read_requests
 REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = REPO / "data" / "workloads"
 META = json.loads((WORKLOADS / "corpus_workloads.meta.json").read_text())
-NAMES = ("multiturn", "template", "agent", "batch")
-COUNTS = {"multiturn": 24, "template": 24, "agent": 32, "batch": 153}
+NAMES = ("multiturn", "template", "agent", "batch", "records")
+COUNTS = {"multiturn": 24, "template": 24, "agent": 32, "batch": 153, "records": 335}
+DECODED = ("multiturn", "template", "agent", "batch")  # made with the model's greedy answers, each request traced
 
 
 def _generator():
@@ -48,6 +51,9 @@ def test_files_match_their_recorded_hashes_and_source():
         assert sha256_file(WORKLOADS / name) == digest, name
     assert META["source_sha256"] == sha256_file(DOCUMENT)
     assert META["model"] == "qwen2.5-coder-0.5b" and META["max_new_tokens"] == 128
+    records = META["made"]["corpus_records.jsonl"]  # written as built: no model, so nothing machine-dependent
+    assert records["prompts_only"] is True and records["model"] is None
+    assert records["source_sha256"] == sha256_file(DOCUMENT)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -77,6 +83,8 @@ def test_inputs_come_from_the_handbook(requests):
                               {"role": "user", "content": gen.TEMPLATE.format(entry=entry)}]
         assert entry in text and entry.startswith("### ") and len(entry) <= 1400
     assert entries[:3] != gen.template_entries(text)[:3]  # not the template's FAQ entries first
+    # the records job is the generator's, so the same file every run
+    assert [list(r.messages) for r in requests["records"]] == [s.request() for s in gen.records_sessions(text)]
     for r in requests["multiturn"]:
         if r.turn == 0:
             material = r.messages[0]["content"].rsplit("\n\n", 1)[0].removeprefix("```python\n").removesuffix("\n```")
@@ -87,6 +95,42 @@ def test_inputs_come_from_the_handbook(requests):
         for call, result in zip(r.messages[2::2], r.messages[3::2]):
             expected = gen.run_tool(call["content"], sections)
             assert result["content"] == (gen.AGENT_NEXT_TASK if expected is None else f"Tool result:\n{expected}")
+
+
+def test_records_are_one_instruction_over_distinct_handbook_paragraphs(requests):
+    """Enough requests for 10 waves at 32 in flight in one pass; every request the same system prompt and instruction
+    (not the batch job's) over a passage that is a whole paragraph or list of the handbook, outside its code and
+    tables, or one clipped at a sentence end, in the handbook's order, none twice, under its section's title."""
+    gen = _generator()
+    text = DOCUMENT.read_text(encoding="utf-8")
+    reqs = requests["records"]
+    assert 320 <= len(reqs) <= 400
+    assert [(r.session, r.turn) for r in reqs] == [(f"records-{i:03d}", 0) for i in range(len(reqs))]
+    head, rest = gen.RECORDS.split("{section}")
+    between, instruction = rest.split("{passage}")
+    assert instruction.startswith("\n\nReturn only a JSON object") and '"question"' in instruction
+    assert gen.RECORDS_SYSTEM != gen.TEMPLATE_SYSTEM and instruction not in gen.TEMPLATE
+    paragraphs = {p.strip("\n") for p in re.split(r"\n{2,}", text)}
+    fences = [m.start() for m in re.finditer(r"^```", text, flags=re.M)]
+    code = list(zip(fences[::2], fences[1::2]))
+    headings = [(m.start(), m.group(1).strip()) for m in re.finditer(r"^#{1,6} (.+)$", text, flags=re.M)
+                if not any(a < m.start() < b for a, b in code)]
+    passages, at = [], -1
+    for r in reqs:
+        assert len(r.messages) == 2 and r.messages[0] == {"role": "system", "content": gen.RECORDS_SYSTEM}
+        user = r.messages[1]["content"]
+        assert user.startswith(head) and user.endswith(instruction), r.id
+        section, passage = user[len(head):-len(instruction)].split(between)
+        assert gen.RECORDS_MIN_CHARS <= len(passage) <= gen.RECORDS_MAX_CHARS, r.id
+        whole = passage in paragraphs
+        clipped = [p for p in paragraphs if p.startswith(passage) and len(p) > gen.RECORDS_MAX_CHARS]
+        assert whole or (clipped and passage[-1] in ".!?"), r.id
+        at = text.index(passage, at + 1)  # in document order
+        assert not any(a < at < b for a, b in code), r.id
+        assert not passage.startswith(("#", "|", "```", "<!--")), r.id
+        assert section == [t for start, t in headings if start < at][-1], r.id
+        passages.append(passage)
+    assert len(set(passages)) == len(passages)
 
 
 def test_later_turns_resend_the_conversation(requests):
@@ -136,8 +180,9 @@ def test_assistant_messages_are_the_recorded_greedy_outputs(requests, traces):
     from hqlab.workloads import encode_chat
 
     tok = AutoTokenizer.from_pretrained(models.prepare("qwen2.5-coder-0.5b"))
-    assert len(traces) == sum(len(r) for r in requests.values())
-    for name in NAMES:
+    assert len(traces) == sum(len(requests[name]) for name in DECODED)
+    assert not {t.category for t in traces.values()} - set(DECODED)  # the records job has none
+    for name in DECODED:
         answers: dict[tuple[str, int], str] = {}
         for r in requests[name]:
             trace = traces[r.id]

@@ -118,8 +118,10 @@ def load_points(datasets: Sequence[str], temperatures: Sequence[float], concurre
 # enter (C in flight); with the batch job's documents as vLLM served them those hold more than the served bound of
 # 32,768 tokens at up to 32 in flight, so later passes draft as the first did, but at 64 in flight about half the
 # re-sent requests still find their own; the template's 24 documents fit, so its passes after the first are retries
-# (tests/bench/test_serve_corpus.py).
-CORPUS_DATASETS = {"batch": "corpus_batch.jsonl", "template": "corpus_template.jsonl"}
+# (tests/bench/test_serve_corpus.py). The records job (another instruction with fixed JSON keys over 335 passages of
+# the handbook) carries the template's kind of reuse under load: up to 320 prompts (10 waves at 32) are one pass.
+CORPUS_DATASETS = {"batch": "corpus_batch.jsonl", "template": "corpus_template.jsonl",
+                   "records": "corpus_records.jsonl"}
 PROMPT_SETS = ("chat", "labd", "prose")  # sent in vLLM's shuffled order, with its warm-up requests
 DATASETS = (*PROMPT_SETS, *CORPUS_DATASETS)  # the serving benchmarks' prompt sets (`dataset_prompts`)
 

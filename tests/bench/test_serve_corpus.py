@@ -2,7 +2,8 @@
 request's whole chat through the model's real chat template in file order, a point sends them pass after pass, vLLM's
 load generator is told to keep that order and send nothing before it, and bad points are refused with a message that
 names the fault. The batch job's prompts alone outgrow the served corpus bound, which is why its later passes draft
-as its first did (serve.py's comment)."""
+as its first did (serve.py's comment); the records job is long enough that plan c5b's points re-send nothing, and every
+corpus prompt fits the served context with its answer."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def tokenizer():
 def test_corpus_prompts_are_each_requests_chat_in_file_order(name, tokenizer):
     prompts = serve.dataset_prompts(name, tokenizer)
     requests = read_requests(REPO / "data" / "workloads" / serve.CORPUS_DATASETS[name])
-    assert len(prompts) == len(requests) == {"batch": 153, "template": 24}[name]
+    assert len(prompts) == len(requests) == {"batch": 153, "template": 24, "records": 335}[name]
     for text, request in zip(prompts, requests):
         # the system turn travels, and the text tokenizes to the ids every engine of the project sends
         assert request.messages[0]["content"] in text and request.messages[-1]["content"] in text
@@ -88,6 +89,32 @@ def test_the_templates_prompts_fit_the_corpus(tokenizer):
     re-send requests whose answers the corpus still holds: retries."""
     prompts = serve.dataset_prompts("template", tokenizer)
     assert sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in prompts) < CORPUS_BOUND / 2
+
+
+def test_every_corpus_prompt_fits_the_served_context_with_its_answer(tokenizer):
+    """benchmarks/vllm_serve.py serves --max-model-len tokens and asks --output-len of every request (its defaults)."""
+    import argparse
+
+    from benchmarks.vllm_serve import add_server_options
+
+    parser = argparse.ArgumentParser()
+    add_server_options(parser, start_timeout=1)
+    served = parser.parse_args([])
+    for name in serve.CORPUS_DATASETS:
+        prompts = serve.dataset_prompts(name, tokenizer)
+        longest = max(len(tokenizer.encode(t, add_special_tokens=False)) for t in prompts)
+        assert longest + served.output_len <= served.max_model_len, name
+
+
+def test_c5b_measures_the_templates_kind_of_reuse_without_retries():
+    """Plan c5b's points at 8 and 32 in flight are the records job's, one pass of it (no request re-sent, so no
+    retry of one whose answer the corpus holds); the template runs one pass, one request at a time."""
+    plan = json.loads((REPO / "benchmarks" / "plans" / "corpus_c5b.json").read_text())
+    points = [serve.parse_point(p)[0] for p in plan["points"]]
+    assert {(p.dataset, p.max_concurrency) for p in points} == {("records", 32), ("records", 8), ("template", 1)}
+    for p in points:
+        assert p.require_waves() and p.num_prompts <= len(read_requests(REPO / "data" / "workloads" /
+                                                                         serve.CORPUS_DATASETS[p.dataset])), p
 
 
 def test_a_point_sends_the_workload_pass_after_pass(tmp_path):
