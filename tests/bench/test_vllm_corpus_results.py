@@ -4,6 +4,8 @@ measured is stated in its claims.json (tests/bench/test_run_claims.py). No vLLM,
 
 from __future__ import annotations
 
+import json
+
 import polars as pl
 import pytest
 
@@ -29,9 +31,12 @@ def test_a_committed_runs_speedups_are_medians_of_its_points_ratios(run):
     """Every corpus point's own ratio lies inside the range `speedups` reports for its (workload, load), over the
     repeats the point had."""
     points = results.load("corpus", run)
-    got = {(r["config"], r["workload"], r["load"]): r for r in cr.speedups(points).iter_rows(named=True)}
     corpus_points = points.filter(pl.col("config").str.contains("corpus="))
-    assert corpus_points.height
+    if not corpus_points.height:  # only where its corpus engines died, which the run's record names
+        failed = json.loads(results.read_text("corpus", run, "raw.json")).get("failed", {})
+        assert any("corpus=" in config for config in failed), f"{run}: no corpus points and no failed corpus engine"
+        return
+    got = {(r["config"], r["workload"], r["load"]): r for r in cr.speedups(points).iter_rows(named=True)}
     for row in corpus_points.iter_rows(named=True):
         s = got[(row["config"], row["workload"], row["load"])]
         assert s["vs_no_corpus_lo"] - 1e-12 <= row["vs_no_corpus"] <= s["vs_no_corpus_hi"] + 1e-12
