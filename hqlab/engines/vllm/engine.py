@@ -32,6 +32,7 @@ the raw tables a GPU host returns, is `hqlab.bench.vllm_runs`.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -65,8 +66,10 @@ class VLLMOptions:
     # max_num_seqs requests verifying k + 1 each, the same as a served config
     max_cudagraph_capture_size: int = 0
     # vLLM's CUDA-graph mode; "": vLLM's default (FULL_AND_PIECEWISE: full graphs for uniform decode steps, piecewise
-    # ones for steps that admit a prompt, whose attention then runs eagerly). FULL also captures mixed steps whole,
-    # which FlashAttention 3 (Hopper) supports.
+    # ones for steps that admit a prompt, whose attention then runs eagerly). FULL captures every step whole, one graph
+    # per size; vLLM 0.26's runner V2 captures those with the dummy batch's query length, so steps that admit a prompt
+    # came out wrong: FULL here also sets HQLAB_FULL_GRAPH_QUERY_FIX=1 for the engine's processes, and the plugin
+    # then captures them with the worst case (`full_graph_fix`), as vLLM's V1 runner does.
     cudagraph_mode: str = ""
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = False
@@ -324,6 +327,15 @@ def engine_args(options: VLLMOptions, setting: EngineSetting) -> Any:
                       **({"kv_cache_memory_bytes": options.kv_cache_bytes} if options.kv_cache_bytes else {}))
 
 
+def _ask_full_graph_fix() -> None:
+    """FULL graphs need the plugin's capture fix (`full_graph_fix`): in the environment the engine core and its
+    workers inherit, and in this process (where vLLM runs the engine core in-process)."""
+    from hqlab.engines.vllm import full_graph_fix
+
+    os.environ[full_graph_fix.ENV_VAR] = "1"
+    full_graph_fix.apply()
+
+
 class VLLMEngine:
     """One vLLM engine (one speculative setting) running requests one at a time (an `hqlab.engines.Engine`)."""
 
@@ -343,6 +355,8 @@ class VLLMEngine:
 
             plugin.check_vllm_version()
             plugin.register()  # this process; vLLM's own processes load it through the entry point (or fork)
+        if options.cudagraph_mode == "FULL":
+            _ask_full_graph_fix()
         self.options, self.setting = options, setting
         self._stats: list = []
         stat_loggers = [_stat_logger_factory(self._stats), *([serial_prometheus_logger()] if started_together else [])]

@@ -34,6 +34,10 @@ exactly as long as vLLM's own (tests/engines/vllm/test_vllm_lifecycle.py), and h
 for the step its drafts go to (`V2Speculator.scheduled_width`: the scheduler output's `num_spec_tokens_to_schedule`,
 which vLLM's V2 runner itself does not read).
 
+With HQLAB_FULL_GRAPH_QUERY_FIX=1 in the environment (set by `VLLMOptions(cudagraph_mode="FULL")`) it also makes
+model runner V2 capture its FULL-mode graphs with the worst-case query length (`full_graph_fix`: vLLM 0.26 keeps the
+dummy batch's, and steps that admit a prompt came out wrong); without it nothing of that is patched.
+
 Nothing of vLLM is forked or copied. On any other vLLM version `register` patches nothing and says so, and a
 config that asks for the speculator fails with a clear error (`check_vllm_version`).
 """
@@ -64,7 +68,8 @@ def check_vllm_version(version: str | None = None) -> None:
 
 
 def register() -> None:
-    """vLLM's plugin entry point: idempotent, cheap (imports only vLLM's config and spec-decode modules)."""
+    """vLLM's plugin entry point: idempotent, cheap (imports only vLLM's config and spec-decode modules, and the V2
+    runner's default model state where the FULL-graph fix is asked for)."""
     import vllm
 
     try:
@@ -76,6 +81,10 @@ def register() -> None:
     _patch_init_speculator()
     _patch_scheduler()
     _add_width_utility()
+    from hqlab.engines.vllm import full_graph_fix
+
+    if full_graph_fix.apply():  # only where the environment asks for it
+        log.info("hqlab: FULL cudagraphs captured with max_query_len = num_tokens (%s)", full_graph_fix.ENV_VAR)
 
 
 def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
