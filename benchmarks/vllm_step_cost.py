@@ -22,11 +22,10 @@ holds it once, and each request's attention still reads all of it, as distinct p
   the call with its commit):
       python3 benchmarks/vllm_step_cost.py run --tag s1 --commit $(git rev-parse --short HEAD) --budget-s 560
     --contexts/--batches/--widths measure only those points (a validation's: benchmarks/seed_scale_validation.py runs
-    this grid at the points it prices, then the decodes it predicts, on one machine)
+    this grid at the points it prices, then the decodes it predicts, on one machine); --temperature 0.7 prices sampling
     --base DIR takes the shapes' config and tokenizer from DIR (written here by `python benchmarks/vllm_step_cost.py
     base DIR` and carried with the call: the host then needs only vLLM, no converted model)
-  CPU (here):
-      python benchmarks/vllm_step_cost.py finish RETURNED_DIR   -> data/results/seed_scale/<tag>/grid.parquet
+  CPU (here): python benchmarks/vllm_step_cost.py finish RETURNED_DIR   -> data/results/seed_scale/<tag>/grid.parquet
 """
 
 from __future__ import annotations
@@ -50,7 +49,6 @@ from hqlab.bench.step_cost import (BATCHES, CONTEXTS, DRAFTER, MEASURED_STEPS, S
                                    WARM_STEPS, WIDTHS, grid_rows, measured_points, point_row, points, round_schedule)
 
 SCRIPT = "benchmarks/vllm_step_cost.py"
-
 K = 31
 LADDER = "1:31/2:15/3:7/4:3/5:1/0"  # a batch size per width, so vLLM captures every width's graphs
 FUSED_LADDER = "1:31/2:15/3:7/4:3/1"  # ends at width 1, as when gpu-fused without device_skip took no width 0
@@ -208,7 +206,7 @@ def one(args: argparse.Namespace) -> int:
 
     def run(prompt: list[int], batch: int, max_tokens: int) -> list[float]:
         nonlocal counter
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+        params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
         for _ in range(batch):
             counter += 1
             engine.add_request(f"r{counter}", TokensPrompt(prompt_token_ids=prompt), params)
@@ -261,7 +259,8 @@ def point_argv(args: argparse.Namespace) -> list[str]:
     return [f"--{name}={','.join(map(str, values))}" for name in ("contexts", "batches", "widths")
             if (values := getattr(args, name))] + ([f"--steps={args.steps}"] if getattr(args, "steps", None) else []) \
         + ([f"--rounds={args.rounds}"] if measured_rounds(args) > 1 else []) \
-        + ([f"--base={args.base}"] if getattr(args, "base", None) else [])
+        + ([f"--base={args.base}"] if getattr(args, "base", None) else []) \
+        + ([f"--temperature={args.temperature}"] if getattr(args, "temperature", 0) else [])
 
 
 def run_all(args: argparse.Namespace) -> int:
@@ -344,6 +343,7 @@ def add_point_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=positive_int, default=None,
                         help="time each point's steps in this many passes over all points (default 1: one burst a "
                         "point; each pass pays its own warm-up steps)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="the requests' temperature (0: greedy)")
 
 
 CLI = runner.Benchmark(SCRIPT, __doc__)

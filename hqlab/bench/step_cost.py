@@ -91,7 +91,8 @@ def point_row(args: Any, config: str, width: int, context: int, batch: int, step
     """One measured point as a rows-file line: the median, p10 and p90 of its timed steps (seconds) in ms, their mean
     (`step_ms_mean`: the timed wall time over the steps, which outputs arriving in bursts cannot bias: a committed
     grid's batch-8 width-32 points at 8k had a p10 below a single request's step, calls that returned without a forward
-    pass), and the rounds they were timed in. `args`: the `one` command's (tag, shape, quant, engine, commit)."""
+    pass), and the rounds they were timed in. `args`: the `one` command's (tag, shape, quant, engine, commit and the
+    requests' temperature: above 0 vLLM's rejection sampler draws, which a greedy grid does not price)."""
     shape = SHAPES[args.shape]
     ms = sorted(1e3 * s for s in step_s)
     return {"run": args.tag, "shape": args.shape, "target_params_b": round(params_b(shape), 3),
@@ -101,12 +102,12 @@ def point_row(args: Any, config: str, width: int, context: int, batch: int, step
             "step_ms_p10": ms[int(0.1 * (len(ms) - 1))],
             "step_ms_p90": ms[int(round(0.9 * (len(ms) - 1)))], "steps": len(ms), "rounds": rounds,
             "drafter": DRAFTER if config == "gpu-fused" else "", "engine_start_s": round(start_s, 1),
-            "engine": args.engine, "machine": machine, "vllm_version": version, "git_commit": args.commit}
+            "engine": args.engine, "temperature": float(getattr(args, "temperature", 0.0) or 0.0), "machine": machine, "vllm_version": version, "git_commit": args.commit}
 
 
 def grid_rows(returned: str | Path) -> dict:
     """The returned grid rows of every seed_scale_*.jsonl under `returned`, one frame per run (tag), in the order
-    readers expect; rows from before the `engine` column were measured in-process."""
+    readers expect; rows from before the `engine` column were measured in-process, those without `temperature` greedily."""
     import polars as pl
 
     src = Path(returned)
