@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import polars as pl
 
-from hqlab.bench import corpus_report, results, serve, vllm_report
+from hqlab.bench import corpus_report, results, serve, serve_profile, vllm_report
 
 CLAIMS = "claims.json"
 OPS = ("==", "!=", "<", "<=", ">", ">=", "between", "in", "approx")
@@ -195,6 +195,12 @@ def step_costs(data: RunData, config: str, dataset: str) -> pl.DataFrame:
     rows = data.table("rows").filter((pl.col("dataset") == dataset) & pl.col("config").is_in(["none", config]))
     plain, spec = serve.step_costs(rows, config)
     return pl.DataFrame({"plain_ms": [plain], "spec_ms": [spec], "ratio": [spec / plain]})
+
+
+def served_step_costs(data: RunData) -> pl.DataFrame:
+    """Per load and config: a served step (time per output token × tokens a step) over `none`'s, median and range
+    over repeats (`serve_profile.step_cost_ratios`)."""
+    return serve_profile.step_cost_ratios(data.table("rows"))
 
 
 def run_ratios(data: RunData) -> pl.DataFrame:
@@ -384,7 +390,7 @@ SHAPES = {"05b": "qwen2.5-0.5b", "15b": "qwen2.5-1.5b"}  # a seed-scale decode r
 VIEWS: dict[str, Callable[..., pl.DataFrame]] = {
     f.__name__: f for f in (
         speedup_table, best_ratio, served_heads, sampling_verdicts, greedy_partings, greedy_texts, server_logs,
-        step_costs, run_ratios, concurrency, best_fused, cost_model_check, burst, burst_blocks, replay, same_steps,
+        step_costs, served_step_costs, run_ratios, concurrency, best_fused, cost_model_check, burst, burst_blocks, replay, same_steps,
         round_step_ms, gpu_phases, speculator_host_ms, corpus_speedups, greedy_differences, waves, sweep_ranking,
         slow_steps, output_pairs, first_token, grid_points, validation, checks, decode_validation)}
 
