@@ -3,7 +3,8 @@
 run measured (time per output token x tokens a step, `hqlab.bench.serve_profile.step_cost_ratios`), against the
 committed grid it decided with.
 
-    python experiments/goodput_served_costs/replay_served_costs.py   # ~10 s, CPU -> result.json here
+    python experiments/goodput_served_costs/replay_served_costs.py   # ~10 s, CPU -> result.json here,
+                                                      # and the table as data/goodput/served_s8a.json
 
 The served table: a plain step is `none`'s median time per output token at each load; a wide step (7 or 15 drafts,
 priced alike: the run cannot tell them apart) the goodput servers' median time per output token x their acceptance
@@ -53,6 +54,7 @@ def main() -> int:
             out["points"].append({k: row[k] for k in ("concurrency", "policy", "speedup", "vs_truth", "g0", "gx")})
             print(f"{load:3d} {row['policy']:15s} {row['speedup']:.3f}x none")
     (HERE / "result.json").write_text(json.dumps(out, indent=1) + "\n")
+    truth.to_json(f"data/goodput/served_{run}.json")  # a fixed table a server can price with (goodput=PATH.json)
     return 0
 
 
