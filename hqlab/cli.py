@@ -8,11 +8,11 @@ the command with one line on stderr naming the problem and exit code 2.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from hqlab import io
 from hqlab.config import ConfigError, DecodeConfig
 
 
@@ -37,17 +37,8 @@ def _out_path(value: str) -> Path:
 
 
 def check_writable(path: Path, option: str, *, folder: bool = False) -> None:
-    """`path` can be created or replaced: it is not a folder (unless `folder`), no parent is a file, and the
-    nearest existing parent is writable. Creates nothing."""
-    if path.exists() and path.is_dir() != folder:
-        raise ConfigError(f"{option} {str(path)!r} is {'a file' if folder else 'a directory'}")
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ConfigError(f"{option} {str(path)!r}: {parent} is a file, not a folder")
-            if not os.access(parent, os.W_OK | os.X_OK):
-                raise ConfigError(f"{option} {str(path)!r}: {parent} is not writable")
-            return
+    """`hqlab.io.check_writable` for a command-line option: a ConfigError (exit 2) where `path` cannot be written."""
+    io.check_writable(path, option, ConfigError, folder=folder)
 
 
 def check_figure(path: Path | None) -> None:

@@ -81,6 +81,23 @@ def sha256_file(path: str | Path, progress: str | None = None) -> str:
     return h.hexdigest()
 
 
+def check_writable(path: Path, option: str, error: type[Exception], *, folder: bool = False,
+                   into: bool = False) -> None:
+    """`path` can be written: a file, or a folder (`folder`) that is replaced whole, so its nearest existing parent
+    must be writable; or a folder written into (`into`), which must itself be writable where it exists. No parent
+    may be a file. Else `error` naming `option`. Creates nothing."""
+    folder = folder or into
+    if path.exists() and path.is_dir() != folder:
+        raise error(f"{option} {str(path)!r} is {'a file' if folder else 'a directory'}")
+    for parent in ([path] if into else []) + list(path.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise error(f"{option} {str(path)!r}: {parent} is a file, not a folder")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise error(f"{option} {str(path)!r}: {parent} is not writable")
+            return
+
+
 def read_json(path: str | Path) -> Any:
     """The JSON document at `path`, or at `path` + ".gz" where only that exists: large raw run records (a decode
     run's engine profiles, megabytes of text) are committed gzipped, so that the working tree still travels to the

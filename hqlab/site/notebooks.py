@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from hqlab.config import ConfigError
-from hqlab.io import REPO
+from hqlab.io import REPO, check_writable
 
 NOTEBOOKS = REPO / "notebooks"
 
@@ -171,18 +171,6 @@ def check_parameters(path: Path, parameters: dict[str, Any], defaults: dict[str,
             raise NotebookError(f"{path.stem}: {e}") from None
 
 
-def _check_out_dir(out_dir: Path) -> None:
-    for parent in (out_dir, *out_dir.parents):
-        if parent.exists():
-            if not parent.is_dir():
-                raise NotebookError(f"--out-dir {out_dir}: {parent} is a file, not a folder")
-            import os
-
-            if not os.access(parent, os.W_OK | os.X_OK):
-                raise NotebookError(f"--out-dir {out_dir}: {parent} is not writable")
-            return
-
-
 def plan(params_file: Path | None = None, only: list[str] | None = None,
          out_dir: Path = Path("notebooks/out")) -> list[Run]:
     """The notebooks to run with their parameters, everything validated; raises NotebookError."""
@@ -198,7 +186,7 @@ def plan(params_file: Path | None = None, only: list[str] | None = None,
     stray = sorted(set(params) - {"defaults"} - set(stems))
     if stray:
         raise NotebookError(f"{where}unknown notebook(s) {', '.join(stray)}; have: {', '.join(stems)}")
-    _check_out_dir(out_dir if out_dir.is_absolute() else REPO / out_dir)
+    check_writable(out_dir if out_dir.is_absolute() else REPO / out_dir, "--out-dir", NotebookError, into=True)
     import jupytext
 
     runs = []

@@ -147,28 +147,31 @@ def test_a_missing_study_run_table_or_file_says_which_and_where_it_looked(tmp_pa
         results.index(tmp_path / "elsewhere")
 
 
-# --- run tags: a run's name lives in its data folder, not in test names or the library's prose ----------------------
+# --- run tags: a run's name lives in its data folder and its plan, not in test names or the library's prose -------
 
 TAG = re.compile(r"^(?:[a-z]{1,2}\d+[a-z]?\d*[a-z]?|f[a-n])$")  # the shape of a GPU run's tag: s1, c4c, fn3a, fb
-# tags that are also ordinary words of this code: the cards, and vLLM's engine versions
-NOT_TAGS = {"h100", "h200", "v1", "v2"}
+# words of this code that have a tag's shape: the cards, vLLM's engine versions, a dtype, the cost model of batch size 1
+NOT_TAGS = {"h100", "h200", "v1", "v2", "bf16", "b1"}
 
 
-def run_tags() -> set[str]:
-    return {r["run"] for r in results.index() if TAG.match(r["run"])} - NOT_TAGS
+def run_tags(root: Path = REPO) -> set[str]:
+    """The tags of the committed runs (their names in the index, and a compound name's last part: drafter_fc) and of
+    the plans (benchmarks/plans/<study>_<tag>.json), those of a tag's shape."""
+    names = {r["run"] for r in results.index()}
+    names |= {n.rsplit("_", 1)[-1] for n in names}
+    names |= {p.stem.rsplit("_", 1)[-1] for p in (root / "benchmarks" / "plans").glob("*.json")}
+    return {n for n in names if TAG.match(n)} - NOT_TAGS
 
 
-def test_no_test_is_named_after_a_run():
-    tags = run_tags()
+def run_named_tests(tags: set[str], root: Path = REPO) -> list[str]:
+    """`file::test (tags)` for every test function under root/tests whose name holds a run's tag as a word."""
     named = []
-    for path in (REPO / "tests").rglob("test_*.py"):
-        if "engines/vllm" in path.as_posix():  # the vLLM engine's tests name their own
-            continue
+    for path in sorted((root / "tests").rglob("test_*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_"):
                 hits = set(node.name.split("_")) & tags
-                named += [f"{path.relative_to(REPO)}::{node.name} ({', '.join(sorted(hits))})"] if hits else []
-    assert not named, named
+                named += [f"{path.relative_to(root)}::{node.name} ({', '.join(sorted(hits))})"] if hits else []
+    return named
 
 
 def prose(path: Path) -> list[tuple[int, str]]:
@@ -184,15 +187,30 @@ def prose(path: Path) -> list[tuple[int, str]]:
     return found
 
 
-def test_no_run_tag_in_the_comments_or_docstrings_of_the_library():
-    """A comment says why, not which run; it may point at a run's data folder by path (data/results/<study>/<run>/)."""
-    tags = run_tags()
+def tagged_prose(tags: set[str], root: Path = REPO) -> list[str]:
+    """`file:line: tag` for every run tag, as a whole word, in a comment or docstring of hqlab/ or kernels/. A path to
+    a run's data folder (data/results/<study>/<run>/) is a pointer, not a tag."""
     word = re.compile(r"(?<![\w./-])(" + "|".join(sorted(tags, key=len, reverse=True)) + r")(?![\w/-])")
-    found = []
-    for root in (REPO / "hqlab", REPO / "kernels"):
-        for path in root.rglob("*.py"):
-            if "engines/vllm" in path.as_posix():  # the vLLM engine's own prose
-                continue
-            found += [f"{path.relative_to(REPO)}:{line}: {m.group(1)}" for line, text in prose(path)
-                      for m in word.finditer(text)]
-    assert not found, found
+    return [f"{path.relative_to(root)}:{line}: {m.group(1)}" for folder in (root / "hqlab", root / "kernels")
+            for path in sorted(folder.rglob("*.py")) for line, text in prose(path) for m in word.finditer(text)]
+
+
+def test_no_test_is_named_after_a_run():
+    assert not (named := run_named_tests(run_tags())), named
+
+
+def test_no_run_tag_in_the_comments_or_docstrings_of_the_library():
+    """A comment says why, not which run; it may point at a run's data folder by path."""
+    assert not (found := tagged_prose(run_tags())), found
+
+
+def test_the_run_tag_checks_can_fail(tmp_path):
+    (tmp_path / "hqlab").mkdir()
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "hqlab" / "m.py").write_text('"""Tiles as run c4c chose."""\n\nx = 1  # see data/results/corpus/c4c/\n'
+                                             "y = 2  # c4cx, as fn2 measured\n")
+    assert tagged_prose({"c4c", "fn2"}, tmp_path) == ["hqlab/m.py:4: fn2", "hqlab/m.py:1: c4c"]
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_m.py").write_text("def test_c4c_holds():\n    pass\n\n\ndef test_holds():\n    pass\n")
+    assert run_named_tests({"c4c"}, tmp_path) == ["tests/test_m.py::test_c4c_holds (c4c)"]
+    assert {"c4c", "fn3a", "fb", "s5", "c5b"} <= run_tags() and not NOT_TAGS & run_tags()

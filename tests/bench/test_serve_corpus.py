@@ -59,7 +59,7 @@ def test_a_resent_batch_request_finds_its_own_answer_gone_up_to_32_in_flight():
 
 
 
-def test_c5d_s_suffix_tree_holds_as_many_requests_as_the_corpus_and_never_a_resent_one():
+def test_the_suffix_servers_cache_holds_as_many_requests_as_the_corpus_and_never_a_resent_one():
     """Plan c5d's vLLM suffix server keeps `cached` requests' answers (first in, first out by the order requests
     start): as many as the corpus's 32,768 tokens hold of the batch job's documents (c4c's, prompt and answer: 84-92,
     whichever request the window ends at), and fewer than the 152 requests that start between a request and its
@@ -106,7 +106,7 @@ def test_every_corpus_prompt_fits_the_served_context_with_its_answer(tokenizer):
         assert longest + served.output_len <= served.max_model_len, name
 
 
-def test_c5b_measures_the_templates_kind_of_reuse_without_retries():
+def test_the_reuse_plan_measures_the_templates_kind_of_reuse_without_retries():
     """Plan c5b's points at 8 and 32 in flight are the records job's, one pass of it (no request re-sent, so no
     retry of one whose answer the corpus holds); the template runs one pass, one request at a time."""
     plan = json.loads((REPO / "benchmarks" / "plans" / "corpus_c5b.json").read_text())
