@@ -19,7 +19,8 @@ load point.
 
 --planted-fault CONFIG (bench), a plan's `planted` or `sample_prefix_off` (together) add a samples-only server of CONFIG
 with the planted verification bug (hqlab.engines.vllm.fault: the sampling test must fail) or prefix caching off; a
-plan's `decisions` has goodput servers record their decisions (hqlab.bench.serve_servers: goodput_decisions.parquet).
+plan's `decisions` has goodput servers record their decisions (hqlab.bench.serve_servers: goodput_decisions.parquet,
+and goodput_timed.parquet, the steps a goodput=online server timed).
 """
 
 from __future__ import annotations
@@ -252,7 +253,7 @@ def together(args: argparse.Namespace) -> int:
         if phases:
             runner.save_table(phases_file, phases)
         serve.save_together(call.out, [call.rows, call.greedy, call.samples, phases_file,
-                                       serve_servers.collect(served, call.work, args.tag)],  # decisions, if any
+                                       *serve_servers.collect(served, call.work, args.tag)],  # decisions, if any
                             [srv.log_path for _, srv in servers], args.tag)
     variants = {s.label for s in served if s.samples_only}  # the sampling test's samples only
     live, eager = [], set(variants)  # eager: servers whose drafting runs outside CUDA graphs: no load points

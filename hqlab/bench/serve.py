@@ -767,12 +767,20 @@ def returned_run(returned: str | Path) -> tuple[str, dict[str, Any], dict[str, P
         tables["phases"] = pl.read_parquet(src / f"serve_phases_{tag}.parquet")
     if (src / f"serve_goodput_decisions_{tag}.parquet").exists():  # hqlab.bench.serve_servers.collect
         tables["goodput_decisions"] = pl.read_parquet(src / f"serve_goodput_decisions_{tag}.parquet")
+        if (src / f"serve_goodput_timed_{tag}.parquet").exists():  # the steps goodput=online servers timed
+            tables["goodput_timed"] = pl.read_parquet(src / f"serve_goodput_timed_{tag}.parquet")
         from hqlab.replay.goodput_served import check_run
 
-        for r in check_run(tables["goodput_decisions"]).iter_rows(named=True):  # the served widths, decided again
-            verdict = {True: "yes", False: "NO", None: "not checkable (priced online)"}[r["same_widths"]]
+        for r in check_run(tables["goodput_decisions"], tables.get("goodput_timed")).iter_rows(named=True):
+            verdict = {True: "yes", False: "NO", None: f"not checkable ({r['why']})"}[r["same_widths"]]
+            what = "width and price" if r["online"] and r["timed"] is not None else "width"
             print(f"goodput decisions of {short_config(r['config'])}: {r['decisions']} calls, the rule fixes every "
-                  f"recorded width: {verdict} ({r})")
+                  f"recorded {what}: {verdict} ({ {k: v for k, v in r.items() if k != 'prices'} })")
+            if r["prices"]:  # what the server learnt: ms per step by width at its last prices
+                learnt = json.loads(r["prices"])
+                print(f"  learnt prices (g0 {r['g0']:.2f}, gx {r['gx']:.2f}; ms by width {learnt['widths']}): "
+                      + "; ".join(f"batch {b}: " + "/".join(f"{x:.2f}" for x in ms)
+                                  for b, ms in zip(learnt["batches"], learnt["ms"]) if b in (1, 2, 4, 8, 16, 32, 64)))
     if (src / f"serve_{tag}_logs.tar.gz").exists():
         files["server_logs.tar.gz"] = src / f"serve_{tag}_logs.tar.gz"
     for server_log in sorted(src.glob(f"serve_{tag}_[0-9]*.log")):

@@ -6,9 +6,10 @@ pass for the config's own (`hqlab.bench.serve.short_config` keeps the bracket).
 
 The goodput controller's decisions: the servers of the configs a plan names under `decisions` (and their prefix
 variants) get `HQLAB_GOODPUT_RECORD` in their environment, so their hook writes each call's candidates, cells and
-width and each outcome (`hqlab.engines.vllm.goodput_record`); `collect` reads the files into one parquet file, one
-row per (server, call, candidate request), that `finish` keeps as `goodput_decisions.parquet` and
-`hqlab.replay.goodput_served` checks.
+width and each outcome, and, for costs measured online, each call's prices and each timed step
+(`hqlab.engines.vllm.goodput_record`); `collect` reads the files into two parquet files, one row per (server, call,
+candidate request) and one per (server, timed step), that `finish` keeps as `goodput_decisions.parquet` and
+`goodput_timed.parquet` and `hqlab.replay.goodput_served.check_run` checks.
 
 Standard library only at import (numpy and pyarrow inside `collect`): the GPU host has no polars.
 """
@@ -86,12 +87,14 @@ def record_path(work: Path, n: int) -> Path:
     return Path(work) / f"goodput_decisions_{n}.bin"
 
 
-def collect(served: Sequence[Served], work: Path, tag: str) -> Path:
-    """The records of the servers that kept one (server n's at `record_path(work, n)`) -> one parquet file,
-    `serve_goodput_decisions_<tag>.parquet` in `work` (its path returned, written or not): `config` (the server's
-    label), `header` (the record's header, JSON), `truncated`, then the rows of `goodput_record.read_record`
-    (outcomes null where a request verified nothing). A record cut mid-write (its server still running) is left for
-    a later call."""
+def collect(served: Sequence[Served], work: Path, tag: str) -> tuple[Path, Path]:
+    """The records of the servers that kept one (server n's at `record_path(work, n)`) -> two parquet files in `work`
+    (their paths returned, written or not). `serve_goodput_decisions_<tag>.parquet`: `config` (the server's label),
+    `header` (the record's header, JSON, with the file's `version`), `truncated`, then the rows of
+    `goodput_record.read_record` (outcomes null where a request verified nothing; `priced_us` null where the call
+    recorded no prices). `serve_goodput_timed_<tag>.parquet`: `config` and the timed steps of the servers that
+    measured their costs online (`hqlab.replay.goodput_served.TIMED_COLUMNS`), written with the first. A record
+    cut mid-write (its server still running) is left for a later call."""
     import numpy as np
     import pyarrow as pa
 
@@ -102,7 +105,8 @@ def collect(served: Sequence[Served], work: Path, tag: str) -> Path:
     from hqlab.engines.vllm.goodput_record import read_record
 
     out = Path(work) / f"serve_goodput_decisions_{tag}.parquet"
-    parts = []
+    out_timed = Path(work) / f"serve_goodput_timed_{tag}.parquet"
+    parts, timed_parts = [], []
     for n, server in enumerate(served):
         path = record_path(work, n)
         if not (server.record and path.exists()):
@@ -113,7 +117,7 @@ def collect(served: Sequence[Served], work: Path, tag: str) -> Path:
             log(f"{server.label}: decisions record not read yet ({e})")
             continue
         rows = len(cols["decision"])
-        table = {"config": [server.label] * rows, "header": [json.dumps(header)] * rows,
+        table = {"config": [server.label] * rows, "header": [json.dumps({**header, "version": cols["version"]})] * rows,
                  "truncated": [bool(cols["truncated"])] * rows}
         for name in ("decision", "width", "request", "tokens", "match", "accept", "confidence"):
             table[name] = pa.array(cols[name].astype(np.int32))
@@ -121,12 +125,23 @@ def collect(served: Sequence[Served], work: Path, tag: str) -> Path:
         table["request_id"] = [ids[i] for i in cols["request"]]
         for name in ("drafted", "accepted", "observed_before"):
             table[name] = pa.array(cols[name].astype(np.int32), mask=cols[name] < 0)
+        priced = cols["priced"]
+        m = priced.shape[1]
+        table["priced_us"] = pa.ListArray.from_arrays(
+            pa.array(np.arange(rows + 1, dtype=np.int32) * m), pa.array(priced.reshape(-1).astype(np.int64)),
+            mask=pa.array(priced[:, 0] < 0 if m else np.ones(rows, dtype=bool)))
         parts.append(pa.table(table))
+        steps = cols["timed"]
+        timed_parts.append(pa.table({"config": pa.array([server.label] * len(steps["us"]), type=pa.string()),
+                                     "step": pa.array(np.arange(len(steps["us"]), dtype=np.int64)),
+                                     **{c: pa.array(steps[c]) for c in ("before", "batch", "width", "us",
+                                                                        "decode_only")}}))
     if not parts:
-        return out
-    table = pa.concat_tables(parts)  # zstd: the columns repeat themselves step after step
-    write_atomic(out, lambda tmp: pq.write_table(table, str(tmp), compression="zstd"))
-    return out
+        return out, out_timed
+    for path, tables in ((out, parts), (out_timed, timed_parts)):
+        table = pa.concat_tables(tables)  # zstd: the columns repeat themselves step after step
+        write_atomic(path, lambda tmp, table=table: pq.write_table(table, str(tmp), compression="zstd"))
+    return out, out_timed
 
 
 def replay_greedy(decisions: Any, greedy: Any, *, model: str = "qwen2.5-coder-1.5b", prompts: int = 3,
@@ -135,7 +150,7 @@ def replay_greedy(decisions: Any, greedy: Any, *, model: str = "qwen2.5-coder-1.
     greedy row (`greedy.parquet`: the first `prompts` chat prompts, answered one at a time before anything else,
     `max_tokens` new tokens at most): config label -> its `ReplayCheck`. The prompts' tokens are the chat template's
     through `model`'s tokenizer, as the server renders them (a record that opens with other prompt lengths is
-    refused)."""
+    refused). Servers that measured their costs online are left out: the replay prices with a fixed table."""
     import polars as pl
     from transformers import AutoTokenizer
 
@@ -150,7 +165,7 @@ def replay_greedy(decisions: Any, greedy: Any, *, model: str = "qwen2.5-coder-1.
     out = {}
     for config, header, rows in served_records(decisions):
         row = greedy.filter(pl.col("config") == config)
-        if row.height == 1:
+        if row.height == 1 and not header.get("online"):
             traces = greedy_traces(ids, row["token_ids"][0].to_list(), max_new_tokens=max_tokens)
             out[config] = replay_served(rows, header, traces)
     return out

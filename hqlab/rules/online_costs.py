@@ -40,9 +40,10 @@ controller: its exploration steps (a wide step after `explore_every` plain ones)
 while plain steps are timed fewer than `min_samples` times one decision in every `explore_every` is plain (`wanted`,
 `GoodputController._probe`).
 
-Integer counts and microseconds, updated in processing order: the replay (`hqlab.replay.goodput`) fed the same
-intervals reproduces every price and every decision. The clock is read only by the engine-side hook
-(`hqlab.engines.vllm.goodput`); nothing here reads one.
+Integer counts and microseconds (`micros`, the one rounding), updated in processing order: the replay
+(`hqlab.replay.goodput`) fed the same intervals reproduces every price and every decision, and so does the check of a
+served record (`hqlab.replay.goodput_served.rerun_rule`) fed the intervals the hook recorded (`observe_us`). The
+clock is read only by the engine-side hook (`hqlab.engines.vllm.goodput`); nothing here reads one.
 """
 
 from __future__ import annotations
@@ -66,6 +67,12 @@ def costs_for(name: str) -> "StepCosts | OnlineCosts":
     if name.startswith(ONLINE + ":"):
         return OnlineCosts(step_costs(name[len(ONLINE) + 1:]))
     return step_costs(name)
+
+
+def micros(ms: float) -> int:
+    """`ms` as the integer microseconds the model keeps (at least 1): a timed interval, as `observe` rounds it, and a
+    priced step, as the decisions record carries it."""
+    return max(1, round(ms * 1000))
 
 
 @dataclass(frozen=True)
@@ -150,15 +157,21 @@ class OnlineCosts:
     def observe(self, batch: int, width: int, ms: float, decode_only: bool) -> bool:
         """One timed step: `batch` requests verifying `width` drafts took `ms`. Whether it entered the fit (steps
         with prompt tokens do not)."""
-        require(batch >= 1 and self.widths[0] <= width <= self.widths[-1],
-                f"a timed step has >= 1 request and a width the prior prices (got batch {batch}, width {width})")
         require(math.isfinite(ms) and ms > 0, f"a step's time must be finite and > 0 ms (got {ms})")
+        return self.observe_us(batch, width, micros(ms), decode_only)
+
+    def observe_us(self, batch: int, width: int, us: int, decode_only: bool) -> bool:
+        """`observe` of a step whose time is already integer microseconds (`micros`): what a decisions record holds,
+        fed back as the server fed it."""
+        require(batch >= 1 and self.widths[0] <= width <= self.widths[-1] and us >= 1,
+                f"a timed step has >= 1 request, a width the prior prices and >= 1 us (got batch {batch}, width "
+                f"{width}, {us} us)")
         if not decode_only:
             self.prompt_steps += 1
             return False
         key = (width, batch)
         window = self.samples.setdefault(key, [])
-        window.append(max(1, round(ms * 1000)))
+        window.append(int(us))
         if len(window) > self.config.window:
             del window[0]
         self.counts[key] = self.counts.get(key, 0) + 1
@@ -244,4 +257,4 @@ class OnlineCosts:
                          source=f"{self.source}; {sum(self.counts.values())} decode steps timed")
 
 
-__all__ = ["ONLINE", "costs_for", "OnlineConfig", "StepTimer", "OnlineCosts"]
+__all__ = ["ONLINE", "costs_for", "micros", "OnlineConfig", "StepTimer", "OnlineCosts"]

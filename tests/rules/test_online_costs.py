@@ -8,7 +8,7 @@ import pytest
 
 from hqlab.config import ConfigError
 from hqlab.rules.goodput import DEFAULT_STEP_COSTS, GoodputConfig, GoodputController, StepCosts
-from hqlab.rules.online_costs import OnlineConfig, OnlineCosts, StepTimer, costs_for
+from hqlab.rules.online_costs import OnlineConfig, OnlineCosts, StepTimer, costs_for, micros
 
 CELL = (1, 0, 0)
 # a host whose plain steps take 1.3x the grid's and whose wide steps' excess is 4x the grid's
@@ -118,3 +118,17 @@ def test_the_knob_names_a_fixed_table_or_online_costs_from_a_prior(tmp_path):
                             ({"prior_weight": 0}, "prior_weight"), ({"floor": 0}, "floor")]:
         with pytest.raises(ConfigError, match=message):
             OnlineConfig(**kwargs)
+
+
+def test_a_step_handed_over_in_microseconds_is_kept_as_its_time_in_ms_is():
+    """What a decisions record holds (`micros`) fed back (`observe_us`) is what `observe` kept: an integer µs read
+    back as ms rounds to itself, so a record's steps give the same cells."""
+    assert all(micros(us / 1000) == us for us in range(1, 400_000, 7))
+    assert micros(0.0001) == 1 and micros(3.0004) == 3000 and micros(3.0006) == 3001
+    kept, fed = OnlineCosts(DEFAULT_STEP_COSTS), OnlineCosts(DEFAULT_STEP_COSTS)
+    for i, ms in enumerate((3.0004, 3.0006, 2.9994, 0.0001, 41.25, 3.1)):
+        assert kept.observe(8, 15, ms, i != 4) == fed.observe_us(8, 15, micros(ms), i != 4)
+    assert (kept.samples, kept.counts, kept.prompt_steps) == (fed.samples, fed.counts, fed.prompt_steps)
+    assert kept.at(8, 15) == fed.at(8, 15)
+    with pytest.raises(ConfigError, match=">= 1 us"):
+        fed.observe_us(8, 15, 0, True)

@@ -21,7 +21,8 @@ What it reads, all on the host:
 Nothing is read from the GPU; the replay (`hqlab.replay.goodput.replay_engine`) reproduces every decision, and
 tests/engines/vllm/test_vllm_goodput.py drives vLLM's own scheduler to check it, step for step. A served engine
 records its decisions where `HQLAB_GOODPUT_RECORD` names a file (`goodput_record`: each call's candidates, tokens,
-cells and width, each outcome), which `hqlab.replay.goodput_served` checks against the rule.
+cells and width, each outcome; with costs measured online each call's prices and each timed step too), which
+`hqlab.replay.goodput_served` checks against the rule.
 
 The drafts are unchanged, and a step verifies the first `width` of them. `gpu-lookup` drafts k positions every step
 (with goodput its table forecast is off: any captured width may come at any batch size). `gpu-fused` (same knob)
@@ -33,6 +34,8 @@ With `goodput=online` (or `online:PATH.json`) the prices are measured here: the 
 as each `update_from_output` starts and hands the interval since the previous one, attributed to the step whose
 output it processes, with that step's batch size, width and whether it ran prompt tokens, to the controller's
 `OnlineCosts` (`hqlab.rules.online_costs`: which intervals count, and the model). The clock is the only thing read.
+The record gets each interval as the costs kept it (integer µs) and each call's prices, so that the check feeds the
+same intervals in the same order and must find the same prices and widths.
 
 The rule takes a drafter-confidence feature (`GoodputConfig.confidence_edges`); this hook passes none
 (docs/goodput.md's Limits says why).
@@ -51,7 +54,7 @@ from hqlab.config import require
 from hqlab.engines.vllm import batch_k
 from hqlab.engines.vllm.goodput_record import RECORD_ENV, DecisionLog
 from hqlab.rules.goodput import Cell, CostModel, GoodputConfig, GoodputController, RequestFeatures, StepCosts
-from hqlab.rules.online_costs import OnlineCosts, StepTimer, costs_for
+from hqlab.rules.online_costs import OnlineCosts, StepTimer, costs_for, micros
 
 PENDING_LIMIT = 16  # scheduler outputs whose outcome is awaited; more means some were never processed (empty steps)
 
@@ -94,13 +97,17 @@ def captured(vllm_config: Any) -> tuple[int, ...]:
 
 def record_header(spec: str, widths: tuple[int, ...], costs: CostModel, config: GoodputConfig) -> dict[str, Any]:
     """What a decisions record says of the controller that wrote it: enough to decide again (`GoodputController`).
-    With costs measured online the table is the prior, and `online` says the prices moved during the run."""
+    With costs measured online the table is the prior, `online` says the prices moved during the run and
+    `online_config` is the costs' `OnlineConfig` (the record's timed steps move them again)."""
     from dataclasses import asdict
 
     online = isinstance(costs, OnlineCosts)
     table: StepCosts = costs.prior if online else costs  # type: ignore[assignment]
-    return {"spec": spec, "widths": sorted(set(widths) | {0}), "costs": table.to_dict(), "config": asdict(config),
-            "online": online}
+    header = {"spec": spec, "widths": sorted(set(widths) | {0}), "costs": table.to_dict(), "config": asdict(config),
+              "online": online}
+    if online:
+        header["online_config"] = asdict(costs.config)  # type: ignore[union-attr]
+    return header
 
 
 class SchedulerGoodput:
@@ -121,6 +128,7 @@ class SchedulerGoodput:
         self._pending: dict[int, tuple[Any, int, dict[str, Cell], tuple[int, int]]] = {}
         self.steps_by_width = {w: 0 for w in self.widths}  # plain counters: widths fixed so far
         self.timer, self.clock = StepTimer(), time.monotonic_ns  # online costs' clock (ns)
+        self.online = isinstance(costs, OnlineCosts)  # the record then carries each call's prices
 
     @classmethod
     def from_spec(cls, name: str, table: list[int], vllm_config: Any) -> "SchedulerGoodput":
@@ -157,7 +165,8 @@ class SchedulerGoodput:
             self.steps_by_width[width] += 1
             if self.log is not None:
                 self.log.decision(self.decisions, width, [(r.request_id, self.features[r.request_id].ladder.length,
-                                                           cells[r.request_id]) for r in candidates])
+                                                           cells[r.request_id]) for r in candidates],
+                                  [micros(ms) for ms in self.controller.priced] if self.online else None)
             self.decisions += 1
 
     def after_schedule(self, scheduler_output: Any) -> None:
@@ -180,7 +189,9 @@ class SchedulerGoodput:
             self.timer.processed(None, now)
             return
         _, call, cells, ticket = entry
-        timed(self.controller.costs, scheduler_output, self.timer.processed(ticket, now))
+        step = timed(self.controller.costs, scheduler_output, self.timer.processed(ticket, now))
+        if step is not None and self.log is not None:
+            self.log.timed(self.decisions, *step)
         sampled = runner_output.sampled_token_ids
         index = runner_output.req_id_to_index
         seen = []
@@ -204,16 +215,19 @@ class SchedulerGoodput:
         self.features.pop(request_id, None)
 
 
-def timed(costs: CostModel, scheduler_output: Any, interval_ns: int | None) -> None:
+def timed(costs: CostModel, scheduler_output: Any, interval_ns: int | None) -> tuple[int, int, int, bool] | None:
     """Online costs: a step's attributed interval, with its batch size, the width its requests verified, and whether
-    it ran only decode tokens (no prompt admitted or continued: each request runs 1 + its drafts)."""
+    it ran only decode tokens (no prompt admitted or continued: each request runs 1 + its drafts). The step as the
+    costs were handed it, (batch, width, µs, decode only), or None where nothing was handed."""
     if interval_ns is None or not isinstance(costs, OnlineCosts):
-        return
+        return None
     tokens = scheduler_output.num_scheduled_tokens
     drafts = scheduler_output.scheduled_spec_decode_tokens
     decode_only = not scheduler_output.scheduled_new_reqs and all(
         n == 1 + len(drafts.get(rid, ())) for rid, n in tokens.items())
-    costs.observe(len(tokens), max((len(d) for d in drafts.values()), default=0), interval_ns / 1e6, decode_only)
+    step = (len(tokens), max((len(d) for d in drafts.values()), default=0), micros(interval_ns / 1e6), decode_only)
+    costs.observe_us(*step)
+    return step
 
 
 __all__ = ["SchedulerGoodput", "timed", "captured", "record_header", "check_knob", "plain_steps", "speculator_table",

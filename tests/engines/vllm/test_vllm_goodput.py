@@ -16,6 +16,7 @@ test_vllm_lifecycle.py runs the fused speculator itself under the widths the con
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,11 +28,11 @@ from hqlab.config import ConfigError  # noqa: E402
 from hqlab.engines.vllm import gpu_fused, gpu_lookup, plugin  # noqa: E402
 from hqlab.engines.vllm.goodput import SchedulerGoodput  # noqa: E402
 from hqlab.engines.vllm.goodput_record import RECORD_ENV  # noqa: E402
-from hqlab.replay.goodput_served import record_frame, replay_served, rerun_rule  # noqa: E402
+from hqlab.replay.goodput_served import record_frame, record_frames, replay_served, rerun_rule  # noqa: E402
 from hqlab.engines.vllm.cpu_scheduler import cpu_async_scheduler, drive  # noqa: E402
 from hqlab.replay.goodput import (Policy, TraceTables, captured_widths, dearer_widths, replay_engine,  # noqa: E402
                                   timed)
-from hqlab.rules.online_costs import OnlineCosts  # noqa: E402
+from hqlab.rules.online_costs import OnlineCosts, micros  # noqa: E402
 from hqlab.replay.traces import load_traces  # noqa: E402
 from hqlab.rules.goodput import DEFAULT_STEP_COSTS, GoodputConfig, StepCosts  # noqa: E402
 
@@ -244,24 +245,26 @@ def test_gpu_fused_takes_the_knob_as_gpu_lookup_does(tmp_path):
 # the decisions record a served hook writes (HQLAB_GOODPUT_RECORD), checked as a served run's is
 
 
-def recorded(spec: str, traces, concurrency: int, path: Path, monkeypatch, *, one_at_a_time: bool = False):
+def recorded(spec: str, traces, concurrency: int, path: Path, monkeypatch, *, one_at_a_time: bool = False,
+             step_ms=None):
     """Serve `traces` through vLLM's scheduler with the record asked for by its environment variable, as the serve
-    benchmark asks a server: (the hook, the record's header, its rows)."""
+    benchmark asks a server (`step_ms`: the clock the hook reads, as `serve` moves it): (the hook, the record's
+    header, its rows, its timed steps)."""
     monkeypatch.setenv(RECORD_ENV, str(path))
     _, lookup = configs_of(spec)
-    scheduler = serve(spec, traces, TraceTables(lookup), concurrency, one_at_a_time=one_at_a_time)[0]
+    scheduler = serve(spec, traces, TraceTables(lookup), concurrency, step_ms, one_at_a_time=one_at_a_time)[0]
     hook = plugin._gate(scheduler)
     hook.log.close()
-    header, frame = record_frame(path)
-    return hook, header, frame
+    header, frame, timed_steps = record_frames(path)
+    return hook, header, frame, timed_steps
 
 
 @pytest.mark.parametrize("concurrency", [1, 3])
 def test_a_served_record_is_decided_again_by_the_rule(traces, steep_costs, tmp_path, monkeypatch, concurrency):
     import polars as pl
 
-    hook, header, frame = recorded(f"{LOOKUP},goodput={steep_costs}", traces, concurrency, tmp_path / "r.bin",
-                                   monkeypatch)
+    hook, header, frame, timed_steps = recorded(f"{LOOKUP},goodput={steep_costs}", traces, concurrency,
+                                                tmp_path / "r.bin", monkeypatch)
     check = rerun_rule(frame, header)
     assert check.ok, check
     assert check.decisions == hook.decisions == sum(hook.steps_by_width.values())
@@ -279,9 +282,12 @@ def test_a_served_record_is_decided_again_by_the_rule(traces, steep_costs, tmp_p
     assert rerun_rule(frame, {**header, "costs": DEFAULT_STEP_COSTS.to_dict()}).width_mismatches > 0
     from hqlab.config import ConfigError
 
-    assert header["online"] is False  # a fixed table: the rule can decide again
-    with pytest.raises(ConfigError, match="measured its step costs online"):
+    assert header["online"] is False and header["version"] == 2  # a fixed table: the rule can decide again
+    assert frame["priced_us"].null_count() == frame.height and timed_steps.height == 0  # nothing moved its prices
+    with pytest.raises(ConfigError, match="give its timed steps"):
         rerun_rule(frame, {**header, "online": True})
+    with pytest.raises(ConfigError, match=r"measured its step costs online.*\(version 1\) holds the prior only"):
+        rerun_rule(frame, {**header, "online": True, "version": 1})
     # planted: a request's recent acceptance that is not its last outcome's
     wrong = frame.with_columns(pl.when(pl.col("decision") == call).then(pl.col("accept") + 1)
                                .otherwise(pl.col("accept")).alias("accept"))
@@ -306,7 +312,7 @@ def credits_the_next_call(self, scheduler_output) -> None:
 def test_the_replay_predicts_a_served_record_of_requests_answered_one_at_a_time(traces, steep_costs, tmp_path,
                                                                                  monkeypatch):
     spec = f"{LOOKUP},goodput={steep_costs}"
-    hook, header, frame = recorded(spec, traces, 1, tmp_path / "r.bin", monkeypatch, one_at_a_time=True)
+    hook, header, frame, _ = recorded(spec, traces, 1, tmp_path / "r.bin", monkeypatch, one_at_a_time=True)
     check = replay_served(frame, header, traces)
     assert check.ok and check.decisions == hook.decisions and check.outcomes > 0, check
     assert rerun_rule(frame, header).ok
@@ -317,7 +323,7 @@ def test_the_replay_predicts_a_served_record_of_requests_answered_one_at_a_time(
     with pytest.raises(ConfigError, match="answered first"):
         replay_served(frame, header, traces[1:])
     monkeypatch.setattr(SchedulerGoodput, "after_schedule", credits_the_next_call)
-    _, header, frame = recorded(spec, traces, 1, tmp_path / "planted.bin", monkeypatch, one_at_a_time=True)
+    _, header, frame, _ = recorded(spec, traces, 1, tmp_path / "planted.bin", monkeypatch, one_at_a_time=True)
     assert not replay_served(frame, header, traces).ok
     assert rerun_rule(frame, header).drafted_mismatches > 0
 
@@ -337,18 +343,30 @@ def test_a_runs_records_collected_on_the_host_are_checked_server_by_server(trace
     assert [s.record for s in served] == [False, True, True, False]
     for n, concurrency in ((1, 3), (2, 1)):
         recorded(spec, traces, concurrency, serve_servers.record_path(tmp_path, n), monkeypatch)
-    frame = pl.read_parquet(serve_servers.collect(served, tmp_path, "t"))
-    table = check_run(frame)
+    decisions, timed_file = serve_servers.collect(served, tmp_path, "t")
+    frame = pl.read_parquet(decisions)
+    table = check_run(frame, pl.read_parquet(timed_file))
     assert table["config"].to_list() == [spec, f"{spec} [prefix caching off]"]
     assert table["same_widths"].all() and (table["decisions"] > 0).all() and not table["truncated"].any()
     assert frame.filter(pl.col("drafted").is_null()).height > 0  # prefills and width-0 calls verify nothing
-    online = f"{LOOKUP},goodput=online"  # prices that move: recorded, not decided again
+    online = f"{LOOKUP},goodput=online"  # prices that moved with the host's own clock: re-priced from its record
     served = serve_servers.servers(SimpleNamespace(config=[online, spec], decisions=[online, spec],
                                                    sample_prefix_off=[], planted=[]))
-    for n in range(2):
-        recorded(served[n].spec, traces, 3, serve_servers.record_path(tmp_path / "both", n), monkeypatch)
-    table = check_run(pl.read_parquet(serve_servers.collect(served, tmp_path / "both", "t")))
-    assert table["same_widths"].to_list() == [None, True] and (table["decisions"] > 0).all()
+    hooks = [recorded(served[n].spec, traces, 3, serve_servers.record_path(tmp_path / "both", n), monkeypatch)[0]
+             for n in range(2)]
+    decisions, timed_file = serve_servers.collect(served, tmp_path / "both", "t")
+    frame, timed_steps = pl.read_parquet(decisions), pl.read_parquet(timed_file)
+    table = check_run(frame, timed_steps)
+    assert table["same_widths"].to_list() == [True, True] and (table["decisions"] > 0).all()
+    assert table["online"].to_list() == [True, False] and table["price_mismatches"].to_list() == [0, None]
+    costs = hooks[0].controller.costs
+    assert table["timed"][0] == timed_steps.height == sum(costs.counts.values()) + costs.prompt_steps > 0
+    assert StepCosts.from_dict(json.loads(table["prices"][0])) == costs.table()
+    assert check_run(frame)["why"].to_list() == ["priced online; no timed steps given", None]
+    # a run collected before records carried prices: its online server is not checkable, the fixed one still is
+    old = frame.drop("priced_us").with_columns(pl.col("header").str.replace(', "version": 2', "", literal=True))
+    table = check_run(old, timed_steps)
+    assert table["same_widths"].to_list() == [None, True] and "version 1" in table["why"][0]
 
 
 def test_a_runs_greedy_chat_requests_replay_to_its_recorded_opening(tmp_path, monkeypatch):
@@ -363,7 +381,7 @@ def test_a_runs_greedy_chat_requests_replay_to_its_recorded_opening(tmp_path, mo
     spec = f"{LOOKUP},goodput=default"
     served = [serve_servers.Served(spec, spec, record=True)]
     recorded(spec, chat, 1, serve_servers.record_path(tmp_path, 0), monkeypatch, one_at_a_time=True)
-    decisions = pl.read_parquet(serve_servers.collect(served, tmp_path, "t"))
+    decisions = pl.read_parquet(serve_servers.collect(served, tmp_path, "t")[0])
     greedy = pl.DataFrame({"config": [spec], "token_ids": [[list(t.output_ids) for t in chat]]})
     found = serve_servers.replay_greedy(decisions, greedy, max_tokens=256)
     assert list(found) == [spec] and found[spec].ok and found[spec].decisions > 100
@@ -411,3 +429,52 @@ def test_online_costs_time_the_intervals_vllm_processes_and_decide_as_the_replay
     read = plugin.goodput_costs(SimpleNamespace(scheduler=scheduler))  # what a client reads of the engine core
     assert StepCosts.from_dict(read) == costs.table() and read["gx"] == costs.scales()[1]
     assert plugin.goodput_costs(SimpleNamespace(scheduler=scheduler_for(f"{LOOKUP},goodput=default", 256, 4))) is None
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_an_online_record_is_repriced_and_decided_again_call_for_call(traces, tmp_path, monkeypatch, concurrency):
+    """goodput=online on vLLM's scheduler, its clock moved on by each step's time on a host whose wide steps cost
+    fifteen times the grid's excess (a step 15 wide about 3x a plain one; 5 % noise), so that the prices it learns
+    turn its widths: the record holds every step the costs were handed, as they kept it, and every call's prices.
+    Fed back in their order from the prior alone, those steps give every call's prices to the microsecond, every
+    width, and the costs the hook ended with; without them the rule fixes other widths. A timed step dropped, its
+    interval altered, or every step fed one call late, is caught by the prices."""
+    import polars as pl
+    from dataclasses import asdict
+
+    truth = dearer_widths(DEFAULT_STEP_COSTS, 15.0)
+    hook, header, frame, steps = recorded(f"{LOOKUP},goodput=online", traces, concurrency, tmp_path / "r.bin",
+                                          monkeypatch, step_ms=timed(truth, noise=0.05, seed=concurrency))
+    costs = hook.controller.costs
+    assert header["online"] and header["version"] == 2 and header["online_config"] == asdict(costs.config)
+    decode = steps.filter(pl.col("decode_only"))
+    assert steps.height == sum(costs.counts.values()) + costs.prompt_steps and decode.height > 50
+    window = costs.config.window
+    kept = {(w, b): v["us"].to_list()[-window:]  # the record holds the intervals exactly as the costs kept them
+            for (w, b), v in decode.group_by("width", "batch", maintain_order=True)}
+    assert kept == costs.samples
+    last = frame.filter(pl.col("decision") == hook.decisions - 1)["priced_us"][0].to_list()
+    assert last == [micros(ms) for ms in hook.controller.priced]
+
+    check = rerun_rule(frame, header, steps)
+    assert check.ok and check.online, check
+    assert check.decisions == hook.decisions and check.timed == steps.height and check.price_mismatches == 0
+    assert check.prices == costs.table() and check.scales == costs.scales() and check.scales[1] > 10
+    assert set(check.widths) == {0, 7, 15} and frame["priced_us"].n_unique() > check.decisions / 4  # prices moved
+    assert rerun_rule(frame, header, steps.clear()).width_mismatches > 0  # the timed steps turned widths
+
+    # planted: an early timed step at 15 wide (a width timed often enough to count) dropped, or its interval moved
+    # across its cell's median; a width timed fewer than min_samples times moves no price, so only counted ones tell
+    picked = decode.filter(pl.col("width") == 15).row(costs.config.min_samples + 2, named=True)
+    dropped = rerun_rule(frame, header, steps.filter(pl.col("step") != picked["step"]))
+    assert not dropped.ok and dropped.price_mismatches > 0 and dropped.first_price_mismatch[0] >= picked["before"]
+    cell = decode.filter((pl.col("width") == picked["width"]) & (pl.col("batch") == picked["batch"])
+                         & (pl.col("step") <= picked["step"]))["us"].to_list()[-window:]
+    median = sorted(cell)[(len(cell) - 1) // 2]
+    other = 1 if picked["us"] >= median else 100 * picked["us"]
+    altered = steps.with_columns(pl.when(pl.col("step") == picked["step"]).then(other)
+                                 .otherwise(pl.col("us")).alias("us"))
+    found = rerun_rule(frame, header, altered)
+    assert not found.ok and found.price_mismatches > 0 and found.first_price_mismatch[0] >= picked["before"]
+    late = rerun_rule(frame, header, steps.with_columns(pl.col("before") + 1))
+    assert not late.ok and late.price_mismatches > 0
