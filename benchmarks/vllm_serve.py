@@ -19,8 +19,7 @@ load point.
 
 --planted-fault CONFIG (bench), a plan's `planted` or `sample_prefix_off` (together) add a samples-only server of CONFIG
 with the planted verification bug (hqlab.engines.vllm.fault: the sampling test must fail) or prefix caching off; a
-plan's `decisions` has goodput servers record their decisions (hqlab.bench.serve_servers: goodput_decisions.parquet,
-and goodput_timed.parquet, the steps a goodput=online server timed).
+plan's `decisions` has goodput servers record their decisions (goodput_decisions.parquet, goodput_timed.parquet).
 """
 
 from __future__ import annotations
