@@ -115,15 +115,19 @@ def lines(data: pl.DataFrame, x: str, y: str, color: str, *, facet: str | None =
 
 
 def stacked_time(data: pl.DataFrame, x: str, parts: list[str], *, facet: str | None = None,
-                 y_title: str = "ms per step") -> alt.TopLevelMixin:
-    """Stacked bars splitting a step's time into parts (e.g. propose vs verify)."""
+                 y_title: str = "ms per step", value: str = "ms", part_title: str | None = None,
+                 in_order: bool = False) -> alt.TopLevelMixin:
+    """Stacked bars splitting a step's time into parts (e.g. propose vs verify), or any whole into its `parts`
+    (`value`: what a part measures, e.g. "share" of calls; `part_title`: the legend's title, default "part";
+    `in_order`: colour the parts in the order of `parts`, not by name, e.g. widths 0, 7, 15)."""
     long = data.unpivot(index=[c for c in data.columns if c not in parts], on=parts, variable_name="part",
-                        value_name="ms")
+                        value_name=value)
     chart = (alt.Chart() if facet else alt.Chart(long)).mark_bar().encode(
         x=alt.X(f"{x}:N", title=None, sort=None),
-        y=alt.Y("ms:Q", title=y_title, stack=True),
-        color=alt.Color("part:N"),
-        tooltip=[x, "part", alt.Tooltip("ms:Q", format=".3g")],
+        y=alt.Y(f"{value}:Q", title=y_title, stack=True),
+        color=alt.Color("part:N", **({"title": part_title} if part_title else {}),
+                        **({"sort": parts} if in_order else {})),
+        tooltip=[x, "part", alt.Tooltip(f"{value}:Q", format=".3g")],
     ).properties(width=WIDTH * 1.2, height=180)
     return chart.facet(alt.Facet(f"{facet}:N", title=None), columns=4, data=long) if facet else chart
 

@@ -55,6 +55,7 @@ prefill_runs = ["s5a", "s6"]  # serving runs of projection_config on sampled pro
 # prefill_graph=1024, the drafter's prompt read from the captured graph)
 load_runs = ["s7a", "s7b"]  # serving runs whose points are ten waves with steady-state rates (throughput under load)
 profile_run = "p2"  # a serving run whose profiled repeats timed the worker's steps (phases.parquet; plan serve_p2)
+goodput_served_run = "s8a"  # a serving run of goodput servers with their decisions (goodput_decisions.parquet)
 gate_plot = ["prose 1.5B", "chat 1.5B", "prose 0.5B", "template 0.5B", "multiturn 0.5B", "agent 0.5B", "qa 1.5B",
              "copy 1.5B"]  # the workloads drawn (the table and the parquet have all)
 
@@ -260,6 +261,31 @@ chart = plots.line_grid(shown, "concurrency", "speedup", "policy", row="workload
                         x_title="requests in flight", y_title="tok/s ÷ none (replay)", x_ticks=[1, 8, 16, 32, 64])
 plots.save(chart, Path(figures_dir) / "goodput_replay.svg")
 chart
+
+# %% [markdown]
+# ## The goodput controller served (run s8a)
+#
+# Run `goodput_served_run`'s goodput servers from their recorded decisions (`serve_profile.goodput_served_costs`).
+# Top: the share of calls at each width, by requests in the call. Bottom: the priced wide step over a plain one (the
+# file's table; the online server's record holds only its prior) beside its served step over `none`'s (all steps;
+# median, range over repeats). In s8a (H100, sampled chat) both stayed wide at 32 requests (99.8 % and 86 % of calls),
+# priced at 1.18× and 1.43× a plain step; their steps cost 2.34× and 2.15×.
+
+# %%
+goodput_served = serve_profile.goodput_served_costs(results.load("serve", goodput_served_run, "goodput_decisions"),
+                                                    results.load("serve", goodput_served_run))
+shares, step_ratios = serve_profile.goodput_served_bars(goodput_served)
+widths = [c for c in shares.columns if c.startswith("width ")]
+chart = alt.vconcat(
+    plots.stacked_time(shares, "batches", widths, facet="server", y_title="share of calls (by requests in the call)",
+                       value="share", part_title="width", in_order=True),
+    plots.ranges(step_ratios, "load", "ratio", "lo", "hi", "series", rules={"a plain step": 1.0},
+                 y_title="wide step ÷ plain step", width=300)).resolve_scale(color="independent")
+plots.save(chart, Path(figures_dir) / "goodput_served.svg")
+chart
+
+# %%
+goodput_served.drop("config")
 
 # %% [markdown]
 # ## The gate, served

@@ -79,3 +79,17 @@ def test_time_panels_give_each_measure_its_own_y_scale_in_the_order_given():
     spec = plots.time_panels(frame, "minutes", "value", "server", panel="measure").to_dict()
     assert spec["facet"]["sort"] == ["tok/s", "MiB"] and spec["resolve"]["scale"]["y"] == "independent"
     assert spec["spec"]["mark"]["type"] == "line" and spec["spec"]["encoding"]["y"]["scale"]["zero"] is False
+
+
+def test_stacked_bars_take_another_measure_and_keep_the_parts_in_order():
+    frame = pl.DataFrame({"bucket": ["1", "2-3"], "width 0": [0.5, 0.0], "width 7": [0.25, 0.4],
+                          "width 15": [0.25, 0.6]})
+    parts = ["width 0", "width 7", "width 15"]
+    plain = plots.stacked_time(frame, "bucket", parts).to_dict()["encoding"]
+    assert plain["y"]["field"] == "ms" and "sort" not in plain["color"] and "title" not in plain["color"]
+    shares = plots.stacked_time(frame, "bucket", parts, value="share", part_title="width", in_order=True)
+    spec = shares.to_dict()
+    assert spec["encoding"]["y"]["field"] == "share" and spec["encoding"]["color"]["sort"] == parts
+    assert spec["encoding"]["color"]["title"] == "width"
+    rows = next(iter(spec["datasets"].values()))
+    assert {(r["bucket"], r["part"]): r["share"] for r in rows}[("2-3", "width 15")] == 0.6

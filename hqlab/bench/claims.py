@@ -203,6 +203,12 @@ def served_step_costs(data: RunData) -> pl.DataFrame:
     return serve_profile.step_cost_ratios(data.table("rows"))
 
 
+def goodput_served(data: RunData) -> pl.DataFrame:
+    """Per goodput server and batch bucket: the share of calls at each width and the priced wide step over a plain
+    one, beside the served step's ratio at the nearest load (`serve_profile.goodput_served_costs`)."""
+    return serve_profile.goodput_served_costs(data.table("goodput_decisions"), data.table("rows"))
+
+
 def run_ratios(data: RunData) -> pl.DataFrame:
     return vllm_report.run_ratios(data.table("rows"))
 
@@ -390,9 +396,10 @@ SHAPES = {"05b": "qwen2.5-0.5b", "15b": "qwen2.5-1.5b"}  # a seed-scale decode r
 VIEWS: dict[str, Callable[..., pl.DataFrame]] = {
     f.__name__: f for f in (
         speedup_table, best_ratio, served_heads, sampling_verdicts, greedy_partings, greedy_texts, server_logs,
-        step_costs, served_step_costs, run_ratios, concurrency, best_fused, cost_model_check, burst, burst_blocks, replay, same_steps,
-        round_step_ms, gpu_phases, speculator_host_ms, corpus_speedups, greedy_differences, waves, sweep_ranking,
-        slow_steps, output_pairs, first_token, grid_points, validation, checks, decode_validation)}
+        step_costs, served_step_costs, goodput_served, run_ratios, concurrency, best_fused, cost_model_check, burst,
+        burst_blocks, replay, same_steps, round_step_ms, gpu_phases, speculator_host_ms, corpus_speedups,
+        greedy_differences, waves, sweep_ranking, slow_steps, output_pairs, first_token, grid_points, validation,
+        checks, decode_validation)}
 
 
 # --- evaluation ---------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ what it returns.
   on the host's timeline and the GPU's (`engine_steps.step_parts`).
 - `step_cost_ratios`: a served step's cost from the load rows, time per output token × tokens a step, ÷ `none`'s
   in the same repeat: the number issue #62's acceptance reads (≤ 1.15× at one request, ≤ 1.3× at 32 in flight).
+- `goodput_served_costs`: that ratio beside what a goodput server's controller chose and priced a wide step at.
 
 Standard library only at import: the GPU host runs the first half without polars.
 """
@@ -169,5 +170,65 @@ def step_cost_ratios(rows: Any, reference: str = "none") -> Any:
             .sort(*keys, "config"))
 
 
+def goodput_served_costs(decisions: Any, rows: Any, reference: str = "none") -> Any:
+    """The goodput servers of a serving run, what their controllers chose and priced beside what their steps cost:
+    `hqlab.replay.goodput_served.served_widths` of the run's decisions (per server `config` and batch bucket: the
+    share of calls at each width, `wide`, and `priced_x`, the priced cost of the chosen wide width over a plain step,
+    with `prices` saying whence), `label` (`serve.short_config`), and `step_cost_ratios` of the same server at the
+    served load nearest the bucket: `load` (on a log scale, from the bucket's geometric middle), `in_bucket` (the
+    load lies in the bucket), `measured`, `measured_min`, `measured_max` (the median and range over repeats) and
+    `tokens_a_step`. The measured step is a whole served step (time per output token × tokens a step), plain ones
+    among them; the priced one is a wide decode step. A server's record spans every point it served, so `rows` must
+    hold one dataset and temperature."""
+    import polars as pl
+
+    from hqlab.bench.serve import short_config
+    from hqlab.config import require
+    from hqlab.replay.goodput_served import served_widths
+
+    chosen = served_widths(decisions)
+    rows = rows.filter(pl.col("config").is_in(chosen["config"].unique().implode()) | (pl.col("config") == reference))
+    points = rows.select("dataset", "temperature").unique()
+    require(points.height == 1, f"the goodput servers' rows hold {points.height} (dataset, temperature) pairs: a "
+            "server's decisions span them all, so give the rows of one (one workload a run)")
+    ratios = step_cost_ratios(rows, reference).select(
+        "config", pl.col("max_concurrency").alias("load"), pl.col("ratio").alias("measured"),
+        pl.col("ratio_min").alias("measured_min"), pl.col("ratio_max").alias("measured_max"), "tokens_a_step")
+    middle = (pl.col("lo") * (2 * pl.col("lo") - 1)).sqrt()
+    nearest = (chosen.join(ratios, on="config", how="left")
+               .with_columns((pl.col("load").log(2) - middle.log(2)).abs().alias("_far"))
+               .sort("config", "lo", "_far", "load", nulls_last=True).group_by("config", "lo", maintain_order=True)
+               .first().drop("_far"))
+    return (chosen.select("config", "lo").join(nearest, on=["config", "lo"], how="left")  # the served widths' order
+            .with_columns(pl.col("config").map_elements(short_config, return_dtype=pl.String).alias("label"),
+                          ((pl.col("lo") <= pl.col("load")) & (pl.col("load") < 2 * pl.col("lo"))).alias("in_bucket"))
+            .select("config", "label", *[c for c in chosen.columns if c != "config"], "load", "in_bucket",
+                    pl.col("^measured.*$"), "tokens_a_step"))
+
+
+def goodput_served_bars(costs: Any) -> tuple[Any, Any]:
+    """`goodput_served_costs` as its figure draws it: (shares, steps). `shares` (`hqlab.plots.stacked_time`): per
+    `server` ("<label> (prices: <whence>)") and bucket (`batches`), `width <w>` per candidate width, the share of
+    calls fixing it. `steps` (`hqlab.plots.ranges`): per server and load lying in a bucket (`load`, "N in flight"),
+    a row per `series`, "<label>: priced (<whence>)" (`ratio` the priced wide step over a plain one, `lo` = `hi` =
+    it) and "<label>: measured" (the served step's ratio, median and range over repeats)."""
+    import polars as pl
+
+    widths = sorted(int(c.removeprefix("chose_")) for c in costs.columns if c.startswith("chose_"))
+    shares = costs.select(pl.format("{} (prices: {})", pl.col("label"), pl.col("prices")).alias("server"), "batches",
+                          *[pl.col(f"chose_{w}").alias(f"width {w}") for w in widths])
+    loaded = costs.filter(pl.col("in_bucket")).with_columns(pl.format("{} in flight", pl.col("load")).alias("load"))
+    server = {c: i for i, c in enumerate(costs["config"].unique(maintain_order=True))}
+    loaded = loaded.with_columns(pl.col("config").replace_strict(server, return_dtype=pl.Int64).alias("server"))
+    priced = loaded.select("server", "load", pl.format("{}: priced ({})", pl.col("label"), pl.col("prices"))
+                           .alias("series"), *[pl.col("priced_x").alias(c) for c in ("ratio", "lo", "hi")])
+    measured = loaded.select("server", "load", pl.format("{}: measured", pl.col("label")).alias("series"),
+                             pl.col("measured").alias("ratio"), pl.col("measured_min").alias("lo"),
+                             pl.col("measured_max").alias("hi"))
+    # each server's priced series beside its measured one, servers in the table's order
+    return shares, pl.concat([priced, measured]).sort("server", maintain_order=True).drop("server")
+
+
 __all__ = ["PROFILE_ENV", "PROFILE_KEYS", "profile_flags", "worker_rpc", "keeps_corpus", "reset_server",
-           "check_repeats", "step_profile", "served_steps", "served_parts", "part_bars", "step_cost_ratios"]
+           "check_repeats", "step_profile", "served_steps", "served_parts", "part_bars", "step_cost_ratios",
+           "goodput_served_costs", "goodput_served_bars"]

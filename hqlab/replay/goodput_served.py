@@ -24,7 +24,8 @@ old, the outcome credited to the call whose width the step verified) against a m
 apart from the hook. The second prices with a fixed table and takes no online server.
 
 `online_prices` is the reader's view of a record: per call, what it priced each width at and what it chose, and the
-same by batch bucket.
+same by batch bucket; `served_widths` the same for every server of a serving run, with the priced cost of the wide
+widths each chose and where its prices come from.
 """
 
 from __future__ import annotations
@@ -307,6 +308,11 @@ def check_run(frame: pl.DataFrame, timed: pl.DataFrame | None = None) -> pl.Data
     return pl.DataFrame(rows, infer_schema_length=None)
 
 
+def _bucket(batch: pl.Series) -> pl.Series:
+    """`lo`, the power-of-two batch bucket (1, 2-3, 4-7, ...) of each batch size, by its lower bound."""
+    return pl.Series("lo", [1 << (int(b).bit_length() - 1) for b in batch.to_list()], dtype=pl.Int64)
+
+
 def online_prices(frame: pl.DataFrame, header: dict[str, Any]) -> tuple[pl.DataFrame, pl.DataFrame]:
     """What a server's controller believed each step cost, for a reader (`record_frames`' rows and header).
 
@@ -329,8 +335,7 @@ def online_prices(frame: pl.DataFrame, header: dict[str, Any]) -> tuple[pl.DataF
     require(all(len(p) == len(widths) for p in priced), f"the prices are not one per candidate width {widths}")
     per_call = calls.select("decision", pl.col("batch").cast(pl.Int64), "width").with_columns(
         *[pl.Series(f"ms_{w}", [p[j] / 1000 for p in priced], dtype=pl.Float64) for j, w in enumerate(widths)])
-    lo = pl.Series("lo", [1 << (b.bit_length() - 1) for b in per_call["batch"].to_list()], dtype=pl.Int64)
-    by_batch = per_call.with_columns(lo).group_by("lo").agg(
+    by_batch = per_call.with_columns(_bucket(per_call["batch"])).group_by("lo").agg(
         pl.len().alias("decisions"),
         *[(pl.col("width") == w).mean().alias(f"chose_{w}") for w in widths],
         *[pl.col(f"ms_{w}").mean() for w in widths],
@@ -339,6 +344,37 @@ def online_prices(frame: pl.DataFrame, header: dict[str, Any]) -> tuple[pl.DataF
         pl.when(pl.col("lo") == 1).then(pl.lit("1"))
         .otherwise(pl.format("{}-{}", pl.col("lo"), 2 * pl.col("lo") - 1)).alias("batches"))
     return per_call, by_batch.select("batches", "lo", pl.exclude("batches", "lo"))
+
+
+def served_widths(frame: pl.DataFrame) -> pl.DataFrame:
+    """What each goodput server of a serving run chose and what it priced its wide steps at, by batch bucket, from
+    the run's decisions (`goodput_decisions.parquet`): one row per (server, bucket of `online_prices`) with `config`,
+    `prices`, `batches`, `lo`, `decisions`, `chose_<w>` per candidate width (the share of calls fixing it; null for a
+    width the server did not have), `wide` (the share fixing a width above 0) and `priced_x`, the mean over the calls
+    that went wide of the price of the width chosen over a plain step's (null where none did).
+
+    `prices` says whence the prices: "fixed", the table the server decided with (its header's); "learnt", what a
+    server measuring its costs online priced each call at (version 2 records); "prior only", such a server whose
+    record (version 1) holds only the prior it started from. There `priced_x` is the prior's, not necessarily what
+    it decided with: its prices moved with the steps it timed, which the record did not keep."""
+    out = []
+    for config, header, rows in served_records(frame):
+        widths = [int(w) for w in header["widths"]]
+        require(widths[0] == 0, f"{config}: the candidate widths {widths} do not start with a plain step (0)")
+        source, priced_by = "fixed", header
+        if header.get("online"):
+            source = "learnt" if header.get("version", 1) >= 2 else "prior only"
+            if source == "prior only":  # the one table such a record holds: price its calls as a fixed table would
+                priced_by = {**header, "online": False}
+        per_call, by_batch = online_prices(rows, priced_by)
+        chosen = pl.coalesce(*[pl.when(pl.col("width") == w).then(pl.col(f"ms_{w}")) for w in widths[1:]])
+        wide = (per_call.with_columns(_bucket(per_call["batch"]), (chosen / pl.col("ms_0")).alias("priced_x"))
+                .group_by("lo").agg(pl.col("priced_x").mean()))
+        out.append(by_batch.join(wide, on="lo", how="left").with_columns(
+            pl.lit(config).alias("config"), pl.lit(source).alias("prices"), (1 - pl.col("chose_0")).alias("wide"))
+            .select("config", "prices", "batches", "lo", "decisions", pl.col("^chose_.*$"), "wide", "priced_x"))
+    require(bool(out), "the run's goodput decisions hold no server")
+    return pl.concat(out, how="diagonal_relaxed")
 
 
 def greedy_traces(prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]], *,
@@ -351,5 +387,5 @@ def greedy_traces(prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequ
             for i, (p, o) in enumerate(zip(prompt_ids, output_ids))]
 
 
-__all__ = ["served_records", "check_run", "greedy_traces", "record_frame", "record_frames", "rerun_rule", "RuleCheck",
-           "replay_served", "ReplayCheck", "online_prices", "COLUMNS", "TIMED_COLUMNS"]
+__all__ = ["served_records", "served_widths", "check_run", "greedy_traces", "record_frame", "record_frames",
+           "rerun_rule", "RuleCheck", "replay_served", "ReplayCheck", "online_prices", "COLUMNS", "TIMED_COLUMNS"]

@@ -2,7 +2,8 @@
 without vLLM: version 2 round-trips through the writer and the reader, event for event; a controller priced online,
 driven as the served hook drives it and recording as it records, is re-priced and decided again call for call from
 its record alone, and a timed step dropped or altered is caught; version 1 records are still read, and an online one
-is refused; `online_prices` is what each call priced, by batch. tests/engines/vllm/test_vllm_goodput.py checks the
+is refused; `online_prices` is what each call priced, by batch, and `served_widths` the same per server of a run with
+the price of the wide widths chosen. tests/engines/vllm/test_vllm_goodput.py checks the
 same on records the hook writes under vLLM's own scheduler."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 from hqlab.config import ConfigError
 from hqlab.engines.vllm import goodput_record as gr
 from hqlab.engines.vllm.goodput import record_header
-from hqlab.replay.goodput_served import online_prices, record_frame, record_frames, rerun_rule
+from hqlab.replay.goodput_served import online_prices, record_frame, record_frames, rerun_rule, served_widths
 from hqlab.rules.goodput import GoodputConfig, GoodputController, StepCosts, bucket_of
 from hqlab.rules.online_costs import OnlineCosts, micros
 
@@ -214,3 +215,37 @@ def test_online_prices_are_each_calls_prices_and_by_batch_the_widths_chosen(tmp_
     assert rows["4-7"]["chose_15"] == 1.0 and rows["4-7"]["x_15"] == 1.0
     fixed = {**header, "online": False}  # a fixed-cost server: its table's prices, rounded as a record's
     assert online_prices(frame, fixed)[0]["ms_15"].to_list() == [micros(PRIOR.at(b, 15)) / 1000 for b, _, _ in calls]
+
+
+def test_served_widths_per_server_price_the_wide_widths_chosen_from_the_record_or_its_table(tmp_path):
+    """Three servers of one run with the same calls: priced online (version 2: the recorded prices), the same record
+    as version 1 (the prior only) and a fixed table; a bucket where no call went wide has no price."""
+    path = tmp_path / "r.bin"
+    log = gr.DecisionLog(path, {"widths": [0, 7, 15], "online": True, "costs": PRIOR.to_dict()})
+    calls = [(1, 15, [3000, 3500, 3600]), (1, 0, [3000, 6000, 9000]), (2, 7, [3100, 4650, 6200]),
+             (3, 0, [3200, 4800, 8000]), (5, 15, [3300, 3300, 3300]), (8, 0, [3300, 9900, 9900])]
+    for call, (batch, width, priced) in enumerate(calls):
+        log.decision(call, width, [(f"r{i}", 10, (0, 0, 0)) for i in range(batch)], priced)
+    log.close()
+    header, frame, _ = record_frames(path)
+
+    def server(config: str, head: dict, rows: pl.DataFrame) -> pl.DataFrame:
+        return rows.with_columns(pl.lit(config).alias("config"), pl.lit(json.dumps(head)).alias("header"),
+                                 pl.lit(False).alias("truncated"))
+
+    unpriced = frame.with_columns(pl.lit(None, dtype=pl.List(pl.Int64)).alias("priced_us"))
+    table = served_widths(pl.concat([server("online", header, frame),
+                                     server("online v1", {**header, "version": 1}, unpriced),
+                                     server("fixed", {**header, "online": False}, frame)]))
+    assert dict(table.select("config", "prices").unique(maintain_order=True).rows()) == \
+        {"online": "learnt", "online v1": "prior only", "fixed": "fixed"}
+    rows = {(r["config"], r["batches"]): r for r in table.iter_rows(named=True)}
+    assert [b for c, b in rows if c == "online"] == ["1", "2-3", "4-7", "8-15"]
+    assert rows["online", "1"]["wide"] == 0.5 and rows["online", "1"]["priced_x"] == pytest.approx(1.2)
+    assert rows["online", "2-3"]["chose_7"] == 0.5 and rows["online", "2-3"]["priced_x"] == pytest.approx(1.5)
+    assert rows["online", "4-7"]["priced_x"] == pytest.approx(1.0)
+    assert rows["online", "8-15"]["wide"] == 0.0 and rows["online", "8-15"]["priced_x"] is None
+    prior = micros(PRIOR.at(2, 7)) / micros(PRIOR.at(2, 0))  # the table's price, not the call's
+    for config in ("online v1", "fixed"):
+        assert rows[config, "2-3"]["priced_x"] == pytest.approx(prior) != pytest.approx(1.5)
+        assert rows[config, "1"]["chose_15"] == 0.5 and rows[config, "8-15"]["decisions"] == 1
