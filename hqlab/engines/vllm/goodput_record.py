@@ -188,13 +188,25 @@ def read_record(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     version, size = (int(x) for x in np.frombuffer(raw[4:12], dtype=np.int32))
     if version not in READS:
         raise ValueError(f"{path}: record version {version}, this reader reads {list(READS)}")
-    tags = TAGS[version]
     header = json.loads(raw[12:12 + size])
     body = raw[12 + size:]
     words = np.frombuffer(body[:len(body) // 4 * 4], dtype=np.int32)
+    ids, decisions, outcomes, priced, timed, truncated = _events(words, TAGS[version], version, path)
+    truncated = truncated or len(body) % 4 != 0
+    columns = _columns(decisions, outcomes, priced, ids, truncated, path)
+    steps = np.array(timed, dtype=np.int64).reshape(-1, 5)
+    columns["timed"] = {"before": steps[:, 0], "batch": steps[:, 1], "width": steps[:, 2], "us": steps[:, 3],
+                        "decode_only": steps[:, 4] != 0}
+    columns["version"] = version
+    return header, columns
+
+
+def _events(words: Any, tags: Any, version: int, path: Any) -> tuple[list, list, list, dict, list, bool]:
+    """`read_record`'s pass over the event words: request ids, decisions, outcomes, prices by call, timed steps, and
+    whether the words end inside an event or at a `TRUNCATED` mark."""
     ids: list[str] = []
     decisions, outcomes, priced, timed = [], [], {}, []
-    p, truncated = 0, len(body) % 4 != 0
+    p, truncated = 0, False
     fixed = {REQUEST: 3, DECISION: 4, OUTCOMES: 4, PRICED: 3, TIMED: 6, TRUNCATED: 1}
     while p < len(words):
         tag = int(words[p])
@@ -238,12 +250,7 @@ def read_record(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
         else:
             truncated = True
             p += 1
-    columns = _columns(decisions, outcomes, priced, ids, truncated, path)
-    steps = np.array(timed, dtype=np.int64).reshape(-1, 5)
-    columns["timed"] = {"before": steps[:, 0], "batch": steps[:, 1], "width": steps[:, 2], "us": steps[:, 3],
-                        "decode_only": steps[:, 4] != 0}
-    columns["version"] = version
-    return header, columns
+    return ids, decisions, outcomes, priced, timed, truncated
 
 
 def _columns(decisions: list, outcomes: list, priced: dict, ids: list[str], truncated: bool,
