@@ -315,6 +315,30 @@ def finish(args: argparse.Namespace) -> int:
     return 0
 
 
+def divergences(args: argparse.Namespace) -> int:
+    """Where a run's greedy answers part (`corpus_report.greedy_pairs`), read by the 1.5B teacher-forced on this
+    machine (`hqlab.bench.divergence`) -> data/results/corpus/<run>/divergences.parquet (write_run)."""
+    import polars as pl
+
+    from hqlab import models
+    from hqlab.bench import results
+    from hqlab.bench.corpus_report import greedy_pairs
+    from hqlab.bench.divergence import divergence_table
+
+    requests = results.load("corpus", args.run, "requests", root=args.results)
+    reference = results.load("corpus", args.against, "requests", root=args.results) if args.against else None
+    pairs = greedy_pairs(requests, args.load, configs=args.config, reference=reference, reference_run=args.against)
+    model, _, info = models.load(args.model, device="cpu", dtype=args.dtype)
+    log(f"{pairs.height} pairs, {pairs.filter(pl.col('a') != pl.col('b')).height} part; {info.name} in {info.dtype}")
+    table = divergence_table(model, pairs).with_columns(pl.lit(info.dtype).alias("dtype"))
+    card = results.run_info("corpus", args.run, args.results)["card"]
+    results.write_run("corpus", args.run, card=card, tables={"divergences": table}, root=args.results)
+    with pl.Config(tbl_rows=20, tbl_width_chars=200):
+        print(table.group_by("config", "compared_with", "verdict").agg(pl.len(), pl.col("margin").abs().max())
+              .sort("config", "compared_with", "verdict"))
+    return 0
+
+
 def summary(points: Any) -> None:
     """Medians over repeats: decode tok/s per config, the corpus's ratio to the lookup without it, exactness."""
     import polars as pl
@@ -362,6 +386,15 @@ cmd = CLI.command("finish", finish, "CPU: raw rows -> results and per-request pa
 cmd.add_argument("raw", nargs="+")
 cmd.add_argument("--run", required=True, help="name of this run (the bench call's tag)")
 cmd.add_argument("--card", default=None, help="the card, where no .json beside the raw file names the machine")
+cmd = CLI.command("divergences", divergences,
+                  "CPU: where greedy answers part, read by the model teacher-forced here -> divergences.parquet")
+cmd.add_argument("--run", required=True, help="the finished run")
+cmd.add_argument("--against", default=None, help="another finished run whose `none` answers `none` is compared with")
+cmd.add_argument("--config", action="append", default=None,
+                 help="configs compared with `none` (repeatable; default every config; --config none: none only)")
+cmd.add_argument("--load", type=int, default=8, help="the points' requests in flight (default 8)")
+cmd.add_argument("--model", default=MODEL)
+cmd.add_argument("--dtype", default="float32", help="the reference model's dtype on the CPU (default float32)")
 main = CLI.main
 
 if __name__ == "__main__":

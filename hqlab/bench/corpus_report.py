@@ -107,6 +107,35 @@ def greedy_differences(requests: pl.DataFrame) -> pl.DataFrame:
             .sort("run", "against", "config", "workload", "load"))
 
 
+def greedy_pairs(requests: pl.DataFrame, load: int, *, configs: list[str] | None = None,
+                 reference: pl.DataFrame | None = None, reference_run: str | None = None) -> pl.DataFrame:
+    """The greedy answers of one run at `load` that `greedy_differences` compares, as pairs for
+    `hqlab.bench.divergence.divergence_table` (a: the reference, b: the answer checked): each of `configs` (default
+    every config but `none`) against `none`'s same request in the same repeat (`compared_with` "none"); `none`'s
+    later repeats against its first ("repeat <first>"); with `reference` (another run's requests, named
+    `reference_run`), `none` against that run's `none`, same request and repeat (`compared_with` = `reference_run`).
+    Columns config, request, repeat, compared_with, prompt_ids, a, b."""
+    from hqlab.bench.divergence import answer_pairs
+
+    def none_of(frame: pl.DataFrame) -> pl.DataFrame:
+        return frame.filter((pl.col("config") == "none") & (pl.col("load") == load))
+
+    at = requests.filter(pl.col("load") == load)
+    none = none_of(requests)
+    configs = [c for c in (at["config"].unique(maintain_order=True).to_list() if configs is None else configs)
+               if c != "none"]
+    parts = [answer_pairs(none, at.filter(pl.col("config") == c), carry=["config"], compared_with="none")
+             for c in configs]
+    first = none["repeat"].min()
+    for repeat in sorted(r for r in none["repeat"].unique().to_list() if r != first):
+        parts.append(answer_pairs(none.filter(pl.col("repeat") == first), none.filter(pl.col("repeat") == repeat),
+                                  key=["request"], carry=["repeat", "config"], compared_with=f"repeat {first}"))
+    if reference is not None:
+        parts.append(answer_pairs(none_of(reference), none, carry=["config"],
+                                  compared_with=reference_run or "reference"))
+    return pl.concat([p.select("config", "request", "repeat", "compared_with", "prompt_ids", "a", "b") for p in parts])
+
+
 def waves(requests: pl.DataFrame) -> pl.DataFrame:
     """The corpus's gain split by when a request was sent. At `load` in flight the first `load` requests of a point
     (`order` < load) start together, before any answer has finished, so the corpus holds no output of theirs' kind
