@@ -147,7 +147,8 @@ def run_bench(args, workloads, configs, points, chosen) -> int:
     options = VLLMOptions(model=folder, max_num_seqs=max(8, max(args.load or LOADS)), max_model_len=max_model_len,
                           gpu_memory_utilization=round(args.gpu_memory / len(settings), 3),
                           kv_cache_bytes=startup.PARALLEL_START_KV_BYTES,
-                          max_cudagraph_capture_size=args.capture or 0, cudagraph_mode=args.cudagraph_mode or "")
+                          max_cudagraph_capture_size=args.capture or 0,
+                          **({"cudagraph_mode": args.cudagraph_mode} if args.cudagraph_mode is not None else {}))
     decode = DecodeConfig(max_new_tokens=MAX_NEW_TOKENS)
     out = runner.out_dir()
     raw_path, meta_path = out / f"vllm_corpus_{args.tag}.parquet", out / f"vllm_corpus_{args.tag}.json"
@@ -159,7 +160,7 @@ def run_bench(args, workloads, configs, points, chosen) -> int:
             "configs": configs, "repeats": args.repeats, "loads": list(args.load or LOADS), "commit": args.commit,
             "requests": [*REQUESTS, *(args.requests or [])], "budget_s": args.budget_s,
             "points_planned": len(points), "points_done": 0, "stopped": "", "failed": {}, "engines": described,
-            "capture": args.capture or 0, "cudagraph_mode": args.cudagraph_mode or "", "profile": bool(args.profile)}
+            "capture": args.capture or 0, "cudagraph_mode": options.cudagraph_mode, "profile": bool(args.profile)}
 
     def save() -> None:
         for path, table in ((raw_path, rows), (phases_path, phases)):
@@ -376,7 +377,9 @@ cmd.add_argument("--gpu-memory", type=float, default=0.85, help="GPU memory frac
 cmd.add_argument("--capture", type=int, default=None,
                  help="CUDA graphs for steps of up to this many tokens, every engine (default: the served configs', "
                       "hqlab.engines.vllm.serving.capture_size: max(1024, requests x (k + 1)))")
-cmd.add_argument("--cudagraph-mode", default=None, help="vLLM's CUDA-graph mode, every engine (default: vLLM's)")
+cmd.add_argument("--cudagraph-mode", default=None,
+                 help="vLLM's CUDA-graph mode, every engine (default: the served configs', "
+                      "hqlab.engines.vllm.serving.CUDAGRAPH_MODE; '' for vLLM's own)")
 cmd.add_argument("--profile", action="store_true", default=None,
                  help="time the worker's phases during every point (worker.StepTimer) into "
                       "$OUT/vllm_corpus_<tag>.phases.parquet")

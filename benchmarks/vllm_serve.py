@@ -157,6 +157,7 @@ def bench(args: argparse.Namespace) -> int:
     import vllm  # noqa: F401  (first: a wheel missing from the carried set fails here)
 
     from hqlab.bench import serve  # no polars needed: hqlab.bench loads its harness lazily (the GPU host has none)
+    from hqlab.engines.vllm.serving import serve_env
 
     call = prepare(args, args.dataset)
     points = serve.load_points(args.dataset, args.temperature, args.concurrency)
@@ -172,7 +173,8 @@ def bench(args: argparse.Namespace) -> int:
         log(f"{label}: starting `{' '.join(argv[3:6])} ...`")
         server_log = call.work / f"serve_{args.tag}_{len(already) + n}.log"
         try:
-            with serve.Server(argv, server_log, port=args.port, timeout_s=args.start_timeout) as server:
+            with serve.Server(argv, server_log, port=args.port, env={**os.environ, **serve_env(spec)},
+                              timeout_s=args.start_timeout) as server:
                 log(f"{label}: ready in {server.ready_s:.0f} s")
                 eager = warn_if_eager(label, server_log, args.allow_eager)
                 if planted is None:
@@ -230,6 +232,7 @@ def together(args: argparse.Namespace) -> int:
     import vllm  # noqa: F401
 
     from hqlab.bench import serve, serve_profile
+    from hqlab.engines.vllm.serving import serve_env
 
     points = [parse_point(p) for p in args.point]
     call = prepare(args, sorted({p.dataset for p, _ in points}))
@@ -240,7 +243,8 @@ def together(args: argparse.Namespace) -> int:
                            memory=["--gpu-memory-utilization", f"{share:.3f}", "--kv-cache-memory-bytes",
                                    str(int(args.kv_cache_gib * (1 << 30))), *srv.flags])
         env = {**os.environ, "VLLM_CACHE_ROOT": str(call.work / f"vllm-cache-{n}"),  # no two compiles share a file
-               **serve_servers.record_env(srv, call.work, n)}  # the goodput controller's decisions, if asked
+               **serve_servers.record_env(srv, call.work, n),  # the goodput controller's decisions, if asked
+               **serve_env(srv.spec)}  # FULL graphs' capture fix, where the config runs them
         if args.profile_repeat or any(serve.ordered(p.dataset) for p, _ in points):  # the step timer's or the
             # corpus reset's routes (serve.reset_server); every server alike, none included
             argv, env = argv + serve_profile.profile_flags(), {**env, **serve_profile.PROFILE_ENV}
