@@ -30,13 +30,11 @@ workload, the three configs of a (workload, load) back to back with the first ro
 seconds apart. --budget-s bounds the whole call (engine starts included): a point starts only if the time its
 (config, workload, load) took before (or the estimate) still fits, and the raw file is rewritten after each point.
 
-Why these corpus keys: corpus_policy=longest, since with nmin=1 the request's own history almost always holds a
-one-token match, so under "own" the corpus would seldom be asked; "longest" lets it win where its match is longer.
-corpus_prompts=1: the agent's requests repeat earlier requests' tool results, which are in prompts, not outputs. A
-replay of the rule over the 0.5B's greedy traces of these workloads (data/results/traces/0.5b_corpus_128/,
-128 new tokens, the first 10 requests one at a time) gave tokens/step, without the corpus -> longest -> longest
-with prompts: multiturn 2.05 -> 2.25 -> 2.25, template 2.29 -> 3.38 -> 3.41, agent 2.46 -> 2.46 -> 3.04. 32,768
-tokens hold every document of a point (16 requests of at most ~1,000 prompt and 256 output tokens).
+Why these corpus keys: corpus_policy=longest (with nmin=1 the request's own history almost always holds a one-token
+match, so under "own" the corpus would seldom be asked); corpus_prompts=1 (the agent's requests repeat earlier tool
+results, which are in prompts). Replayed over the 0.5B's greedy traces (data/results/traces/0.5b_corpus_128/, first
+10 requests one at a time), tokens/step without the corpus / longest / longest with prompts: multiturn 2.05 / 2.25 /
+2.25, template 2.29 / 3.38 / 3.41, agent 2.46 / 2.46 / 3.04. 32,768 tokens hold every document of a point.
 
 Measured per point: decode tok/s = output tokens after the first / the time after the first token, summed over the
 requests (load 1); output tokens / wall time (load 8, a throughput). tokens/step = tokens vLLM emitted per verify
@@ -147,7 +145,8 @@ def run_bench(args, workloads, configs, points, chosen) -> int:
     options = VLLMOptions(model=folder, max_num_seqs=max(8, max(args.load or LOADS)), max_model_len=max_model_len,
                           gpu_memory_utilization=round(args.gpu_memory / len(settings), 3),
                           kv_cache_bytes=startup.PARALLEL_START_KV_BYTES,
-                          max_cudagraph_capture_size=args.capture or 0, cudagraph_mode=args.cudagraph_mode or "")
+                          max_cudagraph_capture_size=args.capture or 0,
+                          **({"cudagraph_mode": args.cudagraph_mode} if args.cudagraph_mode is not None else {}))
     decode = DecodeConfig(max_new_tokens=MAX_NEW_TOKENS)
     out = runner.out_dir()
     raw_path, meta_path = out / f"vllm_corpus_{args.tag}.parquet", out / f"vllm_corpus_{args.tag}.json"
@@ -159,7 +158,7 @@ def run_bench(args, workloads, configs, points, chosen) -> int:
             "configs": configs, "repeats": args.repeats, "loads": list(args.load or LOADS), "commit": args.commit,
             "requests": [*REQUESTS, *(args.requests or [])], "budget_s": args.budget_s,
             "points_planned": len(points), "points_done": 0, "stopped": "", "failed": {}, "engines": described,
-            "capture": args.capture or 0, "cudagraph_mode": args.cudagraph_mode or "", "profile": bool(args.profile)}
+            "capture": args.capture or 0, "cudagraph_mode": options.cudagraph_mode, "profile": bool(args.profile)}
 
     def save() -> None:
         for path, table in ((raw_path, rows), (phases_path, phases)):
@@ -352,7 +351,8 @@ cmd.add_argument("--gpu-memory", type=float, default=0.85, help="GPU memory frac
 cmd.add_argument("--capture", type=int, default=None,
                  help="CUDA graphs for steps of up to this many tokens, every engine (default: the served configs', "
                       "hqlab.engines.vllm.serving.capture_size: max(1024, requests x (k + 1)))")
-cmd.add_argument("--cudagraph-mode", default=None, help="vLLM's CUDA-graph mode, every engine (default: vLLM's)")
+cmd.add_argument("--cudagraph-mode", default=None, help="vLLM's CUDA-graph mode, every engine (default: "
+                 "hqlab.engines.vllm.serving.CUDAGRAPH_MODE; '' for vLLM's own)")
 cmd.add_argument("--profile", action="store_true", default=None,
                  help="time the worker's phases during every point (worker.StepTimer) into "
                       "$OUT/vllm_corpus_<tag>.phases.parquet")

@@ -1,6 +1,5 @@
-"""hqlab through `vllm serve`: throughput and latency under load (vLLM's own `vllm bench serve`), greedy text through
-the `openai` package, and the sampling test's samples; one server process per config, results saved after every
-load point.
+"""hqlab through `vllm serve`: throughput and latency under load (`vllm bench serve`), greedy text through `openai`,
+and the sampling test's samples; one server process per config, results saved after every load point.
 
   GPU (through tools/gpu_host/vllm_host.py run, which installs vLLM and the models on an offline host;
   `python benchmarks/vllm_serve.py host together --plan benchmarks/plans/serve_<tag>.json --tag <tag>` prints the
@@ -11,11 +10,9 @@ load point.
     names; a config already done is skipped) and copies them to $OUT: vllm_serve_<tag>.jsonl (one row per load point,
     hqlab.bench.serve.SERVE_COLUMNS), serve_greedy_<tag>.jsonl (greedy chat texts), serve_samples_<tag>.jsonl (the
     sampling test's token ids), serve_<tag>_<n>.log (each server's log).
-  CPU (here):
-      python benchmarks/vllm_serve.py finish RETURNED_DIR
-    puts the run in place, data/results/serve/<tag>/ (hqlab.bench.results): rows.parquet (the load rows),
-    samples.parquet, greedy.parquet, the returned files as they came (raw.jsonl, samples.jsonl, greedy.jsonl, the
-    server logs) and the call's log as run.log, with run.json (card, commit, plan, vLLM runner, command, date).
+  CPU (here): python benchmarks/vllm_serve.py finish RETURNED_DIR puts the run in place, data/results/serve/<tag>/
+    (hqlab.bench.results): rows.parquet (the load rows), samples.parquet, greedy.parquet, the returned files as they
+    came, the call's log as run.log, and run.json.
 
 --planted-fault CONFIG (bench), a plan's `planted` or `sample_prefix_off` (together) add a samples-only server of CONFIG
 with the planted verification bug (hqlab.engines.vllm.fault: the sampling test must fail) or prefix caching off; a
@@ -157,6 +154,7 @@ def bench(args: argparse.Namespace) -> int:
     import vllm  # noqa: F401  (first: a wheel missing from the carried set fails here)
 
     from hqlab.bench import serve  # no polars needed: hqlab.bench loads its harness lazily (the GPU host has none)
+    from hqlab.engines.vllm.serving import serve_env  # FULL graphs' capture fix, where a config runs them
 
     call = prepare(args, args.dataset)
     points = serve.load_points(args.dataset, args.temperature, args.concurrency)
@@ -172,7 +170,8 @@ def bench(args: argparse.Namespace) -> int:
         log(f"{label}: starting `{' '.join(argv[3:6])} ...`")
         server_log = call.work / f"serve_{args.tag}_{len(already) + n}.log"
         try:
-            with serve.Server(argv, server_log, port=args.port, timeout_s=args.start_timeout) as server:
+            with serve.Server(argv, server_log, port=args.port, env={**os.environ, **serve_env(spec)},
+                              timeout_s=args.start_timeout) as server:
                 log(f"{label}: ready in {server.ready_s:.0f} s")
                 eager = warn_if_eager(label, server_log, args.allow_eager)
                 if planted is None:
@@ -230,6 +229,7 @@ def together(args: argparse.Namespace) -> int:
     import vllm  # noqa: F401
 
     from hqlab.bench import serve, serve_profile
+    from hqlab.engines.vllm.serving import serve_env  # FULL graphs' capture fix, where the config runs them
 
     points = [parse_point(p) for p in args.point]
     call = prepare(args, sorted({p.dataset for p, _ in points}))
@@ -240,7 +240,7 @@ def together(args: argparse.Namespace) -> int:
                            memory=["--gpu-memory-utilization", f"{share:.3f}", "--kv-cache-memory-bytes",
                                    str(int(args.kv_cache_gib * (1 << 30))), *srv.flags])
         env = {**os.environ, "VLLM_CACHE_ROOT": str(call.work / f"vllm-cache-{n}"),  # no two compiles share a file
-               **serve_servers.record_env(srv, call.work, n)}  # the goodput controller's decisions, if asked
+               **serve_servers.record_env(srv, call.work, n), **serve_env(srv.spec)}  # decisions if asked; FULL
         if args.profile_repeat or any(serve.ordered(p.dataset) for p, _ in points):  # the step timer's or the
             # corpus reset's routes (serve.reset_server); every server alike, none included
             argv, env = argv + serve_profile.profile_flags(), {**env, **serve_profile.PROFILE_ENV}

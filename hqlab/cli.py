@@ -379,9 +379,10 @@ def cmd_results(args: argparse.Namespace) -> int:
 
 def cmd_serve_command(args: argparse.Namespace) -> int:
     """Print the `vllm serve` command line for a config (docs/serving.md)."""
-    from hqlab.engines.vllm.serving import serve_command, shell_line
+    from hqlab.engines.vllm.serving import serve_command, serve_env, shell_line
 
-    print(shell_line(serve_command(args.model, args.spec, max_num_seqs=args.max_num_seqs, port=args.port)))
+    print(shell_line(serve_command(args.model, args.spec, max_num_seqs=args.max_num_seqs, port=args.port),
+                     serve_env(args.spec)))
     return 0
 
 

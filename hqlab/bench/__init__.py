@@ -21,6 +21,8 @@ records, written together (`write_results`: `<out>.parquet` and `<out>.steps.par
 - `faults`, `soak`: what clients do to a served config (#60): the fault-and-feature suite (its loopback client, cases
   and rows against `none`), and the soak (a bounded load at 64 in flight with disconnects, sampled over time).
 - `lossless`: is an output identical to the reference, or a near-tie flip; chi-square checks for sampling.
+- `divergence`: where two greedy answers part, read by a model teacher-forced over their shared prefix (near tie or
+  mismatch): the check of engines that left no margins of their own (the corpus runs' divergences.parquet).
 
 The names below load their module on first use, so importing `hqlab.bench.vllm_runs` on a GPU host does not import
 the harness (polars).

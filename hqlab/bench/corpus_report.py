@@ -9,6 +9,8 @@ the repeats: their median and range.
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import polars as pl
 
 from hqlab.config import parse_spec
@@ -107,6 +109,35 @@ def greedy_differences(requests: pl.DataFrame) -> pl.DataFrame:
             .sort("run", "against", "config", "workload", "load"))
 
 
+def greedy_pairs(requests: pl.DataFrame, load: int, *, configs: list[str] | None = None,
+                 reference: pl.DataFrame | None = None, reference_run: str | None = None) -> pl.DataFrame:
+    """The greedy answers of one run at `load` that `greedy_differences` compares, as pairs for
+    `hqlab.bench.divergence.divergence_table` (a: the reference, b: the answer checked): each of `configs` (default
+    every config but `none`) against `none`'s same request in the same repeat (`compared_with` "none"); `none`'s
+    later repeats against its first ("repeat <first>"); with `reference` (another run's requests, named
+    `reference_run`), `none` against that run's `none`, same request and repeat (`compared_with` = `reference_run`).
+    Columns config, request, repeat, compared_with, prompt_ids, a, b."""
+    from hqlab.bench.divergence import answer_pairs
+
+    def none_of(frame: pl.DataFrame) -> pl.DataFrame:
+        return frame.filter((pl.col("config") == "none") & (pl.col("load") == load))
+
+    at = requests.filter(pl.col("load") == load)
+    none = none_of(requests)
+    configs = [c for c in (at["config"].unique(maintain_order=True).to_list() if configs is None else configs)
+               if c != "none"]
+    parts = [answer_pairs(none, at.filter(pl.col("config") == c), carry=["config"], compared_with="none")
+             for c in configs]
+    first = none["repeat"].min()
+    for repeat in sorted(r for r in none["repeat"].unique().to_list() if r != first):
+        parts.append(answer_pairs(none.filter(pl.col("repeat") == first), none.filter(pl.col("repeat") == repeat),
+                                  key=["request"], carry=["repeat", "config"], compared_with=f"repeat {first}"))
+    if reference is not None:
+        parts.append(answer_pairs(none_of(reference), none, carry=["config"],
+                                  compared_with=reference_run or "reference"))
+    return pl.concat([p.select("config", "request", "repeat", "compared_with", "prompt_ids", "a", "b") for p in parts])
+
+
 def waves(requests: pl.DataFrame) -> pl.DataFrame:
     """The corpus's gain split by when a request was sent. At `load` in flight the first `load` requests of a point
     (`order` < load) start together, before any answer has finished, so the corpus holds no output of theirs' kind
@@ -164,5 +195,54 @@ def slow_steps(points: pl.DataFrame) -> pl.DataFrame:
             .sort("run", "workload", "load", "step_ms"))
 
 
+def divergences(run: str, *, against: str | None = None, configs: Sequence[str] | None = None, load: int = 8,
+               model: str = "qwen2.5-coder-1.5b", dtype: str = "float32", root: Any = None) -> Any:
+    """Where a finished corpus run's greedy answers part (`greedy_pairs`: each config against `none`,
+    `none`'s repeats, and `none` against `against`'s `none`), read by `model` teacher-forced on this machine; written
+    as the run's `divergences` table (`results.write_run`) and returned."""
+    import polars as pl
+
+    from hqlab import models
+    from hqlab.bench import results
+    from hqlab.bench.divergence import divergence_table
+
+    requests = results.load("corpus", run, "requests", root=root)
+    reference = results.load("corpus", against, "requests", root=root) if against else None
+    pairs = greedy_pairs(requests, load, configs=configs, reference=reference, reference_run=against)
+    loaded, _, info = models.load(model, device="cpu", dtype=dtype)
+    print(f"{pairs.height} pairs, {pairs.filter(pl.col('a') != pl.col('b')).height} part; {info.name} in {info.dtype}")
+    table = divergence_table(loaded, pairs).with_columns(pl.lit(info.dtype).alias("dtype"))
+    card = results.run_info("corpus", run, root)["card"]
+    results.write_run("corpus", run, card=card, tables={"divergences": table}, root=root)
+    return table
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    import polars as pl
+
+    ap = argparse.ArgumentParser(description=divergences.__doc__.split(";")[0])
+    ap.add_argument("--run", required=True, help="the finished corpus run")
+    ap.add_argument("--against", default=None, help="another finished run whose `none` answers `none` is compared with")
+    ap.add_argument("--config", action="append", default=None,
+                    help="configs compared with `none` (repeatable; default every config; --config none: none only)")
+    ap.add_argument("--load", type=int, default=8, help="the points' requests in flight (default 8)")
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--dtype", default="float32", help="the reference model's dtype on the CPU (default float32)")
+    ap.add_argument("--results", default=None, help="the results folder (default data/results)")
+    args = ap.parse_args(argv)
+    table = divergences(args.run, against=args.against, configs=args.config, load=args.load, model=args.model,
+                       dtype=args.dtype, root=args.results)
+    with pl.Config(tbl_rows=20, tbl_width_chars=200):
+        print(table.group_by("config", "compared_with", "verdict").agg(pl.len(), pl.col("margin").abs().max())
+              .sort("config", "compared_with", "verdict"))
+    return 0
+
+
 __all__ = ["BAR", "BAR_AS", "has_corpus", "without_corpus", "corpus_pairs", "label", "speedups", "greedy_differences",
-           "waves", "slow_steps"]
+           "waves", "slow_steps", "greedy_pairs", "divergences", "main"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -556,7 +556,7 @@ def start_servers(plan: dict[str, Any], setting: str, tag: str, out: Any, *, por
     from hqlab import models
     from hqlab.bench import serve
     from hqlab.engines.vllm.gpu_fused import fused_config
-    from hqlab.engines.vllm.serving import serve_command
+    from hqlab.engines.vllm.serving import serve_command, serve_env
 
     configs = plan["configs"] if configs is None else configs
     srv, model = plan["server"], models.prepare(plan["model"])
@@ -573,7 +573,7 @@ def start_servers(plan: dict[str, Any], setting: str, tag: str, out: Any, *, por
                  else "--no-enable-prefix-caching", "--disable-uvicorn-access-log", "--seed", "0"]
         argv = [sys.executable, "-m", "vllm.entrypoints.cli.main"] + serve_command(
             model, spec, max_num_seqs=srv["max_num_seqs"], port=port + n, extra=extra)[1:]
-        env = {**os.environ, "VLLM_CACHE_ROOT": str(work / f"vllm-cache-{n}")}
+        env = {**os.environ, "VLLM_CACHE_ROOT": str(work / f"vllm-cache-{n}"), **serve_env(spec)}
         servers.append((name, serve.Server(argv, Path(out) / f"{prefix}_{name}_{tag}.log", port=port + n, env=env,
                                            timeout_s=start_timeout)))
     for _, server in servers:

@@ -41,7 +41,7 @@ from typing import Any, Callable, Sequence
 from hqlab.config import ConfigError, DecodeConfig, parse_spec, resolve_spec
 from hqlab.engines.vllm import adapter as vllm_proposer
 from hqlab.engines.vllm import gpu_fused, gpu_lookup
-from hqlab.engines.vllm.serving import NATIVE, native_speculative_config
+from hqlab.engines.vllm.serving import CUDAGRAPH_MODE, NATIVE, full_graphs, native_speculative_config
 from hqlab.engines.vllm.worker import EXTENSION_PATH
 from hqlab.proposers import REGISTRY
 from hqlab.trace import Generation, Source, StepRecord, step_record
@@ -65,12 +65,14 @@ class VLLMOptions:
     # CUDA graphs up to this many tokens per step; 0: serving.capture_size, room for an admitted prompt beside
     # max_num_seqs requests verifying k + 1 each, the same as a served config
     max_cudagraph_capture_size: int = 0
-    # vLLM's CUDA-graph mode; "": vLLM's default (FULL_AND_PIECEWISE: full graphs for uniform decode steps, piecewise
-    # ones for steps that admit a prompt, whose attention then runs eagerly). FULL captures every step whole, one graph
-    # per size; vLLM 0.26's runner V2 captures those with the dummy batch's query length, so steps that admit a prompt
-    # came out wrong: FULL here also sets HQLAB_FULL_GRAPH_QUERY_FIX=1 for the engine's processes, and the plugin
-    # then captures them with the worst case (`full_graph_fix`), as vLLM's V1 runner does.
-    cudagraph_mode: str = ""
+    # vLLM's CUDA-graph mode; default the served configs' (serving.CUDAGRAPH_MODE, FULL: every step replayed whole,
+    # one graph per size, so a step that admits a prompt costs about a decode step); "": vLLM's default
+    # (FULL_AND_PIECEWISE: full graphs for uniform decode steps, piecewise ones for steps that admit a prompt, whose
+    # attention then runs eagerly). vLLM 0.26's runner V2 captures FULL graphs with the dummy batch's query length,
+    # so steps that admit a prompt came out wrong: FULL here also sets HQLAB_FULL_GRAPH_QUERY_FIX=1 for the engine's
+    # processes, and the plugin then captures them with the worst case (`full_graph_fix`), as V1's runner does. An
+    # engine with a drafter model (vLLM's own, gpu-fused) runs vLLM's default instead of FULL (`serving.full_graphs`).
+    cudagraph_mode: str = CUDAGRAPH_MODE
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = False
     enable_prefix_caching: bool = False  # off: every repeat pays its prefill, as in hqlab's own engine
@@ -317,7 +319,7 @@ def engine_args(options: VLLMOptions, setting: EngineSetting) -> Any:
                       tensor_parallel_size=options.tensor_parallel_size,
                       pipeline_parallel_size=options.pipeline_parallel_size,
                       compilation_config={"max_cudagraph_capture_size": options.capture_size(setting.k),
-                                          **({"cudagraph_mode": options.cudagraph_mode} if options.cudagraph_mode
+                                          **({"cudagraph_mode": mode} if (mode := cudagraph_mode(options, setting))
                                              else {})},
                       additional_config=dict(setting.additional_config),
                       # every engine gets hqlab's worker extension: step records and the phase timer
@@ -325,6 +327,12 @@ def engine_args(options: VLLMOptions, setting: EngineSetting) -> Any:
                       disable_log_stats=False,
                       # only when set: vLLM's default (None) sizes the cache by profiling the memory, as before
                       **({"kv_cache_memory_bytes": options.kv_cache_bytes} if options.kv_cache_bytes else {}))
+
+
+def cudagraph_mode(options: VLLMOptions, setting: EngineSetting) -> str:
+    """The CUDA-graph mode of one config's engine: the options', but vLLM's default ("") where they ask for FULL
+    and the engine drafts with a drafter model, vLLM's own or gpu-fused's (`serving.full_graphs`)."""
+    return "" if options.cudagraph_mode == "FULL" and not full_graphs(setting.label) else options.cudagraph_mode
 
 
 def _ask_full_graph_fix() -> None:
@@ -355,7 +363,7 @@ class VLLMEngine:
 
             plugin.check_vllm_version()
             plugin.register()  # this process; vLLM's own processes load it through the entry point (or fork)
-        if options.cudagraph_mode == "FULL":
+        if cudagraph_mode(options, setting) == "FULL":
             _ask_full_graph_fix()
         self.options, self.setting = options, setting
         self._stats: list = []

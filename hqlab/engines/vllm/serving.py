@@ -35,11 +35,27 @@ SERVED = ("none", gpu_lookup.NAME, gpu_fused.NAME, *SERVED_NATIVE)  # what the s
 # (docs/corpus.md): speculative configs capture CUDA graphs for steps of up to this many tokens.
 ADMIT_CAPTURE = 1024
 
+# ... and replays those steps whole: with cudagraph_mode FULL an admitting step on the batch job at 8 in flight cost
+# 1.2x a decode step instead of 2.7-3.7x under vLLM's default FULL_AND_PIECEWISE, whose mixed steps run attention
+# eagerly between piecewise graphs, with greedy answers that part from the default mode's only at near ties
+# (docs/corpus.md). On vLLM 0.26's model runner V2 FULL is right only with hqlab's capture fix (`full_graph_fix`,
+# switched on by FULL_GRAPH_ENV in the server's environment; vLLM's V1 runner, where vLLM's own methods run, captures
+# them right itself). vLLM's own draft model and gpu-fused keep vLLM's default mode: their drafters capture CUDA graphs
+# of their own, which no run has checked under FULL (the check above ran `none` and gpu-lookup, corpus included).
+CUDAGRAPH_MODE = "FULL"
+FULL_GRAPH_ENV = {"HQLAB_FULL_GRAPH_QUERY_FIX": "1"}  # full_graph_fix.ENV_VAR (not imported: it needs no vLLM)
+
 
 def capture_size(max_num_seqs: int, k: int) -> int:
     """Largest step (in tokens) captured in a CUDA graph for a speculative config drafting up to k tokens: room for
     a prompt beside the batch (ADMIT_CAPTURE), and for every request verifying k + 1 positions."""
     return max(ADMIT_CAPTURE, max_num_seqs * (k + 1))
+
+
+def full_graphs(spec: str) -> bool:
+    """Whether a config runs CUDAGRAPH_MODE wherever its graphs are hqlab's choice: every config but those with a
+    drafter model, vLLM's own and gpu-fused (served, plain `none` keeps all of vLLM's defaults: `graphs`)."""
+    return parse_spec(spec)[0] not in (DRAFT, gpu_fused.NAME)
 
 
 def none_capture(spec: str) -> int:
@@ -140,19 +156,33 @@ def engine_configs(spec: str, *, planted_fault: str | None = None) -> tuple[dict
     return speculative, extra
 
 
+def graphs(spec: str, *, max_num_seqs: int = 32) -> dict[str, Any]:
+    """vLLM's compilation config a served config asks for: CUDA graphs for steps of up to `capture_size` tokens
+    (vLLM's default capture size is sized for one position a request), in CUDAGRAPH_MODE where `full_graphs`; {}
+    for plain `none` (vLLM's defaults), `none:capture=N` the speculative configs' graphs up to N tokens."""
+    name, _ = parse_spec(spec)
+    if name == "none":
+        capture = none_capture(spec)
+        return {"max_cudagraph_capture_size": capture, "cudagraph_mode": CUDAGRAPH_MODE} if capture else {}
+    speculative, _ = native_speculative_config(spec, served=True) if name in SERVED_NATIVE else engine_configs(spec)
+    config = {"max_cudagraph_capture_size": capture_size(max_num_seqs, int(speculative["num_speculative_tokens"]))}
+    return {**config, "cudagraph_mode": CUDAGRAPH_MODE} if full_graphs(spec) else config
+
+
+def serve_env(spec: str) -> dict[str, str]:
+    """What the server's environment must add for a config: FULL_GRAPH_ENV where it runs FULL graphs."""
+    return dict(FULL_GRAPH_ENV) if graphs(spec).get("cudagraph_mode") == "FULL" else {}
+
+
 def vllm_args(spec: str, *, max_num_seqs: int = 32, planted_fault: str | None = None) -> list[str]:
-    """The `vllm serve` flags one config adds: its speculative and additional configs, and CUDA graphs for steps of
-    up to `capture_size` tokens (vLLM's default capture size is sized for one position a request)."""
+    """The `vllm serve` flags one config adds: its speculative and additional configs, and its CUDA graphs
+    (`graphs`)."""
     speculative, extra = engine_configs(spec, planted_fault=planted_fault)
     compact = {"separators": (",", ":")}
-    if speculative is None:
-        capture = none_capture(spec)
-        return ["--compilation-config", json.dumps({"max_cudagraph_capture_size": capture}, **compact)] if capture else []
-    k = int(speculative["num_speculative_tokens"])
-    return ["--speculative-config", json.dumps(speculative, **compact),
-            *(["--additional-config", json.dumps(extra, **compact)] if extra else []),
-            "--compilation-config", json.dumps({"max_cudagraph_capture_size": capture_size(max_num_seqs, k)},
-                                               **compact)]
+    compilation = graphs(spec, max_num_seqs=max_num_seqs)
+    return ([*(["--speculative-config", json.dumps(speculative, **compact)] if speculative is not None else []),
+             *(["--additional-config", json.dumps(extra, **compact)] if extra else []),
+             *(["--compilation-config", json.dumps(compilation, **compact)] if compilation else [])])
 
 
 def serve_command(model: str, spec: str, *, max_num_seqs: int = 32, port: int = 8000,
@@ -164,5 +194,6 @@ def serve_command(model: str, spec: str, *, max_num_seqs: int = 32, port: int = 
             + vllm_args(spec, max_num_seqs=max_num_seqs, planted_fault=planted_fault) + list(extra or []))
 
 
-def shell_line(argv: list[str]) -> str:
-    return " ".join(shlex.quote(a) for a in argv)
+def shell_line(argv: list[str], env: dict[str, str] | None = None) -> str:
+    """argv as one shell line, after the environment assignments `env` (`serve_env`)."""
+    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()), *(shlex.quote(a) for a in argv)])

@@ -124,6 +124,12 @@ def test_cudagraph_mode_reaches_vllms_compilation_config_and_a_bad_one_is_refuse
     setting = setting_for("gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest")
     full = engine_args(VLLMOptions(model="m", cudagraph_mode="FULL"), setting).compilation_config
     assert full.cudagraph_mode == CUDAGraphMode.FULL and full.max_cudagraph_capture_size == 1024
-    assert engine_args(VLLMOptions(model="m"), setting).compilation_config.cudagraph_mode is None  # vLLM decides
+    # FULL by default (the served configs' mode, with hqlab's capture fix), but for vLLM's own draft model
+    assert engine_args(VLLMOptions(model="m"), setting).compilation_config.cudagraph_mode == CUDAGraphMode.FULL
+    assert engine_args(VLLMOptions(model="m"), setting_for("none")).compilation_config.cudagraph_mode == \
+        CUDAGraphMode.FULL
+    draft = setting_for("vllm-draft:model=qwen2.5-coder-0.5b,k=7")
+    assert engine_args(VLLMOptions(model="m"), draft).compilation_config.cudagraph_mode is None  # vLLM decides
+    assert engine_args(VLLMOptions(model="m", cudagraph_mode=""), setting).compilation_config.cudagraph_mode is None
     with pytest.raises(ConfigError, match="cudagraph_mode must be one of NONE, PIECEWISE, FULL"):
         VLLMOptions(model="m", cudagraph_mode="full")

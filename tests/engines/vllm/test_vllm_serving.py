@@ -15,7 +15,8 @@ from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup  
 
 from hqlab.config import ConfigError  # noqa: E402
 from hqlab.engines.vllm import batch_k, fault, gpu_fused, gpu_lookup, plugin  # noqa: E402
-from hqlab.engines.vllm.serving import engine_configs, serve_command  # noqa: E402
+from hqlab.engines.vllm import full_graph_fix  # noqa: E402
+from hqlab.engines.vllm.serving import engine_configs, serve_command, serve_env  # noqa: E402
 
 LOOKUP = "gpu-lookup:nmin=1,nmax=32,k=15,policy=earliest,batch_k=1:15/8:3/0"
 FUSED = ("gpu-fused:k=15,draft_block=1,nmax=32,policy=earliest,schedule=long,nmin_tail=1,device_skip=true,"
@@ -53,6 +54,11 @@ def test_vllm_serves_parser_hands_the_engine_hqlabs_configs(cpu_platform, spec):
     assert extra[gpu_lookup.SPEC_KEY] == spec
     k = speculative["num_speculative_tokens"]
     assert engine.compilation_config.max_cudagraph_capture_size == max(1024, 32 * (k + 1))
+    if spec == FUSED:  # its drafter's own graphs: no run has checked them under FULL (serving.full_graphs)
+        assert engine.compilation_config.cudagraph_mode is None and serve_env(spec) == {}
+    else:
+        assert engine.compilation_config.cudagraph_mode.name == "FULL"
+        assert serve_env(spec) == {full_graph_fix.ENV_VAR: "1"}
     assert ("batch_k" in spec) == ("num_speculative_tokens_per_batch_size" in speculative)
     # the plugin recognises the config the server built: model runner V2, asynchronous scheduling
     plugin.register()
@@ -61,6 +67,7 @@ def test_vllm_serves_parser_hands_the_engine_hqlabs_configs(cpu_platform, spec):
 
 def test_none_adds_no_flags_and_other_methods_are_refused(cpu_platform):
     assert serve_command("m", "none") == ["vllm", "serve", "m", "--max-num-seqs", "32", "--port", "8000"]
+    assert serve_env("none") == {}  # vLLM's defaults throughout
     with pytest.raises(ConfigError, match="server path runs"):
         engine_configs("lookup:k=7")
     with pytest.raises(ConfigError, match="planted_fault"):
@@ -250,6 +257,7 @@ def test_vllm_serves_parser_hands_the_engine_vllms_suffix_config(cpu_platform):
         "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1,
         "suffix_decoding_max_cached_requests": 256}
     assert not engine.additional_config and engine.compilation_config.max_cudagraph_capture_size == 1024
+    assert engine.compilation_config.cudagraph_mode.name == "FULL"
     from vllm.config.speculative import SpeculativeConfig
 
     assert set(engine.speculative_config) - {"method", "num_speculative_tokens"} <= set(
@@ -304,6 +312,9 @@ def test_vllm_builds_its_own_ngram_gpu_and_draft_model_from_the_served_flags(cpu
                                         "prompt_lookup_max": 5}
     assert draft.speculative_config == {"method": "draft_model", "num_speculative_tokens": 7, "model": drafter}
     plugin.register()
+    # FULL graphs but for vLLM's draft model, whose drafter's own graphs no run has checked under FULL
+    assert ngram.compilation_config.cudagraph_mode.name == "FULL" and draft.compilation_config.cudagraph_mode is None
+    assert serve_env(NGRAM_GPU) == {full_graph_fix.ENV_VAR: "1"} and serve_env(DRAFT) == {}
     for spec, args in ((NGRAM_GPU, ngram), (DRAFT, draft)):
         assert not args.additional_config and args.compilation_config.max_cudagraph_capture_size == 1024
         assert not plugin._ours(type("C", (), {"speculative_config": args.speculative_config})())
@@ -319,7 +330,8 @@ def test_vllm_builds_its_own_ngram_gpu_and_draft_model_from_the_served_flags(cpu
     assert d.draft_model_config.model == drafter and d.draft_model_config.max_model_len == 4096
     assert d.draft_model_config.hf_config.num_hidden_layers < target_config.hf_config.num_hidden_layers
     wide = vllm_args(NGRAM_GPU, max_num_seqs=256)
-    assert wide[wide.index("--compilation-config") + 1] == '{"max_cudagraph_capture_size":2048}'  # 256 x (7 + 1)
+    assert wide[wide.index("--compilation-config") + 1] == \
+        '{"max_cudagraph_capture_size":2048,"cudagraph_mode":"FULL"}'  # 256 x (7 + 1)
 
 
 @pytest.mark.parametrize("spec,says", [
