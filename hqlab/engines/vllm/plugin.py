@@ -36,7 +36,8 @@ which vLLM's V2 runner itself does not read).
 
 With HQLAB_FULL_GRAPH_QUERY_FIX=1 in the environment (set by `VLLMOptions(cudagraph_mode="FULL")`) it also makes
 model runner V2 capture its FULL-mode graphs with the worst-case query length (`full_graph_fix`: vLLM 0.26 keeps the
-dummy batch's, and steps that admit a prompt came out wrong); without it nothing of that is patched.
+dummy batch's, and steps that admit a prompt came out wrong); without it nothing of that is patched, and a config of
+hqlab's speculators asking for FULL is refused (`check_full_graphs`).
 
 Nothing of vLLM is forked or copied. On any other vLLM version `register` patches nothing and says so, and a
 config that asks for the speculator fails with a clear error (`check_vllm_version`).
@@ -106,6 +107,19 @@ def _ours(vllm_config: Any) -> bool:
     return is_gpu_lookup(spec) or is_gpu_fused(spec)
 
 
+def check_full_graphs(mode: Any) -> None:
+    """Refuse `cudagraph_mode` FULL for hqlab's speculators unless the capture fix is asked for
+    (`full_graph_fix`): without it vLLM 0.26's runner V2 computes admitted prompts of over 128 tokens wrong, and
+    nothing else says so (answers start with an all-NaN row's token, speculative engines die on an out-of-vocabulary
+    id). `mode`: the config's as asked (a CUDAGraphMode, its name, or None)."""
+    from hqlab.engines.vllm import full_graph_fix
+
+    if getattr(mode, "name", mode) == "FULL" and not full_graph_fix.enabled():
+        raise ConfigError(f"cudagraph_mode FULL with hqlab's speculators needs {full_graph_fix.ENV_VAR}=1 in the "
+                          f"server's environment (hqlab serve-command prints it): without it vLLM 0.26's model runner "
+                          f"V2 captures FULL graphs with a dummy query length and computes admitted prompts wrong")
+
+
 def _patch_config() -> None:
     from vllm.config import VllmConfig
 
@@ -121,6 +135,7 @@ def _patch_config() -> None:
         def __post_init__(self: Any) -> None:
             if not _ours(self):
                 return original(self)
+            check_full_graphs(self.compilation_config.cudagraph_mode)  # as asked: vLLM may change it below
             asked = self.scheduler_config.async_scheduling  # None (vLLM decides), True or False (the user's)
             if asked:  # vLLM would refuse it for custom_class: let it decide, then turn it on below
                 self.scheduler_config.async_scheduling = None
@@ -415,4 +430,4 @@ def _add_width_utility() -> None:
             setattr(EngineCore, name, method)
 
 
-__all__ = ["register", "check_vllm_version", "VLLM_VERSION"]
+__all__ = ["register", "check_vllm_version", "check_full_graphs", "VLLM_VERSION"]

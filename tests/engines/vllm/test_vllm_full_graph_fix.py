@@ -119,3 +119,34 @@ def test_an_engine_asked_for_full_graphs_asks_for_the_fix(restore):
     restore.setenv(full_graph_fix.ENV_VAR, "")  # so that the variable the engine sets goes after the test
     engine._ask_full_graph_fix()
     assert full_graph_fix.enabled() and getattr(default.build_attn_metadata, "_hqlab_patched", False)
+
+
+def test_full_graphs_for_hqlabs_speculators_are_refused_without_the_fix(restore):
+    """A config of hqlab's speculator asking for FULL graphs is refused unless the environment asks for the fix: the
+    mistake it prevents (a served line copied without its variable) gives wrong answers and no error. Built as the
+    CPU scheduler's config is, asking FULL (the CPU platform then turns graphs off, after the check)."""
+    from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
+                             VllmConfig)
+
+    from hqlab import models
+    from hqlab.engines.vllm import gpu_lookup
+
+    plugin.register()
+    spec = "gpu-lookup:nmin=1,nmax=32,k=7,policy=earliest"
+
+    def config(mode: str) -> VllmConfig:
+        return VllmConfig(
+            model_config=ModelConfig(model=str(models.prepare("qwen2.5-coder-0.5b")), dtype="float32",
+                                     max_model_len=1024),
+            scheduler_config=SchedulerConfig(max_num_seqs=4, max_model_len=1024, max_num_batched_tokens=1024,
+                                             is_encoder_decoder=False),
+            cache_config=CacheConfig(block_size=16), device_config=DeviceConfig("cpu"),
+            speculative_config=SpeculativeConfig(**gpu_lookup.speculative_config(spec)),
+            additional_config={gpu_lookup.SPEC_KEY: spec}, compilation_config=CompilationConfig(cudagraph_mode=mode))
+
+    restore.delenv(full_graph_fix.ENV_VAR, raising=False)
+    with pytest.raises(ValueError, match=f"needs {full_graph_fix.ENV_VAR}=1"):  # ConfigError, in vLLM's wrapping
+        config("FULL")
+    config("FULL_AND_PIECEWISE")  # decode-only full graphs need no fix
+    restore.setenv(full_graph_fix.ENV_VAR, "1")
+    config("FULL")
