@@ -683,14 +683,21 @@ def server_log_facts(text: str) -> dict[str, Any]:
     """What a `vllm serve` log says about the engine it started: the hqlab spec it served ("none" without one), whether
     a planted fault was in it, the model runner vLLM chose ("V2" or "V1"; None where the log does not say), and
     whether hqlab's drafting step failed to capture in CUDA graphs and ran eagerly (`drafting_eager`: the speculator
-    warns and carries on with the same drafts, slower, so a run's speed would not be the config's)."""
+    warns and carries on with the same drafts, slower, so a run's speed would not be the config's), and whether it
+    scheduled asynchronously (`async_scheduling`): for hqlab's speculators the plugin's line says so (vLLM's own line
+    before it says "disabled", then the plugin turns it on), for `none` vLLM's line; None where the log does not say
+    (hqlab's servers logged no such line before December 2026)."""
     import re
+
+    from hqlab.engines.vllm.plugin import ASYNC_ON
 
     spec = re.search(r"'hqlab_proposer': '([^']+)'", text)
     runner = "V2" if "Using V2 Model Runner" in text else "V1" if "Using V1 Model Runner" in text else None
     eager = re.search(r"gpu-(?:fused|lookup): capturing the drafting step (?:in a CUDA graph )?failed", text)
+    said = re.findall(r"Asynchronous scheduling is (enabled|disabled)", text)
+    asynchronous = True if ASYNC_ON in text else None if spec else (said[-1] == "enabled" if said else None)
     return {"config": spec.group(1) if spec else "none", "planted": "hqlab_fault" in text, "vllm_runner": runner,
-            "drafting_eager": eager is not None}
+            "drafting_eager": eager is not None, "async_scheduling": asynchronous}
 
 
 def save_together(out: Path, results: list[Path], server_logs: list[Path], tag: str) -> None:
@@ -724,9 +731,30 @@ def returned_logs(src: Path) -> list[tuple[str, str]]:
     return logs
 
 
+def log_columns(rows: Any, logs: list[tuple[str, str]]) -> Any:
+    """A serving run's load rows with what each config's server log says (`server_log_facts`, matched by the spec
+    the log names): `vllm_runner`, `drafting_eager` (warned about on stderr: such a run's speed is not the config's)
+    and `async_scheduling`. Servers with the planted fault serve samples only and are left out."""
+    import polars as pl
+
+    facts: dict[str, dict[str, Any]] = {}
+    for name, text in logs:
+        found = server_log_facts(text)
+        if not found["planted"]:
+            facts[found["config"]] = found
+            if found["drafting_eager"]:
+                print(f"WARNING {name}: {found['config']}'s drafting step ran eagerly (its CUDA graph capture "
+                      f"failed): its speed is not the config's", file=sys.stderr)
+    return rows.with_columns(
+        pl.col("config").replace_strict({c: f[key] for c, f in facts.items()}, default=None, return_dtype=dtype)
+        .alias(key) for key, dtype in (("vllm_runner", pl.String), ("drafting_eager", pl.Boolean),
+                                       ("async_scheduling", pl.Boolean)))
+
+
 def returned_run(returned: str | Path) -> tuple[str, dict[str, Any], dict[str, Path], list[Path]]:
     """The files a GPU call of benchmarks/vllm_serve.py returned for one run -> (its tag, its tables: rows with the
-    model runner each server used and whether its drafting ran eagerly, as the server's own log says, samples,
+    model runner each server used, whether its drafting ran eagerly and whether it scheduled asynchronously, as the
+    server's own log says (`log_columns`), samples,
     greedy texts and the step timer's phases of profiled points (`serve_profile`); the returned files to keep as
     they came; the host's logs). A folder holding two runs' rows is refused: finish each from a folder of its own."""
     import polars as pl
@@ -743,19 +771,7 @@ def returned_run(returned: str | Path) -> tuple[str, dict[str, Any], dict[str, P
     frame = pl.DataFrame([json.loads(line) for line in raws[0].read_text().splitlines() if line.strip()])
     frame = frame.select(SERVE_COLUMNS + [c for c in ["repeat", "profiled", *STEADY_COLUMNS, "texts"]
                                          if c in frame.columns])
-    runners, eager = {}, {}  # a served config's log names its spec
-    for name, text in returned_logs(src):
-        facts = server_log_facts(text)
-        if not facts["planted"]:
-            runners[facts["config"]] = facts["vllm_runner"]
-            eager[facts["config"]] = facts["drafting_eager"]
-            if facts["drafting_eager"]:
-                print(f"WARNING {name}: {facts['config']}'s drafting step ran eagerly (its CUDA graph capture "
-                      f"failed): its speed is not the config's", file=sys.stderr)
-    frame = frame.with_columns(pl.col("config").replace_strict(runners, default=None, return_dtype=pl.String)
-                               .alias("vllm_runner"),
-                               pl.col("config").replace_strict(eager, default=None, return_dtype=pl.Boolean)
-                               .alias("drafting_eager"))
+    frame = log_columns(frame, returned_logs(src))
     tables: dict[str, Any] = {"rows": frame}
     files: dict[str, Path] = {"raw.jsonl": raws[0]}
     for kind in ("samples", "greedy"):

@@ -181,6 +181,21 @@ def test_a_drafting_step_that_ran_eagerly_is_found_in_the_log():
     assert not serve.server_log_facts(CAPTURED.read_text())["drafting_eager"]
 
 
+def test_a_servers_scheduling_mode_is_read_from_its_log():
+    """`none`'s log says vLLM's own line; an hqlab server's says "disabled" from vLLM, then the plugin's line turns it
+    on; the committed servers' logs predate that line, so theirs is unknown, not guessed from vLLM's "disabled"."""
+    import tarfile
+
+    from hqlab.engines.vllm.plugin import ASYNC_ON
+
+    with tarfile.open(results.run_file("serve", "s8a", "server_logs.tar.gz")) as tar:
+        facts = [serve.server_log_facts(tar.extractfile(m).read().decode()) for m in tar.getmembers() if m.isfile()]
+    assert sorted((f["config"] == "none", f["async_scheduling"]) for f in facts) == [(False, None)] * 3 + [(True, True)]
+    hqlab_log = "'hqlab_proposer': 'gpu-lookup:k=7'\nINFO Asynchronous scheduling is disabled.\nINFO " + ASYNC_ON
+    assert serve.server_log_facts(hqlab_log)["async_scheduling"] is True
+    assert serve.server_log_facts("INFO Asynchronous scheduling is disabled.")["async_scheduling"] is False
+
+
 def test_the_benchmark_skips_the_load_points_of_a_server_that_drafts_eagerly(capsys, tmp_path):
     from benchmarks import vllm_serve
 

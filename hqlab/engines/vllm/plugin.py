@@ -54,6 +54,8 @@ from hqlab.config import ConfigError
 VLLM_VERSION = "0.26.0"  # the version whose internals the patches below were written against
 _PATCHED = "_hqlab_patched"
 log = logging.getLogger("hqlab.vllm")
+SERVER_LOG = logging.getLogger("vllm.hqlab")  # under vLLM's logger: its handler writes what the server's log keeps
+ASYNC_ON = "hqlab: asynchronous scheduling enabled for its speculator"  # `hqlab.bench.serve.server_log_facts` reads it
 
 
 def check_vllm_version(version: str | None = None) -> None:
@@ -146,7 +148,8 @@ def _patch_config() -> None:
                 self.parallel_config.disable_nccl_for_dp_synchronization = True
                 if self.model_config is not None:
                     self.model_config.disable_cascade_attn = True  # not compatible with async spec decoding
-                log.info("hqlab: asynchronous scheduling enabled for %s", self.speculative_config)
+                # on vLLM's own logger, so that a server's log says it (vLLM's line above it says "disabled")
+                SERVER_LOG.info(ASYNC_ON)
         return __post_init__
 
     _wrap(VllmConfig, "_get_v2_model_runner_unsupported_features", features)

@@ -121,10 +121,10 @@ def test_an_engine_asked_for_full_graphs_asks_for_the_fix(restore):
     assert full_graph_fix.enabled() and getattr(default.build_attn_metadata, "_hqlab_patched", False)
 
 
-def test_full_graphs_for_hqlabs_speculators_are_refused_without_the_fix(restore):
-    """A config of hqlab's speculator asking for FULL graphs is refused unless the environment asks for the fix: the
-    mistake it prevents (a served line copied without its variable) gives wrong answers and no error. Built as the
-    CPU scheduler's config is, asking FULL (the CPU platform then turns graphs off, after the check)."""
+
+def hqlab_config(mode: str):
+    """A VllmConfig of hqlab's lookup asking for graph mode `mode`, built as the CPU scheduler's is (the CPU platform
+    turns graphs off, after the plugin's checks)."""
     from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
                              VllmConfig)
 
@@ -133,20 +133,30 @@ def test_full_graphs_for_hqlabs_speculators_are_refused_without_the_fix(restore)
 
     plugin.register()
     spec = "gpu-lookup:nmin=1,nmax=32,k=7,policy=earliest"
+    return VllmConfig(
+        model_config=ModelConfig(model=str(models.prepare("qwen2.5-coder-0.5b")), dtype="float32", max_model_len=1024),
+        scheduler_config=SchedulerConfig(max_num_seqs=4, max_model_len=1024, max_num_batched_tokens=1024,
+                                         is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=16), device_config=DeviceConfig("cpu"),
+        speculative_config=SpeculativeConfig(**gpu_lookup.speculative_config(spec)),
+        additional_config={gpu_lookup.SPEC_KEY: spec}, compilation_config=CompilationConfig(cudagraph_mode=mode))
 
-    def config(mode: str) -> VllmConfig:
-        return VllmConfig(
-            model_config=ModelConfig(model=str(models.prepare("qwen2.5-coder-0.5b")), dtype="float32",
-                                     max_model_len=1024),
-            scheduler_config=SchedulerConfig(max_num_seqs=4, max_model_len=1024, max_num_batched_tokens=1024,
-                                             is_encoder_decoder=False),
-            cache_config=CacheConfig(block_size=16), device_config=DeviceConfig("cpu"),
-            speculative_config=SpeculativeConfig(**gpu_lookup.speculative_config(spec)),
-            additional_config={gpu_lookup.SPEC_KEY: spec}, compilation_config=CompilationConfig(cudagraph_mode=mode))
 
+def test_full_graphs_for_hqlabs_speculators_are_refused_without_the_fix(restore):
+    """A config of hqlab's speculator asking for FULL graphs is refused unless the environment asks for the fix: the
+    mistake it prevents (a served line copied without its variable) gives wrong answers and no error."""
     restore.delenv(full_graph_fix.ENV_VAR, raising=False)
     with pytest.raises(ValueError, match=f"needs {full_graph_fix.ENV_VAR}=1"):  # ConfigError, in vLLM's wrapping
-        config("FULL")
-    config("FULL_AND_PIECEWISE")  # decode-only full graphs need no fix
+        hqlab_config("FULL")
+    hqlab_config("FULL_AND_PIECEWISE")  # decode-only full graphs need no fix
     restore.setenv(full_graph_fix.ENV_VAR, "1")
-    config("FULL")
+    hqlab_config("FULL")
+
+
+def test_the_server_log_says_the_plugin_turned_asynchronous_scheduling_on(restore, caplog):
+    """vLLM logs "Asynchronous scheduling is disabled" for a custom speculator before the plugin turns it on: the
+    plugin's own line goes to vLLM's logger, which a server's log keeps (`hqlab.bench.serve.server_log_facts`)."""
+    caplog.set_level("INFO", logger="vllm.hqlab")
+    config = hqlab_config("FULL_AND_PIECEWISE")
+    assert config.scheduler_config.async_scheduling
+    assert [r.getMessage() for r in caplog.records if r.name == "vllm.hqlab"] == [plugin.ASYNC_ON]
